@@ -1,0 +1,93 @@
+//! Emulated devices of the forkbox VMM.
+//!
+//! Owns: the virtio-mmio transport ([`virtio::mmio`]), virtio-blk
+//! ([`virtio::block`]) and virtio-vsock with its userspace backend
+//! ([`virtio::vsock`]).
+//!
+//! Must not depend on KVM (`kvm-ioctls`, `kvm-bindings`): devices see guest
+//! memory through `vm-memory`, raise interrupts by writing an [`EventFd`]
+//! (which the VMM registers as an irqfd) and are driven by the VMM calling
+//! the methods below. That keeps every device testable without a VM.
+
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+pub use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+pub mod virtio;
+
+/// Guest memory as every device sees it.
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// A device that answers loads and stores in a window of guest-physical
+/// address space. `offset` is relative to the start of the device's window.
+pub trait BusDevice: Send {
+    fn read(&mut self, offset: u64, data: &mut [u8]);
+    fn write(&mut self, offset: u64, data: &[u8]);
+}
+
+/// Host-side events a device waits for (sockets, timers), beside the guest's
+/// queue notifications. The VMM's event loop adds `fd` to its epoll set and
+/// calls `handle_events` when it is readable. A device that needs several
+/// fds keeps its own epoll instance and exposes that one fd, so the set the
+/// VMM watches never changes.
+pub trait EventSource: Send {
+    fn event_fd(&self) -> Option<RawFd>;
+    fn handle_events(&mut self);
+}
+
+/// The interrupt line of one virtio-mmio device: the InterruptStatus bits
+/// shared with the transport, plus the eventfd behind the device's irqfd.
+#[derive(Clone)]
+pub struct Interrupt {
+    status: Arc<AtomicU32>,
+    irq: Arc<EventFd>,
+}
+
+/// InterruptStatus bit: a queue's used ring was updated.
+pub const VIRTIO_MMIO_INT_VRING: u32 = 0x01;
+/// InterruptStatus bit: the device configuration changed.
+pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x02;
+
+impl Interrupt {
+    pub fn new(irq: Arc<EventFd>) -> Self {
+        Self {
+            status: Arc::new(AtomicU32::new(0)),
+            irq,
+        }
+    }
+
+    /// Tells the guest that a used ring has new entries.
+    pub fn signal_used_queue(&self) {
+        self.signal(VIRTIO_MMIO_INT_VRING);
+    }
+
+    /// Tells the guest that the configuration space changed.
+    pub fn signal_config(&self) {
+        self.signal(VIRTIO_MMIO_INT_CONFIG);
+    }
+
+    fn signal(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irq.write(1) {
+            tracing::warn!("cannot raise virtio interrupt: {e}");
+        }
+    }
+
+    /// The InterruptStatus register.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// InterruptACK: the guest clears the bits it has handled.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// The eventfd behind this line, for the VMM to register as an irqfd.
+    pub fn irq_fd(&self) -> &EventFd {
+        &self.irq
+    }
+}
