@@ -9,6 +9,8 @@
 //! (which the VMM registers as an irqfd) and are driven by the VMM calling
 //! the methods below. That keeps every device testable without a VM.
 
+#![forbid(unsafe_code)]
+
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

@@ -3,6 +3,8 @@
 
 use virtio_queue::Queue;
 
+pub mod mmio;
+
 use crate::{EventSource, GuestMemory, Interrupt};
 
 /// Why a device could not be activated by the driver.
