@@ -1,1 +1,19 @@
-//! placeholder
+//! forkbox's host side: everything the `forkbox` command does.
+//!
+//! - [`cache`]: the content-addressed cache directory for built assets.
+//! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
+//! - [`kernel`]: the pinned guest and test-bed kernels and their modules.
+//! - [`cpio`]: the newc archive writer behind every initramfs.
+//! - [`initramfs`]: the guest's and the emulated host's initramfs.
+//! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
+//!
+//! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
+//! process and talks to the guest through `forkbox-proto`.
+#![forbid(unsafe_code)]
+
+pub mod cache;
+pub mod cpio;
+pub mod debs;
+pub mod initramfs;
+pub mod kernel;
+pub mod testbed;

@@ -1,0 +1,349 @@
+//! The emulated KVM host ("test bed"): where forkbox runs its microVMs on
+//! machines without hardware virtualization.
+//!
+//! QEMU's software emulator (TCG) with an SVM-capable CPU boots Debian's
+//! generic kernel, which loads `kvm_amd` and so has a working `/dev/kvm`.
+//! Its init (busybox) mounts this machine's root filesystem read-only over
+//! 9p, chroots into it, and runs one command at the same working directory
+//! with the same environment, so every forkbox binary, test program and
+//! cached guest asset is at the same path inside as outside. The command's
+//! stdout, stderr and exit status come back through a second, writable 9p
+//! share, and are streamed to the caller as they are written.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::debs::{self, DebError};
+use crate::initramfs::{self, Entry, InitramfsError};
+use crate::kernel::{Kernel, KernelError};
+
+/// Modules the emulated host loads: KVM for AMD, and 9p over virtio-pci for
+/// the shared root.
+const MODULES: &[&str] = &["kvm_amd", "9p", "9pnet_virtio", "virtio_pci"];
+
+/// The CPU QEMU emulates: an EPYC with SVM and nested paging, which is what
+/// `kvm_amd` needs (not `qemu64`: it lacks XSAVE).
+const CPU: &str = "EPYC,+svm,+npt";
+
+const INIT: &str = include_str!("testbed_init.sh");
+
+#[derive(Debug, thiserror::Error)]
+pub enum TestbedError {
+    #[error("preparing the emulated host's kernel")]
+    Kernel(#[from] KernelError),
+    #[error("preparing busybox for the emulated host")]
+    Busybox(#[from] DebError),
+    #[error("building the emulated host's initramfs")]
+    Initramfs(#[from] InitramfsError),
+    #[error("cannot start qemu-system-x86_64 (install it: `apt-get install qemu-system-x86`)")]
+    Qemu(#[source] std::io::Error),
+    #[error("test bed I/O on {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Is this process already inside the emulated host?
+pub fn inside() -> bool {
+    std::env::var_os("FORKBOX_IN_TESTBED").is_some()
+}
+
+/// Does this machine's KVM run a stock guest kernel at native speed?
+/// False where `/dev/kvm` is missing, or is `kvm_pvm` (a software
+/// hypervisor), or the CPU has neither VMX nor SVM.
+pub fn hardware_virtualization() -> bool {
+    if !Path::new("/dev/kvm").exists() || Path::new("/sys/module/kvm_pvm").exists() {
+        return false;
+    }
+    std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| {
+            c.lines()
+                .filter(|l| l.starts_with("flags"))
+                .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+        })
+        .unwrap_or(false)
+}
+
+/// What to run inside the emulated host.
+pub struct RunOptions {
+    pub argv: Vec<String>,
+    pub cwd: PathBuf,
+    pub timeout: Duration,
+    pub memory_mib: u32,
+    pub cpus: u32,
+    /// Directories put first on the command's PATH (forkbox's binaries).
+    pub path_prefix: Vec<PathBuf>,
+}
+
+impl RunOptions {
+    pub fn new(argv: Vec<String>) -> Self {
+        Self {
+            argv,
+            cwd: std::env::current_dir().unwrap_or_else(|_| "/".into()),
+            timeout: Duration::from_secs(3600),
+            memory_mib: 6144,
+            cpus: 2,
+            path_prefix: Vec::new(),
+        }
+    }
+}
+
+/// How a run inside the emulated host ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The command ran to completion with this exit status.
+    Exited(i32),
+    /// The time limit passed; QEMU was killed.
+    TimedOut { serial_tail: String },
+    /// The emulated host stopped before the command finished.
+    HostDied {
+        serial_tail: String,
+        qemu_stderr: String,
+    },
+}
+
+/// The assets to boot the emulated host, built once and cached.
+pub struct Testbed {
+    kernel: Kernel,
+    initramfs: PathBuf,
+}
+
+impl Testbed {
+    pub fn prepare() -> Result<Self, TestbedError> {
+        let kernel = Kernel::testbed()?;
+        let busybox_dir = debs::unpacked("busybox-static")?;
+        let busybox = initramfs::read(&busybox_dir.join("bin/busybox"))?;
+        let entries = vec![
+            Entry {
+                path: "init".into(),
+                mode: 0o755,
+                data: INIT.as_bytes().to_vec(),
+            },
+            Entry {
+                path: "bin/busybox".into(),
+                mode: 0o755,
+                data: busybox,
+            },
+        ];
+        let initramfs = initramfs::build("testbed", &kernel, MODULES, entries, &[])?;
+        Ok(Self { kernel, initramfs })
+    }
+
+    /// Runs `opts.argv` inside a fresh emulated host, streaming its stdout
+    /// and stderr to ours as they are produced.
+    pub fn run(&self, opts: &RunOptions) -> Result<Outcome, TestbedError> {
+        let dir = tempfile::Builder::new()
+            .prefix("forkbox-testbed-")
+            .tempdir()
+            .map_err(|source| TestbedError::Io {
+                path: std::env::temp_dir(),
+                source,
+            })?;
+        let run = dir.path();
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| TestbedError::Io { path, source }
+        };
+        std::fs::write(run.join("cmd.sh"), command_script(opts)).map_err(io(run))?;
+        for f in ["stdout", "stderr"] {
+            File::create(run.join(f)).map_err(io(run))?;
+        }
+        let serial = run.join("serial.log");
+        let qemu_err = run.join("qemu.stderr");
+        let mut qemu = self
+            .qemu_command(run, &serial, opts)
+            .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
+            .spawn()
+            .map_err(TestbedError::Qemu)?;
+        let outcome = pump(run, &mut qemu, opts.timeout).map_err(io(run));
+        let _ = qemu.kill();
+        let _ = qemu.wait();
+        let outcome = outcome?;
+        Ok(match outcome {
+            Some(Pumped::Status(code)) => Outcome::Exited(code),
+            Some(Pumped::Timeout) => Outcome::TimedOut {
+                serial_tail: tail(&serial, 40),
+            },
+            None => Outcome::HostDied {
+                serial_tail: tail(&serial, 40),
+                qemu_stderr: std::fs::read_to_string(&qemu_err).unwrap_or_default(),
+            },
+        })
+    }
+
+    fn qemu_command(&self, run: &Path, serial: &Path, opts: &RunOptions) -> Command {
+        let mut cmd = Command::new("qemu-system-x86_64");
+        let cmdline = format!(
+            "console=ttyS0 panic=-1 mitigations=off nokaslr quiet forkbox.run={}",
+            run.display()
+        );
+        cmd.args(["-accel", "tcg,thread=multi,tb-size=512"])
+            .args(["-cpu", CPU])
+            .args(["-smp", &opts.cpus.to_string()])
+            .args(["-m", &opts.memory_mib.to_string()])
+            .args(["-nodefaults", "-no-reboot", "-display", "none"])
+            .args(["-monitor", "none"])
+            .arg("-serial")
+            .arg(format!("file:{}", serial.display()))
+            .arg("-kernel")
+            .arg(&self.kernel.vmlinuz)
+            .arg("-initrd")
+            .arg(&self.initramfs)
+            .args(["-append", &cmdline])
+            .arg("-virtfs")
+            .arg("local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap")
+            .arg("-virtfs")
+            .arg(format!(
+                "local,path={},mount_tag=rundir,security_model=none,multidevs=remap",
+                run.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        cmd
+    }
+}
+
+enum Pumped {
+    Status(i32),
+    Timeout,
+}
+
+/// Copies new stdout/stderr bytes to ours until the status file appears,
+/// QEMU exits (`None`) or the time limit passes.
+fn pump(run: &Path, qemu: &mut Child, timeout: Duration) -> std::io::Result<Option<Pumped>> {
+    let start = Instant::now();
+    let mut out = Follower::open(&run.join("stdout"))?;
+    let mut err = Follower::open(&run.join("stderr"))?;
+    let status = run.join("status");
+    loop {
+        out.copy_to(&mut std::io::stdout())?;
+        err.copy_to(&mut std::io::stderr())?;
+        if let Ok(text) = std::fs::read_to_string(&status) {
+            if let Ok(code) = text.trim().parse() {
+                out.copy_to(&mut std::io::stdout())?;
+                err.copy_to(&mut std::io::stderr())?;
+                return Ok(Some(Pumped::Status(code)));
+            }
+        }
+        if qemu.try_wait()?.is_some() {
+            out.copy_to(&mut std::io::stdout())?;
+            err.copy_to(&mut std::io::stderr())?;
+            return Ok(None);
+        }
+        if start.elapsed() > timeout {
+            return Ok(Some(Pumped::Timeout));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Reads a file that another process appends to.
+struct Follower {
+    file: File,
+    pos: u64,
+}
+
+impl Follower {
+    fn open(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: File::open(path)?,
+            pos: 0,
+        })
+    }
+
+    fn copy_to(&mut self, to: &mut dyn Write) -> std::io::Result<()> {
+        self.file.seek(SeekFrom::Start(self.pos))?;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = self.file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            to.write_all(&buf[..n])?;
+            self.pos += n as u64;
+        }
+        to.flush()
+    }
+}
+
+/// The last `lines` lines of a file, for error reports.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Single-quotes `s` for a POSIX shell.
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The script the emulated host runs: same environment (forkbox's binaries
+/// first on PATH), same directory, then the command.
+fn command_script(opts: &RunOptions) -> String {
+    let mut s = String::from("# written by forkbox testbed\n");
+    for (k, v) in std::env::vars() {
+        if k == "PATH" || k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        s.push_str(&format!("export {k}={}\n", quote(&v)));
+    }
+    let mut path: Vec<String> = opts
+        .path_prefix
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    path.push(std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()));
+    s.push_str(&format!("export PATH={}\n", quote(&path.join(":"))));
+    s.push_str("export FORKBOX_IN_TESTBED=1\n");
+    s.push_str(&format!(
+        "export FORKBOX_CACHE={}\n",
+        quote(&crate::cache::root().display().to_string())
+    ));
+    s.push_str(&format!(
+        "cd {} || exit 125\n",
+        quote(&opts.cwd.display().to_string())
+    ));
+    let argv: Vec<String> = opts.argv.iter().map(|a| quote(a)).collect();
+    s.push_str(&format!("exec {}\n", argv.join(" ")));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quote_single_quote_survives_shell() {
+        let tricky = "it's a \"test\" $HOME `x`";
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("printf %s {}", quote(tricky)))
+            .output()
+            .expect("sh");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), tricky);
+    }
+
+    #[test]
+    fn command_script_runs_argv_in_cwd() {
+        let mut opts = RunOptions::new(vec![
+            "sh".into(),
+            "-c".into(),
+            "pwd; echo \"$FORKBOX_IN_TESTBED\"".into(),
+        ]);
+        opts.cwd = "/".into();
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(command_script(&opts))
+            .output()
+            .expect("sh");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "/\n1\n");
+    }
+}

@@ -1,0 +1,31 @@
+#!/bin/busybox sh
+# /init of forkbox's emulated KVM host: load KVM and 9p, mount this
+# machine's root read-only, chroot into it, run the command, power off.
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in $(cat /forkbox/modules.list); do
+    insmod "$m" || echo "testbed: insmod $m failed"
+done
+run=$(sed -n 's/.*forkbox\.run=\([^ ]*\).*/\1/p' /proc/cmdline)
+fail() { echo "testbed: $*"; poweroff -f; }
+mkdir -p /host
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro,cache=loose hostroot /host || fail "cannot mount the host root"
+mount -t proc proc /host/proc
+mount -t sysfs sysfs /host/sys
+mount -t devtmpfs devtmpfs /host/dev
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts devpts /host/dev/pts
+mount -t tmpfs tmpfs /host/dev/shm
+mount -t tmpfs tmpfs /host/tmp
+mount -t tmpfs tmpfs /host/run
+mount -t tmpfs tmpfs /host/var/tmp
+mkdir -p "/host$run"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 rundir "/host$run" || fail "cannot mount the run directory"
+[ -e /dev/kvm ] || echo "testbed: warning: no /dev/kvm (kvm_amd did not load)"
+chroot /host /bin/sh "$run/cmd.sh" >"/host$run/stdout" 2>"/host$run/stderr" </dev/null
+echo $? >"/host$run/status"
+sync
+poweroff -f
