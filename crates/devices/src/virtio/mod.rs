@@ -3,7 +3,11 @@
 
 use virtio_queue::Queue;
 
+pub mod block;
+pub mod chain;
 pub mod mmio;
+#[cfg(test)]
+pub(crate) mod testutil;
 
 use crate::{EventSource, GuestMemory, Interrupt};
 

@@ -1,0 +1,586 @@
+//! Read-only virtio-blk (virtio 1.x §5.2) over a host file.
+//!
+//! Image layers are read-only and shared by every fork, so the device
+//! offers `VIRTIO_BLK_F_RO`, answers IN, GET_ID and FLUSH, and fails OUT
+//! with IOERR. It is driven only by queue notifications (no host events).
+//!
+//! Reads use `pread` (positionless, so a forked child sharing the open file
+//! description cannot move our offset) into a bounded bounce buffer, then
+//! copy into guest memory: this keeps the crate free of `unsafe`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::RawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+};
+use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_queue::{Queue, QueueT};
+
+use crate::virtio::chain::{Chain, ChainError};
+use crate::virtio::mmio::VIRTIO_F_VERSION_1;
+use crate::virtio::{ActivateError, VirtioDevice};
+use crate::{EventSource, GuestMemory, Interrupt};
+
+/// Sector size of the virtio-blk protocol.
+pub const SECTOR_SIZE: u64 = 512;
+/// Size of the only queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Largest single data segment the driver may use (`size_max`).
+pub const SIZE_MAX: u32 = 1 << 20;
+/// Most data segments in one request (`seg_max`): the queue minus the
+/// header and status descriptors.
+pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// Length of the request header (`virtio_blk_outhdr`).
+const HEADER_LEN: usize = 16;
+/// Bounce buffer size for reads.
+const BOUNCE_LEN: usize = 128 * 1024;
+/// Length of the configuration space we expose (capacity .. blk_size).
+const CONFIG_LEN: usize = 24;
+
+/// Why a request failed (logged; the guest sees a status byte).
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("bad descriptor chain")]
+    Chain(#[source] ChainError),
+    #[error("request header is {0} bytes, want {HEADER_LEN}")]
+    ShortHeader(usize),
+    #[error("no room for the status byte")]
+    NoStatus,
+    #[error("sectors {sector}+{len}B past the end of the disk")]
+    OutOfRange { sector: u64, len: u64 },
+    #[error("cannot read the backing file")]
+    Io(#[source] io::Error),
+    #[error("write to a read-only disk")]
+    ReadOnly,
+    #[error("unsupported request type {0}")]
+    Unsupported(u32),
+}
+
+struct Active {
+    mem: GuestMemory,
+    queue: Queue,
+    interrupt: Interrupt,
+}
+
+/// A read-only virtio block device backed by a file.
+pub struct Block {
+    file: File,
+    capacity: u64,
+    id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    acked_features: u64,
+    active: Option<Active>,
+    bounce: Vec<u8>,
+}
+
+impl Block {
+    /// Opens `path` read-only. The disk is the file's length rounded down
+    /// to whole sectors.
+    pub fn new(path: &Path) -> io::Result<Block> {
+        let file = File::open(path)?;
+        let meta = file.metadata()?;
+        let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        let text = format!("fbx{:x}-{:x}", meta.dev(), meta.ino());
+        let n = text.len().min(id.len());
+        id[..n].copy_from_slice(&text.as_bytes()[..n]);
+        Ok(Block {
+            file,
+            capacity: meta.len() / SECTOR_SIZE,
+            id,
+            acked_features: 0,
+            active: None,
+            bounce: Vec::new(),
+        })
+    }
+
+    /// Replaces the serial the guest reads with GET_ID (at most 20 bytes;
+    /// longer ids are truncated).
+    pub fn set_id(&mut self, id: &[u8]) {
+        self.id = [0; VIRTIO_BLK_ID_BYTES as usize];
+        let n = id.len().min(self.id.len());
+        self.id[..n].copy_from_slice(&id[..n]);
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn capacity_sectors(&self) -> u64 {
+        self.capacity
+    }
+
+    fn config_bytes(&self) -> [u8; CONFIG_LEN] {
+        let mut c = [0u8; CONFIG_LEN];
+        c[0..8].copy_from_slice(&self.capacity.to_le_bytes());
+        c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
+        c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
+        // 16..20: geometry, not offered.
+        c[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes());
+        c
+    }
+
+    fn process_queue(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mut used = false;
+        while let Some(chain) = active.queue.pop_descriptor_chain(&active.mem) {
+            let head = chain.head_index();
+            let len = match Chain::parse(chain) {
+                Ok(c) => handle_request(
+                    &self.file,
+                    self.capacity,
+                    &self.id,
+                    &mut self.bounce,
+                    &active.mem,
+                    &c,
+                ),
+                Err(e) => {
+                    tracing::debug!("virtio-blk: {}", BlockError::Chain(e));
+                    0
+                }
+            };
+            if let Err(e) = active.queue.add_used(&active.mem, head, len) {
+                tracing::warn!("virtio-blk: cannot return a used buffer: {e}");
+            }
+            used = true;
+        }
+        if used {
+            active.interrupt.signal_used_queue();
+        }
+    }
+}
+
+/// Serves one request; returns the number of bytes written into the chain.
+fn handle_request(
+    file: &File,
+    capacity: u64,
+    id: &[u8],
+    bounce: &mut Vec<u8>,
+    mem: &GuestMemory,
+    chain: &Chain,
+) -> u32 {
+    let mut hdr = [0u8; HEADER_LEN];
+    let status_offset = match chain.writable.len().checked_sub(1) {
+        Some(o) => o,
+        None => {
+            tracing::debug!("virtio-blk: {}", BlockError::NoStatus);
+            return 0;
+        }
+    };
+    let result = match chain.readable.read_at(mem, 0, &mut hdr) {
+        Ok(HEADER_LEN) => {
+            let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+            let mut sector = [0u8; 8];
+            sector.copy_from_slice(&hdr[8..16]);
+            let sector = u64::from_le_bytes(sector);
+            serve(
+                file,
+                capacity,
+                id,
+                bounce,
+                mem,
+                chain,
+                kind,
+                sector,
+                status_offset,
+            )
+        }
+        Ok(n) => Err(BlockError::ShortHeader(n)),
+        Err(e) => Err(BlockError::Chain(e)),
+    };
+    let (status, data_len) = match result {
+        Ok(n) => (VIRTIO_BLK_S_OK, n),
+        Err(BlockError::Unsupported(kind)) => {
+            tracing::debug!(kind, "virtio-blk: unsupported request");
+            (VIRTIO_BLK_S_UNSUPP, 0)
+        }
+        Err(e) => {
+            tracing::debug!("virtio-blk: request failed: {e}");
+            (VIRTIO_BLK_S_IOERR, 0)
+        }
+    };
+    if let Err(e) = chain.writable.write_at(mem, status_offset, &[status as u8]) {
+        tracing::debug!("virtio-blk: cannot write status: {e}");
+        return 0;
+    }
+    // data_len <= status_offset < writable length, which fits the used
+    // ring's u32 only if the chain does; saturate instead of wrapping.
+    u32::try_from(data_len + 1).unwrap_or(u32::MAX)
+}
+
+/// Returns the number of data bytes written to the guest.
+#[allow(clippy::too_many_arguments)]
+fn serve(
+    file: &File,
+    capacity: u64,
+    id: &[u8],
+    bounce: &mut Vec<u8>,
+    mem: &GuestMemory,
+    chain: &Chain,
+    kind: u32,
+    sector: u64,
+    data_len: u64,
+) -> Result<u64, BlockError> {
+    match kind {
+        VIRTIO_BLK_T_IN => {
+            let out_of_range = || BlockError::OutOfRange {
+                sector,
+                len: data_len,
+            };
+            let start = sector.checked_mul(SECTOR_SIZE).ok_or_else(out_of_range)?;
+            let end = start.checked_add(data_len).ok_or_else(out_of_range)?;
+            if end > capacity * SECTOR_SIZE {
+                return Err(out_of_range());
+            }
+            if bounce.is_empty() {
+                bounce.resize(BOUNCE_LEN, 0);
+            }
+            let mut done = 0u64;
+            while done < data_len {
+                let n = (data_len - done).min(BOUNCE_LEN as u64) as usize;
+                let buf = &mut bounce[..n];
+                file.read_exact_at(buf, start + done)
+                    .map_err(BlockError::Io)?;
+                chain
+                    .writable
+                    .write_at(mem, done, buf)
+                    .map_err(BlockError::Chain)?;
+                done += n as u64;
+            }
+            Ok(data_len)
+        }
+        VIRTIO_BLK_T_OUT => Err(BlockError::ReadOnly),
+        VIRTIO_BLK_T_FLUSH => Ok(0),
+        VIRTIO_BLK_T_GET_ID => {
+            let n = (id.len() as u64).min(data_len) as usize;
+            chain
+                .writable
+                .write_at(mem, 0, &id[..n])
+                .map_err(BlockError::Chain)?;
+            Ok(n as u64)
+        }
+        other => Err(BlockError::Unsupported(other)),
+    }
+}
+
+impl EventSource for Block {
+    fn event_fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    fn handle_events(&mut self) {}
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+            | 1 << VIRTIO_BLK_F_RO
+            | 1 << VIRTIO_BLK_F_SIZE_MAX
+            | 1 << VIRTIO_BLK_F_SEG_MAX
+            | 1 << VIRTIO_BLK_F_BLK_SIZE
+    }
+
+    fn ack_features(&mut self, features: u64) {
+        self.acked_features = features & self.features();
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let config = self.config_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = usize::try_from(offset)
+                .ok()
+                .and_then(|o| o.checked_add(i))
+                .and_then(|o| config.get(o))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::debug!(offset, "virtio-blk: ignoring config write");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        mut queues: Vec<Queue>,
+        interrupt: Interrupt,
+    ) -> Result<(), ActivateError> {
+        if queues.len() != 1 {
+            return Err(ActivateError::QueueCount {
+                got: queues.len(),
+                want: 1,
+            });
+        }
+        let queue = queues.remove(0);
+        self.active = Some(Active {
+            mem,
+            queue,
+            interrupt,
+        });
+        Ok(())
+    }
+
+    fn queue_notify(&mut self, index: u16) {
+        if index == 0 {
+            self.process_queue();
+        }
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EventFd;
+
+    use super::*;
+    use crate::virtio::testutil::{memory, ro, wo, Driver};
+
+    struct TempFile(PathBuf);
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// A disk of `sectors` sectors where byte i of sector s is (s + i) % 251.
+    fn disk(name: &str, sectors: u64) -> (TempFile, Vec<u8>) {
+        let path =
+            std::env::temp_dir().join(format!("forkbox-devices-blk-{}-{name}", std::process::id()));
+        let data: Vec<u8> = (0..sectors * SECTOR_SIZE)
+            .map(|i| ((i / SECTOR_SIZE + i % SECTOR_SIZE) % 251) as u8)
+            .collect();
+        std::fs::write(&path, &data).expect("write test disk");
+        (TempFile(path), data)
+    }
+
+    const HDR: u64 = 0x10_0000;
+    const DATA: u64 = 0x20_0000;
+    const STATUS: u64 = 0x30_0000;
+
+    fn setup(name: &str, sectors: u64) -> (Block, GuestMemory, TempFile, Vec<u8>, Arc<EventFd>) {
+        let (file, data) = disk(name, sectors);
+        let blk = Block::new(&file.0).expect("open disk");
+        let mem = memory(0x40_0000);
+        let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"));
+        (blk, mem, file, data, irq)
+    }
+
+    fn header(mem: &GuestMemory, kind: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        mem.write_slice(&h, GuestAddress(HDR)).expect("header");
+    }
+
+    fn status(mem: &GuestMemory) -> u8 {
+        mem.read_obj(GuestAddress(STATUS)).expect("status")
+    }
+
+    #[test]
+    fn block_config_reports_capacity_and_ro() {
+        let (blk, _, _f, _, _) = setup("config", 8);
+        assert_eq!(blk.capacity_sectors(), 8);
+        let mut cap = [0u8; 8];
+        blk.read_config(0, &mut cap);
+        assert_eq!(u64::from_le_bytes(cap), 8);
+        let mut seg = [0u8; 4];
+        blk.read_config(12, &mut seg);
+        assert_eq!(u32::from_le_bytes(seg), SEG_MAX);
+        let mut past = [0xffu8; 4];
+        blk.read_config(u64::MAX, &mut past);
+        assert_eq!(past, [0; 4]);
+        assert_ne!(blk.features() & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_ne!(blk.features() & VIRTIO_F_VERSION_1, 0);
+        assert_eq!(blk.device_type(), 2);
+    }
+
+    #[test]
+    fn block_chained_read_fills_every_segment() {
+        let (mut blk, mem, _f, data, irq) = setup("read", 16);
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq.clone()))
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_IN, 3);
+        // 3 sectors split 100 / 924 / 512 across three descriptors.
+        let head = drv.add(&[
+            ro(HDR, 16),
+            wo(DATA, 100),
+            wo(DATA + 0x1000, 924),
+            wo(DATA + 0x2000, 512),
+            wo(STATUS, 1),
+        ]);
+        blk.queue_notify(0);
+        assert_eq!(drv.used(), vec![(u32::from(head), 1536 + 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+        let mut got = vec![0u8; 1536];
+        mem.read_slice(&mut got[..100], GuestAddress(DATA))
+            .expect("read");
+        mem.read_slice(&mut got[100..1024], GuestAddress(DATA + 0x1000))
+            .expect("read");
+        mem.read_slice(&mut got[1024..], GuestAddress(DATA + 0x2000))
+            .expect("read");
+        assert_eq!(&got[..], &data[3 * 512..6 * 512]);
+        assert_eq!(irq.read().expect("interrupt raised"), 1);
+    }
+
+    #[test]
+    fn block_large_read_crosses_bounce_buffer() {
+        let (mut blk, mem, _f, data, irq) = setup("large", 600);
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_IN, 0);
+        drv.add(&[ro(HDR, 16), wo(DATA, 600 * 512), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+        let mut got = vec![0u8; 600 * 512];
+        mem.read_slice(&mut got, GuestAddress(DATA)).expect("read");
+        assert!(got == data);
+    }
+
+    #[test]
+    fn block_read_past_end_is_ioerr() {
+        let (mut blk, mem, _f, _, irq) = setup("past", 4);
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        for (sector, len) in [
+            (3u64, 1024u32),
+            (4, 512),
+            (u64::MAX / 256, 512),
+            (u64::MAX, 512),
+        ] {
+            mem.write_obj(0xffu8, GuestAddress(STATUS)).expect("status");
+            header(&mem, VIRTIO_BLK_T_IN, sector);
+            drv.add(&[ro(HDR, 16), wo(DATA, len), wo(STATUS, 1)]);
+            blk.queue_notify(0);
+            assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8, "sector {sector}");
+            assert_eq!(drv.used().len(), 1);
+        }
+    }
+
+    #[test]
+    fn block_write_is_ioerr_and_file_unchanged() {
+        let (mut blk, mem, f, data, irq) = setup("write", 4);
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_OUT, 0);
+        drv.add(&[ro(HDR, 16), ro(DATA, 512), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        assert_eq!(std::fs::read(&f.0).expect("reread disk"), data);
+    }
+
+    #[test]
+    fn block_get_id_flush_and_unknown() {
+        let (mut blk, mem, _f, _, irq) = setup("id", 4);
+        blk.set_id(b"layer-0123");
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+        drv.add(&[ro(HDR, 16), wo(DATA, 20), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+        let mut id = [0u8; 20];
+        mem.read_slice(&mut id, GuestAddress(DATA)).expect("id");
+        assert_eq!(&id[..10], b"layer-0123");
+        assert_eq!(drv.used()[0].1, 21);
+
+        header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+        drv.add(&[ro(HDR, 16), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+
+        header(&mem, 77, 0);
+        drv.add(&[ro(HDR, 16), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_UNSUPP as u8);
+        assert_eq!(drv.used().len(), 2);
+    }
+
+    #[test]
+    fn block_malformed_chains_are_returned_without_panic() {
+        let (mut blk, mem, _f, _, irq) = setup("bad", 4);
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_IN, 0);
+        // No status byte.
+        drv.add(&[ro(HDR, 16), ro(DATA, 512)]);
+        // Short header.
+        drv.add(&[ro(HDR, 8), wo(STATUS, 1)]);
+        // Readable after writable.
+        drv.add(&[ro(HDR, 16), wo(DATA, 512), ro(STATUS, 1)]);
+        // Buffer outside guest memory.
+        drv.add(&[ro(HDR, 16), wo(u64::MAX - 10, 512), wo(STATUS, 1)]);
+        // Descriptor loop: 0 -> 1 -> 0.
+        drv.write_desc(10, HDR, 16, 1, 11);
+        drv.write_desc(11, DATA, 16, 1 | 2, 10);
+        drv.publish(10);
+        blk.queue_notify(0);
+        let used = drv.used();
+        assert_eq!(used.len(), 5, "{used:?}");
+        assert!(used.iter().all(|&(_, len)| len <= 1), "{used:?}");
+        assert_eq!(used[0].1, 0);
+    }
+
+    #[test]
+    fn block_random_descriptors_do_not_panic() {
+        let (mut blk, mem, _f, _, irq) = setup("fuzz", 64);
+        let drv = Driver::new(&mem, 0, 16);
+        let q = drv.queue();
+        let mut drv = drv;
+        blk.activate(mem.clone(), vec![q], Interrupt::new(irq))
+            .expect("activate");
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..2000 {
+            for i in 0..16u16 {
+                let r = rnd();
+                let addr = if r & 1 == 0 { r % 0x40_0000 } else { r };
+                drv.write_desc(
+                    i,
+                    addr,
+                    (rnd() % 0x2_0000) as u32,
+                    (rnd() % 8) as u16,
+                    (rnd() % 20) as u16,
+                );
+            }
+            let mut h = [0u8; 16];
+            h.iter_mut().for_each(|b| *b = rnd() as u8);
+            h[0] = [0u8, 1, 4, 8, 99][round % 5];
+            mem.write_slice(&h, GuestAddress((rnd() % 0x40_0000) & !0xf))
+                .expect("hdr");
+            drv.publish((rnd() % 20) as u16);
+            blk.queue_notify(0);
+        }
+    }
+}
