@@ -1,0 +1,540 @@
+//! Blocking host-side client: one connection per request.
+//!
+//! Reaches the agent either through the VMM's hybrid vsock unix socket
+//! (`CONNECT <port>\n` → `OK <port>\n`, then frames) or through a direct
+//! unix socket (tests, `forkbox-agent serve --listen unix:PATH`).
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::frame::{read_frame, write_frame, Frame, FrameError, FrameKind};
+use crate::msg::{
+    AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion, OutputStream,
+    Request, Response,
+};
+use crate::{decode_control, encode_control, DATA_CHUNK, MAX_FRAME_LEN, PROTOCOL_VERSION};
+
+/// Why a call to the agent failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("agent not ready: {reason}")]
+    NotReady { reason: String },
+    #[error("protocol version mismatch: client speaks {client}, agent speaks {agent}")]
+    VersionMismatch { client: u32, agent: u32 },
+    #[error("connection dropped mid-call: the sandbox died or the agent crashed mid-call")]
+    Disconnected(#[source] io::Error),
+    #[error("agent reported an error")]
+    Agent(#[source] AgentError),
+    #[error("malformed frame from the agent")]
+    Frame(#[source] FrameError),
+    #[error("malformed message from the agent: {0}")]
+    Malformed(String),
+    #[error("local I/O failed")]
+    Local(#[source] io::Error),
+}
+
+impl ClientError {
+    /// The agent's typed error, if the agent reported one.
+    pub fn agent_error(&self) -> Option<&AgentError> {
+        match self {
+            Self::Agent(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Target {
+    HybridVsock { uds: PathBuf, port: u32 },
+    Unix(PathBuf),
+}
+
+/// A handle on one sandbox's agent. Cheap to clone; every call opens its
+/// own connection, so calls may run concurrently from several threads.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    target: Target,
+    handshake_timeout: Duration,
+}
+
+/// Default bound on connecting and receiving the agent's [`Hello`].
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest accepted `OK <port>` line from the VMM.
+const MAX_CONNECT_LINE: usize = 64;
+/// Pause between attempts in [`AgentClient::wait_ready`].
+const RETRY_PAUSE: Duration = Duration::from_millis(10);
+
+impl AgentClient {
+    /// Through the VMM's hybrid vsock socket at `uds`, to guest port `port`.
+    pub fn hybrid_vsock(uds: impl Into<PathBuf>, port: u32) -> Self {
+        Self {
+            target: Target::HybridVsock {
+                uds: uds.into(),
+                port,
+            },
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// Directly to an agent listening on a unix socket.
+    pub fn unix(path: impl Into<PathBuf>) -> Self {
+        Self {
+            target: Target::Unix(path.into()),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// Bounds connecting plus receiving the agent's `Hello` (default 5 s).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Retries [`ping`](Self::ping) until it succeeds or `timeout` passes.
+    /// A version mismatch fails at once.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<Hello, ClientError> {
+        let start = Instant::now();
+        loop {
+            match self.ping() {
+                Ok(hello) => return Ok(hello),
+                Err(e @ ClientError::VersionMismatch { .. }) => return Err(e),
+                Err(e) if start.elapsed() >= timeout => {
+                    return Err(ClientError::NotReady {
+                        reason: format!("not ready after {timeout:?}: {}", error_chain(&e)),
+                    })
+                }
+                Err(_) => thread::sleep(RETRY_PAUSE),
+            }
+        }
+    }
+
+    /// Handshake plus a ping round trip; returns the agent's `Hello`.
+    pub fn ping(&self) -> Result<Hello, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Ping)?;
+        match conn.response()? {
+            Response::Pong => Ok(conn.hello),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Asks the agent to sync and power the VM off.
+    pub fn shutdown(&self) -> Result<(), ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Shutdown)?;
+        match conn.response()? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Runs a command. Output chunks are passed to `out` as they arrive.
+    /// With `stdin`, its bytes are streamed to the command until EOF; the
+    /// call returns only once `stdin` reached EOF *and* the command ended,
+    /// so do not pass an interactive stream that never ends.
+    pub fn exec(
+        &self,
+        req: &ExecRequest,
+        stdin: Option<&mut (dyn Read + Send)>,
+        out: &mut dyn FnMut(OutputStream, &[u8]),
+    ) -> Result<ExecResult, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Exec {
+            exec: req.clone(),
+            stdin: stdin.is_some(),
+        })?;
+        let stream = &conn.stream;
+        thread::scope(|scope| {
+            let writer = stdin.map(|input| scope.spawn(move || pump_to_agent(input, stream)));
+            let result = read_exec_output(&conn, out);
+            let stdin_result = match writer {
+                Some(handle) => handle.join().unwrap_or_else(|_| {
+                    Err(PumpError::Local(io::Error::other("stdin thread panicked")))
+                }),
+                None => Ok(0),
+            };
+            let result = result?;
+            match stdin_result {
+                // The command ended before taking all of stdin: the agent
+                // closed the connection under our writes. Not an error.
+                Ok(_) | Err(PumpError::Remote(_)) => Ok(result),
+                Err(PumpError::Local(e)) => Err(ClientError::Local(e)),
+            }
+        })
+    }
+
+    /// Streams a guest file into `to`; returns its size.
+    pub fn read_file(&self, path: &str, to: &mut dyn Write) -> Result<u64, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::ReadFile { path: path.into() })?;
+        conn.receive_data(to)
+    }
+
+    /// Writes `from` into a guest file with permission bits `mode`. The
+    /// parent directory must exist.
+    pub fn write_file(
+        &self,
+        path: &str,
+        mode: u32,
+        from: &mut dyn Read,
+    ) -> Result<u64, ClientError> {
+        self.write_file_with(path, mode, false, from)
+    }
+
+    /// Like [`write_file`](Self::write_file), creating missing parent
+    /// directories if `create_parents`.
+    pub fn write_file_with(
+        &self,
+        path: &str,
+        mode: u32,
+        create_parents: bool,
+        from: &mut dyn Read,
+    ) -> Result<u64, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::WriteFile {
+            path: path.into(),
+            mode,
+            create_parents,
+        })?;
+        conn.send_data(from)
+    }
+
+    /// Lists a directory (entries are `lstat`ed; `.` and `..` omitted).
+    pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::ListDir { path: path.into() })?;
+        let mut all = Vec::new();
+        loop {
+            match conn.response()? {
+                Response::Entries { entries } => all.extend(entries),
+                Response::Done { .. } => return Ok(all),
+                other => return Err(unexpected(&other)),
+            }
+        }
+    }
+
+    /// `lstat` of a guest path.
+    pub fn stat(&self, path: &str) -> Result<FileStat, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Stat { path: path.into() })?;
+        match conn.response()? {
+            Response::Stat { stat } => Ok(stat),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `mkdir -p` with permission bits `mode` for created directories.
+    pub fn mkdir(&self, path: &str, mode: u32) -> Result<(), ClientError> {
+        self.simple(Request::Mkdir {
+            path: path.into(),
+            mode,
+        })
+    }
+
+    /// Removes a file, symlink or empty directory; with `recursive`, a
+    /// whole tree.
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
+        self.simple(Request::Remove {
+            path: path.into(),
+            recursive,
+        })
+    }
+
+    /// Streams guest directory `dir` as a tar archive into `to`; returns
+    /// the archive size.
+    pub fn download_tar(&self, dir: &str, to: &mut dyn Write) -> Result<u64, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::DownloadTar { path: dir.into() })?;
+        conn.receive_data(to)
+    }
+
+    /// Unpacks the tar archive read from `from` into guest directory `dir`
+    /// (created if missing). Entries escaping `dir` are refused.
+    pub fn upload_tar(&self, dir: &str, from: &mut dyn Read) -> Result<u64, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::UploadTar { path: dir.into() })?;
+        conn.send_data(from)
+    }
+
+    fn simple(&self, req: Request) -> Result<(), ClientError> {
+        let conn = self.connect()?;
+        conn.send(&req)?;
+        match conn.response()? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn connect(&self) -> Result<Conn, ClientError> {
+        let path = match &self.target {
+            Target::HybridVsock { uds, .. } => uds,
+            Target::Unix(p) => p,
+        };
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.clone(),
+            source,
+        })?;
+        let timeout = Some(self.handshake_timeout).filter(|t| !t.is_zero());
+        stream
+            .set_read_timeout(timeout)
+            .map_err(ClientError::Local)?;
+        if let Target::HybridVsock { port, .. } = &self.target {
+            hybrid_handshake(&stream, *port)?;
+        }
+        let hello = read_hello(&stream)?;
+        stream.set_read_timeout(None).map_err(ClientError::Local)?;
+        Ok(Conn { stream, hello })
+    }
+}
+
+fn hybrid_handshake(mut stream: &UnixStream, port: u32) -> Result<(), ClientError> {
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .map_err(|e| ClientError::NotReady {
+            reason: format!("VMM refused CONNECT: {e}"),
+        })?;
+    // Byte by byte: frames follow the line directly and must stay unread.
+    let mut line = Vec::with_capacity(MAX_CONNECT_LINE);
+    let mut byte = [0u8; 1];
+    loop {
+        match stream.read(&mut byte) {
+            Ok(0) => {
+                return Err(ClientError::NotReady {
+                    reason: format!("nothing listens on guest port {port} yet"),
+                })
+            }
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) if line.len() < MAX_CONNECT_LINE => line.push(byte[0]),
+            Ok(_) => {
+                return Err(ClientError::NotReady {
+                    reason: "overlong reply to CONNECT".into(),
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(ClientError::NotReady {
+                    reason: format!("no reply to CONNECT: {e}"),
+                })
+            }
+        }
+    }
+    if line.starts_with(b"OK ") {
+        Ok(())
+    } else {
+        Err(ClientError::NotReady {
+            reason: format!(
+                "VMM answered CONNECT with {:?}",
+                String::from_utf8_lossy(&line)
+            ),
+        })
+    }
+}
+
+fn read_hello(mut stream: &UnixStream) -> Result<Hello, ClientError> {
+    let frame = match read_frame(&mut stream, MAX_FRAME_LEN) {
+        Ok(Some(f)) => f,
+        Ok(None) => {
+            return Err(ClientError::NotReady {
+                reason: "connection closed before the agent's hello".into(),
+            })
+        }
+        Err(FrameError::Io(e)) => {
+            return Err(ClientError::NotReady {
+                reason: format!("no hello from the agent: {e}"),
+            })
+        }
+        Err(e) => return Err(ClientError::Frame(e)),
+    };
+    if frame.kind != FrameKind::Control {
+        return Err(ClientError::Malformed(format!(
+            "expected hello, got a {:?} frame",
+            frame.kind
+        )));
+    }
+    let version: HelloVersion =
+        decode_control(&frame.body).map_err(|e| ClientError::Malformed(format!("hello: {e}")))?;
+    if version.protocol_version != PROTOCOL_VERSION {
+        return Err(ClientError::VersionMismatch {
+            client: PROTOCOL_VERSION,
+            agent: version.protocol_version,
+        });
+    }
+    decode_control(&frame.body).map_err(|e| ClientError::Malformed(format!("hello: {e}")))
+}
+
+/// One open connection, past the handshake.
+struct Conn {
+    stream: UnixStream,
+    hello: Hello,
+}
+
+impl Conn {
+    fn send(&self, req: &Request) -> Result<(), ClientError> {
+        write_frame(&mut &self.stream, FrameKind::Control, &encode_control(req))
+            .map_err(ClientError::Disconnected)
+    }
+
+    fn frame(&self) -> Result<Frame, ClientError> {
+        match read_frame(&mut &self.stream, MAX_FRAME_LEN) {
+            Ok(Some(f)) => Ok(f),
+            Ok(None) => Err(ClientError::Disconnected(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "agent closed the connection",
+            ))),
+            Err(FrameError::Io(e)) => Err(ClientError::Disconnected(e)),
+            Err(e) => Err(ClientError::Frame(e)),
+        }
+    }
+
+    /// Next control message; an agent error becomes `Err`.
+    fn response(&self) -> Result<Response, ClientError> {
+        let frame = self.frame()?;
+        if frame.kind != FrameKind::Control {
+            return Err(ClientError::Malformed(format!(
+                "expected a response, got a {:?} frame",
+                frame.kind
+            )));
+        }
+        parse_response(&frame.body)
+    }
+
+    /// `Data` frames into `to` until `Done`.
+    fn receive_data(&self, to: &mut dyn Write) -> Result<u64, ClientError> {
+        let mut received = 0u64;
+        loop {
+            let frame = self.frame()?;
+            match frame.kind {
+                FrameKind::Data => {
+                    to.write_all(&frame.body).map_err(ClientError::Local)?;
+                    received += frame.body.len() as u64;
+                }
+                FrameKind::Control => match parse_response(&frame.body)? {
+                    Response::Done { bytes } if bytes == received => {
+                        to.flush().map_err(ClientError::Local)?;
+                        return Ok(bytes);
+                    }
+                    Response::Done { bytes } => {
+                        return Err(ClientError::Malformed(format!(
+                            "agent announced {bytes} bytes but sent {received}"
+                        )))
+                    }
+                    other => return Err(unexpected(&other)),
+                },
+                kind => {
+                    return Err(ClientError::Malformed(format!(
+                        "unexpected {kind:?} frame in a data stream"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Waits for `Ready`, streams `from`, returns the agent's `Done` count.
+    fn send_data(&self, from: &mut dyn Read) -> Result<u64, ClientError> {
+        match self.response()? {
+            Response::Ready => {}
+            other => return Err(unexpected(&other)),
+        }
+        match pump_to_agent(from, &self.stream) {
+            Ok(_) => {}
+            Err(PumpError::Local(e)) => return Err(ClientError::Local(e)),
+            // The agent may have stopped reading to report an error.
+            Err(PumpError::Remote(e)) => {
+                return match self.response() {
+                    Err(ClientError::Disconnected(_)) => Err(ClientError::Disconnected(e)),
+                    Err(other) => Err(other),
+                    Ok(other) => Err(unexpected(&other)),
+                }
+            }
+        }
+        match self.response()? {
+            Response::Done { bytes } => Ok(bytes),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+fn read_exec_output(
+    conn: &Conn,
+    out: &mut dyn FnMut(OutputStream, &[u8]),
+) -> Result<ExecResult, ClientError> {
+    loop {
+        let frame = conn.frame()?;
+        match frame.kind {
+            FrameKind::Stdout => out(OutputStream::Stdout, &frame.body),
+            FrameKind::Stderr => out(OutputStream::Stderr, &frame.body),
+            FrameKind::Control => {
+                return match parse_response(&frame.body)? {
+                    Response::Exec { result } => Ok(result),
+                    other => Err(unexpected(&other)),
+                }
+            }
+            kind => {
+                return Err(ClientError::Malformed(format!(
+                    "unexpected {kind:?} frame during exec"
+                )))
+            }
+        }
+    }
+}
+
+enum PumpError {
+    /// Reading the caller's input failed.
+    Local(io::Error),
+    /// Writing to the agent failed.
+    Remote(io::Error),
+}
+
+/// Copies `from` to the agent as `Data` frames, then one `Eof`.
+fn pump_to_agent(from: &mut (dyn Read + '_), mut to: &UnixStream) -> Result<u64, PumpError> {
+    let mut buf = vec![0u8; DATA_CHUNK];
+    let mut sent = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                // Let the agent see a clean end before reporting.
+                let _ = write_frame(&mut to, FrameKind::Eof, &[]);
+                return Err(PumpError::Local(e));
+            }
+        };
+        write_frame(&mut to, FrameKind::Data, &buf[..n]).map_err(PumpError::Remote)?;
+        sent += n as u64;
+    }
+    write_frame(&mut to, FrameKind::Eof, &[]).map_err(PumpError::Remote)?;
+    Ok(sent)
+}
+
+fn parse_response(body: &[u8]) -> Result<Response, ClientError> {
+    match decode_control::<Response>(body) {
+        Ok(Response::Error { error }) => Err(ClientError::Agent(error)),
+        Ok(r) => Ok(r),
+        Err(e) => Err(ClientError::Malformed(format!("response: {e}"))),
+    }
+}
+
+fn unexpected(r: &Response) -> ClientError {
+    ClientError::Malformed(format!("unexpected response {r:?}"))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

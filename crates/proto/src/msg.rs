@@ -1,0 +1,417 @@
+//! Control messages, carried as JSON in [`FrameKind::Control`] frames.
+//!
+//! Conversation on one connection (one request per connection):
+//!
+//! 1. agent → client: [`Hello`].
+//! 2. client → agent: [`Request`].
+//! 3. per request:
+//!    - `Exec`: if `stdin` is set the client streams `Data` frames and one
+//!      `Eof`; the agent streams `Stdout`/`Stderr` frames, then
+//!      `Response::Exec`.
+//!    - `ReadFile`, `DownloadTar`: the agent streams `Data` frames, then
+//!      `Response::Done { bytes }`.
+//!    - `WriteFile`, `UploadTar`: the agent answers `Response::Ready` (or an
+//!      error), the client streams `Data` frames and one `Eof`, the agent
+//!      answers `Response::Done { bytes }`.
+//!    - `ListDir`: zero or more `Response::Entries` batches (each frame
+//!      stays under the frame limit), then `Response::Done { bytes }` with
+//!      the number of entries.
+//!    - the others: one response.
+//!
+//! Any step may be replaced by `Response::Error`, after which the agent
+//! closes the connection.
+//!
+//! [`FrameKind::Control`]: crate::FrameKind::Control
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Sent by the agent first on every connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub protocol_version: u32,
+    pub agent_version: String,
+    pub boot: BootInfo,
+}
+
+/// Only the version of a [`Hello`]: parsed first, so that a client can
+/// report a version mismatch even if the rest of the message changed shape.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct HelloVersion {
+    pub protocol_version: u32,
+}
+
+/// What the agent knows about the boot it ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootInfo {
+    /// Whether the agent runs as PID 1 (false for `serve --listen`).
+    pub pid1: bool,
+    /// Kernel release (`uname -r`).
+    pub kernel: String,
+    /// The root device mounted under the overlay, if any.
+    pub root_device: Option<String>,
+    /// Time from agent start to serving, in milliseconds.
+    pub boot_ms: u64,
+    /// Kernel modules that failed to load (logged, not fatal).
+    pub module_failures: Vec<String>,
+}
+
+/// One request per connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum Request {
+    Ping,
+    /// Sync and power off (outside PID 1: exit the agent).
+    Shutdown,
+    Exec {
+        exec: ExecRequest,
+        /// The client streams stdin (`Data` frames then `Eof`); otherwise
+        /// the command's stdin is `/dev/null`.
+        stdin: bool,
+    },
+    ReadFile {
+        path: String,
+    },
+    WriteFile {
+        path: String,
+        mode: u32,
+        /// Create missing parent directories (`mkdir -p`); otherwise a
+        /// missing parent is `NotFound`.
+        create_parents: bool,
+    },
+    ListDir {
+        path: String,
+    },
+    Stat {
+        path: String,
+    },
+    /// `mkdir -p`.
+    Mkdir {
+        path: String,
+        mode: u32,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    DownloadTar {
+        path: String,
+    },
+    UploadTar {
+        path: String,
+    },
+}
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Command {
+    /// `argv[0]` is looked up in `PATH`.
+    Argv(Vec<String>),
+    /// Run with `/bin/sh -c`.
+    Shell(String),
+}
+
+impl Default for Command {
+    fn default() -> Self {
+        Self::Argv(Vec::new())
+    }
+}
+
+/// Who runs the command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum User {
+    /// A name from the guest's `/etc/passwd`.
+    Name(String),
+    /// A numeric uid (gid = uid unless `/etc/passwd` says otherwise).
+    Uid(u32),
+}
+
+/// An exec request. Build with [`ExecRequest::argv`] or
+/// [`ExecRequest::shell`] and the chained setters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub command: Command,
+    /// Added to (and overriding) the default environment
+    /// (`PATH`, `HOME`, `USER`, `LOGNAME`, `TERM`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; default `/` (the user's home when `user` is set).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Default: root.
+    #[serde(default)]
+    pub user: Option<User>,
+    /// Wall-clock limit; on expiry the whole process group is killed.
+    #[serde(default)]
+    pub timeout: Option<Duration>,
+    /// Per-stream cap in bytes; output beyond it is counted and dropped.
+    #[serde(default)]
+    pub output_cap: Option<u64>,
+}
+
+impl ExecRequest {
+    pub fn argv<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            command: Command::Argv(argv.into_iter().map(Into::into).collect()),
+            ..Self::default()
+        }
+    }
+
+    pub fn shell(script: impl Into<String>) -> Self {
+        Self {
+            command: Command::Shell(script.into()),
+            ..Self::default()
+        }
+    }
+
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn cwd(mut self, cwd: impl Into<String>) -> Self {
+        self.cwd = Some(cwd.into());
+        self
+    }
+
+    pub fn user(mut self, user: User) -> Self {
+        self.user = Some(user);
+        self
+    }
+
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    pub fn output_cap(mut self, bytes: u64) -> Self {
+        self.output_cap = Some(bytes);
+        self
+    }
+}
+
+/// Which output stream a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+/// How the command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    /// Exited with this code.
+    Code(i32),
+    /// Killed by this signal.
+    Signal(i32),
+}
+
+/// Output accounting of one stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamSummary {
+    /// Bytes the command wrote, including dropped ones.
+    pub total_bytes: u64,
+    /// Whether bytes beyond the cap were dropped.
+    pub truncated: bool,
+}
+
+/// The outcome of an exec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    pub status: ExitStatus,
+    pub timed_out: bool,
+    pub duration: Duration,
+    pub stdout: StreamSummary,
+    pub stderr: StreamSummary,
+}
+
+impl ExecResult {
+    /// The exit code, `None` if a signal ended the command.
+    pub fn exit_code(&self) -> Option<i32> {
+        match self.status {
+            ExitStatus::Code(c) => Some(c),
+            ExitStatus::Signal(_) => None,
+        }
+    }
+
+    /// The signal that ended the command, if any.
+    pub fn signal(&self) -> Option<i32> {
+        match self.status {
+            ExitStatus::Code(_) => None,
+            ExitStatus::Signal(s) => Some(s),
+        }
+    }
+
+    pub fn success(&self) -> bool {
+        self.status == ExitStatus::Code(0) && !self.timed_out
+    }
+}
+
+/// File type as seen by `lstat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// `lstat` of a path (symlinks are not followed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Seconds since the Unix epoch.
+    pub mtime: i64,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub stat: FileStat,
+}
+
+/// Agent → client, after the request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum Response {
+    Pong,
+    /// Generic success (mkdir, remove, shutdown).
+    Ok,
+    /// The agent is ready for the client's data stream.
+    Ready,
+    /// A data transfer finished; `bytes` of file or tar data moved.
+    Done {
+        bytes: u64,
+    },
+    Exec {
+        result: ExecResult,
+    },
+    Entries {
+        entries: Vec<DirEntry>,
+    },
+    Stat {
+        stat: FileStat,
+    },
+    Error {
+        error: AgentError,
+    },
+}
+
+/// A typed error reported by the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct AgentError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl AgentError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Class of an [`AgentError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    NotFound,
+    PermissionDenied,
+    AlreadyExists,
+    NotADirectory,
+    IsADirectory,
+    DirectoryNotEmpty,
+    InvalidRequest,
+    /// A frame or message the agent could not decode.
+    Protocol,
+    Io,
+    Internal,
+}
+
+impl ErrorKind {
+    /// Maps an I/O error kind onto the protocol's error kinds.
+    pub fn from_io(kind: std::io::ErrorKind) -> Self {
+        use std::io::ErrorKind as K;
+        match kind {
+            K::NotFound => Self::NotFound,
+            K::PermissionDenied => Self::PermissionDenied,
+            K::AlreadyExists => Self::AlreadyExists,
+            K::NotADirectory => Self::NotADirectory,
+            K::IsADirectory => Self::IsADirectory,
+            K::DirectoryNotEmpty => Self::DirectoryNotEmpty,
+            K::InvalidInput | K::InvalidData => Self::InvalidRequest,
+            _ => Self::Io,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_request_builder_sets_fields() {
+        let r = ExecRequest::argv(["ls", "-l"])
+            .timeout(Duration::from_secs(5))
+            .env("A", "b")
+            .cwd("/tmp")
+            .output_cap(10);
+        assert_eq!(r.command, Command::Argv(vec!["ls".into(), "-l".into()]));
+        assert_eq!(r.timeout, Some(Duration::from_secs(5)));
+        assert_eq!(r.env.get("A").map(String::as_str), Some("b"));
+        assert_eq!(r.cwd.as_deref(), Some("/tmp"));
+        assert_eq!(r.output_cap, Some(10));
+    }
+
+    #[test]
+    fn request_json_roundtrip_preserves_exec() {
+        let req = Request::Exec {
+            exec: ExecRequest::shell("echo hi").user(User::Uid(1000)),
+            stdin: true,
+        };
+        let json = serde_json::to_vec(&req).expect("serialize");
+        let back: Request = serde_json::from_slice(&json).expect("deserialize");
+        assert_eq!(back, req);
+    }
+
+    #[test]
+    fn hello_version_parses_from_future_hello() {
+        let json = br#"{"protocol_version":99,"something_new":[1,2]}"#;
+        let v: HelloVersion = serde_json::from_slice(json).expect("parse");
+        assert_eq!(v.protocol_version, 99);
+    }
+
+    #[test]
+    fn exec_result_signal_has_no_exit_code() {
+        let r = ExecResult {
+            status: ExitStatus::Signal(9),
+            timed_out: false,
+            duration: Duration::ZERO,
+            stdout: StreamSummary::default(),
+            stderr: StreamSummary::default(),
+        };
+        assert_eq!(r.exit_code(), None);
+        assert_eq!(r.signal(), Some(9));
+        assert!(!r.success());
+    }
+}
