@@ -4,8 +4,10 @@
 //! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
 //! - [`kernel`]: the pinned guest and test-bed kernels and their modules.
 //! - [`cpio`]: the newc archive writer behind every initramfs.
+//! - [`image`]: the `minimal` and `debian` root filesystem images.
 //! - [`initramfs`]: the guest's and the emulated host's initramfs.
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
+//! - [`vm`]: one microVM: its assets, its VMM process, its agent client.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
@@ -14,6 +16,8 @@
 pub mod cache;
 pub mod cpio;
 pub mod debs;
+pub mod image;
 pub mod initramfs;
 pub mod kernel;
 pub mod testbed;
+pub mod vm;

@@ -69,6 +69,86 @@ pub fn hardware_virtualization() -> bool {
         .unwrap_or(false)
 }
 
+/// Where this process can run microVMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Environment {
+    /// KVM backed by VMX/SVM: microVMs run directly.
+    HardwareVirtualization,
+    /// Inside forkbox's emulated KVM host: microVMs run, slowly.
+    EmulatedHost,
+    /// No usable KVM here: microVMs must run inside the emulated host.
+    NeedsEmulatedHost,
+}
+
+impl Environment {
+    pub fn detect() -> Self {
+        if inside() {
+            Environment::EmulatedHost
+        } else if hardware_virtualization() {
+            Environment::HardwareVirtualization
+        } else {
+            Environment::NeedsEmulatedHost
+        }
+    }
+
+    /// How benchmark output names the environment it ran in.
+    pub fn label(self) -> &'static str {
+        match self {
+            Environment::HardwareVirtualization => "hardware virtualization",
+            Environment::EmulatedHost | Environment::NeedsEmulatedHost => {
+                "emulated KVM host (QEMU TCG with SVM): absolute times inflated, ratios hold"
+            }
+        }
+    }
+}
+
+/// The notice printed whenever forkbox moves work into the emulated host.
+pub const NOTICE: &str = "no hardware virtualization here: running inside an emulated host; timings are not representative";
+
+/// Runs this very program again, with `args`, inside the emulated host,
+/// streaming its output; returns its exit code, or explains what failed.
+pub fn rerun_inside(args: Vec<String>, timeout: Duration) -> Result<i32, TestbedError> {
+    let exe = std::env::current_exe().map_err(|source| TestbedError::Io {
+        path: "/proc/self/exe".into(),
+        source,
+    })?;
+    eprintln!("forkbox: {NOTICE}");
+    let tb = Testbed::prepare()?;
+    let mut argv = vec![exe.display().to_string()];
+    argv.extend(args);
+    let mut opts = RunOptions::new(argv.clone());
+    opts.timeout = timeout;
+    opts.path_prefix = exe.parent().map(Path::to_owned).into_iter().collect();
+    Ok(report(&argv, timeout, tb.run(&opts)?))
+}
+
+/// Turns an outcome into an exit code, printing what went wrong if the
+/// command did not simply exit: 124 for a timeout, 125 for a dead host.
+pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
+    match outcome {
+        Outcome::Exited(code) => code,
+        Outcome::TimedOut { serial_tail } => {
+            eprintln!(
+                "forkbox testbed: `{}` did not finish within {} s; the emulated host was stopped.\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                argv.join(" "),
+                timeout.as_secs()
+            );
+            124
+        }
+        Outcome::HostDied {
+            serial_tail,
+            qemu_stderr,
+        } => {
+            eprintln!(
+                "forkbox testbed: the emulated host stopped before `{}` finished.\n--- qemu stderr ---\n{}\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                argv.join(" "),
+                qemu_stderr.trim()
+            );
+            125
+        }
+    }
+}
+
 /// What to run inside the emulated host.
 pub struct RunOptions {
     pub argv: Vec<String>,

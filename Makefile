@@ -1,0 +1,54 @@
+# forkbox: the two commands of the README's Quick start, and what they need.
+#   make demo   boot a microVM and run commands in it (inside the emulated
+#               KVM host where this machine has no hardware virtualization)
+#   make test   format check, clippy, every test (VM tests included)
+# Both install what they need first (Debian packages, the Rust build); the
+# guest kernel and images are fetched and built by forkbox itself, cached
+# under ~/.cache/forkbox (or $FORKBOX_CACHE).
+
+CARGO ?= cargo
+TRIPLE := x86_64-unknown-linux-gnu
+AGENT := target/$(TRIPLE)/release/forkbox-agent
+FORKBOX := target/release/forkbox
+
+# Debian packages forkbox uses at build and run time.
+APT_PACKAGES := qemu-system-x86 busybox-static mmdebstrap kmod cpio e2fsprogs \
+	ca-certificates
+
+.PHONY: all deps build agent demo test lint fmt clean
+
+all: build
+
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "make: installing Debian packages:$$missing"; \
+		SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+		$$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+# The guest agent is PID 1 in an initramfs with no libc: link it statically.
+agent: deps
+	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p forkbox-agent --target $(TRIPLE)
+
+build: deps agent
+	$(CARGO) build --release --workspace
+
+demo: build
+	$(FORKBOX) demo
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets --release -- -D warnings
+
+test: build lint
+	$(CARGO) test --workspace --release
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean

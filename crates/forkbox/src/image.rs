@@ -1,0 +1,309 @@
+//! Guest root filesystem images, built from Debian packages: `minimal`
+//! (busybox-static, seconds to build) and `debian` (a bookworm minbase made
+//! by mmdebstrap, with python3, git, procps and ca-certificates). Each is a
+//! read-only ext4 image file (the guest kernel has ext4 built in), built
+//! once and cached under the digest of its recipe and inputs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use crate::cache::{self, Key};
+use crate::debs::{self, DebError};
+
+/// The images forkbox knows how to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImageName {
+    Minimal,
+    Debian,
+}
+
+impl ImageName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImageName::Minimal => "minimal",
+            ImageName::Debian => "debian",
+        }
+    }
+}
+
+/// Packages added to the bookworm minbase of the `debian` image.
+pub const DEBIAN_PACKAGES: &[&str] = &["python3", "git", "procps", "ca-certificates"];
+const DEBIAN_SUITE: &str = "bookworm";
+
+/// The unprivileged user every image has (uid/gid 1000).
+pub const USER: &str = "user";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("fetching busybox-static")]
+    Busybox(#[from] DebError),
+    #[error("cannot run {tool} (install it: `apt-get install {package}`)")]
+    Tool {
+        tool: &'static str,
+        package: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{tool} failed: {stderr}")]
+    Failed { tool: &'static str, stderr: String },
+    #[error("building the image in {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
+    move |source| ImageError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Returns the path of the image file, building it first if needed.
+pub fn ensure(name: ImageName) -> Result<PathBuf, ImageError> {
+    match name {
+        ImageName::Minimal => minimal(),
+        ImageName::Debian => debian(),
+    }
+}
+
+/// The busybox image.
+fn minimal() -> Result<PathBuf, ImageError> {
+    let busybox_dir = debs::unpacked("busybox-static")?;
+    let busybox = busybox_dir.join("bin/busybox");
+    let mut key = Key::new("image-minimal-v1");
+    key.add_file(&busybox).map_err(io_err(&busybox))?;
+    let out = image_path("minimal", key);
+    if out.exists() {
+        return Ok(out);
+    }
+    let start = Instant::now();
+    eprintln!("forkbox: building image `minimal` from busybox-static");
+    let root = tempfile::tempdir().map_err(io_err(Path::new("/tmp")))?;
+    let r = root.path();
+    for d in [
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "etc",
+        "dev",
+        "proc",
+        "sys",
+        "tmp",
+        "run",
+        "root",
+        "home/user",
+        "var/tmp",
+        "mnt",
+    ] {
+        std::fs::create_dir_all(r.join(d)).map_err(io_err(r))?;
+    }
+    std::fs::copy(&busybox, r.join("bin/busybox")).map_err(io_err(&busybox))?;
+    let list = run_tool(
+        Command::new(&busybox).arg("--list-full"),
+        "busybox",
+        "busybox-static",
+    )?;
+    for applet in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let link = r.join(applet);
+        if applet == "bin/busybox" || link.exists() {
+            continue;
+        }
+        // Relative links, so they resolve inside the guest's root.
+        let depth = applet.matches('/').count();
+        let target = format!("{}bin/busybox", "../".repeat(depth));
+        std::os::unix::fs::symlink(target, &link).map_err(io_err(&link))?;
+    }
+    write_identity(r)?;
+    std::fs::set_permissions(
+        r.join("tmp"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .map_err(io_err(r))?;
+    make_ext4(r, &out)?;
+    eprintln!(
+        "forkbox: image `minimal` built in {:.1} s: {}",
+        start.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(out)
+}
+
+/// The Debian minbase image.
+fn debian() -> Result<PathBuf, ImageError> {
+    let mut key = Key::new("image-debian-v1");
+    key.add(DEBIAN_SUITE.as_bytes());
+    for p in DEBIAN_PACKAGES {
+        key.add(p.as_bytes());
+    }
+    let out = image_path("debian", key);
+    if out.exists() {
+        return Ok(out);
+    }
+    let start = Instant::now();
+    eprintln!(
+        "forkbox: building image `debian` ({DEBIAN_SUITE} minbase + {}) with mmdebstrap; this takes a few minutes once",
+        DEBIAN_PACKAGES.join(", ")
+    );
+    let root = tempfile::tempdir().map_err(io_err(Path::new("/tmp")))?;
+    let r = root.path();
+    let status = Command::new("mmdebstrap")
+        .args(["--variant=minbase", "--format=directory"])
+        .arg(format!("--include={}", DEBIAN_PACKAGES.join(",")))
+        .arg("--customize-hook=chroot \"$1\" useradd --uid 1000 --create-home --shell /bin/sh user")
+        .arg("--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*")
+        .arg(DEBIAN_SUITE)
+        .arg(r)
+        .status()
+        .map_err(|source| ImageError::Tool {
+            tool: "mmdebstrap",
+            package: "mmdebstrap",
+            source,
+        })?;
+    if !status.success() {
+        return Err(ImageError::Failed {
+            tool: "mmdebstrap",
+            stderr: format!("exited with {status} (its output is above)"),
+        });
+    }
+    std::fs::write(r.join("etc/hostname"), "forkbox\n").map_err(io_err(r))?;
+    make_ext4(r, &out)?;
+    eprintln!(
+        "forkbox: image `debian` built in {:.1} s: {}",
+        start.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(out)
+}
+
+fn image_path(name: &str, key: Key) -> PathBuf {
+    cache::root()
+        .join("images")
+        .join(format!("{name}-{}.ext4", key.finish()))
+}
+
+/// `/etc/passwd`, `/etc/group` and friends for the busybox image: root and
+/// the unprivileged `user`.
+fn write_identity(root: &Path) -> Result<(), ImageError> {
+    let files: &[(&str, &str)] = &[
+        (
+            "etc/passwd",
+            "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+        ),
+        ("etc/group", "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n"),
+        ("etc/hostname", "forkbox\n"),
+        ("etc/hosts", "127.0.0.1 localhost\n127.0.1.1 forkbox\n"),
+    ];
+    for (path, text) in files {
+        let p = root.join(path);
+        std::fs::write(&p, text).map_err(io_err(&p))?;
+    }
+    let home = root.join("home/user");
+    std::os::unix::fs::chown(&home, Some(1000), Some(1000)).map_err(io_err(&home))
+}
+
+/// Packs `dir` into an ext4 image at `out` sized to fit, written to a
+/// staging name first.
+fn make_ext4(dir: &Path, out: &Path) -> Result<(), ImageError> {
+    let used = du_bytes(dir)?;
+    // Room for metadata; the image is mounted read-only, so no free space
+    // is needed beyond what mke2fs itself wants.
+    let size_kib = (used / 1024) * 13 / 10 + 16 * 1024;
+    let parent = out.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let staging = cache::staging_path(out);
+    let _ = std::fs::remove_file(&staging);
+    run_tool(
+        Command::new("mke2fs")
+            .args([
+                "-q",
+                "-t",
+                "ext4",
+                "-O",
+                "^has_journal",
+                "-m",
+                "0",
+                "-L",
+                "forkbox-root",
+            ])
+            .args(["-E", "root_owner=0:0"])
+            .arg("-d")
+            .arg(dir)
+            .arg(&staging)
+            .arg(format!("{size_kib}k"))
+            .env("E2FSPROGS_FAKE_TIME", "1"),
+        "mke2fs",
+        "e2fsprogs",
+    )?;
+    std::fs::rename(&staging, out).map_err(io_err(out))
+}
+
+fn du_bytes(dir: &Path) -> Result<u64, ImageError> {
+    let out = run_tool(
+        Command::new("du")
+            .args(["-s", "-B1", "--apparent-size"])
+            .arg(dir),
+        "du",
+        "coreutils",
+    )?;
+    Ok(out
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0))
+}
+
+fn run_tool(
+    cmd: &mut Command,
+    tool: &'static str,
+    package: &'static str,
+) -> Result<String, ImageError> {
+    let out = cmd.output().map_err(|source| ImageError::Tool {
+        tool,
+        package,
+        source,
+    })?;
+    if !out.status.success() {
+        return Err(ImageError::Failed {
+            tool,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn make_ext4_image_holds_the_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(dir.path().join("etc")).expect("mkdir");
+        std::fs::write(dir.path().join("etc/greeting"), "hello from the image\n").expect("write");
+        std::os::unix::fs::symlink("greeting", dir.path().join("etc/link")).expect("symlink");
+        let out = tempfile::tempdir().expect("tempdir");
+        let img = out.path().join("root.ext4");
+        make_ext4(dir.path(), &img).expect("mke2fs");
+        // debugfs (e2fsprogs) reads the image without mounting it.
+        let cat = Command::new("debugfs")
+            .args(["-R", "cat /etc/greeting"])
+            .arg(&img)
+            .output()
+            .expect("debugfs");
+        assert_eq!(
+            String::from_utf8_lossy(&cat.stdout),
+            "hello from the image\n"
+        );
+        let stat = Command::new("debugfs")
+            .args(["-R", "stat /etc/link"])
+            .arg(&img)
+            .output()
+            .expect("debugfs");
+        assert!(String::from_utf8_lossy(&stat.stdout).contains("Fast link dest: \"greeting\""));
+    }
+}
