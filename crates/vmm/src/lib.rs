@@ -1,1 +1,140 @@
-//! placeholder
+//! forkbox-vmm: one process per microVM, built on rust-vmm crates.
+//!
+//! Owns booting a stock Debian kernel on KVM (x86_64) and running it to a
+//! typed end ([`VmExit`]). Devices beyond COM1 come from `forkbox-devices`;
+//! this crate must not be depended on by it (the direction is vmm → devices).
+//!
+//! Module map:
+//! - [`cli`]: the command-line contract, parsed into a [`VmConfig`].
+//! - [`host`]: refuses software-only `/dev/kvm` (kvm_pvm) and explains why.
+//! - [`layout`]: guest-physical layout, MMIO hole, e820 (pure).
+//! - [`memory`]: memfd-backed guest RAM and its KVM slots (unsafe lives here).
+//! - [`boot`]: bzImage, initramfs, command line, zero page, page tables, GDT.
+//! - [`cpu`]: CPUID patching, boot MSRs, LAPIC LINT pins, 64-bit registers.
+//! - [`acpi`]: RSDP/XSDT/FADT/DSDT/MADT via `acpi_tables` (pure).
+//! - [`serial`]: COM1 output: log file, 64 KiB tail, optional stderr echo.
+//! - [`pio`]: the port I/O bus (COM1, i8042 reset, ACPI sleep/reset, PCI).
+//! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
+//! - [`vm`]: assembles the VM, runs vCPU threads and the epoll loop.
+
+use std::path::PathBuf;
+
+pub mod acpi;
+pub mod boot;
+pub mod cli;
+pub mod cpu;
+pub mod host;
+pub mod layout;
+pub mod memory;
+pub mod pio;
+pub mod serial;
+pub mod virtio;
+pub mod vm;
+
+pub use pio::ResetCause;
+pub use serial::Echo;
+pub use vm::{run, VmError};
+
+/// Process exit status: the guest powered off (ACPI S5).
+pub const EXIT_POWER_OFF: i32 = 0;
+/// Process exit status: the VMM itself failed.
+pub const EXIT_VMM_ERROR: i32 = 1;
+/// Process exit status: the guest reset (reboot, i8042, triple fault).
+pub const EXIT_RESET: i32 = 2;
+/// Process exit status: the guest kernel panicked (then reset, `panic=-1`).
+pub const EXIT_PANIC: i32 = 3;
+
+/// How a VM ended, as decided by the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmExit {
+    PowerOff,
+    Reset { cause: ResetCause },
+    Panic { line: String },
+}
+
+impl VmExit {
+    /// The process exit status for this end.
+    pub fn code(&self) -> i32 {
+        match self {
+            VmExit::PowerOff => EXIT_POWER_OFF,
+            VmExit::Reset { .. } => EXIT_RESET,
+            VmExit::Panic { .. } => EXIT_PANIC,
+        }
+    }
+}
+
+impl std::fmt::Display for VmExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VmExit::PowerOff => write!(f, "guest powered off"),
+            VmExit::Reset { cause } => {
+                let how = match cause {
+                    ResetCause::Keyboard => "i8042 reset",
+                    ResetCause::Acpi => "ACPI reset register",
+                    ResetCause::TripleFault => "triple fault or KVM reset",
+                };
+                write!(f, "guest reset ({how})")
+            }
+            VmExit::Panic { line } => write!(f, "guest kernel panicked: {line}"),
+        }
+    }
+}
+
+/// Everything needed to build and run one VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    pub cmdline: String,
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    pub disks: Vec<PathBuf>,
+    pub vsock_uds: Option<PathBuf>,
+    pub serial_log: Option<PathBuf>,
+    pub echo: Echo,
+}
+
+impl VmConfig {
+    /// The virtio devices in window order: disks first (vda, vdb, ...), then vsock.
+    pub fn devices(&self) -> Vec<virtio::DeviceSpec> {
+        self.disks
+            .iter()
+            .cloned()
+            .map(virtio::DeviceSpec::Block)
+            .chain(
+                self.vsock_uds
+                    .clone()
+                    .map(|uds| virtio::DeviceSpec::Vsock { uds }),
+            )
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_match_contract() {
+        assert_eq!(VmExit::PowerOff.code(), 0);
+        assert_eq!(
+            VmExit::Reset {
+                cause: ResetCause::TripleFault
+            }
+            .code(),
+            2
+        );
+        assert_eq!(VmExit::Panic { line: "x".into() }.code(), 3);
+    }
+
+    #[test]
+    fn exit_panic_display_includes_line() {
+        let e = VmExit::Panic {
+            line: "Kernel panic - not syncing: boom".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "guest kernel panicked: Kernel panic - not syncing: boom"
+        );
+    }
+}

@@ -1,1 +1,28 @@
-fn main() {}
+//! `forkbox-vmm`: parses the command line, runs one VM, and turns its end
+//! into the process exit status (see `forkbox_vmm::EXIT_*`).
+
+use clap::Parser;
+use forkbox_vmm::cli::Args;
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FORKBOX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = Args::parse().into_config();
+    let code = match forkbox_vmm::run(&config) {
+        Ok(exit) => {
+            eprintln!("forkbox-vmm: {exit}");
+            exit.code()
+        }
+        Err(e) => {
+            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+            forkbox_vmm::EXIT_VMM_ERROR
+        }
+    };
+    // vCPU threads may still be inside KVM_RUN: end the process, not just main.
+    std::process::exit(code);
+}
