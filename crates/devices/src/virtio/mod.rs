@@ -8,6 +8,7 @@ pub mod chain;
 pub mod mmio;
 #[cfg(test)]
 pub(crate) mod testutil;
+pub mod vsock;
 
 use crate::{EventSource, GuestMemory, Interrupt};
 
