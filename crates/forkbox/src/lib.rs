@@ -1,5 +1,6 @@
 //! forkbox's host side: everything the `forkbox` command does.
 //!
+//! - [`bench`]: percentiles, calibration, VMM memory overhead.
 //! - [`cache`]: the content-addressed cache directory for built assets.
 //! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
 //! - [`kernel`]: the pinned guest and test-bed kernels and their modules.
@@ -13,6 +14,7 @@
 //! process and talks to the guest through `forkbox-proto`.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod cache;
 pub mod cpio;
 pub mod debs;

@@ -54,6 +54,43 @@ enum Cmd {
         #[command(subcommand)]
         command: TestbedCmd,
     },
+    /// Benchmarks: percentiles and ratios, naming the environment.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Cold boot: VMM start to the agent's handshake.
+    Boot {
+        #[arg(long, value_enum, default_value = "minimal")]
+        image: ImageName,
+        #[arg(long, default_value_t = 30)]
+        runs: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Exec round trip of `true`, 16 MiB of stdout, VMM memory overhead.
+    Exec {
+        #[arg(long, default_value_t = 100)]
+        runs: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A tight loop and fork+exec, here: the yardstick for other figures.
+    Calibrate {
+        #[arg(long)]
+        json: bool,
+    },
+    /// The emulated host: its boot time and how much slower it is than here.
+    Testbed {
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -114,6 +151,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Testbed { command } => testbed_cmd(command),
+        Cmd::Bench { what } => bench_cmd(what),
     }
 }
 
@@ -245,6 +283,152 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
                 .collect();
             let outcome = tb.run(&opts)?;
             Ok(testbed::report(&argv, opts.timeout, outcome))
+        }
+    }
+}
+
+fn print_report(json: bool, report: serde_json::Value) {
+    if json {
+        println!("{report}");
+    } else if let Some(obj) = report.as_object() {
+        for (k, v) in obj {
+            println!("{k:>22}: {v}");
+        }
+    }
+}
+
+fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
+    use forkbox::bench::{calibrate, vmm_overhead_kib, Calibration, Stats};
+    use serde_json::json;
+    let env = Environment::detect();
+    match what {
+        BenchCmd::Calibrate { json } => {
+            let c = calibrate();
+            print_report(
+                json,
+                json!({"environment": env.label(), "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us}),
+            );
+            Ok(0)
+        }
+        BenchCmd::Boot { image, runs, json } => {
+            if let Some(code) = delegate(image)? {
+                return Ok(code);
+            }
+            let assets = Assets::prepare()?;
+            let spec = VmSpec {
+                image,
+                ..VmSpec::default()
+            };
+            let mut samples = Vec::new();
+            for i in 0..runs {
+                let vm = Vm::boot(&assets, &spec).context("booting the microVM")?;
+                samples.push(vm.boot_time);
+                if !json {
+                    eprint!("\rforkbox bench boot: {}/{runs}", i + 1);
+                }
+            }
+            if !json {
+                eprintln!();
+            }
+            let s = Stats::from_durations(&samples);
+            let c = calibrate();
+            print_report(
+                json,
+                json!({
+                    "bench": "boot", "environment": env.label(), "image": image.as_str(),
+                    "vcpus": 1, "memory_mib": 512,
+                    "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms,
+                    "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
+                    "p50_in_fork_execs": s.p50_ms * 1000.0 / c.fork_exec_us,
+                }),
+            );
+            Ok(0)
+        }
+        BenchCmd::Exec { runs, json } => {
+            if let Some(code) = delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let assets = Assets::prepare()?;
+            let vm = Vm::boot(&assets, &VmSpec::default()).context("booting the microVM")?;
+            let agent = vm.agent();
+            let truth = ExecRequest::argv(["true"]);
+            agent.exec(&truth, None, &mut |_, _| {})?;
+            let mut samples = Vec::new();
+            for _ in 0..runs {
+                let t = Instant::now();
+                let r = agent.exec(&truth, None, &mut |_, _| {})?;
+                samples.push(t.elapsed());
+                anyhow::ensure!(r.success(), "`true` failed in the guest: {r:?}");
+            }
+            let s = Stats::from_durations(&samples);
+            const BIG: u64 = 16 << 20;
+            let big = ExecRequest::argv(["head", "-c", "16777216", "/dev/zero"]);
+            let mut rates = Vec::new();
+            for _ in 0..5 {
+                let mut got = 0u64;
+                let t = Instant::now();
+                agent.exec(&big, None, &mut |_, b| got += b.len() as u64)?;
+                anyhow::ensure!(got == BIG, "16 MiB exec returned {got} bytes");
+                rates.push(BIG as f64 / (1 << 20) as f64 / t.elapsed().as_secs_f64());
+            }
+            rates.sort_by(f64::total_cmp);
+            let overhead = vmm_overhead_kib(vm.pid()).context("reading the VMM's smaps")?;
+            let c: Calibration = calibrate();
+            print_report(
+                json,
+                json!({
+                    "bench": "exec", "environment": env.label(),
+                    "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms,
+                    "stdout_16mib_mib_per_s": rates[rates.len() / 2],
+                    "vmm_overhead_mib": overhead as f64 / 1024.0,
+                    "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
+                    "p50_in_fork_execs": s.p50_ms * 1000.0 / c.fork_exec_us,
+                }),
+            );
+            Ok(0)
+        }
+        BenchCmd::Testbed { runs, json } => {
+            let tb = Testbed::prepare().context("preparing the emulated host")?;
+            let host = calibrate();
+            let exe = std::env::current_exe()?.display().to_string();
+            let mut walls = Vec::new();
+            for _ in 0..runs.max(1) {
+                let t = Instant::now();
+                let outcome =
+                    tb.run_with(&RunOptions::new(vec!["true".into()]), &mut std::io::sink())?;
+                walls.push(t.elapsed());
+                anyhow::ensure!(
+                    matches!(outcome, testbed::Outcome::Exited(0)),
+                    "`true` inside the emulated host failed: {outcome:?}"
+                );
+            }
+            let opts = RunOptions::new(vec![
+                exe,
+                "bench".into(),
+                "calibrate".into(),
+                "--json".into(),
+            ]);
+            let mut out = Vec::new();
+            let outcome = tb.run_with(&opts, &mut out)?;
+            anyhow::ensure!(
+                matches!(outcome, testbed::Outcome::Exited(0)),
+                "calibration inside the emulated host failed: {outcome:?}"
+            );
+            let inside: Calibration =
+                serde_json::from_slice(&out).context("reading the calibration from inside")?;
+            let s = Stats::from_durations(&walls);
+            print_report(
+                json,
+                json!({
+                    "bench": "testbed",
+                    "run_true_p50_ms": s.p50_ms, "run_true_max_ms": s.max_ms, "runs": s.runs,
+                    "host_loop_ns_per_iter": host.loop_ns_per_iter, "inside_loop_ns_per_iter": inside.loop_ns_per_iter,
+                    "loop_slowdown": inside.loop_ns_per_iter / host.loop_ns_per_iter,
+                    "host_fork_exec_us": host.fork_exec_us, "inside_fork_exec_us": inside.fork_exec_us,
+                    "fork_exec_slowdown": inside.fork_exec_us / host.fork_exec_us,
+                }),
+            );
+            Ok(0)
         }
     }
 }

@@ -217,6 +217,15 @@ impl Testbed {
     /// Runs `opts.argv` inside a fresh emulated host, streaming its stdout
     /// and stderr to ours as they are produced.
     pub fn run(&self, opts: &RunOptions) -> Result<Outcome, TestbedError> {
+        self.run_with(opts, &mut std::io::stdout())
+    }
+
+    /// Like [`Testbed::run`], with the command's stdout going to `stdout`.
+    pub fn run_with(
+        &self,
+        opts: &RunOptions,
+        stdout: &mut dyn Write,
+    ) -> Result<Outcome, TestbedError> {
         let dir = tempfile::Builder::new()
             .prefix("forkbox-testbed-")
             .tempdir()
@@ -240,7 +249,7 @@ impl Testbed {
             .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
             .spawn()
             .map_err(TestbedError::Qemu)?;
-        let outcome = pump(run, &mut qemu, opts.timeout).map_err(io(run));
+        let outcome = pump(run, &mut qemu, opts.timeout, stdout).map_err(io(run));
         let _ = qemu.kill();
         let _ = qemu.wait();
         let outcome = outcome?;
@@ -295,23 +304,28 @@ enum Pumped {
 
 /// Copies new stdout/stderr bytes to ours until the status file appears,
 /// QEMU exits (`None`) or the time limit passes.
-fn pump(run: &Path, qemu: &mut Child, timeout: Duration) -> std::io::Result<Option<Pumped>> {
+fn pump(
+    run: &Path,
+    qemu: &mut Child,
+    timeout: Duration,
+    stdout: &mut dyn Write,
+) -> std::io::Result<Option<Pumped>> {
     let start = Instant::now();
     let mut out = Follower::open(&run.join("stdout"))?;
     let mut err = Follower::open(&run.join("stderr"))?;
     let status = run.join("status");
     loop {
-        out.copy_to(&mut std::io::stdout())?;
+        out.copy_to(stdout)?;
         err.copy_to(&mut std::io::stderr())?;
         if let Ok(text) = std::fs::read_to_string(&status) {
             if let Ok(code) = text.trim().parse() {
-                out.copy_to(&mut std::io::stdout())?;
+                out.copy_to(stdout)?;
                 err.copy_to(&mut std::io::stderr())?;
                 return Ok(Some(Pumped::Status(code)));
             }
         }
         if qemu.try_wait()?.is_some() {
-            out.copy_to(&mut std::io::stdout())?;
+            out.copy_to(stdout)?;
             err.copy_to(&mut std::io::stderr())?;
             return Ok(None);
         }

@@ -1,0 +1,147 @@
+//! `forkbox bench …`: measurements printed as percentiles and ratios, each
+//! naming the environment it ran in. Absolute times inside the emulated
+//! host are inflated; every run therefore also measures a calibration
+//! baseline (a tight loop and fork+exec) in the same environment, so that
+//! figures can be compared across environments.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// Summary of a set of samples, in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub runs: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    pub mean_ms: f64,
+}
+
+impl Stats {
+    pub fn from_durations(samples: &[Duration]) -> Self {
+        let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+        ms.sort_by(f64::total_cmp);
+        let n = ms.len();
+        let pct = |p: f64| -> f64 {
+            if n == 0 {
+                return f64::NAN;
+            }
+            // Nearest-rank percentile.
+            let rank = ((p / 100.0) * n as f64).ceil() as usize;
+            ms[rank.clamp(1, n) - 1]
+        };
+        Self {
+            runs: n,
+            p50_ms: pct(50.0),
+            p99_ms: pct(99.0),
+            min_ms: ms.first().copied().unwrap_or(f64::NAN),
+            max_ms: ms.last().copied().unwrap_or(f64::NAN),
+            mean_ms: if n == 0 {
+                f64::NAN
+            } else {
+                ms.iter().sum::<f64>() / n as f64
+            },
+        }
+    }
+
+    pub fn line(&self, what: &str) -> String {
+        format!(
+            "{what}: p50 {:.2} ms  p99 {:.2} ms  min {:.2} ms  max {:.2} ms  ({} runs)",
+            self.p50_ms, self.p99_ms, self.min_ms, self.max_ms, self.runs
+        )
+    }
+}
+
+/// How fast this environment is at the two things that dominate forkbox's
+/// own overheads: plain computation and process creation.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct Calibration {
+    /// Nanoseconds per iteration of a dependent integer loop.
+    pub loop_ns_per_iter: f64,
+    /// Microseconds for one fork+exec+wait of `/bin/true` (p50).
+    pub fork_exec_us: f64,
+}
+
+/// Measures [`Calibration`] here; takes about a second on real hardware.
+pub fn calibrate() -> Calibration {
+    const ITERS: u64 = 50_000_000;
+    let start = Instant::now();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in 0..ITERS {
+        x = std::hint::black_box(x.rotate_left(5) ^ i).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    }
+    std::hint::black_box(x);
+    let loop_ns_per_iter = start.elapsed().as_nanos() as f64 / ITERS as f64;
+    let mut spawns = Vec::new();
+    for _ in 0..50 {
+        let t = Instant::now();
+        let _ = Command::new("/bin/true").status();
+        spawns.push(t.elapsed());
+    }
+    Calibration {
+        loop_ns_per_iter,
+        fork_exec_us: Stats::from_durations(&spawns).p50_ms * 1000.0,
+    }
+}
+
+/// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
+/// every mapping in `/proc/PID/smaps` except the guest-RAM memfd.
+pub fn vmm_overhead_kib(pid: u32) -> std::io::Result<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    Ok(overhead_from_smaps(&smaps))
+}
+
+fn overhead_from_smaps(smaps: &str) -> u64 {
+    let mut total = 0;
+    let mut guest_ram = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            guest_ram = line.contains("memfd:forkbox-guest-ram");
+        } else if let Some(rest) = line.strip_prefix("Rss:") {
+            if !guest_ram {
+                total += rest
+                    .split_whitespace()
+                    .next()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_percentiles_nearest_rank() {
+        let samples: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        let s = Stats::from_durations(&samples);
+        assert_eq!(s.p50_ms, 50.0);
+        assert_eq!(s.p99_ms, 99.0);
+        assert_eq!(s.min_ms, 1.0);
+        assert_eq!(s.max_ms, 100.0);
+        assert_eq!(s.runs, 100);
+    }
+
+    #[test]
+    fn overhead_from_smaps_skips_guest_ram() {
+        let smaps = "\
+55d0c0000000-55d0c0100000 r-xp 00000000 08:01 123 /usr/bin/forkbox-vmm
+Size:               1024 kB
+Rss:                 800 kB
+7f0000000000-7f0020000000 rw-s 00000000 00:01 5 /memfd:forkbox-guest-ram (deleted)
+Size:             524288 kB
+Rss:              131072 kB
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
+Size:                132 kB
+Rss:                  24 kB
+";
+        assert_eq!(overhead_from_smaps(smaps), 824);
+    }
+}
