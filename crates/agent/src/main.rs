@@ -1,1 +1,172 @@
-fn main() {}
+//! forkbox-agent: PID 1 inside every forkbox microVM.
+//!
+//! Owns: boot-time init duties, reaping, and the protocol server on vsock
+//! port `forkbox_proto::AGENT_PORT`. Depends only on `forkbox-proto`; no
+//! other forkbox crate may depend on it (it is a guest binary).
+//!
+//! Modes:
+//! - run as PID 1 (the initramfs's `/init`): boot, then serve on vsock;
+//!   any fatal error is printed and the VM powered off (PID 1 must never
+//!   exit: that panics the kernel);
+//! - `forkbox-agent serve --listen unix:/path.sock`: serve on a unix socket
+//!   with no init duties (tests on the host);
+//! - `forkbox-agent serve --listen vsock:PORT`: serve on vsock, no init.
+//!
+//! Module map:
+//! - `sys`: every raw syscall (the only unsafe code);
+//! - `init`: mounts, modules, root overlay, switch root, hostname, `lo`;
+//! - `reaper`: the single `wait` loop dispatching exit statuses;
+//! - `server`: accept loop, handshake, request dispatch;
+//! - `exec`: running commands with streamed I/O, caps and timeouts;
+//! - `files`: file and tar requests.
+
+mod exec;
+mod files;
+mod init;
+mod reaper;
+mod server;
+mod sys;
+
+use std::io::Write;
+use std::os::unix::net::UnixListener;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use forkbox_proto::{BootInfo, Hello, AGENT_PORT, PROTOCOL_VERSION};
+
+use crate::reaper::Reaper;
+use crate::server::{Agent, Listener, ShutdownAction};
+
+const USAGE: &str = "usage: forkbox-agent serve --listen unix:PATH|vsock:PORT";
+
+static LOG_PREFIX: OnceLock<&'static str> = OnceLock::new();
+
+/// Logs one line to stderr, which is the console when we are PID 1.
+pub fn log(msg: &str) {
+    let prefix = LOG_PREFIX.get().copied().unwrap_or("forkbox-agent");
+    let _ = writeln!(std::io::stderr().lock(), "{prefix}: {msg}");
+}
+
+/// `error: cause: cause` on one line.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Carries out a shutdown request. Never returns.
+pub fn shutdown(action: ShutdownAction) -> ! {
+    sys::sync();
+    match action {
+        ShutdownAction::Exit => std::process::exit(0),
+        ShutdownAction::PowerOff => power_off_forever(),
+    }
+}
+
+fn power_off_forever() -> ! {
+    sys::sync();
+    loop {
+        let e = sys::power_off();
+        log(&format!("power off failed: {e}"));
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// PID 1: print why, power off. Never exits the process.
+fn fatal(msg: &str) -> ! {
+    log(&format!("fatal: {msg}; powering off"));
+    power_off_forever()
+}
+
+fn hello(boot: BootInfo) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        boot,
+    }
+}
+
+fn run_pid1() -> ! {
+    let start = Instant::now();
+    // A panic on any thread must not end PID 1 silently; on the main
+    // thread it reaches `fatal` through `catch_unwind` below.
+    let outcome = std::panic::catch_unwind(|| -> Result<(), String> {
+        let boot = init::boot(start).map_err(|e| chain(&e))?;
+        let reaper = Reaper::start().map_err(|e| format!("start reaper: {e}"))?;
+        let fd = sys::vsock_listen(AGENT_PORT)
+            .map_err(|e| format!("listen on vsock port {AGENT_PORT}: {e}"))?;
+        log(&format!(
+            "serving on vsock port {AGENT_PORT} after {} ms",
+            boot.boot_ms
+        ));
+        let agent = Arc::new(Agent {
+            hello: hello(boot),
+            reaper,
+            on_shutdown: ShutdownAction::PowerOff,
+        });
+        server::serve(&Listener::Vsock(fd), &agent).map_err(|e| chain(&e))
+    });
+    match outcome {
+        Ok(Ok(())) => fatal("server stopped"),
+        Ok(Err(msg)) => fatal(&msg),
+        Err(_) => fatal("panic in the main thread"),
+    }
+}
+
+fn run_serve(listen: &str) -> Result<(), String> {
+    let listener = if let Some(path) = listen.strip_prefix("unix:") {
+        let _ = std::fs::remove_file(path);
+        Listener::Unix(UnixListener::bind(path).map_err(|e| format!("bind {path}: {e}"))?)
+    } else if let Some(port) = listen.strip_prefix("vsock:") {
+        let port: u32 = port.parse().map_err(|_| format!("bad vsock port {port}"))?;
+        Listener::Vsock(sys::vsock_listen(port).map_err(|e| format!("listen vsock {port}: {e}"))?)
+    } else {
+        return Err(format!("bad --listen {listen:?}\n{USAGE}"));
+    };
+    // Adopt orphans like PID 1 would, so the reaper sees the same world.
+    if let Err(e) = sys::set_child_subreaper() {
+        log(&format!("cannot become a subreaper: {e}"));
+    }
+    let reaper = Reaper::start().map_err(|e| format!("start reaper: {e}"))?;
+    let agent = Arc::new(Agent {
+        hello: hello(BootInfo {
+            pid1: false,
+            kernel: init::kernel_release(),
+            ..BootInfo::default()
+        }),
+        reaper,
+        on_shutdown: ShutdownAction::Exit,
+    });
+    server::serve(&listener, &agent).map_err(|e| chain(&e))
+}
+
+fn main() {
+    if std::process::id() == 1 {
+        let _ = LOG_PREFIX.set("forkbox-agent");
+        run_pid1();
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let listen = match args.as_slice() {
+        [cmd, flag, listen] if cmd == "serve" && flag == "--listen" => listen.clone(),
+        [cmd, flag] if cmd == "serve" => match flag.strip_prefix("--listen=") {
+            Some(l) => l.to_string(),
+            None => {
+                eprintln!("{USAGE}");
+                std::process::exit(2);
+            }
+        },
+        _ => {
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run_serve(&listen) {
+        log(&e);
+        std::process::exit(1);
+    }
+}

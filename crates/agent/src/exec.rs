@@ -1,0 +1,456 @@
+//! Running one command for one connection.
+//!
+//! Threads per exec: two output pumps (pipe → `Stdout`/`Stderr` frames),
+//! one client watcher (stdin frames → pipe, and disconnect detection), and
+//! the connection's own thread, which waits for events, enforces the
+//! timeout and kills the process group when needed.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use forkbox_proto::frame::{read_frame, write_frame};
+use forkbox_proto::{
+    encode_control, AgentError, ErrorKind, ExecRequest, ExecResult, ExitStatus, FrameKind,
+    OutputStream, Response, StreamSummary, User, DATA_CHUNK, MAX_FRAME_LEN,
+};
+
+use crate::reaper::Reaper;
+use crate::sys::{self, WaitStatus};
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// How long to wait for output pipes to close after the group was killed
+/// (a process that left the group may still hold them).
+const KILL_GRACE: Duration = Duration::from_secs(2);
+/// Pipe capacity requested for stdout/stderr (large pipes, fewer wakeups).
+const PIPE_SIZE: usize = 1 << 20;
+
+/// The connection's write half, shared by the pumps and the final
+/// response. `None` once the exec is over: late writers get an error
+/// instead of interleaving with whatever follows.
+struct Sink(Mutex<Option<UnixStream>>);
+
+impl Sink {
+    fn send(&self, kind: FrameKind, body: &[u8]) -> io::Result<()> {
+        let mut guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match guard.as_mut() {
+            Some(s) => write_frame(s, kind, body),
+            None => Err(io::ErrorKind::BrokenPipe.into()),
+        }
+    }
+
+    fn close(&self) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+enum Event {
+    Exited(WaitStatus),
+    PumpDone(OutputStream, StreamSummary),
+    ClientGone,
+}
+
+/// Runs `req`, streaming output to `conn`, and writes the final
+/// `Response::Exec`. An `Err` means nothing was started and the caller
+/// should report it.
+pub fn run(
+    conn: &UnixStream,
+    reaper: &Reaper,
+    req: &ExecRequest,
+    stdin_streamed: bool,
+) -> Result<(), AgentError> {
+    let argv = match &req.command {
+        forkbox_proto::Command::Argv(v) if v.is_empty() => {
+            return Err(AgentError::new(ErrorKind::InvalidRequest, "empty argv"))
+        }
+        forkbox_proto::Command::Argv(v) => v.clone(),
+        forkbox_proto::Command::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+    };
+    let account = match &req.user {
+        Some(u) => Some(lookup_user(u)?),
+        None => None,
+    };
+    let home = match &account {
+        Some(a) => a.home.clone(),
+        None => current_home(),
+    };
+    let cwd = req.cwd.clone().unwrap_or_else(|| {
+        if account.is_some() {
+            home.clone()
+        } else {
+            "/".into()
+        }
+    });
+    if !fs::metadata(&cwd).map(|m| m.is_dir()).unwrap_or(false) {
+        return Err(AgentError::new(
+            ErrorKind::NotFound,
+            format!("working directory {cwd} is not a directory"),
+        ));
+    }
+
+    let mut cmd = Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .current_dir(&cwd)
+        .env_clear()
+        .envs(default_env(&home, account.as_ref()))
+        .envs(&req.env)
+        .stdin(if stdin_streamed {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(a) = &account {
+        cmd.uid(a.uid).gid(a.gid);
+    }
+    sys::spawn_in_new_session(&mut cmd);
+
+    let out_sock = conn
+        .try_clone()
+        .map_err(|e| internal("cannot clone connection", &e))?;
+    let sink = Arc::new(Sink(Mutex::new(Some(out_sock))));
+    let (tx, rx) = mpsc::channel::<Event>();
+    let start = Instant::now();
+    let exit_tx = tx.clone();
+    let spawned = reaper.spawn(
+        &mut cmd,
+        Box::new(move |status| {
+            let _ = exit_tx.send(Event::Exited(status));
+        }),
+    );
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => return spawn_failed(&sink, &argv[0], &e, stdin_streamed, conn, start),
+    };
+    let pgid = child.id();
+
+    // Watch the client: stdin frames, and disconnects.
+    let watcher_sock = conn
+        .try_clone()
+        .map_err(|e| internal("cannot clone connection", &e))?;
+    let stdin = child.stdin.take();
+    let watch_tx = tx.clone();
+    spawn_thread("exec-stdin", move || {
+        watch_client(watcher_sock, stdin, &watch_tx)
+    });
+
+    for (stream, pipe) in [
+        (
+            OutputStream::Stdout,
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn ReadPipe>),
+        ),
+        (
+            OutputStream::Stderr,
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn ReadPipe>),
+        ),
+    ] {
+        let Some(pipe) = pipe else {
+            let _ = tx.send(Event::PumpDone(stream, StreamSummary::default()));
+            continue;
+        };
+        let _ = sys::set_pipe_size(&pipe.as_fd_ref(), PIPE_SIZE);
+        let (sink, tx, cap) = (Arc::clone(&sink), tx.clone(), req.output_cap);
+        spawn_thread("exec-pump", move || pump(pipe, stream, cap, &sink, &tx));
+    }
+    drop(tx);
+    // `child` is dropped without waiting: the reaper owns its status.
+    drop(child);
+
+    let outcome = wait_events(&rx, pgid, start, req.timeout.map(|t| start + t));
+    let status = match outcome.status {
+        Some(WaitStatus::Exited(c)) => ExitStatus::Code(c),
+        Some(WaitStatus::Signaled(s)) => ExitStatus::Signal(s),
+        // Only if the reaper vanished; report as killed.
+        None => ExitStatus::Signal(libc::SIGKILL),
+    };
+    let result = ExecResult {
+        status,
+        timed_out: outcome.timed_out,
+        duration: outcome.duration.unwrap_or_else(|| start.elapsed()),
+        stdout: outcome.stdout,
+        stderr: outcome.stderr,
+    };
+    finish(&sink, conn, &Response::Exec { result });
+    Ok(())
+}
+
+/// Sends the final response, then closes the sink and unblocks the watcher.
+fn finish(sink: &Sink, conn: &UnixStream, resp: &Response) {
+    let _ = sink.send(FrameKind::Control, &encode_control(resp));
+    sink.close();
+    let _ = conn.shutdown(std::net::Shutdown::Read);
+}
+
+#[derive(Default)]
+struct Outcome {
+    status: Option<WaitStatus>,
+    duration: Option<Duration>,
+    timed_out: bool,
+    stdout: StreamSummary,
+    stderr: StreamSummary,
+}
+
+fn wait_events(
+    rx: &mpsc::Receiver<Event>,
+    pgid: u32,
+    start: Instant,
+    deadline: Option<Instant>,
+) -> Outcome {
+    let mut out = Outcome::default();
+    let mut pumps_left = 2;
+    let mut killed = false;
+    let mut deadline = deadline;
+    while out.status.is_none() || pumps_left > 0 {
+        let event = match deadline {
+            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                Ok(ev) => ev,
+                Err(RecvTimeoutError::Timeout) => {
+                    if killed {
+                        // Grace over: something outside the group holds
+                        // the pipes. Stop waiting for them.
+                        if out.status.is_some() {
+                            break;
+                        }
+                        deadline = None;
+                        continue;
+                    }
+                    out.timed_out = true;
+                    kill(pgid);
+                    killed = true;
+                    deadline = Some(Instant::now() + KILL_GRACE);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            },
+            None => match rx.recv() {
+                Ok(ev) => ev,
+                Err(_) => break,
+            },
+        };
+        match event {
+            Event::Exited(status) => {
+                out.status = Some(status);
+                out.duration = Some(start.elapsed());
+            }
+            Event::PumpDone(OutputStream::Stdout, s) => {
+                out.stdout = s;
+                pumps_left -= 1;
+            }
+            Event::PumpDone(OutputStream::Stderr, s) => {
+                out.stderr = s;
+                pumps_left -= 1;
+            }
+            Event::ClientGone => {
+                if !killed && (out.status.is_none() || pumps_left > 0) {
+                    kill(pgid);
+                    killed = true;
+                    deadline = Some(Instant::now() + KILL_GRACE);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn kill(pgid: u32) {
+    // ESRCH (group already gone) is fine.
+    let _ = sys::kill_group(pgid, libc::SIGKILL);
+}
+
+/// A pipe we can read and raise the capacity of.
+trait ReadPipe: Read + Send {
+    fn as_fd_ref(&self) -> std::os::fd::BorrowedFd<'_>;
+}
+
+impl<T: Read + Send + std::os::fd::AsFd> ReadPipe for T {
+    fn as_fd_ref(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.as_fd()
+    }
+}
+
+fn pump(
+    mut pipe: Box<dyn ReadPipe>,
+    stream: OutputStream,
+    cap: Option<u64>,
+    sink: &Sink,
+    events: &Sender<Event>,
+) {
+    let kind = match stream {
+        OutputStream::Stdout => FrameKind::Stdout,
+        OutputStream::Stderr => FrameKind::Stderr,
+    };
+    let mut buf = vec![0u8; DATA_CHUNK];
+    let (mut total, mut sent) = (0u64, 0u64);
+    let mut client_ok = true;
+    loop {
+        let n = match pipe.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        total += n as u64;
+        let allowed = cap.map_or(n, |c| c.saturating_sub(sent).min(n as u64) as usize);
+        if allowed > 0 && client_ok {
+            if sink.send(kind, &buf[..allowed]).is_err() {
+                client_ok = false;
+                let _ = events.send(Event::ClientGone);
+            }
+            sent += allowed as u64;
+        }
+        // Keep draining after the cap or a disconnect so the command never
+        // blocks on a full pipe.
+    }
+    let summary = StreamSummary {
+        total_bytes: total,
+        truncated: cap.is_some_and(|c| total > c),
+    };
+    let _ = events.send(Event::PumpDone(stream, summary));
+}
+
+fn watch_client(mut conn: UnixStream, mut stdin: Option<ChildStdin>, events: &Sender<Event>) {
+    loop {
+        match read_frame(&mut conn, MAX_FRAME_LEN) {
+            Ok(Some(f)) if f.kind == FrameKind::Data => {
+                if let Some(pipe) = stdin.as_mut() {
+                    if pipe.write_all(&f.body).is_err() {
+                        // The command closed its stdin; discard the rest.
+                        stdin = None;
+                    }
+                }
+            }
+            // Eof, or a stray frame: either way stdin is over.
+            Ok(Some(_)) => stdin = None,
+            Ok(None) | Err(_) => {
+                let _ = events.send(Event::ClientGone);
+                return;
+            }
+        }
+    }
+}
+
+fn spawn_failed(
+    sink: &Sink,
+    argv0: &str,
+    err: &io::Error,
+    stdin_streamed: bool,
+    conn: &UnixStream,
+    start: Instant,
+) -> Result<(), AgentError> {
+    let (code, msg) = match err.kind() {
+        io::ErrorKind::NotFound => (127, format!("forkbox: {argv0}: command not found\n")),
+        io::ErrorKind::PermissionDenied => (126, format!("forkbox: {argv0}: Permission denied\n")),
+        _ => (126, format!("forkbox: {argv0}: {err}\n")),
+    };
+    if stdin_streamed {
+        // Consume the client's stdin so its writes do not fail.
+        let mut c = conn;
+        while let Ok(Some(f)) = read_frame(&mut c, MAX_FRAME_LEN) {
+            if f.kind != FrameKind::Data {
+                break;
+            }
+        }
+    }
+    let _ = sink.send(FrameKind::Stderr, msg.as_bytes());
+    let result = ExecResult {
+        status: ExitStatus::Code(code),
+        timed_out: false,
+        duration: start.elapsed(),
+        stdout: StreamSummary::default(),
+        stderr: StreamSummary {
+            total_bytes: msg.len() as u64,
+            truncated: false,
+        },
+    };
+    finish(sink, conn, &Response::Exec { result });
+    Ok(())
+}
+
+fn spawn_thread(name: &str, f: impl FnOnce() + Send + 'static) {
+    if let Err(e) = thread::Builder::new().name(name.into()).spawn(f) {
+        crate::log(&format!("cannot start thread {name}: {e}"));
+    }
+}
+
+fn internal(what: &str, e: &io::Error) -> AgentError {
+    AgentError::new(ErrorKind::Internal, format!("{what}: {e}"))
+}
+
+/// A user from `/etc/passwd`.
+#[derive(Debug, Clone)]
+struct Account {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: String,
+}
+
+fn passwd_entries() -> Vec<Account> {
+    let text = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split(':').collect();
+            Some(Account {
+                name: (*f.first()?).to_string(),
+                uid: f.get(2)?.parse().ok()?,
+                gid: f.get(3)?.parse().ok()?,
+                home: (*f.get(5)?).to_string(),
+            })
+        })
+        .collect()
+}
+
+fn lookup_user(user: &User) -> Result<Account, AgentError> {
+    let entries = passwd_entries();
+    match user {
+        User::Name(name) => entries
+            .into_iter()
+            .find(|a| &a.name == name)
+            .ok_or_else(|| {
+                AgentError::new(ErrorKind::InvalidRequest, format!("unknown user {name}"))
+            }),
+        User::Uid(uid) => Ok(entries
+            .into_iter()
+            .find(|a| a.uid == *uid)
+            .unwrap_or_else(|| Account {
+                name: uid.to_string(),
+                uid: *uid,
+                gid: *uid,
+                home: "/".into(),
+            })),
+    }
+}
+
+fn current_home() -> String {
+    let uid = fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    passwd_entries()
+        .into_iter()
+        .find(|a| a.uid == uid)
+        .map_or_else(|| "/".into(), |a| a.home)
+}
+
+fn default_env(home: &str, account: Option<&Account>) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
+    env.insert("HOME".to_string(), home.to_string());
+    if let Some(a) = account {
+        env.insert("USER".to_string(), a.name.clone());
+        env.insert("LOGNAME".to_string(), a.name.clone());
+    }
+    env
+}

@@ -1,0 +1,166 @@
+//! The protocol server: one thread per connection, one request per
+//! connection. The edge: it turns frames into a [`Request`] and hands it to
+//! `exec` or `files`.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::thread;
+
+use forkbox_proto::frame::{read_frame, write_frame, FrameError};
+use forkbox_proto::{
+    decode_control, encode_control, AgentError, ErrorKind, FrameKind, Hello, Request, Response,
+    MAX_FRAME_LEN,
+};
+
+use crate::reaper::Reaper;
+use crate::{exec, files, sys};
+
+/// Why serving stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("accept failed")]
+    Accept(#[source] io::Error),
+}
+
+/// Where connections come from.
+pub enum Listener {
+    Unix(UnixListener),
+    /// A listening `AF_VSOCK` socket.
+    Vsock(OwnedFd),
+}
+
+impl Listener {
+    fn accept(&self) -> io::Result<UnixStream> {
+        match self {
+            Self::Unix(l) => l.accept().map(|(s, _)| s),
+            // A connected vsock socket is a stream socket like any other:
+            // read, write and shutdown are all `UnixStream` uses of it.
+            Self::Vsock(fd) => sys::accept(fd).map(UnixStream::from),
+        }
+    }
+}
+
+/// What a shutdown request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownAction {
+    /// We are PID 1: sync and power off.
+    PowerOff,
+    /// `serve` mode: exit the process.
+    Exit,
+}
+
+pub struct Agent {
+    pub hello: Hello,
+    pub reaper: Arc<Reaper>,
+    pub on_shutdown: ShutdownAction,
+}
+
+/// Accepts connections forever.
+pub fn serve(listener: &Listener, agent: &Arc<Agent>) -> Result<(), ServeError> {
+    let mut consecutive_errors = 0u32;
+    loop {
+        let conn = match listener.accept() {
+            Ok(c) => {
+                consecutive_errors = 0;
+                c
+            }
+            Err(e) => {
+                // Transient (EMFILE, ECONNABORTED...): log and go on, but
+                // do not spin forever on a dead listener.
+                consecutive_errors += 1;
+                crate::log(&format!("accept: {e}"));
+                if consecutive_errors > 1000 {
+                    return Err(ServeError::Accept(e));
+                }
+                thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        let agent = Arc::clone(agent);
+        let spawned = thread::Builder::new()
+            .name("conn".into())
+            .spawn(move || handle(&conn, &agent));
+        if let Err(e) = spawned {
+            crate::log(&format!("cannot start connection thread: {e}"));
+        }
+    }
+}
+
+/// Writes one control message.
+pub fn send(conn: &UnixStream, resp: &Response) -> io::Result<()> {
+    let mut w = conn;
+    write_frame(&mut w, FrameKind::Control, &encode_control(resp))
+}
+
+fn handle(conn: &UnixStream, agent: &Agent) {
+    let mut w = conn;
+    if write_frame(&mut w, FrameKind::Control, &encode_control(&agent.hello)).is_err() {
+        return;
+    }
+    let mut r = conn;
+    let req = match read_frame(&mut r, MAX_FRAME_LEN) {
+        // The client closed without asking anything (a readiness probe).
+        Ok(None) => return,
+        Ok(Some(f)) if f.kind == FrameKind::Control => match decode_control::<Request>(&f.body) {
+            Ok(req) => req,
+            Err(e) => {
+                return reply_error(
+                    conn,
+                    AgentError::new(ErrorKind::InvalidRequest, format!("bad request: {e}")),
+                )
+            }
+        },
+        Ok(Some(f)) => {
+            return reply_error(
+                conn,
+                AgentError::new(
+                    ErrorKind::Protocol,
+                    format!("expected a request, got a {:?} frame", f.kind),
+                ),
+            )
+        }
+        Err(FrameError::Io(_)) => return,
+        Err(e) => {
+            return reply_error(
+                conn,
+                AgentError::new(ErrorKind::Protocol, format!("bad frame: {e}")),
+            )
+        }
+    };
+    let outcome = match req {
+        Request::Ping => reply(conn, Ok(Response::Pong)),
+        Request::Shutdown => {
+            let _ = send(conn, &Response::Ok);
+            crate::shutdown(agent.on_shutdown)
+        }
+        Request::Exec { exec, stdin } => exec::run(conn, &agent.reaper, &exec, stdin),
+        Request::ReadFile { path } => files::read_file(conn, &path),
+        Request::WriteFile {
+            path,
+            mode,
+            create_parents,
+        } => files::write_file(conn, &path, mode, create_parents),
+        Request::ListDir { path } => files::list_dir(conn, &path),
+        Request::Stat { path } => reply(conn, files::stat(&path)),
+        Request::Mkdir { path, mode } => reply(conn, files::mkdir(&path, mode)),
+        Request::Remove { path, recursive } => reply(conn, files::remove(&path, recursive)),
+        Request::DownloadTar { path } => files::download_tar(conn, &path),
+        Request::UploadTar { path } => files::upload_tar(conn, &path),
+    };
+    if let Err(e) = outcome {
+        reply_error(conn, e);
+    }
+}
+
+fn reply(conn: &UnixStream, resp: Result<Response, AgentError>) -> Result<(), AgentError> {
+    let resp = resp?;
+    // A client that left needs no answer.
+    let _ = send(conn, &resp);
+    Ok(())
+}
+
+fn reply_error(conn: &UnixStream, error: AgentError) {
+    let _ = send(conn, &Response::Error { error });
+}

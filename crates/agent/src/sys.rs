@@ -1,0 +1,270 @@
+//! Every raw syscall the agent makes: the only module with `unsafe`.
+//!
+//! Each wrapper takes Rust types, converts them to C ones that live across
+//! the call, and turns `-1` into `io::Error::last_os_error()`.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::mem;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+fn cstring(s: &str) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in string"))
+}
+
+fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// `mount(2)`.
+pub fn mount(
+    source: &str,
+    target: &str,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> io::Result<()> {
+    let source = cstring(source)?;
+    let target = cstring(target)?;
+    let fstype = fstype.map(cstring).transpose()?;
+    let data = data.map(cstring).transpose()?;
+    // SAFETY: every pointer is either null (allowed by mount(2) for fstype
+    // and data) or points into a CString that outlives the call.
+    let ret = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
+            flags,
+            data.as_ref()
+                .map_or(std::ptr::null(), |s| s.as_ptr().cast::<libc::c_void>()),
+        )
+    };
+    check(ret).map(drop)
+}
+
+/// `finit_module(2)` with no parameters.
+pub fn finit_module(module: &File) -> io::Result<()> {
+    let params = c"";
+    // SAFETY: the fd is open for the duration of the call (borrowed from
+    // `module`) and `params` is a static NUL-terminated string.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_finit_module,
+            module.as_raw_fd(),
+            params.as_ptr(),
+            0 as libc::c_int,
+        )
+    };
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `sethostname(2)`.
+pub fn sethostname(name: &str) -> io::Result<()> {
+    // SAFETY: the pointer and length describe `name`'s bytes, which are
+    // valid for the duration of the call; the kernel copies them.
+    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
+}
+
+/// `sync(2)`.
+pub fn sync() {
+    // SAFETY: sync takes no arguments and cannot fail.
+    unsafe { libc::sync() }
+}
+
+/// `reboot(RB_POWER_OFF)`. Returns only on failure.
+pub fn power_off() -> io::Error {
+    // SAFETY: reboot with a valid command constant; it either stops the
+    // machine or fails with errno set (e.g. EPERM outside PID 1's rights).
+    unsafe { libc::reboot(libc::RB_POWER_OFF) };
+    io::Error::last_os_error()
+}
+
+/// Makes this process the reaper of its orphaned descendants (what PID 1
+/// is anyway), so `serve` mode exercises the same reaping paths.
+pub fn set_child_subreaper() -> io::Result<()> {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes one integer argument and
+    // touches no memory of ours.
+    check(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) }).map(drop)
+}
+
+/// `dup2(from, to)`.
+pub fn dup2(from: &impl AsRawFd, to: RawFd) -> io::Result<()> {
+    // SAFETY: `from` is an open fd borrowed for the call; replacing `to`
+    // (0, 1 or 2 here) is the intent, and nothing in the agent holds an
+    // owned handle to those descriptors.
+    check(unsafe { libc::dup2(from.as_raw_fd(), to) }).map(drop)
+}
+
+/// Raises a pipe's capacity (`F_SETPIPE_SZ`); best effort.
+pub fn set_pipe_size(pipe: &impl AsRawFd, size: usize) -> io::Result<()> {
+    let size = libc::c_int::try_from(size)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pipe size too large"))?;
+    // SAFETY: F_SETPIPE_SZ on a borrowed, open pipe fd; no memory passed.
+    check(unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_SETPIPE_SZ, size) }).map(drop)
+}
+
+/// Makes the command the leader of a new session (and so of a new process
+/// group whose id is its pid), so that `kill_group` reaches everything it
+/// starts.
+pub fn spawn_in_new_session(cmd: &mut Command) {
+    // SAFETY: the closure runs between fork and exec in the child, where
+    // only async-signal-safe calls are allowed: setsid is one, and the
+    // closure neither allocates nor takes locks.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `kill(-pgid, sig)`: signals a whole process group.
+pub fn kill_group(pgid: u32, sig: libc::c_int) -> io::Result<()> {
+    let pgid = libc::pid_t::try_from(pgid)
+        .ok()
+        .filter(|p| *p > 1)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "bad process group id"))?;
+    // SAFETY: kill takes plain integers; the negative pid addresses the
+    // group we created with setsid (pgid > 1, so never "all processes").
+    check(unsafe { libc::kill(-pgid, sig) }).map(drop)
+}
+
+/// How a reaped process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitStatus {
+    Exited(i32),
+    Signaled(i32),
+}
+
+/// Blocks until some child has exited and returns its pid *without*
+/// reaping it (`waitid(P_ALL, WEXITED | WNOWAIT)`).
+pub fn wait_any_exited() -> io::Result<u32> {
+    // SAFETY: siginfo_t is plain old data; all-zero is a valid value.
+    let mut info: libc::siginfo_t = unsafe { mem::zeroed() };
+    // SAFETY: `info` is a valid, writable siginfo_t for the kernel to fill.
+    check(unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) })?;
+    // SAFETY: after a successful waitid with WEXITED, si_pid is the
+    // field the kernel filled in for a SIGCHLD-style siginfo.
+    let pid = unsafe { info.si_pid() };
+    u32::try_from(pid).map_err(|_| io::Error::other("waitid returned a negative pid"))
+}
+
+/// Reaps `pid` if it is a zombie: `Ok(None)` if it is not (yet) or no
+/// longer our child.
+pub fn reap(pid: u32) -> io::Result<Option<WaitStatus>> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "bad pid"))?;
+    let mut status: libc::c_int = 0;
+    // SAFETY: `status` is a valid writable int for the kernel.
+    let ret = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+    if ret == -1 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ECHILD) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    if ret == 0 {
+        return Ok(None);
+    }
+    if libc::WIFEXITED(status) {
+        Ok(Some(WaitStatus::Exited(libc::WEXITSTATUS(status))))
+    } else if libc::WIFSIGNALED(status) {
+        Ok(Some(WaitStatus::Signaled(libc::WTERMSIG(status))))
+    } else {
+        Ok(None)
+    }
+}
+
+/// A listening `AF_VSOCK` stream socket on `port`, any CID.
+pub fn vsock_listen(port: u32) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the returned fd is checked and then
+    // owned exactly once.
+    let fd =
+        check(unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_vm is plain old data; all-zero is valid.
+    let mut addr: libc::sockaddr_vm = unsafe { mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_port = port;
+    addr.svm_cid = libc::VMADDR_CID_ANY;
+    // SAFETY: the pointer and length describe `addr`, a valid sockaddr_vm
+    // that outlives the call.
+    check(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_vm).cast(),
+            mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
+        )
+    })?;
+    // SAFETY: listen on a bound socket fd we own.
+    check(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
+    Ok(fd)
+}
+
+/// Accepts one connection on a listening socket (any family).
+pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
+    loop {
+        // SAFETY: null address pointers are allowed by accept4(2) when the
+        // peer address is not wanted.
+        let ret = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        match check(ret) {
+            // SAFETY: accept4 returned a fresh fd that nothing else owns.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Sets `IFF_UP` on a network interface (used for `lo`).
+pub fn interface_up(name: &str) -> io::Result<()> {
+    // SAFETY: plain socket(2) call; the fd is checked and owned once.
+    let fd =
+        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: fresh fd from socket(2), owned by nobody else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain old data; all-zero is valid.
+    let mut req: libc::ifreq = unsafe { mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "interface name too long",
+        ));
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the NUL-terminated name from `req` and
+    // writes the flags into it; `req` is valid and writable.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) })?;
+    // SAFETY: after SIOCGIFFLAGS the union holds the flags member.
+    unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    // SAFETY: SIOCSIFFLAGS reads `req`, valid for the call.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) })?;
+    Ok(())
+}
