@@ -1,0 +1,597 @@
+//! The real agent binary (`serve --listen unix:`) driven by the real client.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use forkbox_proto::frame::{encode_header, read_frame, write_frame};
+use forkbox_proto::{
+    decode_control, encode_control, AgentClient, ClientError, ErrorKind, ExecRequest, ExitStatus,
+    FileKind, FrameKind, OutputStream, Request, Response, MAX_FRAME_LEN,
+};
+use sha2::{Digest, Sha256};
+
+struct Agent {
+    child: Child,
+    dir: tempfile::TempDir,
+    sock: PathBuf,
+}
+
+impl Agent {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = dir.path().join("agent.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_forkbox-agent"))
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .spawn()
+            .expect("start agent");
+        let agent = Self { child, dir, sock };
+        agent
+            .client()
+            .wait_ready(Duration::from_secs(20))
+            .expect("agent ready");
+        agent
+    }
+
+    fn client(&self) -> AgentClient {
+        AgentClient::unix(&self.sock)
+    }
+
+    /// A scratch path inside the test's temp dir, as a string.
+    fn path(&self, rel: &str) -> String {
+        self.dir.path().join(rel).display().to_string()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Output {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    result: forkbox_proto::ExecResult,
+}
+
+fn run(client: &AgentClient, req: &ExecRequest, stdin: Option<&[u8]>) -> Output {
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let mut input = stdin.map(|b| b.to_vec());
+    let mut cursor = input.as_mut().map(|b| std::io::Cursor::new(b.as_slice()));
+    let result = client
+        .exec(
+            req,
+            cursor.as_mut().map(|c| c as &mut (dyn Read + Send)),
+            &mut |stream, bytes| match stream {
+                OutputStream::Stdout => stdout.extend_from_slice(bytes),
+                OutputStream::Stderr => stderr.extend_from_slice(bytes),
+            },
+        )
+        .expect("exec");
+    Output {
+        stdout,
+        stderr,
+        result,
+    }
+}
+
+/// Polls until `pid` no longer exists (killed and reaped). Bounded.
+fn wait_gone(pid: u32) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+fn deterministic_bytes(len: usize) -> Vec<u8> {
+    let mut state: u64 = 0x1234_5678_9ABC_DEF1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+#[test]
+fn exec_exit_code_propagates() {
+    let agent = Agent::start();
+    let out = run(
+        &agent.client(),
+        &ExecRequest::shell("echo hi; exit 3"),
+        None,
+    );
+    assert_eq!(out.result.status, ExitStatus::Code(3));
+    assert_eq!(out.stdout, b"hi\n");
+    assert!(!out.result.timed_out);
+}
+
+#[test]
+fn exec_argv_env_and_cwd_applied() {
+    let agent = Agent::start();
+    let req = ExecRequest::argv(["sh", "-c", "echo $FOO; pwd"])
+        .env("FOO", "bar")
+        .cwd(agent.dir.path().display().to_string());
+    let out = run(&agent.client(), &req, None);
+    let expected = format!("bar\n{}\n", agent.dir.path().display());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+    assert!(out.result.success());
+}
+
+#[test]
+fn exec_killed_by_signal_reports_signal() {
+    let agent = Agent::start();
+    let out = run(&agent.client(), &ExecRequest::shell("kill -9 $$"), None);
+    assert_eq!(out.result.status, ExitStatus::Signal(9));
+    assert_eq!(out.result.exit_code(), None);
+}
+
+#[test]
+fn exec_stderr_streamed_separately() {
+    let agent = Agent::start();
+    let out = run(
+        &agent.client(),
+        &ExecRequest::shell("echo out; echo err >&2"),
+        None,
+    );
+    assert_eq!(out.stdout, b"out\n");
+    assert_eq!(out.stderr, b"err\n");
+    assert_eq!(out.result.stdout.total_bytes, 4);
+    assert_eq!(out.result.stderr.total_bytes, 4);
+}
+
+#[test]
+fn exec_stdin_roundtrips() {
+    let agent = Agent::start();
+    let input = deterministic_bytes(3 * 1024 * 1024 + 17);
+    let out = run(&agent.client(), &ExecRequest::argv(["cat"]), Some(&input));
+    assert!(out.result.success());
+    assert_eq!(out.stdout.len(), input.len());
+    assert!(out.stdout == input);
+}
+
+#[test]
+fn exec_stdin_unread_still_completes() {
+    let agent = Agent::start();
+    let input = deterministic_bytes(8 * 1024 * 1024);
+    let out = run(&agent.client(), &ExecRequest::argv(["true"]), Some(&input));
+    assert_eq!(out.result.status, ExitStatus::Code(0));
+}
+
+#[test]
+fn exec_64mib_stdout_byte_exact() {
+    let agent = Agent::start();
+    let file = agent.dir.path().join("big");
+    let data = deterministic_bytes(64 * 1024 * 1024);
+    fs::write(&file, &data).expect("write big file");
+    let client = agent.client();
+    let mut hasher = Sha256::new();
+    let mut n = 0u64;
+    let start = Instant::now();
+    let result = client
+        .exec(
+            &ExecRequest::argv(["cat".to_string(), file.display().to_string()]),
+            None,
+            &mut |stream, bytes| {
+                assert_eq!(stream, OutputStream::Stdout);
+                hasher.update(bytes);
+                n += bytes.len() as u64;
+            },
+        )
+        .expect("exec");
+    let secs = start.elapsed().as_secs_f64();
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    eprintln!(
+        "64 MiB stdout in {secs:.3} s ({:.0} MiB/s, {profile} build)",
+        64.0 / secs
+    );
+    assert!(result.success());
+    assert_eq!(n, data.len() as u64);
+    assert_eq!(result.stdout.total_bytes, data.len() as u64);
+    assert!(!result.stdout.truncated);
+    assert_eq!(hasher.finalize()[..], Sha256::digest(&data)[..]);
+}
+
+#[test]
+fn exec_output_cap_truncates_and_counts() {
+    let agent = Agent::start();
+    let req =
+        ExecRequest::shell("head -c 300000 /dev/zero; head -c 10 /dev/zero >&2").output_cap(1000);
+    let out = run(&agent.client(), &req, None);
+    assert_eq!(out.stdout.len(), 1000);
+    assert_eq!(out.result.stdout.total_bytes, 300_000);
+    assert!(out.result.stdout.truncated);
+    assert_eq!(out.stderr.len(), 10);
+    assert!(!out.result.stderr.truncated);
+    assert!(out.result.success());
+}
+
+#[test]
+fn exec_timeout_kills_process_group() {
+    let agent = Agent::start();
+    // The grandchild sleeper shares the group and holds stdout open.
+    let req = ExecRequest::shell("sleep 1000 & echo $!; wait").timeout(Duration::from_millis(300));
+    let out = run(&agent.client(), &req, None);
+    assert!(out.result.timed_out);
+    assert_eq!(out.result.status, ExitStatus::Signal(9));
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("grandchild pid");
+    assert!(wait_gone(pid), "grandchild {pid} survived the timeout");
+}
+
+#[test]
+fn exec_concurrent_requests_all_complete() {
+    let agent = Agent::start();
+    let client = agent.client();
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let client = client.clone();
+                s.spawn(move || {
+                    let req = ExecRequest::shell(format!("sleep 0.2; echo {i}"));
+                    let out = run(&client, &req, None);
+                    assert_eq!(out.stdout, format!("{i}\n").into_bytes());
+                    assert!(out.result.success());
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("exec thread");
+        }
+    });
+}
+
+#[test]
+fn exec_missing_binary_exit_127() {
+    let agent = Agent::start();
+    let out = run(
+        &agent.client(),
+        &ExecRequest::argv(["forkbox-no-such-command"]),
+        None,
+    );
+    assert_eq!(out.result.status, ExitStatus::Code(127));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "forkbox: forkbox-no-such-command: command not found\n"
+    );
+}
+
+#[test]
+fn exec_not_executable_exit_126() {
+    let agent = Agent::start();
+    let path = agent.path("noexec");
+    fs::write(&path, "#!/bin/sh\necho hi\n").expect("write");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).expect("chmod");
+    let out = run(&agent.client(), &ExecRequest::argv([path.as_str()]), None);
+    assert_eq!(out.result.status, ExitStatus::Code(126));
+}
+
+#[test]
+fn exec_missing_cwd_agent_error() {
+    let agent = Agent::start();
+    let err = agent
+        .client()
+        .exec(
+            &ExecRequest::argv(["true"]).cwd("/nonexistent/forkbox"),
+            None,
+            &mut |_, _| {},
+        )
+        .expect_err("bad cwd");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::NotFound));
+}
+
+#[test]
+fn exec_client_disconnect_kills_command() {
+    let agent = Agent::start();
+    let mut s = UnixStream::connect(&agent.sock).expect("connect");
+    let hello = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("hello")
+        .expect("hello");
+    assert_eq!(hello.kind, FrameKind::Control);
+    let req = Request::Exec {
+        exec: ExecRequest::shell("sleep 1000 & echo $!; wait"),
+        stdin: false,
+    };
+    write_frame(&mut s, FrameKind::Control, &encode_control(&req)).expect("request");
+    let frame = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("read")
+        .expect("pid");
+    assert_eq!(frame.kind, FrameKind::Stdout);
+    let pid: u32 = String::from_utf8_lossy(&frame.body)
+        .trim()
+        .parse()
+        .expect("pid");
+    drop(s);
+    assert!(wait_gone(pid), "sleeper {pid} survived the disconnect");
+}
+
+#[test]
+fn server_oversized_frame_answered_with_error() {
+    let agent = Agent::start();
+    let mut s = UnixStream::connect(&agent.sock).expect("connect");
+    read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("hello")
+        .expect("hello");
+    s.write_all(&encode_header(FrameKind::Control, MAX_FRAME_LEN + 1))
+        .expect("header");
+    let frame = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("read")
+        .expect("reply");
+    match decode_control::<Response>(&frame.body).expect("response") {
+        Response::Error { error } => assert_eq!(error.kind, ErrorKind::Protocol),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn server_garbage_request_answered_with_error() {
+    let agent = Agent::start();
+    let mut s = UnixStream::connect(&agent.sock).expect("connect");
+    read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("hello")
+        .expect("hello");
+    write_frame(&mut s, FrameKind::Control, b"{not json").expect("garbage");
+    let frame = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("read")
+        .expect("reply");
+    match decode_control::<Response>(&frame.body).expect("response") {
+        Response::Error { error } => assert_eq!(error.kind, ErrorKind::InvalidRequest),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn files_write_read_roundtrip_preserves_mode() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let path = agent.path("f.bin");
+    let data = deterministic_bytes(2 * 1024 * 1024 + 5);
+    let written = client
+        .write_file(&path, 0o640, &mut data.as_slice())
+        .expect("write");
+    assert_eq!(written, data.len() as u64);
+    let stat = client.stat(&path).expect("stat");
+    assert_eq!(stat.kind, FileKind::File);
+    assert_eq!(stat.mode, 0o640);
+    assert_eq!(stat.size, data.len() as u64);
+    let mut back = Vec::new();
+    assert_eq!(
+        client.read_file(&path, &mut back).expect("read"),
+        data.len() as u64
+    );
+    assert!(back == data);
+}
+
+#[test]
+fn files_write_missing_parent_not_found_unless_asked() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let path = agent.path("a/b/c.txt");
+    let err = client
+        .write_file(&path, 0o600, &mut &b"x"[..])
+        .expect_err("missing parent");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::NotFound));
+    client
+        .write_file_with(&path, 0o600, true, &mut &b"x"[..])
+        .expect("create parents");
+    assert_eq!(fs::read(&path).expect("read"), b"x");
+}
+
+#[test]
+fn files_read_missing_not_found() {
+    let agent = Agent::start();
+    let err = agent
+        .client()
+        .read_file(&agent.path("nope"), &mut Vec::new())
+        .expect_err("missing");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::NotFound));
+}
+
+#[test]
+fn files_relative_path_invalid() {
+    let agent = Agent::start();
+    let err = agent.client().stat("etc/passwd").expect_err("relative");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest)
+    );
+}
+
+#[test]
+fn files_mkdir_list_remove_cycle() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let root = agent.path("tree");
+    client
+        .mkdir(&format!("{root}/x/y"), 0o755)
+        .expect("mkdir -p");
+    client
+        .mkdir(&format!("{root}/x/y"), 0o755)
+        .expect("mkdir -p twice");
+    client
+        .write_file(&format!("{root}/f"), 0o600, &mut &b"abc"[..])
+        .expect("write");
+    std::os::unix::fs::symlink("f", format!("{root}/l")).expect("symlink");
+    let mut entries = client.list_dir(&root).expect("list");
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    let summary: Vec<_> = entries
+        .iter()
+        .map(|e| (e.name.as_str(), e.stat.kind, e.stat.size))
+        .collect();
+    assert_eq!(summary[0], ("f", FileKind::File, 3));
+    assert_eq!(summary[1].0, "l");
+    assert_eq!(summary[1].1, FileKind::Symlink);
+    assert_eq!(summary[2].0, "x");
+    assert_eq!(summary[2].1, FileKind::Dir);
+    let err = client.remove(&root, false).expect_err("not empty");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::DirectoryNotEmpty)
+    );
+    client
+        .remove(&format!("{root}/f"), false)
+        .expect("remove file");
+    client.remove(&root, true).expect("remove tree");
+    let err = client.stat(&root).expect_err("gone");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::NotFound));
+}
+
+#[test]
+fn files_list_large_dir_spans_batches() {
+    let agent = Agent::start();
+    let dir = agent.dir.path().join("many");
+    fs::create_dir(&dir).expect("mkdir");
+    for i in 0..2500 {
+        fs::write(dir.join(format!("f{i}")), b"").expect("write");
+    }
+    let entries = agent
+        .client()
+        .list_dir(&dir.display().to_string())
+        .expect("list");
+    assert_eq!(entries.len(), 2500);
+}
+
+fn make_tree(root: &Path) {
+    fs::create_dir_all(root.join("sub/deeper")).expect("mkdir");
+    fs::write(root.join("a.txt"), b"hello").expect("write");
+    fs::write(
+        root.join("sub/deeper/big.bin"),
+        deterministic_bytes(700_000),
+    )
+    .expect("write");
+    fs::write(root.join("sub/run.sh"), b"#!/bin/sh\n").expect("write");
+    fs::set_permissions(root.join("sub/run.sh"), fs::Permissions::from_mode(0o750)).expect("chmod");
+    std::os::unix::fs::symlink("../a.txt", root.join("sub/link")).expect("symlink");
+}
+
+#[test]
+fn tar_download_upload_roundtrip() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let src = agent.dir.path().join("src");
+    make_tree(&src);
+    let mut archive = Vec::new();
+    let n = client
+        .download_tar(&src.display().to_string(), &mut archive)
+        .expect("download");
+    assert_eq!(n, archive.len() as u64);
+    let dst = agent.dir.path().join("dst");
+    let up = client
+        .upload_tar(&dst.display().to_string(), &mut archive.as_slice())
+        .expect("upload");
+    assert_eq!(up, archive.len() as u64);
+    assert_eq!(fs::read(dst.join("a.txt")).expect("a"), b"hello");
+    assert_eq!(
+        fs::read(dst.join("sub/deeper/big.bin")).expect("big"),
+        deterministic_bytes(700_000)
+    );
+    let mode = fs::metadata(dst.join("sub/run.sh"))
+        .expect("run.sh")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o750);
+    assert_eq!(
+        fs::read_link(dst.join("sub/link")).expect("link"),
+        Path::new("../a.txt")
+    );
+}
+
+/// A tar with one regular file whose raw name is `name` (bypassing the
+/// `tar` crate's own path checks).
+fn tar_with_raw_name(name: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    header.set_size(body.len() as u64);
+    header.set_mode(0o644);
+    header.set_entry_type(tar::EntryType::Regular);
+    header.as_old_mut().name[..name.len()].copy_from_slice(name);
+    header.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&header, body).expect("append");
+    b.into_inner().expect("finish")
+}
+
+#[test]
+fn tar_upload_parent_escape_refused() {
+    let agent = Agent::start();
+    let dst = agent.dir.path().join("in");
+    let archive = tar_with_raw_name(b"../escape.txt", b"pwned");
+    let err = agent
+        .client()
+        .upload_tar(&dst.display().to_string(), &mut archive.as_slice())
+        .expect_err("escape");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest)
+    );
+    assert!(!agent.dir.path().join("escape.txt").exists());
+}
+
+#[test]
+fn tar_upload_absolute_path_refused() {
+    let agent = Agent::start();
+    let target = agent.path("abs-escape.txt");
+    let archive = tar_with_raw_name(target.as_bytes(), b"pwned");
+    let err = agent
+        .client()
+        .upload_tar(&agent.path("in"), &mut archive.as_slice())
+        .expect_err("absolute");
+    assert!(matches!(err, ClientError::Agent(_)), "{err:?}");
+    assert!(!Path::new(&target).exists());
+}
+
+#[test]
+fn tar_upload_through_symlink_refused() {
+    let agent = Agent::start();
+    let outside = agent.dir.path().join("outside");
+    fs::create_dir(&outside).expect("mkdir");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut link = tar::Header::new_gnu();
+    link.set_entry_type(tar::EntryType::Symlink);
+    link.set_size(0);
+    b.append_link(&mut link, "link", &outside)
+        .expect("symlink entry");
+    let mut file = tar::Header::new_gnu();
+    file.set_size(5);
+    file.set_mode(0o644);
+    b.append_data(&mut file, "link/pwned", &b"pwned"[..])
+        .expect("file entry");
+    let archive = b.into_inner().expect("finish");
+    let err = agent
+        .client()
+        .upload_tar(&agent.path("in"), &mut archive.as_slice())
+        .expect_err("symlink trick");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest)
+    );
+    assert!(!outside.join("pwned").exists());
+}
+
+#[test]
+fn shutdown_serve_mode_exits_agent() {
+    let mut agent = Agent::start();
+    agent.client().shutdown().expect("shutdown");
+    let status = agent.child.wait().expect("wait");
+    assert!(status.success());
+}
