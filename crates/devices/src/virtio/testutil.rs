@@ -1,8 +1,11 @@
 //! A minimal split-virtqueue driver for tests: plays the guest side of a
 //! queue in a `GuestMemoryMmap`, with ring indices that wrap.
+//!
+//! It lays the rings out itself: `virtio_queue::mock::MockSplitQueue`
+//! (0.18) places the used ring `len` *bytes* after the avail ring's start,
+//! so for large queues the avail ring overwrites the used index.
 
-use virtio_queue::mock::MockSplitQueue;
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 
 use crate::GuestMemory;
@@ -38,9 +41,16 @@ pub fn wo(addr: u64, len: u32) -> Buf {
     }
 }
 
+/// Guest-physical addresses of one split queue's three parts.
+struct Layout {
+    desc: GuestAddress,
+    avail: GuestAddress,
+    used: GuestAddress,
+}
+
 pub struct Driver<'a> {
     mem: &'a GuestMemory,
-    mock: MockSplitQueue<'a, GuestMemory>,
+    layout: Layout,
     size: u16,
     next_desc: u16,
     avail_idx: u16,
@@ -49,10 +59,20 @@ pub struct Driver<'a> {
 
 impl<'a> Driver<'a> {
     pub fn new(mem: &'a GuestMemory, base: u64, size: u16) -> Self {
-        let mock = MockSplitQueue::create(mem, GuestAddress(base), size);
+        let n = u64::from(size);
+        let avail = base + 16 * n;
+        let used = (avail + 6 + 2 * n + 3) & !3;
+        let layout = Layout {
+            desc: GuestAddress(base),
+            avail: GuestAddress(avail),
+            used: GuestAddress(used),
+        };
+        for at in [avail, used] {
+            mem.write_obj(0u32, GuestAddress(at)).expect("ring init");
+        }
         Self {
             mem,
-            mock,
+            layout,
             size,
             next_desc: 0,
             avail_idx: 0,
@@ -62,15 +82,19 @@ impl<'a> Driver<'a> {
 
     /// A device-side queue over the same rings, ready to activate.
     pub fn queue(&self) -> Queue {
-        self.mock.create_queue().expect("mock queue")
+        let mut q = Queue::new(self.size).expect("queue size");
+        q.try_set_desc_table_address(self.layout.desc)
+            .expect("desc");
+        q.try_set_avail_ring_address(self.layout.avail)
+            .expect("avail");
+        q.try_set_used_ring_address(self.layout.used).expect("used");
+        q.set_ready(true);
+        q
     }
 
     /// Writes a raw descriptor into table slot `index`.
     pub fn write_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
-        let at = self
-            .mock
-            .desc_table_addr()
-            .unchecked_add(u64::from(index) * 16);
+        let at = self.layout.desc.unchecked_add(u64::from(index) * 16);
         let mut raw = [0u8; 16];
         raw[0..8].copy_from_slice(&addr.to_le_bytes());
         raw[8..12].copy_from_slice(&len.to_le_bytes());
@@ -82,14 +106,11 @@ impl<'a> Driver<'a> {
     /// Makes descriptor `head` available to the device.
     pub fn publish(&mut self, head: u16) {
         let slot = u64::from(self.avail_idx % self.size);
-        let ring = self.mock.avail_addr().unchecked_add(4 + slot * 2);
+        let ring = self.layout.avail.unchecked_add(4 + slot * 2);
         self.mem.write_obj(head.to_le(), ring).expect("avail write");
         self.avail_idx = self.avail_idx.wrapping_add(1);
         self.mem
-            .write_obj(
-                self.avail_idx.to_le(),
-                self.mock.avail_addr().unchecked_add(2),
-            )
+            .write_obj(self.avail_idx.to_le(), self.layout.avail.unchecked_add(2))
             .expect("avail idx write");
     }
 
@@ -111,7 +132,7 @@ impl<'a> Driver<'a> {
 
     /// Used-ring entries (head, len) the device added since the last call.
     pub fn used(&mut self) -> Vec<(u32, u32)> {
-        let used = self.mock.used_addr();
+        let used = self.layout.used;
         let idx: u16 = self
             .mem
             .read_obj(used.unchecked_add(2))

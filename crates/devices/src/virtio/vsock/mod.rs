@@ -30,6 +30,8 @@
 
 pub mod conn;
 pub mod packet;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
