@@ -4,6 +4,20 @@
 //! ([`virtio::block`]) and virtio-vsock with its userspace backend
 //! ([`virtio::vsock`]).
 //!
+//! Module map:
+//! - [`virtio`]: the [`virtio::VirtioDevice`] trait and activation errors.
+//!   - [`virtio::mmio`]: virtio-mmio v2 registers; [`virtio::mmio::MmioTransport`]
+//!     is the [`BusDevice`] + [`EventSource`] the VMM maps for each device.
+//!   - [`virtio::chain`]: descriptor chains flattened into readable and
+//!     writable byte ranges of guest memory.
+//!   - [`virtio::block`]: read-only virtio-blk over a file (pread).
+//!   - [`virtio::vsock`]: virtio-vsock and its unix-socket ("hybrid") backend.
+//!     - [`virtio::vsock::packet`]: the 44-byte packet header, sans-IO.
+//!     - [`virtio::vsock::conn`]: one connection's state and credit, sans-IO.
+//!
+//! No `unsafe` here: guest memory is touched through `vm-memory`'s volatile
+//! slices, sockets through `std`, epoll through `vmm-sys-util`.
+//!
 //! Must not depend on KVM (`kvm-ioctls`, `kvm-bindings`): devices see guest
 //! memory through `vm-memory`, raise interrupts by writing an [`EventFd`]
 //! (which the VMM registers as an irqfd) and are driven by the VMM calling

@@ -546,6 +546,7 @@ impl Backend {
                     c.forwarded(u32::try_from(n).unwrap_or(len));
                     let rest = (len as usize).saturating_sub(n);
                     if rest > 0 {
+                        hc.to_host.clear();
                         hc.to_host.resize(rest, 0);
                         if let Err(e) =
                             chain
@@ -588,6 +589,9 @@ impl Backend {
     /// Fills guest rx buffers with what connections owe the guest.
     fn fill_rx(&mut self, a: &mut Active) {
         let mut used = false;
+        // Buffers handed back unused in a row: a guard against spinning on
+        // a connection that keeps asking and then has nothing.
+        let mut idle = 0usize;
         loop {
             // Pick what to send before taking a buffer for it.
             let port = if self.rst_queue.is_empty() {
@@ -644,12 +648,20 @@ impl Backend {
             };
             match self.fill_one(a, &chain, port) {
                 Some(len) => {
-                    Self::write_used_len(a, head, len);
+                    Self::add_used(a, head, len);
                     used = true;
+                    idle = 0;
                 }
-                None => a.rx.go_to_previous_position(),
+                None => {
+                    a.rx.go_to_previous_position();
+                    idle += 1;
+                }
             }
+            self.finish_if_done(port);
             self.schedule(port);
+            if idle > self.conns.len() + 1 {
+                break;
+            }
         }
         if used {
             a.interrupt.signal_used_queue();
@@ -660,10 +672,6 @@ impl Backend {
         if let Err(e) = a.rx.add_used(&a.mem, head, len) {
             tracing::warn!("vsock: cannot return an rx buffer: {e}");
         }
-    }
-
-    fn write_used_len(a: &mut Active, head: u16, len: u32) {
-        Self::add_used(a, head, len);
     }
 
     /// Writes a header-only packet and returns the buffer.
@@ -721,6 +729,7 @@ impl Backend {
                     .write_at(&a.mem, HDR_LEN as u64, &hc.prefix[..n])
                     .is_err()
                 {
+                    self.close(port, true);
                     return None;
                 }
                 hc.prefix.drain(..n);

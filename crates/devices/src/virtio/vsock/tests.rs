@@ -661,3 +661,20 @@ fn vsock_random_tx_packets_do_not_panic() {
         h.dev.handle_events();
     }
 }
+
+#[test]
+fn vsock_guest_shutdown_then_host_eof_drops_connection() {
+    let mut h = harness("bothshut");
+    h.activate();
+    let (mut c, port) = h.connect(52, 4096);
+    let mut sd = guest_hdr(Op::Shutdown, 52, port, 0);
+    sd.flags = SHUTDOWN_SEND;
+    h.send(sd, &[]);
+    assert_eof(&mut c);
+    c.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    h.post_rx(4);
+    h.dev.handle_events();
+    let ops: Vec<_> = h.rx_packets().iter().map(|(p, _)| p.op()).collect();
+    assert_eq!(ops, vec![Some(Op::Shutdown), Some(Op::Rst)]);
+    assert_eq!(h.dev.connection_count(), 0);
+}
