@@ -805,6 +805,25 @@ impl Backend {
     }
 }
 
+/// A non-blocking listener on `uds_path` and an epoll instance watching it.
+fn listen(uds_path: &Path) -> Result<(UnixListener, Epoll), VsockError> {
+    let bind = |source| VsockError::Bind {
+        path: uds_path.to_path_buf(),
+        source,
+    };
+    let listener = UnixListener::bind(uds_path).map_err(bind)?;
+    listener.set_nonblocking(true).map_err(bind)?;
+    let epoll = Epoll::new().map_err(VsockError::Epoll)?;
+    epoll
+        .ctl(
+            ControlOperation::Add,
+            listener.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, LISTENER_TOKEN),
+        )
+        .map_err(VsockError::Epoll)?;
+    Ok((listener, epoll))
+}
+
 /// The virtio-vsock device.
 pub struct Vsock {
     backend: Backend,
@@ -817,20 +836,7 @@ impl Vsock {
     /// A device for a guest with CID `guest_cid` whose host side listens
     /// on the unix socket `uds_path` (which must not exist yet).
     pub fn new(guest_cid: u64, uds_path: &Path) -> io::Result<Vsock> {
-        let bind = |source| VsockError::Bind {
-            path: uds_path.to_path_buf(),
-            source,
-        };
-        let listener = UnixListener::bind(uds_path).map_err(bind)?;
-        listener.set_nonblocking(true).map_err(bind)?;
-        let epoll = Epoll::new().map_err(VsockError::Epoll)?;
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                listener.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, LISTENER_TOKEN),
-            )
-            .map_err(VsockError::Epoll)?;
+        let (listener, epoll) = listen(uds_path)?;
         Ok(Vsock {
             backend: Backend {
                 guest_cid,
@@ -863,6 +869,33 @@ impl Vsock {
     pub fn reset_connections(&mut self) {
         self.backend.close_all(true);
         self.process_rx();
+    }
+
+    /// In a `fork()` child: stop sharing kernel objects with the parent.
+    ///
+    /// The inherited epoll instance, listener and streams are the parent's
+    /// open file descriptions; touching them (epoll_ctl, accept, read,
+    /// shutdown) would act on the parent's. This drops our descriptors
+    /// without any such call, listens on a fresh `uds_path` with a fresh
+    /// epoll instance, and owes the guest an RST for every connection it
+    /// had, so the agent sees them reset and the daemon reconnects.
+    pub fn after_fork(&mut self, uds_path: &Path) -> io::Result<()> {
+        let (listener, epoll) = listen(uds_path)?;
+        let old_listener = std::mem::replace(&mut self.backend.listener, listener);
+        let old_epoll = std::mem::replace(&mut self.backend.epoll, epoll);
+        drop(old_listener);
+        drop(old_epoll);
+        let conns = std::mem::take(&mut self.backend.conns);
+        for (_, mut hc) in conns {
+            if let Some(c) = hc.conn.as_mut() {
+                let h = c.rst();
+                self.backend.push_rst(h);
+            }
+            // Dropping `hc` closes only this process's descriptor.
+        }
+        self.backend.rx_sched.clear();
+        self.process_rx();
+        Ok(())
     }
 
     fn process_rx(&mut self) {
