@@ -698,3 +698,47 @@ fn vsock_after_fork_resets_connections_and_listens_anew() {
     let (mut c2, _) = h.connect(53, 4096);
     c2.write_all(b"x").expect("write");
 }
+
+/// Guest -> host throughput through the device (tx chain -> unix stream),
+/// with a reader thread as the host client. Not a pass/fail test: run with
+/// `cargo test -p forkbox-devices --release -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "benchmark"]
+fn vsock_bench_guest_to_host_throughput() {
+    let mut h = harness("bench");
+    h.activate();
+    let (mut c, port) = h.connect(52, 1 << 20);
+    let total: u64 = 4 << 30;
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0u64;
+        while got < total {
+            let n = c.read(&mut buf).expect("bench read");
+            assert_ne!(n, 0, "early EOF");
+            got += n as u64;
+        }
+    });
+    let payload = vec![0x5au8; MAX_PKT_LEN as usize];
+    let start = std::time::Instant::now();
+    let (mut sent, mut fwd_seen) = (0u64, 0u32);
+    while sent < total {
+        let in_flight = (sent as u32).wrapping_sub(fwd_seen);
+        if CONN_BUF_ALLOC - in_flight >= MAX_PKT_LEN {
+            h.send(guest_hdr(Op::Rw, 52, port, MAX_PKT_LEN), &payload);
+            sent += u64::from(MAX_PKT_LEN);
+        } else {
+            h.dev.handle_events();
+        }
+        h.post_rx(64);
+        for (p, _) in h.rx_packets() {
+            fwd_seen = p.fwd_cnt;
+        }
+    }
+    reader.join().expect("reader");
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "guest->host: {} MiB in {secs:.2}s = {:.0} MiB/s",
+        total >> 20,
+        (total >> 20) as f64 / secs
+    );
+}
