@@ -82,8 +82,10 @@ pub fn run(
         Some(a) => a.home.clone(),
         None => current_home(),
     };
+    // Default: the user's home if it exists, else `/`.
     let cwd = req.cwd.clone().unwrap_or_else(|| {
-        if account.is_some() {
+        let home_ok = fs::metadata(&home).map(|m| m.is_dir()).unwrap_or(false);
+        if account.is_some() && home_ok {
             home.clone()
         } else {
             "/".into()
@@ -118,6 +120,9 @@ pub fn run(
         .try_clone()
         .map_err(|e| internal("cannot clone connection", &e))?;
     let sink = Arc::new(Sink(Mutex::new(Some(out_sock))));
+    let watcher_sock = conn
+        .try_clone()
+        .map_err(|e| internal("cannot clone connection", &e))?;
     let (tx, rx) = mpsc::channel::<Event>();
     let start = Instant::now();
     let exit_tx = tx.clone();
@@ -134,9 +139,6 @@ pub fn run(
     let pgid = child.id();
 
     // Watch the client: stdin frames, and disconnects.
-    let watcher_sock = conn
-        .try_clone()
-        .map_err(|e| internal("cannot clone connection", &e))?;
     let stdin = child.stdin.take();
     let watch_tx = tx.clone();
     spawn_thread("exec-stdin", move || {

@@ -10,6 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use forkbox_proto::frame::{encode_header, read_frame, write_frame};
+use forkbox_proto::User;
 use forkbox_proto::{
     decode_control, encode_control, AgentClient, ClientError, ErrorKind, ExecRequest, ExitStatus,
     FileKind, FrameKind, OutputStream, Request, Response, MAX_FRAME_LEN,
@@ -260,6 +261,37 @@ fn exec_concurrent_requests_all_complete() {
             h.join().expect("exec thread");
         }
     });
+}
+
+#[test]
+fn exec_as_user_drops_privileges() {
+    if fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+        .ok()
+        != Some(0)
+    {
+        eprintln!("skipped: needs root to switch users");
+        return;
+    }
+    let agent = Agent::start();
+    let client = agent.client();
+    let req = ExecRequest::shell("id -u; id -g; echo $HOME").user(User::Uid(12345));
+    let out = run(&client, &req, None);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "12345\n12345\n/\n");
+    let req = ExecRequest::shell("id -un; pwd").user(User::Name("nobody".into()));
+    let out = run(&client, &req, None);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "nobody\n/\n");
+    let err = client
+        .exec(
+            &ExecRequest::argv(["true"]).user(User::Name("forkbox-no-such-user".into())),
+            None,
+            &mut |_, _| {},
+        )
+        .expect_err("unknown user");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest)
+    );
 }
 
 #[test]
