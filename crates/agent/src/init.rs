@@ -122,14 +122,21 @@ fn load_modules() -> Vec<String> {
     };
     let mut failed = Vec::new();
     for path in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        let res = File::open(path).and_then(|f| sys::finit_module(&f));
-        match res {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => {
-                crate::log(&format!("module {path}: {e}"));
-                failed.push(path.to_string());
-            }
+        let res = match File::open(path) {
+            Ok(f) => match sys::finit_module(&f) {
+                Ok(()) => Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+                // What the kernel answers for an unresolved symbol.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Err(format!(
+                    "{e} (unknown symbol: is a dependency missing or listed later?)"
+                )),
+                Err(e) => Err(e.to_string()),
+            },
+            Err(e) => Err(format!("open: {e}")),
+        };
+        if let Err(e) = res {
+            crate::log(&format!("module {path}: {e}"));
+            failed.push(path.to_string());
         }
     }
     failed
