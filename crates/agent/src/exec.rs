@@ -30,6 +30,8 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 /// How long to wait for output pipes to close after the group was killed
 /// (a process that left the group may still hold them).
 const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How often a running exec checks that its client is still connected.
+const HANGUP_POLL: Duration = Duration::from_millis(500);
 /// Pipe capacity requested for stdout/stderr (large pipes, fewer wakeups).
 const PIPE_SIZE: usize = 1 << 20;
 
@@ -173,7 +175,7 @@ pub fn run(
     // `child` is dropped without waiting: the reaper owns its status.
     drop(child);
 
-    let outcome = wait_events(&rx, pgid, start, req.timeout.map(|t| start + t));
+    let outcome = wait_events(&rx, conn, pgid, start, req.timeout.map(|t| start + t));
     let status = match outcome.status {
         Some(WaitStatus::Exited(c)) => ExitStatus::Code(c),
         Some(WaitStatus::Signaled(s)) => ExitStatus::Signal(s),
@@ -209,40 +211,46 @@ struct Outcome {
 
 fn wait_events(
     rx: &mpsc::Receiver<Event>,
+    conn: &UnixStream,
     pgid: u32,
     start: Instant,
     deadline: Option<Instant>,
 ) -> Outcome {
     let mut out = Outcome::default();
     let mut pumps_left = 2;
+    // Once set, the group was killed and `deadline` is the grace period.
     let mut killed = false;
     let mut deadline = deadline;
     while out.status.is_none() || pumps_left > 0 {
-        let event = match deadline {
-            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                Ok(ev) => ev,
-                Err(RecvTimeoutError::Timeout) => {
-                    if killed {
-                        // Grace over: something outside the group holds
-                        // the pipes. Stop waiting for them.
-                        if out.status.is_some() {
-                            break;
-                        }
-                        deadline = None;
-                        continue;
+        let wait = deadline.map_or(HANGUP_POLL, |d| {
+            d.saturating_duration_since(Instant::now()).min(HANGUP_POLL)
+        });
+        let event = match rx.recv_timeout(wait) {
+            Ok(ev) => ev,
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                let expired = deadline.is_some_and(|d| Instant::now() >= d);
+                if expired && killed {
+                    // Grace over: something that left the group holds the
+                    // pipes. Stop waiting for them (never for the exit).
+                    if out.status.is_some() {
+                        break;
                     }
+                    deadline = None;
+                } else if expired {
                     out.timed_out = true;
                     kill(pgid);
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
-                    continue;
+                } else if !killed && sys::peer_hung_up(conn) {
+                    // The watcher may be stuck writing stdin the command
+                    // does not read; notice a vanished client anyway.
+                    kill(pgid);
+                    killed = true;
+                    deadline = Some(Instant::now() + KILL_GRACE);
                 }
-                Err(RecvTimeoutError::Disconnected) => break,
-            },
-            None => match rx.recv() {
-                Ok(ev) => ev,
-                Err(_) => break,
-            },
+                continue;
+            }
         };
         match event {
             Event::Exited(status) => {
@@ -258,7 +266,7 @@ fn wait_events(
                 pumps_left -= 1;
             }
             Event::ClientGone => {
-                if !killed && (out.status.is_none() || pumps_left > 0) {
+                if !killed {
                     kill(pgid);
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);

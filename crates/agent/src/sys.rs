@@ -191,6 +191,20 @@ pub fn reap(pid: u32) -> io::Result<Option<WaitStatus>> {
     }
 }
 
+/// Whether the peer of a connected stream socket has closed or shut down
+/// its write side (`POLLRDHUP`), without consuming any data.
+pub fn peer_hung_up(sock: &impl AsRawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, count 1, zero timeout; the fd is borrowed
+    // open for the duration of the call.
+    let ret = unsafe { libc::poll(&mut pfd, 1, 0) };
+    ret > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// A listening `AF_VSOCK` stream socket on `port`, any CID.
 pub fn vsock_listen(port: u32) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2) call; the returned fd is checked and then

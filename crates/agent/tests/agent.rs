@@ -359,6 +359,37 @@ fn exec_client_disconnect_kills_command() {
 }
 
 #[test]
+fn exec_disconnect_while_stdin_blocked_kills_command() {
+    let agent = Agent::start();
+    let mut s = UnixStream::connect(&agent.sock).expect("connect");
+    read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("hello")
+        .expect("hello");
+    // The command never reads stdin, so the agent's stdin writer blocks.
+    let req = Request::Exec {
+        exec: ExecRequest::shell("sleep 1000 & echo $!; wait"),
+        stdin: true,
+    };
+    write_frame(&mut s, FrameKind::Control, &encode_control(&req)).expect("request");
+    let frame = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("read")
+        .expect("pid");
+    let pid: u32 = String::from_utf8_lossy(&frame.body)
+        .trim()
+        .parse()
+        .expect("pid");
+    // Fill the pipe and the socket buffers: a write that times out means
+    // nobody on the other side is reading any more.
+    s.set_write_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
+    let chunk = vec![0u8; 64 * 1024];
+    while write_frame(&mut s, FrameKind::Data, &chunk).is_ok() {}
+    s.shutdown(std::net::Shutdown::Both).expect("shutdown");
+    drop(s);
+    assert!(wait_gone(pid), "sleeper {pid} survived the disconnect");
+}
+
+#[test]
 fn server_oversized_frame_answered_with_error() {
     let agent = Agent::start();
     let mut s = UnixStream::connect(&agent.sock).expect("connect");
