@@ -177,6 +177,7 @@ fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
             source,
         })?;
     }
+    free_initramfs();
     // As switch_root(8): the initramfs cannot be pivot_root'ed, so move the
     // new root over `/` and chroot into it.
     std::env::set_current_dir("/newroot").map_err(InitError::SwitchRoot)?;
@@ -184,6 +185,22 @@ fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
     std::os::unix::fs::chroot(".").map_err(InitError::SwitchRoot)?;
     std::env::set_current_dir("/").map_err(InitError::SwitchRoot)?;
     Ok(())
+}
+
+/// Deletes what the initramfs held once it is no longer needed (modules
+/// are loaded, the root is mounted), as switch_root(8) does: its pages
+/// would otherwise stay resident, hidden under the new root. Best effort.
+fn free_initramfs() {
+    for path in ["/init", "/forkbox", "/lib/modules"] {
+        let res = match fs::symlink_metadata(path) {
+            Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+            Ok(_) => fs::remove_file(path),
+            Err(_) => continue,
+        };
+        if let Err(e) = res {
+            crate::log(&format!("cannot free {path}: {e}"));
+        }
+    }
 }
 
 /// Runs the whole boot sequence.
@@ -196,6 +213,10 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
     let cmdline = Cmdline::parse(&fs::read_to_string("/proc/cmdline").unwrap_or_default());
     if let Some(dev) = &cmdline.root {
         switch_to_root(dev, &cmdline.rootfstype)?;
+        crate::log(&format!(
+            "root: {dev} ({}, read-only) under a tmpfs overlay",
+            cmdline.rootfstype
+        ));
     }
     // Conveniences: failures are logged, not fatal.
     let extra = [
