@@ -14,7 +14,9 @@ use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 
-use crate::layout::{VirtioWindow, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
+use crate::layout::{
+    VirtioWindow, ACPI_END, ACPI_START, COM1_PORT, IOAPIC_ADDR, LAPIC_ADDR, SERIAL_GSI,
+};
 
 const OEM_ID: [u8; 6] = *b"FRKBOX";
 const OEM_REVISION: u32 = 1;
@@ -81,12 +83,31 @@ fn aml_bytes(obj: &dyn Aml) -> Vec<u8> {
     v
 }
 
-/// The DSDT: `\_S5_` and `\_SB_.VRxx` for every virtio-mmio window.
+/// COM1 as an ACPI device. On hardware-reduced ACPI the kernel maps no
+/// legacy ISA IRQs by itself; describing IRQ 4 here is what makes the
+/// 8250 driver's interrupt reach the IOAPIC (without it the console is
+/// output-only from the kernel, and user space writes never drain).
+fn com1() -> Vec<u8> {
+    let io = aml::IO::new(COM1_PORT, COM1_PORT, 1, 8);
+    let irq = aml::Interrupt::new(true, true, false, false, SERIAL_GSI);
+    let crs = aml::ResourceTemplate::new(vec![&io, &irq]);
+    let hid_id = aml::EISAName::new("PNP0501");
+    let hid = aml::Name::new("_HID".into(), &hid_id);
+    let uid = aml::Name::new("_UID".into(), &0u8);
+    let crs_name = aml::Name::new("_CRS".into(), &crs);
+    aml_bytes(&aml::Device::new(
+        "\\_SB_.COM1".into(),
+        vec![&hid, &uid, &crs_name],
+    ))
+}
+
+/// The DSDT: `\_S5_`, COM1 and `\_SB_.VRxx` for every virtio-mmio window.
 pub fn dsdt(virtio: &[VirtioWindow]) -> Vec<u8> {
     let mut body = aml_bytes(&aml::Name::new(
         "_S5_".into(),
         &aml::Package::new(vec![&S5_SLEEP_TYPE, &0u8, &0u8, &0u8]),
     ));
+    body.extend(com1());
     for (i, w) in virtio.iter().enumerate() {
         let mem = aml::Memory32Fixed::new(true, w.base as u32, w.size as u32);
         // Edge-triggered, active-high, exclusive: the line is an irqfd pulse.
@@ -283,6 +304,7 @@ mod tests {
         let dsdt = dsdt(&w);
         assert_eq!(count(&dsdt, b"LNRO0005\0"), 3);
         assert_eq!(count(&dsdt, b"_S5_"), 1);
+        assert_eq!(count(&dsdt, b"COM1"), 1);
         for win in &w {
             // Memory32Fixed: tag 0x86, length 9, read-write, base, size.
             let mut mem = vec![0x86, 0x09, 0x00, 0x01];

@@ -21,6 +21,23 @@ use crate::layout::{
 const STARTUP_64_OFFSET: u64 = 0x200;
 /// `type_of_loader`: "undefined" boot loader.
 const LOADER_TYPE_UNDEFINED: u8 = 0xff;
+/// The x86 reset vector (F000:FFF0), where a BIOS reboot jumps.
+const RESET_VECTOR: u64 = 0xF_FFF0;
+/// What runs at the reset vector: there is no firmware, so a guest that
+/// reboots through the BIOS (the kernel's default on hardware-reduced ACPI
+/// without EFI) writes the FADT reset register instead:
+/// `mov dx, RESET_PORT; mov al, RESET_VALUE; out dx, al; hlt; jmp $-1`.
+pub const RESET_VECTOR_STUB: [u8; 9] = [
+    0xba,
+    (crate::acpi::RESET_PORT & 0xff) as u8,
+    (crate::acpi::RESET_PORT >> 8) as u8,
+    0xb0,
+    crate::acpi::RESET_VALUE,
+    0xee,
+    0xf4,
+    0xeb,
+    0xfd,
+];
 /// Largest number of e820 entries the zero page holds.
 const E820_MAX: usize = 128;
 
@@ -217,6 +234,12 @@ pub fn load(
     let gdt: Vec<u8> = GDT.iter().flat_map(|e| e.to_le_bytes()).collect();
     write(mem, "the GDT", GDT_ADDR, &gdt)?;
     write(mem, "the IDT", IDT_ADDR, &[0u8; 8])?;
+    write(
+        mem,
+        "the reset vector stub",
+        RESET_VECTOR,
+        &RESET_VECTOR_STUB,
+    )?;
 
     Ok(BootEntry {
         rip: loaded.kernel_load.0 + STARTUP_64_OFFSET,
@@ -237,6 +260,12 @@ mod tests {
     fn gdt_entry_code64_matches_known_encoding() {
         assert_eq!(GDT_CODE64, 0x00af_9b00_0000_ffff);
         assert_eq!(GDT_DATA, 0x00cf_9300_0000_ffff);
+    }
+
+    #[test]
+    fn reset_vector_stub_fits_below_1mib() {
+        assert!(RESET_VECTOR + RESET_VECTOR_STUB.len() as u64 <= KERNEL_ADDR);
+        assert_eq!(&RESET_VECTOR_STUB[..3], &[0xba, 0x02, 0x06]);
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub const MAX_VIRTIO_DEVICES: usize = 19;
 /// Offset of QueueNotify in a virtio-mmio window.
 pub const VIRTIO_MMIO_QUEUE_NOTIFY: u64 = 0x50;
 
+/// COM1's I/O base (8 ports).
+pub const COM1_PORT: u16 = 0x3f8;
 /// The serial port's GSI (COM1).
 pub const SERIAL_GSI: u32 = 4;
 

@@ -7,13 +7,12 @@ use std::sync::Mutex;
 use crate::acpi::{self, SleepRequest};
 use crate::serial::SerialDevice;
 
-const COM1: u16 = 0x3f8;
+const COM1: u16 = crate::layout::COM1_PORT;
 const COM_PORTS: u16 = 8;
 const I8042_DATA: u16 = 0x60;
 const I8042_COMMAND: u16 = 0x64;
 const I8042_CMD_RESET: u8 = 0xfe;
 const PCI_CONFIG_ADDRESS: u16 = 0xcf8;
-const PCI_CONFIG_DATA: u16 = 0xcfc;
 
 /// A guest action on a port that ends the VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,8 +94,10 @@ impl PortBus {
             acpi::RESET_PORT if first == acpi::RESET_VALUE => {
                 Some(PortEvent::Reset(ResetCause::Acpi))
             }
-            PCI_CONFIG_ADDRESS | PCI_CONFIG_DATA => None,
-            _ => None,
+            _ => {
+                tracing::trace!(port, value = first, "ignored port write");
+                None
+            }
         }
     }
 }

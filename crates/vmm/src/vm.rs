@@ -95,6 +95,7 @@ struct ExitSignal {
 
 impl ExitSignal {
     fn report(&self, id: u8, outcome: VcpuOutcome) {
+        tracing::debug!(vcpu = id, ?outcome, "vCPU stopped");
         let mut slot = match self.outcome.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
