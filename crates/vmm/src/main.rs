@@ -12,7 +12,20 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let config = Args::parse().into_config();
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) => {
+            let _ = e.print();
+            // --help and --version succeed; usage errors must not look like
+            // a guest reset (2), which is clap's default status.
+            std::process::exit(if e.use_stderr() {
+                forkbox_vmm::EXIT_VMM_ERROR
+            } else {
+                0
+            });
+        }
+    };
+    let config = args.into_config();
     let code = match forkbox_vmm::run(&config) {
         Ok(exit) => {
             eprintln!("forkbox-vmm: {exit}");

@@ -5,8 +5,12 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use forkbox_devices::{BusDevice, EventSource, GuestMemory};
-use vmm_sys_util::eventfd::EventFd;
+use forkbox_devices::virtio::block::Block;
+use forkbox_devices::virtio::mmio::MmioTransport;
+use forkbox_devices::virtio::vsock::Vsock;
+use forkbox_devices::virtio::VirtioDevice;
+use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::layout::VirtioWindow;
 
@@ -30,10 +34,18 @@ pub enum DeviceSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error(
-        "virtio devices ({0:?}) are not available yet: forkbox-devices has no virtio-mmio transport"
-    )]
-    Unavailable(DeviceSpec),
+    #[error("cannot open disk {path}")]
+    Block {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot set up vsock at {path}")]
+    Vsock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("too many virtio devices: {0} (at most {max})", max = crate::layout::MAX_VIRTIO_DEVICES)]
     TooMany(usize),
     #[error("cannot create an eventfd")]
@@ -48,17 +60,45 @@ pub struct VirtioSlot {
     pub irq: Arc<EventFd>,
 }
 
+impl VirtioMmio for MmioTransport {
+    fn queue_notify(&mut self, index: u16) {
+        MmioTransport::queue_notify(self, index);
+    }
+}
+
 /// Creates the transports for `specs`, in order, at windows 0, 1, ...
-pub fn create(specs: &[DeviceSpec], _mem: &GuestMemory) -> Result<Vec<VirtioSlot>, DeviceError> {
+pub fn create(specs: &[DeviceSpec], mem: &GuestMemory) -> Result<Vec<VirtioSlot>, DeviceError> {
     if specs.len() > crate::layout::MAX_VIRTIO_DEVICES {
         return Err(DeviceError::TooMany(specs.len()));
     }
-    // Waiting on forkbox_devices::virtio::{mmio::MmioTransport, block::Block,
-    // vsock::Vsock}; see the contract in crates/devices/src/virtio/mod.rs.
-    match specs.first() {
-        Some(spec) => Err(DeviceError::Unavailable(spec.clone())),
-        None => Ok(Vec::new()),
+    let mut slots = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let window = VirtioWindow::nth(i).ok_or(DeviceError::TooMany(specs.len()))?;
+        let device: Box<dyn VirtioDevice> = match spec {
+            DeviceSpec::Block(path) => {
+                Box::new(Block::new(path).map_err(|source| DeviceError::Block {
+                    path: path.clone(),
+                    source,
+                })?)
+            }
+            DeviceSpec::Vsock { uds } => Box::new(Vsock::new(GUEST_CID, uds).map_err(
+                |source| DeviceError::Vsock {
+                    path: uds.clone(),
+                    source,
+                },
+            )?),
+        };
+        let queues = u16::try_from(device.queue_max_sizes().len()).unwrap_or(u16::MAX);
+        let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(DeviceError::EventFd)?);
+        let transport = MmioTransport::new(device, mem.clone(), Interrupt::new(Arc::clone(&irq)));
+        slots.push(VirtioSlot {
+            window,
+            device: Arc::new(Mutex::new(transport)),
+            queues,
+            irq,
+        });
     }
+    Ok(slots)
 }
 
 /// MMIO dispatch for vCPU threads: finds the window and locks its device.
