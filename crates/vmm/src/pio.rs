@@ -101,3 +101,76 @@ impl PortBus {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use vm_superio::Serial;
+    use vmm_sys_util::eventfd::EventFd;
+
+    use super::*;
+    use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
+
+    fn bus() -> (PortBus, Arc<Mutex<TailBuffer>>) {
+        let tail = Arc::new(Mutex::new(TailBuffer::default()));
+        let irq = EventFd::new(0).expect("eventfd");
+        let serial = Serial::new(
+            IrqTrigger(irq),
+            SerialOutput::new(None, Arc::clone(&tail), Echo::Off),
+        );
+        (PortBus::new(serial), tail)
+    }
+
+    #[test]
+    fn write_com1_data_reaches_tail() {
+        let (bus, tail) = bus();
+        for b in b"hi\n" {
+            assert_eq!(bus.write(COM1, &[*b]), None);
+        }
+        assert_eq!(tail.lock().expect("lock").contents(), b"hi\n");
+    }
+
+    #[test]
+    fn write_i8042_fe_resets() {
+        let (bus, _) = bus();
+        assert_eq!(
+            bus.write(I8042_COMMAND, &[0xfe]),
+            Some(PortEvent::Reset(ResetCause::Keyboard))
+        );
+        assert_eq!(bus.write(I8042_COMMAND, &[0xd1]), None);
+    }
+
+    #[test]
+    fn write_acpi_sleep_s5_powers_off_and_reset_register_resets() {
+        let (bus, _) = bus();
+        let s5 = (acpi::S5_SLEEP_TYPE << 2) | acpi::SLEEP_ENABLE;
+        assert_eq!(
+            bus.write(acpi::SLEEP_CONTROL_PORT, &[s5]),
+            Some(PortEvent::PowerOff)
+        );
+        assert_eq!(
+            bus.write(acpi::RESET_PORT, &[acpi::RESET_VALUE]),
+            Some(PortEvent::Reset(ResetCause::Acpi))
+        );
+    }
+
+    #[test]
+    fn read_unknown_and_pci_ports_all_ones() {
+        let (bus, _) = bus();
+        let mut d = [0u8; 4];
+        bus.read(0x1234, &mut d);
+        assert_eq!(d, [0xff; 4]);
+        bus.write(PCI_CONFIG_ADDRESS, &0x8000_0000u32.to_le_bytes());
+        bus.read(0xcfc, &mut d);
+        assert_eq!(d, [0xff; 4]);
+    }
+
+    #[test]
+    fn read_i8042_status_ready() {
+        let (bus, _) = bus();
+        let mut d = [0xaa];
+        bus.read(I8042_COMMAND, &mut d);
+        assert_eq!(d, [0]);
+    }
+}

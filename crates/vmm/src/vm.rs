@@ -124,6 +124,36 @@ fn eventfd() -> Result<EventFd, VmError> {
     EventFd::new(EFD_NONBLOCK).map_err(|e| VmError::EventLoop("eventfd", e))
 }
 
+/// How often the main loop looks at the serial tail for a kernel panic.
+const PANIC_POLL_MS: i32 = 1000;
+/// Polls a panic line may stay unanswered by a reset before the VMM stops
+/// the VM itself (a guest booted without `panic=-1` would hang forever).
+const PANIC_GRACE_POLLS: u32 = 5;
+
+/// Decides when a kernel panic without a following reset ends the VM.
+/// Driven by poll ticks, not clocks, so it is tested without sleeping.
+#[derive(Debug, Default)]
+pub struct PanicWatch {
+    polls_since_panic: u32,
+}
+
+impl PanicWatch {
+    /// Records one poll; true once a panic has been seen for longer than
+    /// [`PANIC_GRACE_POLLS`] polls.
+    pub fn poll(&mut self, panic_seen: bool) -> bool {
+        if panic_seen {
+            self.polls_since_panic += 1;
+        }
+        self.polls_since_panic > PANIC_GRACE_POLLS
+    }
+}
+
+/// Why the main loop stopped.
+enum LoopEnd {
+    Vcpu(u8, VcpuOutcome),
+    PanicWithoutReset(String),
+}
+
 /// Main-loop work items, indexed by epoll token.
 enum Token {
     Stop,
@@ -257,9 +287,13 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
             .map_err(|e| VmError::Thread(id, e))?;
     }
 
-    let (id, outcome) = event_loop(&epoll, &tokens, &slots, &exit)?;
+    let end = event_loop(&epoll, &tokens, &slots, &exit, &tail)?;
     // `vm` and `ram` stay alive until here: the slots point into `ram`.
     drop(vm);
+    let (id, outcome) = match end {
+        LoopEnd::Vcpu(id, outcome) => (id, outcome),
+        LoopEnd::PanicWithoutReset(line) => return Ok(VmExit::Panic { line }),
+    };
     match outcome {
         VcpuOutcome::Guest(PortEvent::PowerOff) => Ok(VmExit::PowerOff),
         VcpuOutcome::Guest(PortEvent::Reset(cause)) => {
@@ -308,20 +342,31 @@ fn event_loop(
     tokens: &[Token],
     slots: &[VirtioSlot],
     exit: &ExitSignal,
-) -> Result<(u8, VcpuOutcome), VmError> {
+    tail: &Mutex<TailBuffer>,
+) -> Result<LoopEnd, VmError> {
     let mut events = vec![EpollEvent::default(); tokens.len().max(1)];
+    let mut panic_watch = PanicWatch::default();
     loop {
-        let n = match epoll.wait(-1, &mut events) {
+        let n = match epoll.wait(PANIC_POLL_MS, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
         };
+        if n == 0 {
+            let line = tail.lock().ok().and_then(|t| t.panic_line());
+            if panic_watch.poll(line.is_some()) {
+                if let Some(line) = line {
+                    return Ok(LoopEnd::PanicWithoutReset(line));
+                }
+            }
+            continue;
+        }
         for ev in &events[..n] {
             match tokens.get(ev.data() as usize) {
                 Some(Token::Stop) => {
                     let _ = exit.evt.read();
-                    if let Some(outcome) = exit.take() {
-                        return Ok(outcome);
+                    if let Some((id, outcome)) = exit.take() {
+                        return Ok(LoopEnd::Vcpu(id, outcome));
                     }
                 }
                 Some(Token::QueueNotify { slot, queue, evt }) => {
@@ -373,5 +418,25 @@ fn vcpu_loop(mut vcpu: VcpuFd, pio: &PortBus, mmio: &MmioBus) -> VcpuOutcome {
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
             Err(e) => return VcpuOutcome::Failed(VcpuError::Run(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_watch_without_panic_never_fires() {
+        let mut w = PanicWatch::default();
+        assert!((0..100).all(|_| !w.poll(false)));
+    }
+
+    #[test]
+    fn panic_watch_fires_after_grace_polls() {
+        let mut w = PanicWatch::default();
+        for _ in 0..PANIC_GRACE_POLLS {
+            assert!(!w.poll(true));
+        }
+        assert!(w.poll(true));
     }
 }
