@@ -23,12 +23,20 @@ fn forkbox() -> Command {
 fn testbed_run_streams_output_and_exit_status() {
     let out = forkbox()
         .args(["testbed", "run", "--timeout", "300", "--"])
-        .args(["sh", "-c", "echo out-$FORKBOX_IN_TESTBED; echo err >&2; test -c /dev/kvm && exit 7"])
+        .args([
+            "sh",
+            "-c",
+            "echo out-$FORKBOX_IN_TESTBED; echo err >&2; test -c /dev/kvm && exit 7",
+        ])
         .output()
         .expect("run forkbox");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(7), "stdout: {stdout}\nstderr: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "stdout: {stdout}\nstderr: {stderr}"
+    );
     assert_eq!(stdout, "out-1\n");
     assert!(stderr.contains("err\n"), "stderr: {stderr}");
 }
@@ -41,7 +49,10 @@ fn testbed_run_hung_command_ends_at_time_limit() {
         .expect("run forkbox");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(124), "stderr: {stderr}");
-    assert!(stderr.contains("did not finish within 20 s"), "stderr: {stderr}");
+    assert!(
+        stderr.contains("did not finish within 20 s"),
+        "stderr: {stderr}"
+    );
     assert!(stderr.contains("serial log"), "stderr: {stderr}");
 }
 
@@ -49,7 +60,12 @@ fn testbed_run_hung_command_ends_at_time_limit() {
 fn vmm_without_hardware_virtualization_refuses_at_once() {
     let start = Instant::now();
     let out = Command::new(bin("forkbox-vmm"))
-        .args(["--kernel", "/nonexistent/vmlinuz", "--initramfs", "/nonexistent/initrd"])
+        .args([
+            "--kernel",
+            "/nonexistent/vmlinuz",
+            "--initramfs",
+            "/nonexistent/initrd",
+        ])
         .args(["--cmdline", "console=ttyS0"])
         .env_remove("FORKBOX_ALLOW_SOFTWARE_KVM")
         .output()
@@ -62,7 +78,10 @@ fn vmm_without_hardware_virtualization_refuses_at_once() {
                 stderr.contains("hardware virtualization"),
                 "no explanation: {stderr}"
             );
-            assert!(stderr.contains("forkbox testbed run"), "no way out: {stderr}");
+            assert!(
+                stderr.contains("forkbox testbed run"),
+                "no way out: {stderr}"
+            );
             assert!(start.elapsed().as_secs() < 10, "took {:?}", start.elapsed());
         }
         // With VMX/SVM the VMM must get past the check and fail on the
