@@ -36,6 +36,5 @@ fn main() {
             forkbox_vmm::EXIT_VMM_ERROR
         }
     };
-    // vCPU threads may still be inside KVM_RUN: end the process, not just main.
     std::process::exit(code);
 }

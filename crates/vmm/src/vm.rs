@@ -4,7 +4,10 @@
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{IoEventAddress, Kvm, VcpuExit, VcpuFd, VmFd};
@@ -12,6 +15,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vm_superio::Serial;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::acpi::{self, AcpiConfig};
 use crate::boot::{self, BootSpec};
@@ -59,6 +63,8 @@ pub enum VmError {
     EventLoop(&'static str, #[source] std::io::Error),
     #[error("cannot start vCPU thread {0}")]
     Thread(u8, #[source] std::io::Error),
+    #[error("cannot install the vCPU kick signal handler")]
+    KickSignal(#[source] vmm_sys_util::errno::Error),
     #[error("vCPU {id} failed")]
     Vcpu {
         id: u8,
@@ -85,6 +91,52 @@ pub enum VcpuError {
 enum VcpuOutcome {
     Guest(PortEvent),
     Failed(VcpuError),
+    /// The VMM asked it to stop (another vCPU or the main loop ended the VM).
+    Stopped,
+}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Nothing to do: delivery alone makes KVM_RUN return EINTR.
+}
+
+/// How long stopping the vCPU threads may take before they are left behind.
+const VCPU_STOP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Stops every vCPU thread: sets `stopping`, then signals each thread until
+/// it has left `KVM_RUN` and ended (a signal that lands just before the
+/// thread enters `KVM_RUN` is lost, hence the repetition).
+fn stop_vcpus(threads: Vec<JoinHandle<()>>, stopping: &AtomicBool) {
+    stopping.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + VCPU_STOP_TIMEOUT;
+    let mut running = threads;
+    while !running.is_empty() {
+        let (done, rest): (Vec<_>, Vec<_>) = running.into_iter().partition(|t| t.is_finished());
+        for t in done {
+            let _ = t.join();
+        }
+        running = rest;
+        if running.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            tracing::warn!(
+                "{} vCPU thread(s) did not stop; leaving them",
+                running.len()
+            );
+            break;
+        }
+        for t in &running {
+            if let Err(e) = t.kill(kick_signal()) {
+                tracing::warn!("cannot kick a vCPU thread: {e}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// The first vCPU to stop wins; the main loop is woken through `evt`.
@@ -100,7 +152,7 @@ impl ExitSignal {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        if slot.is_none() {
+        if slot.is_none() && !matches!(outcome, VcpuOutcome::Stopped) {
             *slot = Some((id, outcome));
         }
         if let Err(e) = self.evt.write(1) {
@@ -169,8 +221,8 @@ enum Token {
 
 /// Builds the VM described by `cfg`, runs it to its end and says how it ended.
 ///
-/// On return the vCPU threads may still be blocked in `KVM_RUN`; the VMM is
-/// one process per VM and the caller exits the process right after.
+/// Every vCPU thread has ended (or, after a bounded wait, been abandoned
+/// with a warning) when this returns.
 pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
     host::check_host()?;
     let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
@@ -276,18 +328,30 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
         }
         vcpus.push(vcpu);
     }
+    register_signal_handler(kick_signal(), on_kick).map_err(VmError::KickSignal)?;
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
     for (id, vcpu) in (0u8..).zip(vcpus) {
         let (pio, mmio, exit) = (Arc::clone(&pio), Arc::clone(&mmio), Arc::clone(&exit));
-        std::thread::Builder::new()
+        let stop = Arc::clone(&stopping);
+        let spawned = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                let outcome = vcpu_loop(vcpu, &pio, &mmio);
+                let outcome = vcpu_loop(vcpu, &pio, &mmio, &stop);
                 exit.report(id, outcome);
-            })
-            .map_err(|e| VmError::Thread(id, e))?;
+            });
+        match spawned {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                stop_vcpus(threads, &stopping);
+                return Err(VmError::Thread(id, e));
+            }
+        }
     }
 
-    let end = event_loop(&epoll, &tokens, &slots, &exit, &tail)?;
+    let end = event_loop(&epoll, &tokens, &slots, &exit, &tail);
+    stop_vcpus(threads, &stopping);
+    let end = end?;
     // `vm` and `ram` stay alive until here: the slots point into `ram`.
     drop(vm);
     let (id, outcome) = match end {
@@ -304,6 +368,10 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
             })
         }
         VcpuOutcome::Failed(source) => Err(VmError::Vcpu { id, source }),
+        VcpuOutcome::Stopped => Err(VmError::Vcpu {
+            id,
+            source: VcpuError::Unexpected("stopped without a reason".into()),
+        }),
     }
 }
 
@@ -382,8 +450,16 @@ fn event_loop(
     }
 }
 
-fn vcpu_loop(mut vcpu: VcpuFd, pio: &PortBus, mmio: &MmioBus) -> VcpuOutcome {
+fn vcpu_loop(
+    mut vcpu: VcpuFd,
+    pio: &PortBus,
+    mmio: &MmioBus,
+    stopping: &AtomicBool,
+) -> VcpuOutcome {
     loop {
+        if stopping.load(Ordering::SeqCst) {
+            return VcpuOutcome::Stopped;
+        }
         match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
             Ok(VcpuExit::IoOut(port, data)) => {
