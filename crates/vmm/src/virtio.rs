@@ -134,6 +134,10 @@ impl MmioBus {
     /// A store: unclaimed addresses ignore it.
     pub fn write(&self, addr: u64, data: &[u8]) {
         if let Some((off, dev)) = self.find(addr) {
+            if off == crate::layout::VIRTIO_MMIO_QUEUE_NOTIFY {
+                // The queue's ioeventfd should have taken this without an exit.
+                tracing::debug!(addr, ?data, "queue notify reached the vCPU thread");
+            }
             lock(dev).write(off, data);
         }
     }
