@@ -16,6 +16,11 @@
 //! - [`pio`]: the port I/O bus (COM1, i8042 reset, ACPI sleep/reset, PCI).
 //! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
 //! - [`vm`]: assembles the VM, runs vCPU threads and the epoll loop.
+//!
+//! Testing: unit tests beside the code need no KVM. `tests/boot.rs` boots
+//! a real kernel (set `FORKBOX_TEST_KERNEL`) and skips, saying why, where
+//! KVM has no hardware virtualization; there, run its compiled binary with
+//! `forkbox testbed run -- target/debug/deps/boot-…`.
 
 use std::path::PathBuf;
 

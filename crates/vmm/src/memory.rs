@@ -114,3 +114,40 @@ fn memfd(name: &CStr) -> Result<File, MemoryError> {
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
     Ok(File::from(owned))
 }
+
+#[cfg(test)]
+mod tests {
+    use vm_memory::Bytes;
+
+    use super::*;
+    use crate::layout::{GIB, HIGH_RAM_START, MIB, MMIO_HOLE_START};
+
+    #[test]
+    fn new_16gib_maps_low_and_high_ranges() {
+        let ram = GuestRam::new(&MemoryLayout::new(16 * GIB)).expect("sparse memfd");
+        let regions: Vec<(u64, u64)> = ram
+            .memory()
+            .iter()
+            .map(|r| (r.start_addr().0, r.len()))
+            .collect();
+        assert_eq!(
+            regions,
+            vec![(0, MMIO_HOLE_START), (HIGH_RAM_START, 13 * GIB)]
+        );
+        let mem = ram.memory();
+        mem.write_obj(0xfeed_u64, GuestAddress(HIGH_RAM_START + 8))
+            .expect("high RAM writable");
+        assert_eq!(
+            mem.read_obj::<u64>(GuestAddress(HIGH_RAM_START + 8))
+                .expect("readable"),
+            0xfeed
+        );
+        assert!(mem.read_obj::<u8>(GuestAddress(MMIO_HOLE_START)).is_err());
+    }
+
+    #[test]
+    fn new_128mib_single_range() {
+        let ram = GuestRam::new(&MemoryLayout::new(128 * MIB)).expect("memfd");
+        assert_eq!(ram.memory().num_regions(), 1);
+    }
+}
