@@ -96,6 +96,10 @@ fn trials() -> Vec<Trial> {
             "vm_guest_poweroff_ends_vmm_cleanly",
             vm_guest_poweroff_ends_vmm_cleanly,
         ),
+        Trial::test(
+            "vm_guest_reboot_ends_vmm_with_reboot_status",
+            vm_guest_reboot_ends_vmm_with_reboot_status,
+        ),
         Trial::test("vm_dies_mid_call_is_reported", vm_dies_mid_call_is_reported),
     ]
 }
@@ -450,6 +454,20 @@ fn vm_guest_poweroff_ends_vmm_cleanly() -> TestResult {
         .map_err(|e| e.to_string())?;
     check(
         status.and_then(|s| s.code()) == Some(vmm_exit::POWERED_OFF),
+        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+    )
+}
+
+fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    let _ = vm
+        .agent()
+        .exec(&ExecRequest::argv(["reboot", "-f"]), None, &mut |_, _| {});
+    let status = vm
+        .wait_exit(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    check(
+        status.and_then(|s| s.code()) == Some(vmm_exit::REBOOTED),
         format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
     )
 }

@@ -17,10 +17,10 @@
 //! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
 //! - [`vm`]: assembles the VM, runs vCPU threads and the epoll loop.
 //!
-//! Testing: unit tests beside the code need no KVM. `tests/boot.rs` boots
-//! a real kernel (set `FORKBOX_TEST_KERNEL`) and skips, saying why, where
-//! KVM has no hardware virtualization; there, run its compiled binary with
-//! `forkbox testbed run -- target/debug/deps/boot-…`.
+//! Testing: unit tests beside the code need no KVM. The tests that boot
+//! real VMs (exit codes for power-off, reboot and panic among them) live in
+//! `crates/forkbox/tests/vm.rs`, which runs them inside the emulated host
+//! where this machine has no hardware virtualization; none skip.
 
 use std::path::PathBuf;
 
