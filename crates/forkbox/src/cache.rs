@@ -49,6 +49,21 @@ impl Key {
     }
 }
 
+/// Takes the cache-wide lock `name` (blocking until other processes
+/// building the same entry are done); it is released when the returned file
+/// is dropped. Builders check for their entry again after taking it.
+pub fn lock(name: &str) -> std::io::Result<std::fs::File> {
+    let dir = root().join("locks");
+    std::fs::create_dir_all(&dir)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(format!("{name}.lock")))?;
+    file.lock()?;
+    Ok(file)
+}
+
 /// A sibling path to build into before renaming onto `path`.
 pub fn staging_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();

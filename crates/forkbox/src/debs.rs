@@ -43,6 +43,11 @@ pub fn unpacked(package: &str) -> Result<PathBuf, DebError> {
         return Ok(dir);
     }
     std::fs::create_dir_all(&root).map_err(io_err(&root))?;
+    let _lock = cache::lock(&format!("deb-{package}")).map_err(io_err(&root))?;
+    if dir.join(".complete").exists() {
+        // Another process unpacked it while we waited.
+        return Ok(dir);
+    }
     let deb = download(package, &root)?;
     let staging = cache::staging_path(&dir);
     let _ = std::fs::remove_dir_all(&staging);

@@ -64,6 +64,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
 
 /// Returns the path of the image file, building it first if needed.
 pub fn ensure(name: ImageName) -> Result<PathBuf, ImageError> {
+    // One builder per image at a time; the others find its result.
+    let _lock = cache::lock(&format!("image-{}", name.as_str())).map_err(io_err(&cache::root()))?;
     match name {
         ImageName::Minimal => minimal(),
         ImageName::Debian => debian(),

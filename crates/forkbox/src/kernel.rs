@@ -107,6 +107,11 @@ impl Kernel {
             .unwrap_or_default()
             .to_owned();
         let modules_dir = root.join("lib/modules").join(&version);
+        let _lock =
+            crate::cache::lock(&format!("depmod-{version}")).map_err(|source| KernelError::Io {
+                path: crate::cache::root().join("locks"),
+                source,
+            })?;
         if !modules_dir.join("modules.dep").exists() {
             let out = Command::new("depmod")
                 .arg("-b")

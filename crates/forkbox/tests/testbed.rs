@@ -92,3 +92,32 @@ fn vmm_without_hardware_virtualization_refuses_at_once() {
         ),
     }
 }
+
+#[test]
+fn testbed_prepare_concurrent_on_empty_cache_all_succeed() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            forkbox()
+                .args(["testbed", "prepare"])
+                .env("FORKBOX_CACHE", cache.path())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn forkbox")
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().expect("wait");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let downloads = std::fs::read_dir(cache.path().join("debs"))
+        .expect("debs dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".deb"))
+        .count();
+    assert_eq!(downloads, 2, "kernel and busybox, each downloaded once");
+}
