@@ -23,6 +23,7 @@ use forkbox_proto::{
     OutputStream, Response, StreamSummary, User, DATA_CHUNK, MAX_FRAME_LEN,
 };
 
+use crate::execs::ExecTable;
 use crate::reaper::Reaper;
 use crate::sys::{self, WaitStatus};
 
@@ -66,6 +67,7 @@ enum Event {
 pub fn run(
     conn: &UnixStream,
     reaper: &Reaper,
+    execs: &ExecTable,
     req: &ExecRequest,
     stdin_streamed: bool,
 ) -> Result<(), AgentError> {
@@ -139,6 +141,10 @@ pub fn run(
         Err(e) => return spawn_failed(&sink, &argv[0], &e, stdin_streamed, conn, start),
     };
     let pgid = child.id();
+    let exec_id = conn
+        .try_clone()
+        .ok()
+        .map(|c| execs.register(req.command.clone(), pgid, c));
 
     // Watch the client: stdin frames, and disconnects.
     let stdin = child.stdin.take();
@@ -182,6 +188,9 @@ pub fn run(
         // Only if the reaper vanished; report as killed.
         None => ExitStatus::Signal(libc::SIGKILL),
     };
+    if let Some(id) = exec_id {
+        execs.finished(id, status, outcome.client_gone);
+    }
     let result = ExecResult {
         status,
         timed_out: outcome.timed_out,
@@ -205,6 +214,8 @@ struct Outcome {
     status: Option<WaitStatus>,
     duration: Option<Duration>,
     timed_out: bool,
+    /// Killed because the client vanished (e.g. a fork reset its connection).
+    client_gone: bool,
     stdout: StreamSummary,
     stderr: StreamSummary,
 }
@@ -245,6 +256,7 @@ fn wait_events(
                 } else if !killed && sys::peer_hung_up(conn) {
                     // The watcher may be stuck writing stdin the command
                     // does not read; notice a vanished client anyway.
+                    out.client_gone = true;
                     kill(pgid);
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
@@ -267,6 +279,7 @@ fn wait_events(
             }
             Event::ClientGone => {
                 if !killed {
+                    out.client_gone = true;
                     kill(pgid);
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);

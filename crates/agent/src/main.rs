@@ -18,10 +18,14 @@
 //! - `reaper`: the single `wait` loop dispatching exit statuses;
 //! - `server`: accept loop, handshake, request dispatch;
 //! - `exec`: running commands with streamed I/O, caps and timeouts;
+//! - `execs`: the table of running execs, and those a fork cut off;
+//! - `fork`: the after-fork hook (clock, RNG reseed, cut-off execs);
 //! - `files`: file and tar requests.
 
 mod exec;
+mod execs;
 mod files;
+mod fork;
 mod init;
 mod reaper;
 mod server;
@@ -107,6 +111,7 @@ fn run_pid1() -> ! {
         let agent = Arc::new(Agent {
             hello: hello(boot),
             reaper,
+            execs: Default::default(),
             on_shutdown: ShutdownAction::PowerOff,
         });
         server::serve(&Listener::Vsock(fd), &agent).map_err(|e| chain(&e))
@@ -140,6 +145,7 @@ fn run_serve(listen: &str) -> Result<(), String> {
             ..BootInfo::default()
         }),
         reaper,
+        execs: Default::default(),
         on_shutdown: ShutdownAction::Exit,
     });
     server::serve(&listener, &agent).map_err(|e| chain(&e))

@@ -14,6 +14,8 @@ use forkbox_proto::{
     MAX_FRAME_LEN,
 };
 
+use crate::execs::ExecTable;
+use crate::fork::{self, Machine};
 use crate::reaper::Reaper;
 use crate::{exec, files, sys};
 
@@ -54,7 +56,17 @@ pub enum ShutdownAction {
 pub struct Agent {
     pub hello: Hello,
     pub reaper: Arc<Reaper>,
+    pub execs: ExecTable,
     pub on_shutdown: ShutdownAction,
+}
+
+impl Agent {
+    fn machine(&self) -> Machine {
+        match self.on_shutdown {
+            ShutdownAction::PowerOff => Machine::Guest,
+            ShutdownAction::Exit => Machine::Host,
+        }
+    }
 }
 
 /// Accepts connections forever.
@@ -135,7 +147,15 @@ fn handle(conn: &UnixStream, agent: &Agent) {
             let _ = send(conn, &Response::Ok);
             crate::shutdown(agent.on_shutdown)
         }
-        Request::Exec { exec, stdin } => exec::run(conn, &agent.reaper, &exec, stdin),
+        Request::Exec { exec, stdin } => exec::run(conn, &agent.reaper, &agent.execs, &exec, stdin),
+        Request::AfterFork {
+            unix_time_ns,
+            entropy,
+        } => reply(
+            conn,
+            fork::after_fork(agent.machine(), &agent.execs, unix_time_ns, &entropy)
+                .map(|report| Response::AfterFork { report }),
+        ),
         Request::ReadFile { path } => files::read_file(conn, &path),
         Request::WriteFile {
             path,

@@ -282,3 +282,50 @@ pub fn interface_up(name: &str) -> io::Result<()> {
     check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) })?;
     Ok(())
 }
+
+/// `clock_settime(CLOCK_REALTIME)` to `unix_time_ns`.
+pub fn set_realtime(unix_time_ns: u64) -> io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(unix_time_ns / 1_000_000_000)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "time out of range"))?,
+        tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: `ts` is a valid timespec that outlives the call; the kernel
+    // only reads it.
+    check(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map(drop)
+}
+
+/// `_IOW('R', 0x03, int[2])` from `<linux/random.h>`.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `_IO('R', 0x07)` from `<linux/random.h>`.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Mixes `bytes` into the kernel's input pool crediting all their bits
+/// (`RNDADDENTROPY`), then forces the CRNG to reseed from it
+/// (`RNDRESEEDCRNG`). Needs CAP_SYS_ADMIN.
+pub fn add_entropy_and_reseed(bytes: &[u8]) -> io::Result<()> {
+    let random = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    let len = libc::c_int::try_from(bytes.len())
+        .ok()
+        .filter(|l| *l <= 1 << 20)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "too much entropy"))?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    // built in u32 words so the header is aligned.
+    let mut words = vec![0u32; 2 + bytes.len().div_ceil(4)];
+    words[0] = (len * 8) as u32;
+    words[1] = len as u32;
+    for (i, chunk) in bytes.chunks(4).enumerate() {
+        let mut w = [0u8; 4];
+        w[..chunk.len()].copy_from_slice(chunk);
+        words[2 + i] = u32::from_ne_bytes(w);
+    }
+    // SAFETY: `words` is a rand_pool_info whose buf_size (`len`) matches
+    // the bytes that follow the header; it outlives the call and the
+    // kernel only reads it. The fd is borrowed open from `random`.
+    check(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, words.as_ptr()) })?;
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    check(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) })?;
+    Ok(())
+}

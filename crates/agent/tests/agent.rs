@@ -658,3 +658,116 @@ fn shutdown_serve_mode_exits_agent() {
     let status = agent.child.wait().expect("wait");
     assert!(status.success());
 }
+
+/// Starts `script` on a raw connection and returns the connection once
+/// the command has printed its first line.
+fn start_exec_raw(agent: &Agent, script: &str) -> UnixStream {
+    let mut s = UnixStream::connect(&agent.sock).expect("connect");
+    read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("hello")
+        .expect("hello");
+    let req = Request::Exec {
+        exec: ExecRequest::shell(script),
+        stdin: false,
+    };
+    write_frame(&mut s, FrameKind::Control, &encode_control(&req)).expect("request");
+    let frame = read_frame(&mut s, MAX_FRAME_LEN)
+        .expect("read")
+        .expect("first line");
+    assert_eq!(frame.kind, FrameKind::Stdout);
+    s
+}
+
+#[test]
+fn after_fork_serve_mode_skips_clock_and_rng() {
+    let agent = Agent::start();
+    let host_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as u64;
+    // A time far in the past: were it applied, the host's clock would jump.
+    let report = agent
+        .client()
+        .after_fork(host_ns - 3_600_000_000_000, vec![7; 64])
+        .expect("after_fork");
+    assert!(!report.clock.is_done(), "{report:?}");
+    assert!(!report.rng.is_done(), "{report:?}");
+    assert!(
+        report.clock_offset_ns > 3_500_000_000_000,
+        "offset {}",
+        report.clock_offset_ns
+    );
+    assert!(report.interrupted.is_empty() && report.still_running.is_empty());
+}
+
+#[test]
+fn after_fork_short_entropy_is_refused() {
+    let agent = Agent::start();
+    let err = agent
+        .client()
+        .after_fork(0, vec![1; 63])
+        .expect_err("63 bytes accepted");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest),
+        "{err}"
+    );
+}
+
+#[test]
+fn after_fork_reports_exec_whose_connection_was_reset_once() {
+    let agent = Agent::start();
+    let s = start_exec_raw(&agent, "echo started; sleep 1000");
+    // What a fork child sees: the connection the exec belonged to is gone.
+    drop(s);
+    let report = agent
+        .client()
+        .after_fork(0, vec![7; 64])
+        .expect("after_fork");
+    assert_eq!(report.interrupted.len(), 1, "{report:?}");
+    let e = &report.interrupted[0];
+    assert_eq!(
+        e.command,
+        forkbox_proto::Command::Shell("echo started; sleep 1000".into())
+    );
+    assert_eq!(e.status, Some(ExitStatus::Signal(9)), "{report:?}");
+    assert!(wait_gone(e.pid), "exec {} survived", e.pid);
+    let again = agent
+        .client()
+        .after_fork(0, vec![7; 64])
+        .expect("after_fork");
+    assert!(again.interrupted.is_empty(), "reported twice: {again:?}");
+}
+
+#[test]
+fn after_fork_lists_exec_with_live_connection_as_running() {
+    let agent = Agent::start();
+    let mut s = start_exec_raw(&agent, "echo started; sleep 2; echo done");
+    let report = agent
+        .client()
+        .after_fork(0, vec![7; 64])
+        .expect("after_fork");
+    assert!(report.interrupted.is_empty(), "{report:?}");
+    assert_eq!(report.still_running.len(), 1, "{report:?}");
+    assert_eq!(report.still_running[0].status, None);
+    // It goes on and answers its client.
+    let mut got_done = false;
+    loop {
+        let f = read_frame(&mut s, MAX_FRAME_LEN)
+            .expect("read")
+            .expect("frame");
+        match f.kind {
+            FrameKind::Stdout => got_done |= f.body.starts_with(b"done"),
+            FrameKind::Control => {
+                let resp: Response = decode_control(&f.body).expect("response");
+                assert!(
+                    matches!(resp, Response::Exec { ref result } if result.success()),
+                    "{resp:?}"
+                );
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(got_done);
+}

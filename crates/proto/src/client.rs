@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::frame::{read_frame, write_frame, Frame, FrameError, FrameKind};
 use crate::msg::{
-    AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion, OutputStream,
-    Request, Response,
+    AfterForkReport, AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion,
+    OutputStream, Request, Response,
 };
 use crate::{decode_control, encode_control, DATA_CHUNK, MAX_FRAME_LEN, PROTOCOL_VERSION};
 
@@ -133,6 +133,25 @@ impl AgentClient {
         conn.send(&Request::Shutdown)?;
         match conn.response()? {
             Response::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The after-fork hook: sets the guest clock, reseeds the guest RNG
+    /// with `entropy` and reports the execs the fork cut off. Send it to a
+    /// fork child or restored VM before anything else.
+    pub fn after_fork(
+        &self,
+        unix_time_ns: u64,
+        entropy: Vec<u8>,
+    ) -> Result<AfterForkReport, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::AfterFork {
+            unix_time_ns,
+            entropy,
+        })?;
+        match conn.response()? {
+            Response::AfterFork { report } => Ok(report),
             other => Err(unexpected(&other)),
         }
     }

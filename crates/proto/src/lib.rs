@@ -23,7 +23,8 @@ pub use frame::{Frame, FrameError, FrameKind, MAX_FRAME_LEN};
 pub use msg::*;
 
 /// Version of this protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: `AfterFork` (the host requires it of every fork child).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;

@@ -13,6 +13,9 @@
 //!    - `WriteFile`, `UploadTar`: the agent answers `Response::Ready` (or an
 //!      error), the client streams `Data` frames and one `Eof`, the agent
 //!      answers `Response::Done { bytes }`.
+//!    - `AfterFork`: one `Response::AfterFork`, sent only once the clock
+//!      is set, the RNG reseeded and the execs cut off by the fork have
+//!      ended (see [`AfterForkReport`]).
 //!    - `ListDir`: zero or more `Response::Entries` batches (each frame
 //!      stays under the frame limit), then `Response::Done { bytes }` with
 //!      the number of entries.
@@ -102,6 +105,72 @@ pub enum Request {
     UploadTar {
         path: String,
     },
+    /// Sent by the host to a fork child or a restored VM before anything
+    /// else: set the guest clock to `unix_time_ns` (`CLOCK_REALTIME`),
+    /// credit `entropy` to the kernel RNG and reseed it, and report the
+    /// execs the fork cut off. Outside PID 1 the clock and RNG steps are
+    /// skipped (the agent would be changing its host).
+    AfterFork {
+        unix_time_ns: u64,
+        /// Fresh host randomness, at least [`MIN_AFTER_FORK_ENTROPY`] bytes.
+        entropy: Vec<u8>,
+    },
+}
+
+/// Fewest entropy bytes an `AfterFork` request may carry (512 bits: the
+/// kernel credits at most this much per `RNDADDENTROPY` towards a reseed).
+pub const MIN_AFTER_FORK_ENTROPY: usize = 64;
+
+/// What one step of the after-fork hook did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "status")]
+pub enum HookStep {
+    Done {
+        detail: String,
+    },
+    /// Deliberately not done (e.g. not PID 1); `reason` says why.
+    Skipped {
+        reason: String,
+    },
+}
+
+impl HookStep {
+    pub fn is_done(&self) -> bool {
+        matches!(self, Self::Done { .. })
+    }
+}
+
+/// An exec that was running when the VM forked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkedExec {
+    /// The agent's id for the exec (unique within one boot's lineage).
+    pub exec_id: u64,
+    pub command: Command,
+    /// Process id (and process group id) of the command in the guest.
+    pub pid: u32,
+    /// How long the command had run when the hook looked at it (for an
+    /// interrupted one: until it ended).
+    pub ran_for: Duration,
+    /// How it ended: `None` while it still runs.
+    pub status: Option<ExitStatus>,
+}
+
+/// The answer to `AfterFork`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AfterForkReport {
+    pub clock: HookStep,
+    /// Guest clock minus host time before the clock was set, in
+    /// nanoseconds (negative: the guest was behind, e.g. by the age of a
+    /// snapshot).
+    pub clock_offset_ns: i64,
+    pub rng: HookStep,
+    /// Execs whose client connection the fork reset: the agent killed
+    /// their process groups (their output had nowhere to go) and reports
+    /// them here, once, with how they ended. In the parent they ran on.
+    pub interrupted: Vec<ForkedExec>,
+    /// Execs still running with a live client connection (none in a fork
+    /// child: every inherited connection is reset).
+    pub still_running: Vec<ForkedExec>,
 }
 
 /// What to run.
@@ -309,6 +378,9 @@ pub enum Response {
     Stat {
         stat: FileStat,
     },
+    AfterFork {
+        report: AfterForkReport,
+    },
     Error {
         error: AgentError,
     },
@@ -392,6 +464,32 @@ mod tests {
         let json = serde_json::to_vec(&req).expect("serialize");
         let back: Request = serde_json::from_slice(&json).expect("deserialize");
         assert_eq!(back, req);
+    }
+
+    #[test]
+    fn after_fork_report_json_roundtrip() {
+        let resp = Response::AfterFork {
+            report: AfterForkReport {
+                clock: HookStep::Done {
+                    detail: "set".into(),
+                },
+                clock_offset_ns: -5_000_000_000,
+                rng: HookStep::Skipped {
+                    reason: "not PID 1".into(),
+                },
+                interrupted: vec![ForkedExec {
+                    exec_id: 3,
+                    command: Command::Shell("sleep 9".into()),
+                    pid: 77,
+                    ran_for: Duration::from_millis(1500),
+                    status: Some(ExitStatus::Signal(9)),
+                }],
+                still_running: Vec::new(),
+            },
+        };
+        let json = serde_json::to_vec(&resp).expect("serialize");
+        let back: Response = serde_json::from_slice(&json).expect("deserialize");
+        assert_eq!(back, resp);
     }
 
     #[test]

@@ -1,0 +1,99 @@
+//! The after-fork hook: what a fork child or a restored VM does before it
+//! runs anything else. Sets the clock from the host, reseeds the kernel
+//! RNG with host entropy (the guest kernel has no vmgenid driver, so
+//! nothing else tells it that it was cloned), and reports the execs the
+//! fork cut off.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use forkbox_proto::{AfterForkReport, AgentError, ErrorKind, HookStep, MIN_AFTER_FORK_ENTROPY};
+
+use crate::execs::ExecTable;
+use crate::sys;
+
+/// How long to wait for cut-off execs to end (their process groups are
+/// killed; the exec threads allow 2 s for pipes held outside the group).
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Whether this agent may change the machine it runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Machine {
+    /// PID 1 of a forkbox guest: the machine is ours.
+    Guest,
+    /// `serve` mode on some host: never touch its clock or RNG.
+    Host,
+}
+
+pub fn after_fork(
+    machine: Machine,
+    execs: &ExecTable,
+    unix_time_ns: u64,
+    entropy: &[u8],
+) -> Result<AfterForkReport, AgentError> {
+    if entropy.len() < MIN_AFTER_FORK_ENTROPY {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "after-fork entropy is {} bytes; at least {MIN_AFTER_FORK_ENTROPY} are needed",
+                entropy.len()
+            ),
+        ));
+    }
+    let before = now_ns();
+    let clock_offset_ns = (i128::from(before) - i128::from(unix_time_ns))
+        .clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
+    let (clock, rng) = match machine {
+        Machine::Host => {
+            let reason = "not PID 1 of a guest: serve mode never changes its host's clock or RNG";
+            (
+                HookStep::Skipped {
+                    reason: reason.into(),
+                },
+                HookStep::Skipped {
+                    reason: reason.into(),
+                },
+            )
+        }
+        Machine::Guest => {
+            sys::set_realtime(unix_time_ns)
+                .map_err(|e| AgentError::new(ErrorKind::Internal, format!("clock_settime: {e}")))?;
+            sys::add_entropy_and_reseed(entropy).map_err(|e| {
+                AgentError::new(ErrorKind::Internal, format!("reseeding the RNG: {e}"))
+            })?;
+            (
+                HookStep::Done {
+                    detail: format!(
+                        "CLOCK_REALTIME set to the host's time (was {:+.3} s off)",
+                        clock_offset_ns as f64 / 1e9
+                    ),
+                },
+                HookStep::Done {
+                    detail: format!(
+                        "RNDADDENTROPY {} bits, then RNDRESEEDCRNG",
+                        entropy.len() * 8
+                    ),
+                },
+            )
+        }
+    };
+    let settled = execs.settle(SETTLE_TIMEOUT);
+    if !settled.interrupted.is_empty() {
+        crate::log(&format!(
+            "after fork: {} exec(s) interrupted by the fork",
+            settled.interrupted.len()
+        ));
+    }
+    Ok(AfterForkReport {
+        clock,
+        clock_offset_ns,
+        rng,
+        interrupted: settled.interrupted,
+        still_running: settled.still_running,
+    })
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
