@@ -1,0 +1,23 @@
+//! forkboxd: the daemon that owns every sandbox on the host and serves the
+//! HTTP API the CLI and the SDKs use.
+//!
+//! - [`core`]: the registry and its state machine, labels, TTLs, caps,
+//!   lineage; no I/O, no clock of its own.
+//! - [`template`]: templates and their ready recipe.
+//! - [`backend`]: the [`backend::Backend`] trait between the daemon and
+//!   VMs, implemented on `forkbox::vm`.
+//! - [`service`]: the daemon proper: typed commands in, VMs driven through
+//!   the backend on the blocking pool, the TTL reaper, metrics.
+//! - [`metrics`]: counters and histograms in Prometheus' text format.
+//! - [`api`]: the HTTP+JSON edge (axum) and its OpenAPI document.
+//! - [`listen`]: where the daemon listens (unix socket or TCP).
+//!
+//! Must not depend on the VMM's internals (it starts VMs through
+//! `forkbox::vm`) nor the agent's (it speaks `forkbox-proto`).
+#![forbid(unsafe_code)]
+
+pub mod backend;
+pub mod core;
+pub mod metrics;
+pub mod service;
+pub mod template;

@@ -1,0 +1,217 @@
+//! Templates: an image, resources and a ready recipe (setup commands, then
+//! a readiness condition with a timeout). The built-in `minimal` and
+//! `debian` have no recipe.
+//!
+//! Until fork lands, a bake proves the recipe once (boot, setup, ready,
+//! stop) and every sandbox created from the template cold-boots and
+//! replays the recipe; once zygotes exist the bake will end in one and
+//! creation will fork it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use forkbox::image::ImageName;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::backend::MachineSpec;
+
+/// When a booted template counts as ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Readiness {
+    /// A shell command exits 0.
+    Command(String),
+    /// A path exists.
+    File(String),
+    /// A TCP port on the guest's loopback accepts a connection.
+    TcpPort(u16),
+    /// An HTTP URL (seen from the guest) answers 200.
+    HttpUrl(String),
+}
+
+impl Readiness {
+    /// One attempt at the check as a `/bin/sh` script: exit 0 when ready.
+    /// TCP and HTTP checks use whatever the image has (bash's `/dev/tcp`,
+    /// busybox `nc`/`wget`, curl or python3).
+    pub fn script(&self) -> String {
+        match self {
+            Self::Command(c) => c.clone(),
+            Self::File(p) => format!("test -e {}", quote(p)),
+            Self::TcpPort(port) => format!(
+                "if command -v bash >/dev/null; then bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}'; \
+                 elif command -v nc >/dev/null; then nc -z 127.0.0.1 {port}; \
+                 else python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 1)'; fi"
+            ),
+            Self::HttpUrl(url) => {
+                let q = quote(url);
+                format!(
+                    "if command -v curl >/dev/null; then curl -fsS -o /dev/null {q}; \
+                     elif command -v wget >/dev/null; then wget -q -O /dev/null {q}; \
+                     else python3 -c 'import sys, urllib.request; sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)' {q}; fi"
+                )
+            }
+        }
+    }
+}
+
+/// A template as the API describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct TemplateSpec {
+    pub name: String,
+    /// `minimal` or `debian`.
+    pub image: String,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    #[serde(default = "default_memory")]
+    pub memory_mib: u32,
+    /// Shell commands run in order as root after boot; each must exit 0.
+    #[serde(default)]
+    pub setup: Vec<String>,
+    #[serde(default)]
+    pub ready: Option<Readiness>,
+    /// Bound on waiting for `ready`, in seconds.
+    #[serde(default = "default_ready_timeout")]
+    pub ready_timeout_secs: u64,
+    /// Environment for the setup commands and every later command.
+    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_memory() -> u32 {
+    512
+}
+fn default_ready_timeout() -> u64 {
+    60
+}
+
+/// Why a template is not acceptable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    #[error("unknown image {0:?}: expected `minimal` or `debian`")]
+    UnknownImage(String),
+    #[error("template name {0:?}: use 1-64 of [a-z0-9._-], starting with a letter or digit")]
+    BadName(String),
+    #[error("vcpus must be 1-32 and memory_mib 64-65536")]
+    BadResources,
+}
+
+impl TemplateSpec {
+    pub fn builtin(image: ImageName) -> Self {
+        Self {
+            name: image.as_str().into(),
+            image: image.as_str().into(),
+            vcpus: default_vcpus(),
+            memory_mib: default_memory(),
+            setup: Vec::new(),
+            ready: None,
+            ready_timeout_secs: default_ready_timeout(),
+            envs: BTreeMap::new(),
+        }
+    }
+
+    pub fn image_name(&self) -> Result<ImageName, TemplateError> {
+        match self.image.as_str() {
+            "minimal" => Ok(ImageName::Minimal),
+            "debian" => Ok(ImageName::Debian),
+            other => Err(TemplateError::UnknownImage(other.into())),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), TemplateError> {
+        let n = &self.name;
+        let ok = (1..=64).contains(&n.len())
+            && n.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+            && n.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric());
+        if !ok {
+            return Err(TemplateError::BadName(n.clone()));
+        }
+        self.image_name()?;
+        if !(1..=32).contains(&self.vcpus) || !(64..=65536).contains(&self.memory_mib) {
+            return Err(TemplateError::BadResources);
+        }
+        Ok(())
+    }
+
+    pub fn machine(&self, boot_timeout: Duration) -> Result<MachineSpec, TemplateError> {
+        Ok(MachineSpec {
+            image: self.image_name()?,
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            boot_timeout,
+        })
+    }
+
+    /// Whether creating from it replays a recipe after boot.
+    pub fn has_recipe(&self) -> bool {
+        !self.setup.is_empty() || self.ready.is_some()
+    }
+}
+
+/// Single-quotes `s` for a POSIX shell.
+pub fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> i32 {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .status()
+            .expect("sh")
+            .code()
+            .unwrap_or(-1)
+    }
+
+    #[test]
+    fn readiness_file_script_checks_existence() {
+        assert_eq!(sh(&Readiness::File("/".into()).script()), 0);
+        assert_ne!(sh(&Readiness::File("/no/such/it's".into()).script()), 0);
+    }
+
+    #[test]
+    fn readiness_tcp_script_fails_on_closed_port() {
+        // Port 1 on loopback: nothing listens there.
+        assert_ne!(sh(&Readiness::TcpPort(1).script()), 0);
+    }
+
+    #[test]
+    fn readiness_tcp_script_succeeds_on_listening_port() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        assert_eq!(sh(&Readiness::TcpPort(port).script()), 0);
+    }
+
+    #[test]
+    fn template_validate_rejects_bad_names_and_images() {
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        t.validate().expect("builtin is valid");
+        t.name = "../x".into();
+        assert!(matches!(t.validate(), Err(TemplateError::BadName(_))));
+        t.name = "ok".into();
+        t.image = "ubuntu".into();
+        assert!(matches!(t.validate(), Err(TemplateError::UnknownImage(_))));
+        t.image = "debian".into();
+        t.memory_mib = 1;
+        assert_eq!(t.validate(), Err(TemplateError::BadResources));
+    }
+
+    #[test]
+    fn template_json_defaults_fill_resources() {
+        let t: TemplateSpec = serde_json::from_str(
+            r#"{"name":"py","image":"debian","setup":["true"],"ready":{"file":"/tmp"}}"#,
+        )
+        .expect("parse");
+        assert_eq!((t.vcpus, t.memory_mib, t.ready_timeout_secs), (1, 512, 60));
+        assert!(t.has_recipe());
+        assert_eq!(t.ready, Some(Readiness::File("/tmp".into())));
+    }
+}
