@@ -4,7 +4,8 @@
 //! QEMU's software emulator (TCG) with an SVM-capable CPU boots Debian's
 //! generic kernel, which loads `kvm_amd` and so has a working `/dev/kvm`.
 //! Its init (busybox) mounts this machine's root filesystem read-only over
-//! 9p, chroots into it, and runs one command at the same working directory
+//! 9p, under a tmpfs overlay so that every path is there and writable with
+//! nothing written back, chroots into it, and runs one command at the same working directory
 //! with the same environment, so every forkbox binary, test program and
 //! cached guest asset is at the same path inside as outside. The command's
 //! stdout, stderr and exit status come back through a second, writable 9p
@@ -20,9 +21,9 @@ use crate::debs::{self, DebError};
 use crate::initramfs::{self, Entry, InitramfsError};
 use crate::kernel::{Kernel, KernelError};
 
-/// Modules the emulated host loads: KVM for AMD, and 9p over virtio-pci for
-/// the shared root.
-const MODULES: &[&str] = &["kvm_amd", "9p", "9pnet_virtio", "virtio_pci"];
+/// Modules the emulated host loads: KVM for AMD, 9p over virtio-pci for the
+/// shared root, and overlayfs to make it writable.
+const MODULES: &[&str] = &["kvm_amd", "9p", "9pnet_virtio", "virtio_pci", "overlay"];
 
 /// The CPU QEMU emulates: an EPYC with SVM and nested paging, which is what
 /// `kvm_amd` needs (not `qemu64`: it lacks XSAVE).

@@ -1,6 +1,8 @@
 #!/bin/busybox sh
 # /init of forkbox's emulated KVM host: load KVM and 9p, mount this
-# machine's root read-only, chroot into it, run the command, power off.
+# machine's root read-only under a tmpfs overlay (every host path visible,
+# writes stay in the emulated host's RAM), chroot into it, run the command,
+# power off.
 /bin/busybox --install -s /bin
 export PATH=/bin
 mount -t proc proc /proc
@@ -11,17 +13,18 @@ for m in $(cat /forkbox/modules.list); do
 done
 run=$(sed -n 's/.*forkbox\.run=\([^ ]*\).*/\1/p' /proc/cmdline)
 fail() { echo "testbed: $*"; poweroff -f; }
-mkdir -p /host
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro,cache=loose hostroot /host || fail "cannot mount the host root"
+mkdir -p /lower /upper /host
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro,cache=loose hostroot /lower || fail "cannot mount the host root"
+mount -t tmpfs tmpfs /upper
+mkdir -p /upper/data /upper/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /host || fail "cannot mount the overlay root"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
 mount -t devtmpfs devtmpfs /host/dev
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
 mount -t tmpfs tmpfs /host/dev/shm
-mount -t tmpfs tmpfs /host/tmp
 mount -t tmpfs tmpfs /host/run
-mount -t tmpfs tmpfs /host/var/tmp
 mkdir -p "/host$run"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 rundir "/host$run" || fail "cannot mount the run directory"
 [ -e /dev/kvm ] || echo "testbed: warning: no /dev/kvm (kvm_amd did not load)"
