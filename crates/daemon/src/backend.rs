@@ -150,6 +150,68 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
     Some(Duration::from_millis((utime + stime) * 10))
 }
 
+/// A backend for tests without KVM.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed as ORD};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use forkbox_proto::client::AgentClient;
+
+    use super::{Backend, BackendError, Machine, MachineSpec};
+
+    /// VMs that boot instantly (or fail to), with no agent behind them.
+    #[derive(Default)]
+    pub struct Fake {
+        pub fail: bool,
+        pub alive: Arc<AtomicUsize>,
+    }
+
+    struct FakeMachine {
+        alive: Arc<AtomicUsize>,
+    }
+
+    impl Backend for Fake {
+        fn boot(&self, _: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
+            if self.fail {
+                return Err(BackendError::Unsupported("booting in this test"));
+            }
+            self.alive.fetch_add(1, ORD);
+            Ok(Box::new(FakeMachine {
+                alive: self.alive.clone(),
+            }))
+        }
+    }
+
+    impl Drop for FakeMachine {
+        fn drop(&mut self) {
+            self.alive.fetch_sub(1, ORD);
+        }
+    }
+
+    impl Machine for FakeMachine {
+        fn agent(&self) -> AgentClient {
+            AgentClient::unix("/nonexistent/forkbox-test.sock")
+        }
+        fn pid(&self) -> Option<u32> {
+            None
+        }
+        fn exited(&self) -> Option<String> {
+            None
+        }
+        fn boot_time(&self) -> Duration {
+            Duration::ZERO
+        }
+        fn pause(&self) -> Result<(), BackendError> {
+            Err(BackendError::Unsupported("pause"))
+        }
+        fn resume(&self) -> Result<(), BackendError> {
+            Err(BackendError::Unsupported("resume"))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,8 +16,10 @@
 //! `forkbox::vm`) nor the agent's (it speaks `forkbox-proto`).
 #![forbid(unsafe_code)]
 
+pub mod api;
 pub mod backend;
 pub mod core;
+pub mod listen;
 pub mod metrics;
 pub mod service;
 pub mod template;

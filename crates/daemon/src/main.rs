@@ -1,1 +1,178 @@
-fn main() {}
+//! `forkboxd`: parse flags, check this host can run microVMs, listen.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use forkbox::testbed::Environment;
+use forkboxd::backend::VmBackend;
+use forkboxd::core::Limits;
+use forkboxd::listen::{default_socket, Listen};
+use forkboxd::service::{Config, Daemon};
+
+/// The forkbox daemon: owns every sandbox on this host and serves the HTTP
+/// API (see /openapi.json).
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// unix://PATH or tcp://ADDR (TCP needs a token). Default:
+    /// /run/forkbox/forkbox.sock as root, else
+    /// $XDG_RUNTIME_DIR/forkbox/forkbox.sock.
+    #[arg(long)]
+    listen: Option<Listen>,
+    /// Bearer token required on every request but /health (also
+    /// $FORKBOX_TOKEN); mandatory with tcp://.
+    #[arg(long)]
+    token: Option<String>,
+    /// Most sandboxes creating, running or paused at once.
+    #[arg(long, default_value_t = 64)]
+    max_live: usize,
+    /// Most sandboxes being created at once.
+    #[arg(long, default_value_t = 4)]
+    max_creating: usize,
+    /// Seconds a creation waits for room under the caps before failing.
+    #[arg(long, default_value_t = 30.0)]
+    create_wait: f64,
+    /// Seconds a VM may take to boot.
+    #[arg(long, default_value_t = 120)]
+    boot_timeout: u64,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the OpenAPI document and exit.
+    Openapi,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "forkboxd=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("forkboxd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(Cmd::Openapi) = args.command {
+        print!("{}", forkboxd::api::openapi_json());
+        return Ok(());
+    }
+    let listen = match args.listen {
+        Some(l) => l,
+        None => Listen::Unix(default_socket(
+            is_root(),
+            std::env::var("XDG_RUNTIME_DIR").ok().as_deref(),
+        )?),
+    };
+    let token = args
+        .token
+        .or_else(|| std::env::var("FORKBOX_TOKEN").ok())
+        .filter(|t| !t.is_empty());
+    if matches!(listen, Listen::Tcp(_)) && token.is_none() {
+        bail!("listening on TCP needs a bearer token: pass --token or set FORKBOX_TOKEN");
+    }
+    if Environment::detect() == Environment::NeedsEmulatedHost {
+        bail!(
+            "this machine cannot run microVMs (no VMX/SVM behind /dev/kvm); run the daemon inside \
+             the emulated host: `forkbox testbed run -- forkboxd --listen unix:///tmp/forkbox.sock`"
+        );
+    }
+    let backend = VmBackend::new().context("preparing the guest assets (run `make build`)")?;
+    let config = Config {
+        limits: Limits {
+            max_live: args.max_live,
+            max_creating: args.max_creating.max(1),
+            ..Limits::default()
+        },
+        create_wait: Duration::try_from_secs_f64(args.create_wait)
+            .context("--create-wait must be a non-negative number")?,
+        boot_timeout: Duration::from_secs(args.boot_timeout),
+    };
+    let daemon = Daemon::new(Arc::new(backend), config);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(daemon, listen, token))
+}
+
+/// Whether we run as root (the owner of our own /proc entry; no unsafe
+/// `geteuid` call needed).
+fn is_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+async fn serve(daemon: Daemon, listen: Listen, token: Option<String>) -> anyhow::Result<()> {
+    let reaper = daemon.spawn_reaper();
+    let app = forkboxd::api::router(daemon.clone(), token);
+    let stop = shutdown_signal();
+    match &listen {
+        Listen::Unix(path) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            if path.exists() {
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    bail!("{} is in use: another forkboxd is running", path.display());
+                }
+                std::fs::remove_file(path)
+                    .with_context(|| format!("removing the stale socket {}", path.display()))?;
+            }
+            let listener = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("listening on {}", path.display()))?;
+            // Only the owner (and root) may drive sandboxes.
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .context("restricting the socket's permissions")?;
+            tracing::info!(listen = %listen, "forkboxd ready");
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("serving")?;
+            let _ = std::fs::remove_file(path);
+        }
+        Listen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listening on {addr}"))?;
+            tracing::info!(listen = %listen, "forkboxd ready");
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("serving")?;
+        }
+    }
+    reaper.abort();
+    tracing::info!("stopping every sandbox");
+    daemon.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

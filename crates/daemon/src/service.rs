@@ -979,58 +979,8 @@ fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::MachineSpec;
-    use std::sync::atomic::AtomicUsize;
-
-    /// VMs that boot instantly (or fail to), with no agent behind them.
-    #[derive(Default)]
-    struct Fake {
-        fail: bool,
-        alive: Arc<AtomicUsize>,
-    }
-
-    struct FakeMachine {
-        alive: Arc<AtomicUsize>,
-    }
-
-    impl Backend for Fake {
-        fn boot(&self, _: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
-            if self.fail {
-                return Err(BackendError::Unsupported("booting in this test"));
-            }
-            self.alive.fetch_add(1, ORD);
-            Ok(Box::new(FakeMachine {
-                alive: self.alive.clone(),
-            }))
-        }
-    }
-
-    impl Drop for FakeMachine {
-        fn drop(&mut self) {
-            self.alive.fetch_sub(1, ORD);
-        }
-    }
-
-    impl Machine for FakeMachine {
-        fn agent(&self) -> AgentClient {
-            AgentClient::unix("/nonexistent/forkbox-test.sock")
-        }
-        fn pid(&self) -> Option<u32> {
-            None
-        }
-        fn exited(&self) -> Option<String> {
-            None
-        }
-        fn boot_time(&self) -> Duration {
-            Duration::ZERO
-        }
-        fn pause(&self) -> Result<(), BackendError> {
-            Err(BackendError::Unsupported("pause"))
-        }
-        fn resume(&self) -> Result<(), BackendError> {
-            Err(BackendError::Unsupported("resume"))
-        }
-    }
+    use crate::backend::fake::Fake;
+    use std::sync::atomic::Ordering::Relaxed as ORD;
 
     fn daemon(fake: Fake, max_live: usize) -> Daemon {
         Daemon::new(

@@ -1,0 +1,1379 @@
+//! The HTTP+JSON edge: parses requests into typed commands for
+//! [`Daemon`], turns replies and errors into responses, and describes
+//! itself in an OpenAPI document (`/openapi.json`).
+//!
+//! Errors are JSON: `{"error": {"kind", "message", "infrastructure"}}`;
+//! `infrastructure: true` means the sandbox machinery failed, not the
+//! request or the user's command.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, RawQuery, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use forkbox_proto::{
+    AgentError, ErrorKind as GuestKind, ExecRequest, ExecResult, ExitStatus, User,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use utoipa::{IntoParams, OpenApi, ToSchema};
+
+use crate::core::{DeathCause, ExpiryAction, Labels, SandboxId, SandboxState};
+use crate::service::{
+    chain, BakeEvent, Command, CreateSandbox, Daemon, DaemonError, ExecEvent, Reply, SandboxInfo,
+    SandboxMetrics,
+};
+use crate::template::{Readiness, TemplateSpec};
+
+/// Largest request body for file and tar uploads.
+pub const MAX_UPLOAD: usize = 1 << 30;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "forkboxd",
+        description = "The forkbox daemon: sandboxes, commands, files, templates."
+    ),
+    paths(
+        health,
+        metrics,
+        templates_list,
+        template_create,
+        template_get,
+        template_delete,
+        sandbox_create,
+        sandbox_list,
+        sandbox_kill_by_label,
+        sandbox_get,
+        sandbox_kill,
+        sandbox_timeout,
+        sandbox_pause,
+        sandbox_resume,
+        sandbox_fork,
+        command_run,
+        file_read,
+        file_write,
+        file_remove,
+        file_list,
+        file_stat,
+        file_mkdir,
+        tar_download,
+        tar_upload
+    ),
+    components(schemas(
+        ApiErrorBody,
+        ErrorDetail,
+        SandboxInfo,
+        SandboxMetrics,
+        SandboxState,
+        ExpiryAction,
+        DeathCause,
+        TemplateSpec,
+        Readiness,
+        BakeEvent,
+        CreateBody,
+        TimeoutBody,
+        ForkBody,
+        KillByLabelBody,
+        Killed,
+        ExecBody,
+        ExecOutput,
+        StreamEvent,
+        FileStatJson,
+        DirEntryJson,
+        Written,
+        SandboxId
+    ))
+)]
+pub struct ApiDoc;
+
+/// The generated OpenAPI document, pretty-printed (what `docs/openapi.json`
+/// holds).
+pub fn openapi_json() -> String {
+    let mut s = ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("the OpenAPI document serializes");
+    s.push('\n');
+    s
+}
+
+#[derive(Clone)]
+struct AppState {
+    daemon: Daemon,
+    token: Option<String>,
+}
+
+/// The whole API. With `token`, every request but `/health` needs
+/// `Authorization: Bearer <token>`.
+pub fn router(daemon: Daemon, token: Option<String>) -> Router {
+    let state = AppState { daemon, token };
+    let sandbox = Router::new()
+        .route("/", get(sandbox_get).delete(sandbox_kill))
+        .route("/timeout", post(sandbox_timeout))
+        .route("/pause", post(sandbox_pause))
+        .route("/resume", post(sandbox_resume))
+        .route("/fork", post(sandbox_fork))
+        .route("/commands", post(command_run))
+        .route("/files", get(file_read).put(file_write).delete(file_remove))
+        .route("/files/list", get(file_list))
+        .route("/files/stat", get(file_stat))
+        .route("/files/mkdir", post(file_mkdir))
+        .route("/files/tar", get(tar_download).put(tar_upload));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], openapi_json()) }),
+        )
+        .route("/templates", get(templates_list).post(template_create))
+        .route(
+            "/templates/{name}",
+            get(template_get).delete(template_delete),
+        )
+        .route("/sandboxes", get(sandbox_list).post(sandbox_create))
+        .route("/sandboxes/kill", post(sandbox_kill_by_label))
+        .nest("/sandboxes/{id}", sandbox)
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .layer(DefaultBodyLimit::max(MAX_UPLOAD))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .with_state(state)
+}
+
+async fn authorize(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(token) = &st.token {
+        if req.uri().path() != "/health" {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
+                return ApiError::Unauthorized.into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+// ---------------------------------------------------------------- errors
+
+/// The JSON body of every error.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// `invalid_request`, `unauthorized`, `not_found`, `conflict`,
+    /// `capacity`, `unsupported`, `guest` (the guest refused a file
+    /// operation), `template_failed`, `infrastructure`.
+    pub kind: String,
+    pub message: String,
+    /// True when the sandbox infrastructure failed (mask, don't score).
+    pub infrastructure: bool,
+    /// For `guest`: the guest's error class (`not_found`, …).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub guest_kind: Option<GuestKind>,
+    /// For `template_failed`: the step and the tail of its output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+}
+
+#[derive(Debug)]
+pub enum ApiError {
+    BadRequest(String),
+    NotFound(String),
+    Unauthorized,
+    Daemon(DaemonError),
+}
+
+impl From<DaemonError> for ApiError {
+    fn from(e: DaemonError) -> Self {
+        Self::Daemon(e)
+    }
+}
+
+impl ApiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Daemon(e) => match e {
+                DaemonError::Invalid(_) | DaemonError::BadTemplate(_) => StatusCode::BAD_REQUEST,
+                DaemonError::NoSandbox(_) | DaemonError::NoTemplate(_) => StatusCode::NOT_FOUND,
+                DaemonError::TemplateExists(_) | DaemonError::State(_) => StatusCode::CONFLICT,
+                DaemonError::Capacity { .. } => StatusCode::TOO_MANY_REQUESTS,
+                DaemonError::Unsupported(_) => StatusCode::NOT_IMPLEMENTED,
+                DaemonError::Guest(g) => match g.kind {
+                    GuestKind::NotFound => StatusCode::NOT_FOUND,
+                    GuestKind::PermissionDenied => StatusCode::FORBIDDEN,
+                    GuestKind::AlreadyExists | GuestKind::DirectoryNotEmpty => StatusCode::CONFLICT,
+                    GuestKind::Io | GuestKind::Internal | GuestKind::Protocol => {
+                        StatusCode::INTERNAL_SERVER_ERROR
+                    }
+                    _ => StatusCode::BAD_REQUEST,
+                },
+                DaemonError::Recipe { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+                DaemonError::Infrastructure { .. } => StatusCode::BAD_GATEWAY,
+            },
+        }
+    }
+
+    fn detail(&self) -> ErrorDetail {
+        let plain = |kind: &str, message: String| ErrorDetail {
+            kind: kind.into(),
+            message,
+            infrastructure: false,
+            guest_kind: None,
+            step: None,
+            output: None,
+        };
+        match self {
+            Self::BadRequest(m) => plain("invalid_request", m.clone()),
+            Self::NotFound(m) => plain("not_found", m.clone()),
+            Self::Unauthorized => plain(
+                "unauthorized",
+                "missing or wrong bearer token (Authorization: Bearer …)".into(),
+            ),
+            Self::Daemon(e) => {
+                let mut d = plain(e.kind(), chain(e));
+                d.infrastructure = e.is_infrastructure();
+                match e {
+                    DaemonError::Guest(AgentError { kind, message }) => {
+                        d.guest_kind = Some(*kind);
+                        d.message = message.clone();
+                    }
+                    DaemonError::Recipe { step, output, .. } => {
+                        d.step = Some(step.clone());
+                        d.output = Some(output.clone());
+                    }
+                    _ => {}
+                }
+                d
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status(),
+            Json(ApiErrorBody {
+                error: self.detail(),
+            }),
+        )
+            .into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// `axum::Json` whose rejections are 400s in our error format.
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(Self(v)),
+            Err(rej) => Err(ApiError::BadRequest(format!(
+                "malformed request body: {}",
+                rej.body_text()
+            ))),
+        }
+    }
+}
+
+/// Query parameters whose rejections are 400s in our error format.
+fn query<T: serde::de::DeserializeOwned>(raw: Option<String>) -> ApiResult<T> {
+    serde_urlencoded::from_str(raw.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::BadRequest(format!("malformed query string: {e}")))
+}
+
+fn sandbox_id(s: &str) -> ApiResult<SandboxId> {
+    SandboxId::parse(s).ok_or_else(|| ApiError::NotFound(format!("no sandbox {s}")))
+}
+
+fn counted<T>(d: &Daemon, r: ApiResult<T>) -> ApiResult<T> {
+    if let Err(ApiError::Daemon(e)) = &r {
+        d.count_error(e);
+    }
+    r
+}
+
+fn one(reply: Reply) -> ApiResult<Json<SandboxInfo>> {
+    match reply {
+        Reply::Sandbox(i) => Ok(Json(*i)),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn unexpected(r: Reply) -> ApiError {
+    ApiError::Daemon(DaemonError::Infrastructure {
+        what: format!("the daemon answered with an unexpected reply: {r:?}"),
+        cause: None,
+    })
+}
+
+// ---------------------------------------------------------------- misc
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+    version: &'static str,
+}
+
+/// Liveness; needs no token.
+#[utoipa::path(get, path = "/health", responses((status = 200, description = "the daemon is up")))]
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!(Health {
+        status: "ok",
+        version: env!("CARGO_PKG_VERSION"),
+    }))
+}
+
+/// Prometheus text format.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "metrics", content_type = "text/plain")))]
+async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.daemon.metrics_text(),
+    )
+}
+
+// ---------------------------------------------------------------- templates
+
+/// Built-in and baked templates.
+#[utoipa::path(get, path = "/templates", responses((status = 200, body = [TemplateSpec])))]
+async fn templates_list(State(st): State<AppState>) -> Json<Vec<TemplateSpec>> {
+    Json(st.daemon.templates())
+}
+
+/// Bakes a template: boot, setup commands, readiness check, then stop.
+/// Streams NDJSON [`BakeEvent`]s; the last line is `done` or `failed`.
+/// Until zygotes land, sandboxes from it cold-boot and replay the recipe.
+#[utoipa::path(post, path = "/templates", request_body = TemplateSpec,
+    responses((status = 200, description = "NDJSON stream of bake events", body = BakeEvent, content_type = "application/x-ndjson"),
+              (status = 400, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
+async fn template_create(
+    State(st): State<AppState>,
+    JsonBody(spec): JsonBody<TemplateSpec>,
+) -> ApiResult<Response> {
+    let rx = counted(&st.daemon, st.daemon.bake(spec).map_err(ApiError::from))?;
+    Ok(ndjson(rx, |e| {
+        serde_json::to_string(&e).unwrap_or_default()
+    }))
+}
+
+#[utoipa::path(get, path = "/templates/{name}", params(("name" = String, Path)),
+    responses((status = 200, body = TemplateSpec), (status = 404, body = ApiErrorBody)))]
+async fn template_get(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<TemplateSpec>> {
+    Ok(Json(st.daemon.template(&name)?))
+}
+
+#[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),
+    responses((status = 204), (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody)))]
+async fn template_delete(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    st.daemon.delete_template(&name)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---------------------------------------------------------------- sandboxes
+
+/// `POST /sandboxes`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateBody {
+    /// A template name (`minimal`, `debian`, or a baked one).
+    pub template: String,
+    /// Time-to-live in seconds from ready; `null`: until killed.
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    #[serde(default)]
+    pub on_timeout: ExpiryAction,
+    #[serde(default)]
+    pub metadata: Labels,
+    /// Environment for every command in the sandbox.
+    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
+    /// Longest wait for room under the caps, in seconds (default: the
+    /// daemon's `--create-wait`; 0: fail at once).
+    #[serde(default)]
+    pub wait_secs: Option<f64>,
+}
+
+fn secs(v: Option<f64>, what: &str) -> ApiResult<Option<Duration>> {
+    v.map(|s| {
+        Duration::try_from_secs_f64(s).map_err(|_| {
+            ApiError::BadRequest(format!("{what} must be a non-negative number of seconds"))
+        })
+    })
+    .transpose()
+}
+
+/// Creates a sandbox and waits until it is ready. It cold-boots (see
+/// `started_by`) until zygote forks land.
+#[utoipa::path(post, path = "/sandboxes", request_body = CreateBody,
+    responses((status = 201, body = SandboxInfo), (status = 400, body = ApiErrorBody),
+              (status = 404, body = ApiErrorBody), (status = 429, body = ApiErrorBody),
+              (status = 502, body = ApiErrorBody)))]
+async fn sandbox_create(
+    State(st): State<AppState>,
+    JsonBody(b): JsonBody<CreateBody>,
+) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
+    let cmd = Command::Create(CreateSandbox {
+        template: b.template,
+        ttl: secs(b.timeout_secs, "timeout_secs")?,
+        on_expiry: b.on_timeout,
+        labels: b.metadata,
+        envs: b.envs,
+        wait: secs(b.wait_secs, "wait_secs")?,
+    });
+    let info = one(counted(
+        &st.daemon,
+        st.daemon.execute(cmd).await.map_err(ApiError::from),
+    )?)?;
+    Ok((StatusCode::CREATED, info))
+}
+
+/// Query of `GET /sandboxes`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[allow(dead_code)] // documents the query; parsed by hand (repeated keys)
+struct ListQuery {
+    /// `key=value`; repeat to require several labels.
+    label: Option<Vec<String>>,
+    /// Include dead sandboxes still remembered.
+    all: Option<bool>,
+}
+
+fn labels_of(pairs: &[(String, String)]) -> ApiResult<Labels> {
+    let mut labels = Labels::new();
+    for (k, v) in pairs {
+        if k != "label" {
+            continue;
+        }
+        let (lk, lv) = v
+            .split_once('=')
+            .ok_or_else(|| ApiError::BadRequest(format!("label {v:?}: expected key=value")))?;
+        labels.insert(lk.into(), lv.into());
+    }
+    Ok(labels)
+}
+
+/// Lists live sandboxes, filtered by labels.
+#[utoipa::path(get, path = "/sandboxes", params(ListQuery),
+    responses((status = 200, body = [SandboxInfo]), (status = 400, body = ApiErrorBody)))]
+async fn sandbox_list(
+    State(st): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<Vec<SandboxInfo>>> {
+    let pairs: Vec<(String, String)> = query(raw)?;
+    for (k, _) in &pairs {
+        if k != "label" && k != "all" {
+            return Err(ApiError::BadRequest(format!(
+                "unknown query parameter {k:?}"
+            )));
+        }
+    }
+    let include_dead = pairs.iter().any(|(k, v)| k == "all" && v == "true");
+    match st
+        .daemon
+        .execute(Command::List {
+            labels: labels_of(&pairs)?,
+            include_dead,
+        })
+        .await?
+    {
+        Reply::Sandboxes(v) => Ok(Json(v)),
+        other => Err(unexpected(other)),
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KillByLabelBody {
+    /// Every label must match; at least one.
+    pub metadata: Labels,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Killed {
+    pub killed: Vec<SandboxId>,
+}
+
+/// Kills every live sandbox carrying all the given labels.
+#[utoipa::path(post, path = "/sandboxes/kill", request_body = KillByLabelBody,
+    responses((status = 200, body = Killed), (status = 400, body = ApiErrorBody)))]
+async fn sandbox_kill_by_label(
+    State(st): State<AppState>,
+    JsonBody(b): JsonBody<KillByLabelBody>,
+) -> ApiResult<Json<Killed>> {
+    let r = st
+        .daemon
+        .execute(Command::KillByLabel { labels: b.metadata })
+        .await;
+    match counted(&st.daemon, r.map_err(ApiError::from))? {
+        Reply::Killed(killed) => Ok(Json(Killed { killed })),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// State, metadata, TTL, lineage and VMM metrics of one sandbox (dead ones
+/// too, while remembered).
+#[utoipa::path(get, path = "/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody)))]
+async fn sandbox_get(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SandboxInfo>> {
+    let id = sandbox_id(&id)?;
+    one(st.daemon.execute(Command::Info { id }).await?)
+}
+
+/// Kills a sandbox. Its VM is stopped off the request path.
+#[utoipa::path(delete, path = "/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 204), (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
+async fn sandbox_kill(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    let id = sandbox_id(&id)?;
+    counted(
+        &st.daemon,
+        st.daemon
+            .execute(Command::Kill { id })
+            .await
+            .map_err(ApiError::from),
+    )?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutBody {
+    /// New time-to-live in seconds from now; `null` removes it.
+    pub timeout_secs: Option<f64>,
+    #[serde(default)]
+    pub on_timeout: Option<ExpiryAction>,
+}
+
+/// Changes a sandbox's time-to-live (counted from now).
+#[utoipa::path(post, path = "/sandboxes/{id}/timeout", params(("id" = String, Path)), request_body = TimeoutBody,
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+async fn sandbox_timeout(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<TimeoutBody>,
+) -> ApiResult<Json<SandboxInfo>> {
+    let id = sandbox_id(&id)?;
+    let cmd = Command::SetTimeout {
+        id,
+        ttl: secs(b.timeout_secs, "timeout_secs")?,
+        on_expiry: b.on_timeout,
+    };
+    one(counted(
+        &st.daemon,
+        st.daemon.execute(cmd).await.map_err(ApiError::from),
+    )?)
+}
+
+/// Pauses a running sandbox (501 until `Vm::pause` lands).
+#[utoipa::path(post, path = "/sandboxes/{id}/pause", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+async fn sandbox_pause(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SandboxInfo>> {
+    let id = sandbox_id(&id)?;
+    one(counted(
+        &st.daemon,
+        st.daemon
+            .execute(Command::Pause { id })
+            .await
+            .map_err(ApiError::from),
+    )?)
+}
+
+/// Resumes a paused sandbox (501 until `Vm::resume` lands).
+#[utoipa::path(post, path = "/sandboxes/{id}/resume", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+async fn sandbox_resume(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SandboxInfo>> {
+    let id = sandbox_id(&id)?;
+    one(counted(
+        &st.daemon,
+        st.daemon
+            .execute(Command::Resume { id })
+            .await
+            .map_err(ApiError::from),
+    )?)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// 1-256 children.
+    pub count: u32,
+}
+
+/// Forks a sandbox into `count` children (501 until `Vm::fork` lands).
+#[utoipa::path(post, path = "/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = ForkBody,
+    responses((status = 200, body = [SandboxInfo]), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+async fn sandbox_fork(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<ForkBody>,
+) -> ApiResult<Json<Vec<SandboxInfo>>> {
+    let id = sandbox_id(&id)?;
+    let r = st
+        .daemon
+        .execute(Command::Fork { id, count: b.count })
+        .await;
+    match counted(&st.daemon, r.map_err(ApiError::from))? {
+        Reply::Sandboxes(v) => Ok(Json(v)),
+        other => Err(unexpected(other)),
+    }
+}
+
+// ---------------------------------------------------------------- commands
+
+/// `POST /sandboxes/{id}/commands`: `cmd` (run by `/bin/sh -c`) or `argv`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecBody {
+    #[serde(default)]
+    pub cmd: Option<String>,
+    #[serde(default)]
+    pub argv: Option<Vec<String>>,
+    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// A user name or a numeric uid; default root.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Wall-clock limit in seconds; on expiry the process group is killed
+    /// and `timed_out` is true.
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    /// Bytes given to the command's standard input (UTF-8 text).
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Per-stream output cap in bytes (buffered form default: 16 MiB).
+    #[serde(default)]
+    pub output_cap: Option<u64>,
+}
+
+/// The result of a command. A non-zero exit is not an error.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExecOutput {
+    /// Absent in streams (the output came as events).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<String>,
+    /// `null` if a signal ended the command.
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: f64,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+/// One NDJSON line (or SSE event) of a streamed command.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StreamEvent {
+    Stdout { data: String },
+    Stderr { data: String },
+    Exit(ExecOutput),
+    Error { error: ErrorDetail },
+}
+
+impl StreamEvent {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Stdout { .. } => "stdout",
+            Self::Stderr { .. } => "stderr",
+            Self::Exit(_) => "exit",
+            Self::Error { .. } => "error",
+        }
+    }
+}
+
+const DEFAULT_BUFFERED_CAP: u64 = 16 << 20;
+
+fn exec_request(b: ExecBody, buffered: bool) -> ApiResult<(ExecRequest, Option<Vec<u8>>)> {
+    let mut req = match (b.cmd, b.argv) {
+        (Some(c), None) => ExecRequest::shell(c),
+        (None, Some(a)) if !a.is_empty() => ExecRequest::argv(a),
+        _ => {
+            return Err(ApiError::BadRequest(
+                "give exactly one of `cmd` (a shell command) or `argv` (non-empty)".into(),
+            ))
+        }
+    };
+    req.env = b.envs;
+    req.cwd = b.cwd;
+    req.user = b.user.map(|u| match u.parse::<u32>() {
+        Ok(uid) => User::Uid(uid),
+        Err(_) => User::Name(u),
+    });
+    req.timeout = secs(b.timeout_secs, "timeout_secs")?;
+    req.output_cap = b.output_cap.or(buffered.then_some(DEFAULT_BUFFERED_CAP));
+    Ok((req, b.stdin.map(String::into_bytes)))
+}
+
+fn exit_output(r: &ExecResult, stdout: Option<String>, stderr: Option<String>) -> ExecOutput {
+    ExecOutput {
+        stdout,
+        stderr,
+        exit_code: match r.status {
+            ExitStatus::Code(c) => Some(c),
+            ExitStatus::Signal(_) => None,
+        },
+        signal: r.signal(),
+        timed_out: r.timed_out,
+        duration_ms: r.duration.as_secs_f64() * 1000.0,
+        stdout_truncated: r.stdout.truncated,
+        stderr_truncated: r.stderr.truncated,
+    }
+}
+
+/// Runs a command. With `Accept: application/x-ndjson` (or
+/// `text/event-stream`) output streams as [`StreamEvent`]s while it is
+/// produced, ending with `exit` (or `error`); otherwise the answer is one
+/// [`ExecOutput`] once it ends. A non-zero exit is a 200.
+#[utoipa::path(post, path = "/sandboxes/{id}/commands", params(("id" = String, Path)), request_body = ExecBody,
+    responses((status = 200, body = ExecOutput, description = "buffered result, or an NDJSON/SSE stream of StreamEvent"),
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn command_run(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    JsonBody(b): JsonBody<ExecBody>,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mode = if accept.contains("application/x-ndjson") {
+        Some(false)
+    } else if accept.contains("text/event-stream") {
+        Some(true)
+    } else {
+        None
+    };
+    let (req, stdin) = exec_request(b, mode.is_none())?;
+    let mut rx = counted(
+        &st.daemon,
+        st.daemon.exec(&id, req, stdin).map_err(ApiError::from),
+    )?;
+    let Some(sse) = mode else {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                ExecEvent::Output(forkbox_proto::OutputStream::Stdout, b) => out.extend(b),
+                ExecEvent::Output(forkbox_proto::OutputStream::Stderr, b) => err.extend(b),
+                ExecEvent::Exit(r) => {
+                    return Ok(Json(exit_output(
+                        &r,
+                        Some(String::from_utf8_lossy(&out).into_owned()),
+                        Some(String::from_utf8_lossy(&err).into_owned()),
+                    ))
+                    .into_response())
+                }
+                ExecEvent::Failed(e) => return Err(e.into()),
+            }
+        }
+        return Err(unexpected_end());
+    };
+    let (tx, events) = mpsc::channel::<StreamEvent>(64);
+    tokio::spawn(async move {
+        let mut carry = [Vec::new(), Vec::new()];
+        while let Some(ev) = rx.recv().await {
+            let event = match ev {
+                ExecEvent::Output(s, bytes) => {
+                    let i = s as usize;
+                    let data = utf8_chunk(&mut carry[i], bytes);
+                    match s {
+                        forkbox_proto::OutputStream::Stdout => StreamEvent::Stdout { data },
+                        forkbox_proto::OutputStream::Stderr => StreamEvent::Stderr { data },
+                    }
+                }
+                ExecEvent::Exit(r) => StreamEvent::Exit(exit_output(&r, None, None)),
+                ExecEvent::Failed(e) => StreamEvent::Error {
+                    error: ApiError::from(e).detail(),
+                },
+            };
+            if tx.send(event).await.is_err() {
+                break;
+            }
+        }
+    });
+    Ok(if sse {
+        let mut r = stream_response(events, |e| {
+            format!(
+                "event: {}\ndata: {}\n\n",
+                e.name(),
+                serde_json::to_string(&e).unwrap_or_default()
+            )
+        });
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/event-stream"),
+        );
+        r
+    } else {
+        ndjson(events, |e| serde_json::to_string(&e).unwrap_or_default())
+    })
+}
+
+fn unexpected_end() -> ApiError {
+    ApiError::Daemon(DaemonError::Infrastructure {
+        what: "the command's event stream ended without a result".into(),
+        cause: None,
+    })
+}
+
+/// Decodes `bytes` after `carry` as UTF-8, keeping an incomplete trailing
+/// character for the next chunk; invalid bytes become U+FFFD.
+fn utf8_chunk(carry: &mut Vec<u8>, bytes: Vec<u8>) -> String {
+    carry.extend(bytes);
+    let keep = match std::str::from_utf8(carry) {
+        Ok(_) => 0,
+        Err(e) if e.error_len().is_none() => carry.len() - e.valid_up_to(),
+        Err(_) => 0,
+    };
+    let rest = carry.split_off(carry.len() - keep);
+    let s = String::from_utf8_lossy(carry).into_owned();
+    *carry = rest;
+    s
+}
+
+fn ndjson<T: Send + 'static>(rx: mpsc::Receiver<T>, line: fn(T) -> String) -> Response {
+    let mut r = stream_response(rx, move |e| {
+        let mut s = line(e);
+        s.push('\n');
+        s
+    });
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/x-ndjson"),
+    );
+    r
+}
+
+fn stream_response<T: Send + 'static>(
+    rx: mpsc::Receiver<T>,
+    render: impl Fn(T) -> String + Send + 'static,
+) -> Response {
+    let stream = futures_util::stream::unfold((rx, render), |(mut rx, render)| async move {
+        let item = rx.recv().await?;
+        let bytes = Bytes::from(render(item));
+        Some((Ok::<_, Infallible>(bytes), (rx, render)))
+    });
+    Response::new(Body::from_stream(stream))
+}
+
+// ---------------------------------------------------------------- files
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct PathQuery {
+    /// An absolute guest path.
+    path: String,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct WriteQuery {
+    path: String,
+    /// Permission bits in octal (default 644).
+    mode: Option<String>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct RemoveQuery {
+    path: String,
+    /// Remove a whole tree.
+    recursive: Option<bool>,
+}
+
+fn guest_path(p: String) -> ApiResult<String> {
+    if !p.starts_with('/') {
+        return Err(ApiError::BadRequest(format!("path {p:?} must be absolute")));
+    }
+    Ok(p)
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileStatJson {
+    /// `file`, `dir`, `symlink` or `other`.
+    pub kind: String,
+    pub size: u64,
+    pub mode: u32,
+    pub mtime: i64,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DirEntryJson {
+    pub name: String,
+    /// The entry's absolute path.
+    pub path: String,
+    #[serde(flatten)]
+    pub stat: FileStatJson,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Written {
+    pub path: String,
+    pub bytes: u64,
+}
+
+fn stat_json(s: &forkbox_proto::FileStat) -> FileStatJson {
+    FileStatJson {
+        kind: serde_json::to_value(s.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default(),
+        size: s.size,
+        mode: s.mode,
+        mtime: s.mtime,
+        uid: s.uid,
+        gid: s.gid,
+    }
+}
+
+/// Reads a guest file (raw bytes).
+#[utoipa::path(get, path = "/sandboxes/{id}/files", params(("id" = String, Path), PathQuery),
+    responses((status = 200, content_type = "application/octet-stream", description = "the file's bytes"),
+              (status = 404, body = ApiErrorBody)))]
+async fn file_read(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let data = st
+        .daemon
+        .files(&id, move |a| {
+            let mut buf = Vec::new();
+            a.read_file(&path, &mut buf).map(|_| buf)
+        })
+        .await;
+    let data = counted(&st.daemon, data.map_err(ApiError::from))?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+/// Writes a guest file from the raw request body, creating parent
+/// directories.
+#[utoipa::path(put, path = "/sandboxes/{id}/files", params(("id" = String, Path), WriteQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody)))]
+async fn file_write(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+    body: Bytes,
+) -> ApiResult<Json<Written>> {
+    let id = sandbox_id(&id)?;
+    let q: WriteQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let mode = match q.mode {
+        None => 0o644,
+        Some(m) => u32::from_str_radix(&m, 8)
+            .ok()
+            .filter(|m| *m <= 0o7777)
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!("mode {m:?}: expected octal permission bits"))
+            })?,
+    };
+    let p = path.clone();
+    let r = st
+        .daemon
+        .files(&id, move |a| {
+            a.write_file_with(&p, mode, true, &mut body.as_ref())
+        })
+        .await;
+    let bytes = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(Json(Written { path, bytes }))
+}
+
+/// Removes a file, symlink or empty directory (`recursive=true`: a tree).
+#[utoipa::path(delete, path = "/sandboxes/{id}/files", params(("id" = String, Path), RemoveQuery),
+    responses((status = 204), (status = 404, body = ApiErrorBody)))]
+async fn file_remove(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<StatusCode> {
+    let id = sandbox_id(&id)?;
+    let q: RemoveQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let recursive = q.recursive.unwrap_or(false);
+    let r = st
+        .daemon
+        .files(&id, move |a| a.remove(&path, recursive))
+        .await;
+    counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Lists a guest directory.
+#[utoipa::path(get, path = "/sandboxes/{id}/files/list", params(("id" = String, Path), PathQuery),
+    responses((status = 200, body = [DirEntryJson]), (status = 404, body = ApiErrorBody)))]
+async fn file_list(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<Vec<DirEntryJson>>> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let p = path.clone();
+    let r = st.daemon.files(&id, move |a| a.list_dir(&p)).await;
+    let entries = counted(&st.daemon, r.map_err(ApiError::from))?;
+    let base = path.trim_end_matches('/');
+    Ok(Json(
+        entries
+            .iter()
+            .map(|e| DirEntryJson {
+                name: e.name.clone(),
+                path: format!("{base}/{}", e.name),
+                stat: stat_json(&e.stat),
+            })
+            .collect(),
+    ))
+}
+
+/// `lstat` of a guest path (404 when missing).
+#[utoipa::path(get, path = "/sandboxes/{id}/files/stat", params(("id" = String, Path), PathQuery),
+    responses((status = 200, body = FileStatJson), (status = 404, body = ApiErrorBody)))]
+async fn file_stat(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<FileStatJson>> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let r = st.daemon.files(&id, move |a| a.stat(&path)).await;
+    Ok(Json(stat_json(&counted(
+        &st.daemon,
+        r.map_err(ApiError::from),
+    )?)))
+}
+
+/// `mkdir -p`.
+#[utoipa::path(post, path = "/sandboxes/{id}/files/mkdir", params(("id" = String, Path), PathQuery),
+    responses((status = 204), (status = 409, body = ApiErrorBody)))]
+async fn file_mkdir(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<StatusCode> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let r = st.daemon.files(&id, move |a| a.mkdir(&path, 0o755)).await;
+    counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Downloads a guest directory as a tar archive.
+#[utoipa::path(get, path = "/sandboxes/{id}/files/tar", params(("id" = String, Path), PathQuery),
+    responses((status = 200, content_type = "application/x-tar", description = "the archive"), (status = 404, body = ApiErrorBody)))]
+async fn tar_download(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let r = st
+        .daemon
+        .files(&id, move |a| {
+            let mut buf = Vec::new();
+            a.download_tar(&path, &mut buf).map(|_| buf)
+        })
+        .await;
+    let data = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], data).into_response())
+}
+
+/// Unpacks a tar archive (the request body) into a guest directory.
+#[utoipa::path(put, path = "/sandboxes/{id}/files/tar", params(("id" = String, Path), PathQuery),
+    request_body(content = Vec<u8>, content_type = "application/x-tar"),
+    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody)))]
+async fn tar_upload(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+    body: Bytes,
+) -> ApiResult<Json<Written>> {
+    let id = sandbox_id(&id)?;
+    let q: PathQuery = query(raw)?;
+    let path = guest_path(q.path)?;
+    let p = path.clone();
+    let r = st
+        .daemon
+        .files(&id, move |a| a.upload_tar(&p, &mut body.as_ref()))
+        .await;
+    let bytes = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(Json(Written { path, bytes }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fake::Fake;
+    use crate::service::Config;
+    use http_body_util::BodyExt;
+    use std::sync::Arc;
+    use tower::ServiceExt;
+
+    fn app(token: Option<&str>) -> Router {
+        let d = Daemon::new(Arc::new(Fake::default()), Config::default());
+        router(d, token.map(str::to_owned))
+    }
+
+    async fn call(
+        app: &Router,
+        method: &str,
+        uri: &str,
+        body: &str,
+    ) -> (StatusCode, serde_json::Value) {
+        let req = axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_owned()))
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        (status, json)
+    }
+
+    #[test]
+    fn openapi_document_matches_docs_openapi_json() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == openapi_json(),
+            "docs/openapi.json is stale: regenerate it with `target/release/forkboxd openapi > docs/openapi.json`"
+        );
+    }
+
+    #[tokio::test]
+    async fn create_list_info_kill_round_trip() {
+        let app = app(None);
+        let (st, info) = call(
+            &app,
+            "POST",
+            "/sandboxes",
+            r#"{"template":"minimal","metadata":{"run":"a"},"timeout_secs":60}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::CREATED, "{info}");
+        let id = info["id"].as_str().expect("id").to_owned();
+        assert_eq!(info["state"], "running");
+        assert_eq!(info["started_by"], "cold_boot");
+        let (st, list) = call(&app, "GET", "/sandboxes?label=run=a", "").await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(list.as_array().map(Vec::len), Some(1));
+        let (_, list) = call(&app, "GET", "/sandboxes?label=run=b", "").await;
+        assert_eq!(list.as_array().map(Vec::len), Some(0));
+        let (st, _) = call(&app, "DELETE", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::NO_CONTENT);
+        let (st, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(info["state"], "dead");
+        assert_eq!(info["death"], "killed");
+        let (st, err) = call(&app, "DELETE", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::CONFLICT, "{err}");
+    }
+
+    #[tokio::test]
+    async fn unknown_sandbox_is_404_with_json_error() {
+        let app = app(None);
+        for uri in ["/sandboxes/sb-0000000000000000", "/sandboxes/nonsense"] {
+            let (st, err) = call(&app, "GET", uri, "").await;
+            assert_eq!(st, StatusCode::NOT_FOUND);
+            assert_eq!(err["error"]["kind"], "not_found");
+            assert_eq!(err["error"]["infrastructure"], false);
+        }
+        let (st, _) = call(
+            &app,
+            "POST",
+            "/sandboxes/sb-0000000000000000/commands",
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn malformed_requests_are_400_with_a_message() {
+        let app = app(None);
+        for (method, uri, body) in [
+            ("POST", "/sandboxes", "{not json"),
+            ("POST", "/sandboxes", r#"{"template":"minimal","bogus":1}"#),
+            (
+                "POST",
+                "/sandboxes",
+                r#"{"template":"minimal","timeout_secs":-1}"#,
+            ),
+            ("GET", "/sandboxes?label=novalue", ""),
+            ("GET", "/sandboxes?what=1", ""),
+        ] {
+            let (st, err) = call(&app, method, uri, body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{method} {uri} {body}: {err}");
+            assert_eq!(err["error"]["kind"], "invalid_request");
+            assert!(err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()));
+        }
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"a","argv":["b"]}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        let (st, _) = call(
+            &app,
+            "GET",
+            &format!("/sandboxes/{id}/files?path=relative"),
+            "",
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test]
+    async fn unknown_template_is_404_and_fork_is_501() {
+        let app = app(None);
+        let (st, _) = call(&app, "POST", "/sandboxes", r#"{"template":"nope"}"#).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            r#"{"count":2}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_IMPLEMENTED, "{err}");
+    }
+
+    #[tokio::test]
+    async fn exec_with_dead_agent_is_502_infrastructure() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
+        assert_eq!(err["error"]["infrastructure"], true);
+    }
+
+    #[tokio::test]
+    async fn token_is_required_except_for_health() {
+        let app = app(Some("s3cret"));
+        let (st, _) = call(&app, "GET", "/health", "").await;
+        assert_eq!(st, StatusCode::OK);
+        let (st, err) = call(&app, "GET", "/sandboxes", "").await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED);
+        assert_eq!(err["error"]["kind"], "unauthorized");
+        let req = axum::http::Request::builder()
+            .uri("/sandboxes")
+            .header(header::AUTHORIZATION, "Bearer s3cret")
+            .body(Body::empty())
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn metrics_count_creations_and_errors() {
+        let app = app(None);
+        call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        call(&app, "DELETE", "/sandboxes/sb-0000000000000000", "").await;
+        let req = axum::http::Request::builder()
+            .uri("/metrics")
+            .body(Body::empty())
+            .expect("req");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        let text = String::from_utf8_lossy(&text);
+        assert!(text.contains("forkbox_sandboxes_live 1"), "{text}");
+        assert!(
+            text.contains("forkbox_sandbox_creations_total{outcome=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"not_found\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn utf8_chunk_keeps_split_characters_whole() {
+        let mut carry = Vec::new();
+        let e = "é".as_bytes();
+        assert_eq!(utf8_chunk(&mut carry, vec![b'a', e[0]]), "a");
+        assert_eq!(utf8_chunk(&mut carry, vec![e[1], b'b']), "éb");
+        assert_eq!(utf8_chunk(&mut carry, vec![0xff, b'c']), "\u{fffd}c");
+    }
+
+    #[test]
+    fn constant_time_eq_compares_whole_tokens() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}
