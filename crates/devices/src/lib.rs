@@ -14,6 +14,8 @@
 //!   - [`virtio::vsock`]: virtio-vsock and its unix-socket ("hybrid") backend.
 //!     - [`virtio::vsock::packet`]: the 44-byte packet header, sans-IO.
 //!     - [`virtio::vsock::conn`]: one connection's state and credit, sans-IO.
+//!   - [`virtio::persist`]: serialisable device and transport state for
+//!     snapshot, restore and fork (required `save`/`restore` on every device).
 //!
 //! No `unsafe` here: guest memory is touched through `vm-memory`'s volatile
 //! slices, sockets through `std`, epoll through `vmm-sys-util`.
@@ -100,6 +102,11 @@ impl Interrupt {
     /// InterruptACK: the guest clears the bits it has handled.
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// Sets InterruptStatus as saved (restore only; no interrupt is raised).
+    pub fn restore_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
     }
 
     /// The eventfd behind this line, for the VMM to register as an irqfd.

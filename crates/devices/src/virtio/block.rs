@@ -24,6 +24,7 @@ use virtio_queue::{Queue, QueueT};
 
 use crate::virtio::chain::{Chain, ChainError};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
+use crate::virtio::persist::{self, BlockState, DeviceState, RestoreError};
 use crate::virtio::{ActivateError, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
@@ -341,6 +342,43 @@ impl VirtioDevice for Block {
     fn reset(&mut self) {
         self.active = None;
         self.acked_features = 0;
+    }
+
+    fn save(&self) -> DeviceState {
+        DeviceState::Block(BlockState {
+            acked_features: self.acked_features,
+            queues: self
+                .active
+                .as_ref()
+                .map(|a| persist::save_queues([&a.queue])),
+        })
+    }
+
+    fn restore(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: Interrupt,
+        state: &DeviceState,
+    ) -> Result<(), RestoreError> {
+        let DeviceState::Block(state) = state else {
+            return Err(RestoreError::WrongDevice {
+                expected: "block",
+                found: state.kind(),
+            });
+        };
+        self.acked_features = state.acked_features & self.features();
+        self.active = match &state.queues {
+            Some(saved) => {
+                let mut queues = persist::restore_queues(saved, 1)?;
+                Some(Active {
+                    mem,
+                    queue: queues.remove(0),
+                    interrupt,
+                })
+            }
+            None => None,
+        };
+        Ok(())
     }
 }
 

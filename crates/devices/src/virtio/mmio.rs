@@ -11,6 +11,7 @@ use std::os::fd::RawFd;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 
+use crate::virtio::persist::{QueueConfigState, RestoreError, TransportState};
 use crate::virtio::{ActivateError, VirtioDevice};
 use crate::{BusDevice, EventSource, GuestMemory, Interrupt};
 
@@ -123,6 +124,72 @@ impl MmioTransport {
             queues,
             activated: false,
         }
+    }
+
+    /// Captures the registers, InterruptStatus and the device's state.
+    pub fn save(&self) -> TransportState {
+        TransportState {
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            queue_sel: self.queue_sel,
+            queues: self
+                .queues
+                .iter()
+                .map(|q| QueueConfigState {
+                    size: q.size,
+                    ready: q.ready,
+                    desc: q.desc,
+                    driver: q.driver,
+                    device: q.device,
+                })
+                .collect(),
+            activated: self.activated,
+            interrupt_status: self.interrupt.status(),
+            device: self.device.save(),
+        }
+    }
+
+    /// A transport around a freshly created `device`, put back into the
+    /// saved state (the device's queues and activation included).
+    pub fn restore(
+        mut device: Box<dyn VirtioDevice>,
+        mem: GuestMemory,
+        interrupt: Interrupt,
+        state: &TransportState,
+    ) -> Result<Self, RestoreError> {
+        let want = device.queue_max_sizes().len();
+        if state.queues.len() != want {
+            return Err(RestoreError::QueueCount {
+                got: state.queues.len(),
+                want,
+            });
+        }
+        interrupt.restore_status(state.interrupt_status);
+        device.restore(mem.clone(), interrupt.clone(), &state.device)?;
+        Ok(Self {
+            device,
+            mem,
+            interrupt,
+            status: state.status,
+            device_features_sel: state.device_features_sel,
+            driver_features_sel: state.driver_features_sel,
+            driver_features: state.driver_features,
+            queue_sel: state.queue_sel,
+            queues: state
+                .queues
+                .iter()
+                .map(|q| QueueConfig {
+                    size: q.size,
+                    ready: q.ready,
+                    desc: q.desc,
+                    driver: q.driver,
+                    device: q.device,
+                })
+                .collect(),
+            activated: state.activated,
+        })
     }
 
     /// The device behind this transport.
@@ -509,6 +576,20 @@ mod tests {
         }
         fn queue_notify(&mut self, index: u16) {
             self.log.lock().expect("test lock").notified.push(index);
+        }
+        fn save(&self) -> crate::virtio::persist::DeviceState {
+            crate::virtio::persist::DeviceState::Block(crate::virtio::persist::BlockState {
+                acked_features: 0,
+                queues: None,
+            })
+        }
+        fn restore(
+            &mut self,
+            _mem: GuestMemory,
+            _interrupt: Interrupt,
+            _state: &crate::virtio::persist::DeviceState,
+        ) -> Result<(), RestoreError> {
+            Ok(())
         }
         fn reset(&mut self) {
             self.log.lock().expect("test lock").resets += 1;

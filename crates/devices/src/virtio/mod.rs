@@ -6,10 +6,12 @@ use virtio_queue::Queue;
 pub mod block;
 pub mod chain;
 pub mod mmio;
+pub mod persist;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod vsock;
 
+use self::persist::{DeviceState, RestoreError};
 use crate::{EventSource, GuestMemory, Interrupt};
 
 /// Why a device could not be activated by the driver.
@@ -48,4 +50,16 @@ pub trait VirtioDevice: EventSource {
     fn queue_notify(&mut self, index: u16);
     /// The driver wrote 0 to Status: drop the queues and all in-flight work.
     fn reset(&mut self);
+    /// Everything needed to rebuild this device in another process
+    /// (required: a device that forgets state must not compile).
+    fn save(&self) -> DeviceState;
+    /// Applies `state` to a freshly created device; when it was active,
+    /// rebuilds its queues at the saved positions and activates it with
+    /// `mem` and `interrupt`.
+    fn restore(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: Interrupt,
+        state: &DeviceState,
+    ) -> Result<(), RestoreError>;
 }

@@ -49,6 +49,7 @@ use self::conn::{Action, Conn};
 use self::packet::{Header, Op, HDR_LEN, HOST_CID, MAX_PKT_LEN};
 use crate::virtio::chain::{Chain, Regions};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
+use crate::virtio::persist::{self, DeviceState, RestoreError, VsockState};
 use crate::virtio::{ActivateError, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
@@ -1004,5 +1005,67 @@ impl VirtioDevice for Vsock {
         self.backend.close_all(false);
         self.active = None;
         self.acked_features = 0;
+    }
+
+    fn save(&self) -> DeviceState {
+        let b = &self.backend;
+        // Every connection the guest knows of ends with an RST in the
+        // restored device: its host stream belongs to this process.
+        let mut rsts: Vec<Vec<u8>> = b.rst_queue.iter().map(|h| h.to_bytes().to_vec()).collect();
+        let mut ports: Vec<&u32> = b.conns.keys().collect();
+        ports.sort();
+        for port in ports {
+            if let Some(c) = b.conns.get(port).and_then(|hc| hc.conn.as_ref()) {
+                let mut c = c.clone();
+                rsts.push(c.rst().to_bytes().to_vec());
+            }
+        }
+        DeviceState::Vsock(VsockState {
+            guest_cid: b.guest_cid,
+            acked_features: self.acked_features,
+            queues: self
+                .active
+                .as_ref()
+                .map(|a| persist::save_queues([&a.rx, &a.tx, &a._event])),
+            next_port: b.next_port,
+            pending_rsts: rsts,
+        })
+    }
+
+    fn restore(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: Interrupt,
+        state: &DeviceState,
+    ) -> Result<(), RestoreError> {
+        let DeviceState::Vsock(state) = state else {
+            return Err(RestoreError::WrongDevice {
+                expected: "vsock",
+                found: state.kind(),
+            });
+        };
+        self.acked_features = state.acked_features & self.features();
+        self.backend.next_port = state.next_port.max(FIRST_PORT);
+        for raw in &state.pending_rsts {
+            let h = Header::parse(raw).map_err(|_| RestoreError::BadHeader(raw.len()))?;
+            self.backend.push_rst(h);
+        }
+        if let Some(saved) = &state.queues {
+            let [rx, tx, event] = <[Queue; 3]>::try_from(persist::restore_queues(saved, 3)?)
+                .map_err(|q| RestoreError::QueueCount {
+                    got: q.len(),
+                    want: 3,
+                })?;
+            self.active = Some(Active {
+                mem,
+                rx,
+                tx,
+                _event: event,
+                interrupt,
+            });
+            // Packets the guest queued before the capture, then the RSTs.
+            self.process_tx();
+        }
+        Ok(())
     }
 }
