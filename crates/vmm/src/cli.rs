@@ -1,27 +1,37 @@
 //! The command line, exactly as the forkbox CLI and daemon call it:
 //! `forkbox-vmm --kernel PATH --initramfs PATH --cmdline STR [--vcpus N=1]
 //! [--memory-mib N=512] [--disk PATH]... [--vsock-uds PATH]
-//! [--serial-log PATH] [--serial-stdout]`
+//! [--serial-log PATH] [--serial-stdout] [--control PATH]`, or
+//! `forkbox-vmm --restore DIR [--control PATH] [--vsock-uds PATH]
+//! [--serial-log PATH] [--serial-stdout]` (hardware and disks come from
+//! `DIR/state.json`).
 
 use std::path::PathBuf;
 
 use clap::Parser;
 
 use crate::layout::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
-use crate::{Echo, VmConfig};
+use crate::{Echo, Endpoints, VmConfig};
 
 #[derive(Debug, Parser)]
 #[command(name = "forkbox-vmm", about = "Run one forkbox microVM on KVM")]
 pub struct Args {
     /// Kernel bzImage.
-    #[arg(long)]
-    pub kernel: PathBuf,
+    #[arg(long, required_unless_present = "restore")]
+    pub kernel: Option<PathBuf>,
     /// initramfs (cpio, optionally compressed as the kernel supports).
-    #[arg(long)]
-    pub initramfs: PathBuf,
+    #[arg(long, required_unless_present = "restore")]
+    pub initramfs: Option<PathBuf>,
     /// Kernel command line.
+    #[arg(long, required_unless_present = "restore")]
+    pub cmdline: Option<String>,
+    /// Restore the snapshot in this directory (`memory`, `state.json`)
+    /// instead of booting.
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "disks"])]
+    pub restore: Option<PathBuf>,
+    /// Serve the control socket (JSON lines) at this path.
     #[arg(long)]
-    pub cmdline: String,
+    pub control: Option<PathBuf>,
     /// Number of vCPUs (1-8).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
     pub vcpus: u8,
@@ -43,21 +53,42 @@ pub struct Args {
     pub serial_stdout: bool,
 }
 
+/// What the command line asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    Boot(VmConfig),
+    Restore { dir: PathBuf, endpoints: Endpoints },
+}
+
 impl Args {
-    pub fn into_config(self) -> VmConfig {
-        VmConfig {
-            kernel: self.kernel,
-            initramfs: self.initramfs,
-            cmdline: self.cmdline,
-            vcpus: self.vcpus,
-            memory_mib: self.memory_mib,
-            disks: self.disks,
-            vsock_uds: self.vsock_uds,
-            serial_log: self.serial_log,
-            echo: if self.serial_stdout {
-                Echo::Stderr
-            } else {
-                Echo::Off
+    pub fn into_command(self) -> Command {
+        let echo = if self.serial_stdout {
+            Echo::Stderr
+        } else {
+            Echo::Off
+        };
+        match (self.restore, self.kernel, self.initramfs, self.cmdline) {
+            (None, Some(kernel), Some(initramfs), Some(cmdline)) => Command::Boot(VmConfig {
+                kernel,
+                initramfs,
+                cmdline,
+                vcpus: self.vcpus,
+                memory_mib: self.memory_mib,
+                disks: self.disks,
+                vsock_uds: self.vsock_uds,
+                serial_log: self.serial_log,
+                echo,
+                control: self.control,
+            }),
+            // clap enforces: either --restore, or all three boot options.
+            (restore, ..) => Command::Restore {
+                dir: restore.unwrap_or_default(),
+                endpoints: Endpoints {
+                    control: self.control,
+                    vsock_uds: self.vsock_uds,
+                    serial_log: self.serial_log,
+                    echo,
+                },
             },
         }
     }
@@ -79,7 +110,10 @@ mod tests {
 
     fn parse(extra: &[&str]) -> Result<VmConfig, clap::Error> {
         let argv = BASE.iter().chain(extra).copied();
-        Args::try_parse_from(argv).map(Args::into_config)
+        Args::try_parse_from(argv).map(|a| match a.into_command() {
+            Command::Boot(c) => c,
+            other => panic!("not a boot: {other:?}"),
+        })
     }
 
     #[test]
@@ -132,6 +166,45 @@ mod tests {
         assert!(parse(&["--vcpus", "9"]).is_err());
         assert!(parse(&["--memory-mib", "127"]).is_err());
         assert!(parse(&["--memory-mib", "16385"]).is_err());
+    }
+
+    #[test]
+    fn parse_restore_needs_no_kernel_and_keeps_endpoints() {
+        let a = Args::try_parse_from([
+            "forkbox-vmm",
+            "--restore",
+            "/snap",
+            "--control",
+            "/c",
+            "--vsock-uds",
+            "/v",
+            "--serial-log",
+            "/l",
+        ])
+        .expect("valid");
+        assert_eq!(
+            a.into_command(),
+            Command::Restore {
+                dir: "/snap".into(),
+                endpoints: Endpoints {
+                    control: Some("/c".into()),
+                    vsock_uds: Some("/v".into()),
+                    serial_log: Some("/l".into()),
+                    echo: Echo::Off,
+                }
+            }
+        );
+        assert!(
+            Args::try_parse_from(["forkbox-vmm", "--restore", "/s", "--kernel", "/k"]).is_err()
+        );
+    }
+
+    #[test]
+    fn parse_control_socket() {
+        assert_eq!(
+            parse(&["--control", "/c"]).expect("valid").control,
+            Some("/c".into())
+        );
     }
 
     #[test]

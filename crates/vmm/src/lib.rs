@@ -15,7 +15,13 @@
 //! - [`serial`]: COM1 output: log file, 64 KiB tail, optional stderr echo.
 //! - [`pio`]: the port I/O bus (COM1, i8042 reset, ACPI sleep/reset, PCI).
 //! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
-//! - [`vm`]: assembles the VM, runs vCPU threads and the epoll loop.
+//! - [`state`]: the captured VM state (versioned, serde) and the KVM ioctls
+//!   that capture and apply it.
+//! - [`control`]: the control socket's protocol (sans-IO parsing).
+//! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
+//! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
+//! - [`vm`]: boots or restores the VM, runs the epoll loop and serves the
+//!   control socket (pause, resume, fork, zygote, snapshot).
 //!
 //! Testing: unit tests beside the code need no KVM. The tests that boot
 //! real VMs (exit codes for power-off, reboot and panic among them) live in
@@ -27,18 +33,22 @@ use std::path::PathBuf;
 pub mod acpi;
 pub mod boot;
 pub mod cli;
+pub mod control;
 pub mod cpu;
+pub mod fork;
 pub mod host;
 pub mod layout;
 pub mod memory;
 pub mod pio;
 pub mod serial;
+pub mod state;
+pub mod vcpu;
 pub mod virtio;
 pub mod vm;
 
 pub use pio::ResetCause;
 pub use serial::Echo;
-pub use vm::{run, VmError};
+pub use vm::{run, run_restore, Endpoints, VmError};
 
 /// Process exit status: the guest powered off (ACPI S5).
 pub const EXIT_POWER_OFF: i32 = 0;
@@ -97,6 +107,8 @@ pub struct VmConfig {
     pub vsock_uds: Option<PathBuf>,
     pub serial_log: Option<PathBuf>,
     pub echo: Echo,
+    /// The control socket (pause, resume, fork, zygote, snapshot).
+    pub control: Option<PathBuf>,
 }
 
 impl VmConfig {

@@ -25,8 +25,13 @@ fn main() {
             });
         }
     };
-    let config = args.into_config();
-    let code = match forkbox_vmm::run(&config) {
+    let result = match args.into_command() {
+        forkbox_vmm::cli::Command::Boot(config) => forkbox_vmm::run(&config),
+        forkbox_vmm::cli::Command::Restore { dir, endpoints } => {
+            forkbox_vmm::run_restore(&dir, endpoints)
+        }
+    };
+    let code = match result {
         Ok(exit) => {
             eprintln!("forkbox-vmm: {exit}");
             exit.code()

@@ -1,12 +1,21 @@
-//! Guest RAM: one memfd, mapped once per RAM range, registered with KVM.
+//! Guest RAM: a memory file mapped `MAP_PRIVATE` once per RAM range,
+//! registered with KVM.
 //!
-//! All of the VMM's memory-mapping `unsafe` lives here. Today the memfd is
-//! mapped `MAP_SHARED`; the fork work will seal it and map it `MAP_PRIVATE`
-//! (see DESIGN.md, "Fork: the core"), which changes only this module.
+//! All of the VMM's memory-mapping `unsafe` lives here. RAM is never
+//! `MAP_SHARED` (DESIGN.md, "Fork: the core"): a `fork()` of the VMM makes
+//! it copy-on-write in both directions. Three backings:
+//! - boot: an empty memfd (every guest write becomes a private page);
+//! - zygote ([`GuestRam::rebase_to_sealed_memfd`]): the guest's pages copied
+//!   into a new memfd, sealed, mapped over the same addresses, so the
+//!   process has no private pages and `fork()` copies no page tables;
+//! - restore ([`GuestRam::from_file`]): a snapshot's `memory` file.
 
 use std::ffi::CStr;
 use std::fs::File;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
 
 use forkbox_devices::GuestMemory;
 use kvm_bindings::kvm_userspace_memory_region;
@@ -18,6 +27,9 @@ use vm_memory::{
 };
 
 use crate::layout::MemoryLayout;
+
+/// Page size used for zero-page detection and residency checks.
+pub const PAGE: usize = 4096;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -33,45 +45,90 @@ pub enum MemoryError {
     Assemble(#[source] vm_memory::GuestRegionCollectionError),
     #[error("cannot register guest RAM slot {0} with KVM")]
     Register(u32, #[source] kvm_ioctls::Error),
+    #[error("cannot copy guest RAM into the memory file")]
+    Copy(#[source] std::io::Error),
+    #[error("cannot seal the memory file")]
+    Seal(#[source] std::io::Error),
+    #[error("cannot map the sealed memory file over guest RAM")]
+    Remap(#[source] std::io::Error),
+    #[error("cannot open memory file {0}")]
+    Open(std::path::PathBuf, #[source] std::io::Error),
+    #[error("memory file {path} has {found} bytes, the VM needs {want}")]
+    FileSize {
+        path: std::path::PathBuf,
+        found: u64,
+        want: u64,
+    },
+}
+
+/// What the mapping is a private view of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backing {
+    /// A memfd: a page absent from memory is a zero page.
+    Memfd,
+    /// A file on disk: absent pages may hold data.
+    File,
 }
 
 /// Guest RAM and the file behind it.
 pub struct GuestRam {
     mem: GuestMemory,
-    /// Kept for the fork work (sealing, re-mapping `MAP_PRIVATE`).
-    _file: File,
+    file: File,
+    backing: Backing,
 }
 
 impl GuestRam {
     /// Creates a memfd of `layout.total()` bytes and maps each RAM range of
-    /// `layout` from consecutive offsets of it.
+    /// `layout` from consecutive offsets of it, `MAP_PRIVATE`.
     pub fn new(layout: &MemoryLayout) -> Result<Self, MemoryError> {
         let file = memfd(c"forkbox-guest-ram")?;
         file.set_len(layout.total())
             .map_err(|e| MemoryError::Resize(layout.total(), e))?;
-        let mut regions = Vec::new();
-        let mut offset = 0u64;
-        for range in layout.ranges() {
-            let size = usize::try_from(range.size).map_err(|_| MemoryError::Region(range.start))?;
-            let fd = file.try_clone().map_err(MemoryError::Memfd)?;
-            let mapping = MmapRegionBuilder::new(size)
-                .with_file_offset(FileOffset::new(fd, offset))
-                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
-                .build()
-                .map_err(|e| MemoryError::Map(range.start, e))?;
-            let region = GuestRegionMmap::new(mapping, GuestAddress(range.start))
-                .ok_or(MemoryError::Region(range.start))?;
-            regions.push(region);
-            offset += range.size;
+        let mem = map(layout, &file)?;
+        Ok(Self {
+            mem,
+            file,
+            backing: Backing::Memfd,
+        })
+    }
+
+    /// Maps a snapshot's memory file `MAP_PRIVATE` at fresh addresses: the
+    /// file is never written, guest writes become private pages.
+    pub fn from_file(layout: &MemoryLayout, path: &Path) -> Result<Self, MemoryError> {
+        let file = File::open(path).map_err(|e| MemoryError::Open(path.to_path_buf(), e))?;
+        let found = file
+            .metadata()
+            .map_err(|e| MemoryError::Open(path.to_path_buf(), e))?
+            .len();
+        if found != layout.total() {
+            return Err(MemoryError::FileSize {
+                path: path.to_path_buf(),
+                found,
+                want: layout.total(),
+            });
         }
-        let mem = GuestMemory::from_regions(regions).map_err(MemoryError::Assemble)?;
-        Ok(Self { mem, _file: file })
+        let mem = map(layout, &file)?;
+        Ok(Self {
+            mem,
+            file,
+            backing: Backing::File,
+        })
     }
 
     /// The guest memory, as devices and the loader see it.
     pub fn memory(&self) -> &GuestMemory {
         &self.mem
+    }
+
+    /// Every file descriptor this object owns (a fork child keeps these).
+    pub fn fds(&self) -> Vec<RawFd> {
+        let mut v = vec![self.file.as_raw_fd()];
+        v.extend(
+            self.mem
+                .iter()
+                .filter_map(|r| r.file_offset().map(|f| f.file().as_raw_fd())),
+        );
+        v
     }
 
     /// Registers every RAM range as a KVM memory slot (slot i = range i).
@@ -94,11 +151,184 @@ impl GuestRam {
             // (an `Arc`ed `MmapRegion`), which the `Vm` keeps for as long as
             // the VM fd exists; KVM drops the slot when the VM fd is closed,
             // and the slot never overlaps another one (ranges are disjoint).
+            // A fork child registers the same range it inherited, which its
+            // own `GuestRam` (never dropped there) keeps mapped.
             unsafe { vm.set_user_memory_region(desc) }
                 .map_err(|e| MemoryError::Register(slot, e))?;
         }
         Ok(())
     }
+
+    /// Each RAM range as (host bytes, offset in the memory file).
+    ///
+    /// # Safety
+    /// No vCPU may run and no device may touch guest memory while the
+    /// returned slices live (the VM is paused and the caller is the main
+    /// thread, which alone drives devices).
+    unsafe fn ranges(&self) -> Result<Vec<(&[u8], u64)>, MemoryError> {
+        let mut out = Vec::new();
+        let mut offset = 0u64;
+        for region in self.mem.iter() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|_| MemoryError::Region(region.start_addr().0))?;
+            let len = region.len() as usize;
+            // SAFETY: `host..host+len` is mapped readable for as long as
+            // `self.mem` lives (borrowed here); nothing writes it meanwhile
+            // per this function's contract.
+            out.push((unsafe { std::slice::from_raw_parts(host, len) }, offset));
+            offset += region.len();
+        }
+        Ok(out)
+    }
+
+    /// Writes guest RAM to `file` (already sized to the total) without its
+    /// zero pages, which stay holes. Returns the bytes written.
+    ///
+    /// # Safety
+    /// As [`GuestRam::ranges`]: the VM is paused.
+    pub unsafe fn write_sparse_to(&self, file: &File) -> Result<u64, MemoryError> {
+        let mut written = 0;
+        // SAFETY: forwarded from this function's contract.
+        for (bytes, offset) in unsafe { self.ranges()? } {
+            let resident = match self.backing {
+                Backing::Memfd => Some(resident_pages(bytes)),
+                Backing::File => None,
+            };
+            written += write_sparse(file, offset, bytes, resident.as_deref())
+                .map_err(MemoryError::Copy)?;
+        }
+        Ok(written)
+    }
+
+    /// Makes this RAM a zygote's: copies it into a new memfd, seals the
+    /// memfd (no write, shrink, grow, or new seals) and maps it `MAP_PRIVATE`
+    /// over the same addresses. Afterwards the process has no private guest
+    /// pages, so `fork()` is O(1) in guest memory size, and children fault
+    /// pages lazily from the shared page cache.
+    ///
+    /// # Safety
+    /// As [`GuestRam::ranges`]: the VM is paused.
+    pub unsafe fn rebase_to_sealed_memfd(&mut self) -> Result<u64, MemoryError> {
+        let file = memfd(c"forkbox-zygote-ram")?;
+        let total: u64 = self.mem.iter().map(|r| r.len()).sum();
+        file.set_len(total)
+            .map_err(|e| MemoryError::Resize(total, e))?;
+        // SAFETY: forwarded from this function's contract.
+        let written = unsafe { self.write_sparse_to(&file)? };
+        let seals =
+            libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: plain fcntl on a memfd we own; no writable shared mapping
+        // of it exists (F_SEAL_WRITE would fail otherwise).
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+            return Err(MemoryError::Seal(io::Error::last_os_error()));
+        }
+        let mut offset = 0u64;
+        for region in self.mem.iter() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|_| MemoryError::Region(region.start_addr().0))?;
+            // SAFETY: MAP_FIXED replaces exactly the range `self.mem` owns
+            // (same address and length), with a private view of the same
+            // bytes; no reference into it is live (the VM is paused, per the
+            // contract), and KVM's memory slot refers to the address range,
+            // whose contents it re-faults through its MMU notifier.
+            let p = unsafe {
+                libc::mmap(
+                    host.cast(),
+                    region.len() as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    file.as_raw_fd(),
+                    offset as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(MemoryError::Remap(io::Error::last_os_error()));
+            }
+            offset += region.len();
+        }
+        self.file = file;
+        self.backing = Backing::Memfd;
+        Ok(written)
+    }
+}
+
+/// Maps each range of `layout` from consecutive offsets of `file`.
+fn map(layout: &MemoryLayout, file: &File) -> Result<GuestMemory, MemoryError> {
+    let mut regions = Vec::new();
+    let mut offset = 0u64;
+    for range in layout.ranges() {
+        let size = usize::try_from(range.size).map_err(|_| MemoryError::Region(range.start))?;
+        let fd = file.try_clone().map_err(MemoryError::Memfd)?;
+        let mapping = MmapRegionBuilder::new(size)
+            .with_file_offset(FileOffset::new(fd, offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|e| MemoryError::Map(range.start, e))?;
+        let region = GuestRegionMmap::new(mapping, GuestAddress(range.start))
+            .ok_or(MemoryError::Region(range.start))?;
+        regions.push(region);
+        offset += range.size;
+    }
+    GuestMemory::from_regions(regions).map_err(MemoryError::Assemble)
+}
+
+/// Which pages of `bytes` (page aligned) are resident; a memfd-backed page
+/// that is not resident has never been written and reads as zero.
+fn resident_pages(bytes: &[u8]) -> Vec<u8> {
+    let pages = bytes.len().div_ceil(PAGE);
+    let mut vec = vec![1u8; pages];
+    // SAFETY: `bytes` is a page-aligned mapping of `bytes.len()` bytes and
+    // `vec` has one byte per page, as mincore requires.
+    let rc = unsafe { libc::mincore(bytes.as_ptr() as *mut _, bytes.len(), vec.as_mut_ptr()) };
+    if rc < 0 {
+        // Unknown: treat every page as possibly non-zero.
+        vec.fill(1);
+    }
+    vec
+}
+
+/// Writes `bytes` to `file` at `offset`, skipping all-zero pages (they stay
+/// holes) and pages `resident` marks absent; runs of data pages go out in
+/// one `pwrite`. Returns the bytes written.
+pub fn write_sparse(
+    file: &File,
+    offset: u64,
+    bytes: &[u8],
+    resident: Option<&[u8]>,
+) -> io::Result<u64> {
+    let mut written = 0u64;
+    let mut run: Option<usize> = None;
+    let pages = bytes.len().div_ceil(PAGE);
+    for i in 0..=pages {
+        let data = i < pages && {
+            let present = resident.is_none_or(|r| r.get(i).is_none_or(|b| b & 1 == 1));
+            let page = &bytes[i * PAGE..((i + 1) * PAGE).min(bytes.len())];
+            present && !is_zero(page)
+        };
+        match (data, run) {
+            (true, None) => run = Some(i),
+            (false, Some(start)) => {
+                let chunk = &bytes[start * PAGE..(i * PAGE).min(bytes.len())];
+                file.write_all_at(chunk, offset + (start * PAGE) as u64)?;
+                written += chunk.len() as u64;
+                run = None;
+            }
+            _ => {}
+        }
+    }
+    Ok(written)
+}
+
+fn is_zero(page: &[u8]) -> bool {
+    let (head, words, tail) = {
+        // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets
+        // the aligned middle of a byte slice.
+        unsafe { page.align_to::<u64>() }
+    };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
 }
 
 fn memfd(name: &CStr) -> Result<File, MemoryError> {
@@ -143,6 +373,136 @@ mod tests {
             0xfeed
         );
         assert!(mem.read_obj::<u8>(GuestAddress(MMIO_HOLE_START)).is_err());
+    }
+
+    fn data_ranges(file: &File, len: u64) -> Vec<(u64, u64)> {
+        let fd = file.as_raw_fd();
+        let mut out = Vec::new();
+        let mut pos = 0i64;
+        while (pos as u64) < len {
+            // SAFETY: lseek on an open file we own.
+            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+            if data < 0 {
+                break;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            out.push((data as u64, hole as u64));
+            pos = hole;
+        }
+        out
+    }
+
+    fn temp_file(name: &str) -> (File, std::path::PathBuf) {
+        let path = std::env::temp_dir().join(format!("forkbox-mem-{}-{name}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("temp file");
+        (file, path)
+    }
+
+    #[test]
+    fn write_sparse_zero_pages_become_holes() {
+        let (file, path) = temp_file("sparse");
+        let mut bytes = vec![0u8; 64 * PAGE];
+        bytes[3 * PAGE + 5] = 1; // page 3
+        bytes[4 * PAGE] = 2; // page 4 (joins the run)
+        bytes[40 * PAGE + PAGE - 1] = 3; // page 40
+        let total = (bytes.len() + 8 * PAGE) as u64;
+        file.set_len(total).expect("size");
+        let n = write_sparse(&file, (8 * PAGE) as u64, &bytes, None).expect("write");
+        assert_eq!(n, 3 * PAGE as u64);
+        let meta = file.metadata().expect("meta");
+        use std::os::unix::fs::MetadataExt;
+        assert!(
+            meta.blocks() * 512 <= 3 * PAGE as u64 + 8192,
+            "{} blocks",
+            meta.blocks()
+        );
+        assert_eq!(
+            data_ranges(&file, total),
+            vec![
+                (11 * PAGE as u64, 13 * PAGE as u64),
+                (48 * PAGE as u64, 49 * PAGE as u64)
+            ]
+        );
+        let mut back = vec![0u8; bytes.len()];
+        file.read_exact_at(&mut back, (8 * PAGE) as u64)
+            .expect("read");
+        assert_eq!(back, bytes);
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn write_sparse_skips_pages_marked_absent() {
+        let (file, path) = temp_file("absent");
+        let bytes = vec![7u8; 4 * PAGE];
+        file.set_len(bytes.len() as u64).expect("size");
+        let n = write_sparse(&file, 0, &bytes, Some(&[1, 0, 0, 1])).expect("write");
+        assert_eq!(n, 2 * PAGE as u64);
+        assert_eq!(
+            data_ranges(&file, bytes.len() as u64),
+            vec![(0, PAGE as u64), (3 * PAGE as u64, 4 * PAGE as u64)]
+        );
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn ram_snapshot_then_from_file_round_trips_private() {
+        let layout = MemoryLayout::new(128 * MIB);
+        let ram = GuestRam::new(&layout).expect("memfd");
+        ram.memory()
+            .write_obj(0xabcd_u64, GuestAddress(0x10_0000))
+            .expect("write");
+        let (file, path) = temp_file("ram");
+        file.set_len(layout.total()).expect("size");
+        // SAFETY: no vCPU or device exists in this test.
+        let n = unsafe { ram.write_sparse_to(&file) }.expect("snapshot");
+        assert_eq!(n, PAGE as u64, "only the written page");
+        let restored = GuestRam::from_file(&layout, &path).expect("map");
+        let mem = restored.memory();
+        assert_eq!(
+            mem.read_obj::<u64>(GuestAddress(0x10_0000)).expect("read"),
+            0xabcd
+        );
+        mem.write_obj(1u64, GuestAddress(0x20_0000))
+            .expect("private write");
+        let mut probe = [0u8; 8];
+        file.read_exact_at(&mut probe, 0x20_0000)
+            .expect("read file");
+        assert_eq!(probe, [0; 8], "MAP_PRIVATE: the file is untouched");
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn zygote_rebase_keeps_contents_and_seals() {
+        let layout = MemoryLayout::new(128 * MIB);
+        let mut ram = GuestRam::new(&layout).expect("memfd");
+        ram.memory()
+            .write_obj(0x1234_u64, GuestAddress(0x30_0000))
+            .expect("write");
+        // SAFETY: no vCPU or device exists in this test.
+        let n = unsafe { ram.rebase_to_sealed_memfd() }.expect("rebase");
+        assert_eq!(n, PAGE as u64);
+        let mem = ram.memory();
+        assert_eq!(
+            mem.read_obj::<u64>(GuestAddress(0x30_0000)).expect("read"),
+            0x1234
+        );
+        mem.write_obj(5u64, GuestAddress(0x30_0000))
+            .expect("private write");
+        // SAFETY: fcntl on an fd we own.
+        let seals = unsafe { libc::fcntl(ram.file.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE);
+        let mut probe = [0u8; 8];
+        ram.file
+            .read_exact_at(&mut probe, 0x30_0000)
+            .expect("read memfd");
+        assert_eq!(u64::from_le_bytes(probe), 0x1234, "sealed file unchanged");
     }
 
     #[test]

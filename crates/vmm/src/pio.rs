@@ -43,6 +43,14 @@ impl PortBus {
         }
     }
 
+    /// COM1's registers and FIFO (call while the vCPUs are parked).
+    pub fn serial_state(&self) -> vm_superio::serial::SerialState {
+        match self.serial.lock() {
+            Ok(s) => s.state(),
+            Err(p) => p.into_inner().state(),
+        }
+    }
+
     fn with_serial<T>(&self, f: impl FnOnce(&mut SerialDevice) -> T) -> Option<T> {
         // A poisoned lock means another vCPU panicked mid-access; the
         // device is still usable byte by byte.

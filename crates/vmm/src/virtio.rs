@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use forkbox_devices::virtio::block::Block;
 use forkbox_devices::virtio::mmio::MmioTransport;
+use forkbox_devices::virtio::persist::{RestoreError, TransportState};
 use forkbox_devices::virtio::vsock::Vsock;
 use forkbox_devices::virtio::VirtioDevice;
 use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt};
@@ -21,6 +22,8 @@ pub const GUEST_CID: u64 = 3;
 pub trait VirtioMmio: BusDevice + EventSource {
     /// The driver kicked queue `index` (delivered through an ioeventfd).
     fn queue_notify(&mut self, index: u16);
+    /// The transport's and its device's state.
+    fn save(&self) -> TransportState;
 }
 
 /// A device the command line asked for.
@@ -50,6 +53,10 @@ pub enum DeviceError {
     TooMany(usize),
     #[error("cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
+    #[error("saved state has {saved} virtio devices, the VM has {have}")]
+    StateCount { saved: usize, have: usize },
+    #[error("cannot restore virtio device {0}")]
+    Restore(usize, #[source] RestoreError),
 }
 
 /// One device placed on the bus.
@@ -64,33 +71,72 @@ impl VirtioMmio for MmioTransport {
     fn queue_notify(&mut self, index: u16) {
         MmioTransport::queue_notify(self, index);
     }
+
+    fn save(&self) -> TransportState {
+        MmioTransport::save(self)
+    }
 }
 
 /// Creates the transports for `specs`, in order, at windows 0, 1, ...
 pub fn create(specs: &[DeviceSpec], mem: &GuestMemory) -> Result<Vec<VirtioSlot>, DeviceError> {
+    place(specs, mem, None)
+}
+
+/// Creates fresh devices for `specs` (disks re-opened, vsock listening on
+/// its new socket) and puts each back into its saved state.
+pub fn restore(
+    specs: &[DeviceSpec],
+    mem: &GuestMemory,
+    states: &[TransportState],
+) -> Result<Vec<VirtioSlot>, DeviceError> {
+    if states.len() != specs.len() {
+        return Err(DeviceError::StateCount {
+            saved: states.len(),
+            have: specs.len(),
+        });
+    }
+    place(specs, mem, Some(states))
+}
+
+fn new_device(spec: &DeviceSpec) -> Result<Box<dyn VirtioDevice>, DeviceError> {
+    Ok(match spec {
+        DeviceSpec::Block(path) => {
+            Box::new(Block::new(path).map_err(|source| DeviceError::Block {
+                path: path.clone(),
+                source,
+            })?)
+        }
+        DeviceSpec::Vsock { uds } => {
+            Box::new(
+                Vsock::new(GUEST_CID, uds).map_err(|source| DeviceError::Vsock {
+                    path: uds.clone(),
+                    source,
+                })?,
+            )
+        }
+    })
+}
+
+fn place(
+    specs: &[DeviceSpec],
+    mem: &GuestMemory,
+    states: Option<&[TransportState]>,
+) -> Result<Vec<VirtioSlot>, DeviceError> {
     if specs.len() > crate::layout::MAX_VIRTIO_DEVICES {
         return Err(DeviceError::TooMany(specs.len()));
     }
     let mut slots = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let window = VirtioWindow::nth(i).ok_or(DeviceError::TooMany(specs.len()))?;
-        let device: Box<dyn VirtioDevice> = match spec {
-            DeviceSpec::Block(path) => {
-                Box::new(Block::new(path).map_err(|source| DeviceError::Block {
-                    path: path.clone(),
-                    source,
-                })?)
-            }
-            DeviceSpec::Vsock { uds } => Box::new(Vsock::new(GUEST_CID, uds).map_err(
-                |source| DeviceError::Vsock {
-                    path: uds.clone(),
-                    source,
-                },
-            )?),
-        };
+        let device = new_device(spec)?;
         let queues = u16::try_from(device.queue_max_sizes().len()).unwrap_or(u16::MAX);
         let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(DeviceError::EventFd)?);
-        let transport = MmioTransport::new(device, mem.clone(), Interrupt::new(Arc::clone(&irq)));
+        let interrupt = Interrupt::new(Arc::clone(&irq));
+        let transport = match states.and_then(|s| s.get(i)) {
+            Some(state) => MmioTransport::restore(device, mem.clone(), interrupt, state)
+                .map_err(|e| DeviceError::Restore(i, e))?,
+            None => MmioTransport::new(device, mem.clone(), interrupt),
+        };
         slots.push(VirtioSlot {
             window,
             device: Arc::new(Mutex::new(transport)),

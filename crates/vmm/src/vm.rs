@@ -1,35 +1,51 @@
 //! Assembling and running one VM: KVM objects in the order that is fast
 //! (memory slots before the irqchip), devices, ACPI, boot state, one thread
-//! per vCPU, and the main thread's epoll loop.
+//! per vCPU, and the main thread's epoll loop, which also serves the
+//! control socket (pause, resume, fork, zygote, snapshot).
+//!
+//! A VM comes to life in one of two ways: [`Machine::boot`] (kernel and
+//! initramfs) or [`Machine::restore`] (captured state over a memory
+//! mapping). A fork child and `--restore` both take the second path.
 
+use std::collections::HashMap;
 use std::fs::OpenOptions;
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{IoEventAddress, Kvm, VcpuExit, VcpuFd, VmFd};
-use vm_memory::{Bytes, GuestAddress};
+use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_superio::serial::NoEvents;
 use vm_superio::Serial;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+use vmm_sys_util::signal::register_signal_handler;
 
 use crate::acpi::{self, AcpiConfig};
 use crate::boot::{self, BootSpec};
+use crate::control::{
+    self, ChildResult, ChildSpec, Line, LineBuffer, Request, Response, RunState, Then,
+};
 use crate::cpu;
+use crate::fork::{self, Forked};
 use crate::host;
 use crate::layout::{
     MemoryLayout, VirtioWindow, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, MIB, SERIAL_GSI,
     VIRTIO_MMIO_QUEUE_NOTIFY,
 };
 use crate::memory::GuestRam;
-use crate::pio::{PortBus, PortEvent, ResetCause};
-use crate::serial::{IrqTrigger, SerialOutput, TailBuffer};
-use crate::virtio::{self, MmioBus, VirtioSlot};
+use crate::pio::{PortBus, PortEvent};
+use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
+use crate::state::{self, Hardware, MachineState, SerialState, StateError, VcpuState};
+use crate::vcpu::{self, ExitSignal, PauseError, VcpuContext, VcpuOutcome, Vcpus};
+use crate::virtio::{self, DeviceSpec, MmioBus, VirtioSlot};
 use crate::{VmConfig, VmExit};
+
+pub use crate::vcpu::VcpuError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -55,10 +71,12 @@ pub enum VmError {
     Devices(#[from] virtio::DeviceError),
     #[error("cannot open the serial log {path}")]
     SerialLog {
-        path: std::path::PathBuf,
+        path: PathBuf,
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot restore the serial port")]
+    SerialRestore,
     #[error("event loop: {0}")]
     EventLoop(&'static str, #[source] std::io::Error),
     #[error("cannot start vCPU thread {0}")]
@@ -71,101 +89,34 @@ pub enum VmError {
         #[source]
         source: VcpuError,
     },
-}
-
-/// Why a vCPU thread stopped without a guest-requested exit.
-#[derive(Debug, thiserror::Error)]
-pub enum VcpuError {
-    #[error("KVM_RUN failed")]
-    Run(#[source] kvm_ioctls::Error),
-    #[error("VM entry failed (hardware reason {reason:#x} on cpu {cpu})")]
-    FailEntry { reason: u64, cpu: u32 },
-    #[error("KVM internal error")]
-    Internal,
-    #[error("unexpected exit: {0}")]
-    Unexpected(String),
-}
-
-/// What a vCPU thread reports when it stops.
-#[derive(Debug)]
-enum VcpuOutcome {
-    Guest(PortEvent),
-    Failed(VcpuError),
-    /// The VMM asked it to stop (another vCPU or the main loop ended the VM).
-    Stopped,
-}
-
-/// The signal that kicks a vCPU thread out of `KVM_RUN`.
-fn kick_signal() -> i32 {
-    SIGRTMIN()
-}
-
-extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // Nothing to do: delivery alone makes KVM_RUN return EINTR.
-}
-
-/// How long stopping the vCPU threads may take before they are left behind.
-const VCPU_STOP_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Stops every vCPU thread: sets `stopping`, then signals each thread until
-/// it has left `KVM_RUN` and ended (a signal that lands just before the
-/// thread enters `KVM_RUN` is lost, hence the repetition).
-fn stop_vcpus(threads: Vec<JoinHandle<()>>, stopping: &AtomicBool) {
-    stopping.store(true, Ordering::SeqCst);
-    let deadline = Instant::now() + VCPU_STOP_TIMEOUT;
-    let mut running = threads;
-    while !running.is_empty() {
-        let (done, rest): (Vec<_>, Vec<_>) = running.into_iter().partition(|t| t.is_finished());
-        for t in done {
-            let _ = t.join();
-        }
-        running = rest;
-        if running.is_empty() {
-            break;
-        }
-        if Instant::now() > deadline {
-            tracing::warn!(
-                "{} vCPU thread(s) did not stop; leaving them",
-                running.len()
-            );
-            break;
-        }
-        for t in &running {
-            if let Err(e) = t.kill(kick_signal()) {
-                tracing::warn!("cannot kick a vCPU thread: {e}");
-            }
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// The first vCPU to stop wins; the main loop is woken through `evt`.
-struct ExitSignal {
-    outcome: Mutex<Option<(u8, VcpuOutcome)>>,
-    evt: EventFd,
-}
-
-impl ExitSignal {
-    fn report(&self, id: u8, outcome: VcpuOutcome) {
-        tracing::debug!(vcpu = id, ?outcome, "vCPU stopped");
-        let mut slot = match self.outcome.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        if slot.is_none() && !matches!(outcome, VcpuOutcome::Stopped) {
-            *slot = Some((id, outcome));
-        }
-        if let Err(e) = self.evt.write(1) {
-            tracing::error!("cannot wake the main loop: {e}");
-        }
-    }
-
-    fn take(&self) -> Option<(u8, VcpuOutcome)> {
-        match self.outcome.lock() {
-            Ok(mut g) => g.take(),
-            Err(p) => p.into_inner().take(),
-        }
-    }
+    #[error("VM state")]
+    State(#[from] StateError),
+    #[error("cannot pause the VM")]
+    Pause(#[from] PauseError),
+    #[error("cannot listen on the control socket {path}")]
+    ControlSocket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}")]
+    SnapshotWrite {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read the state file {path}")]
+    StateFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("this VM has a vsock device: a vsock socket path is required")]
+    VsockPathMissing,
+    #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
+    VcpuCount { saved: usize, hardware: u8 },
+    #[error("guest memory is shared with another owner")]
+    RamShared,
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -200,15 +151,39 @@ impl PanicWatch {
     }
 }
 
+/// Where a VM's host-side endpoints are (per process: a fork child gets
+/// its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoints {
+    pub control: Option<PathBuf>,
+    pub vsock_uds: Option<PathBuf>,
+    pub serial_log: Option<PathBuf>,
+    pub echo: Echo,
+}
+
 /// Why the main loop stopped.
 enum LoopEnd {
     Vcpu(u8, VcpuOutcome),
     PanicWithoutReset(String),
+    /// This process is a fork child now: rebuild from the plan.
+    Child(Box<ChildPlan>),
 }
 
-/// Main-loop work items, indexed by epoll token.
-enum Token {
-    Stop,
+/// What a freshly forked child restores.
+struct ChildPlan {
+    state: MachineState,
+    spec: ChildSpec,
+    ready: OwnedFd,
+}
+
+/// What handling one request led to.
+enum Outcome {
+    Reply(Response),
+    Child(Box<ChildPlan>),
+}
+
+/// Device work items, indexed by epoll token of the device epoll.
+enum DevToken {
     QueueNotify {
         slot: usize,
         queue: u16,
@@ -219,18 +194,48 @@ enum Token {
     },
 }
 
-/// Builds the VM described by `cfg`, runs it to its end and says how it ended.
-///
-/// Every vCPU thread has ended (or, after a bounded wait, been abandoned
-/// with a warning) when this returns.
-pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
-    host::check_host()?;
-    let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
-    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+/// Control-epoll tokens below this are fixed; clients and children above.
+const TOKEN_EXIT: u64 = 0;
+const TOKEN_LISTENER: u64 = 1;
+const TOKEN_DEVICES: u64 = 2;
+const FIRST_DYNAMIC_TOKEN: u64 = 16;
 
-    let layout = MemoryLayout::new(cfg.memory_mib * MIB);
-    let ram = GuestRam::new(&layout)?;
-    ram.register(&vm)?; // before KVM_CREATE_IRQCHIP: see GuestRam::register
+enum CtlItem {
+    Client {
+        stream: UnixStream,
+        lines: LineBuffer,
+    },
+    /// A fork child, reaped when its pidfd becomes readable.
+    Child { pid: libc::pid_t, _pidfd: OwnedFd },
+}
+
+/// One running VM and everything the main thread drives.
+pub struct Machine {
+    hw: Hardware,
+    endpoints: Endpoints,
+    vm: VmFd,
+    ram: Arc<GuestRam>,
+    pio: Arc<PortBus>,
+    tail: Arc<Mutex<TailBuffer>>,
+    slots: Vec<VirtioSlot>,
+    dev_epoll: Epoll,
+    dev_tokens: Vec<DevToken>,
+    ctl_epoll: Epoll,
+    listener: Option<UnixListener>,
+    items: HashMap<u64, CtlItem>,
+    next_token: u64,
+    exit: Arc<ExitSignal>,
+    vcpus: Vcpus,
+    run_state: RunState,
+}
+
+/// A new VM with guest memory registered (before the irqchip: measured
+/// milliseconds faster), the TSS and identity map, the irqchip and PIT2.
+/// GSI routing and PIT reinjection stay KVM's defaults on every path, so
+/// there is nothing about them to replay.
+fn create_vm(kvm: &Kvm, ram: &GuestRam) -> Result<VmFd, VmError> {
+    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+    ram.register(&vm)?;
     vm.set_tss_address(KVM_TSS_ADDR as usize)
         .map_err(kvm_err("set the TSS address"))?;
     vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
@@ -242,10 +247,36 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
         ..Default::default()
     };
     vm.create_pit2(pit).map_err(kvm_err("create the PIT"))?;
+    Ok(vm)
+}
 
-    // COM1.
+/// Creates vCPU `id` and keeps its `kvm_run` mapping out of fork children
+/// (there it would belong to a VM bound to the parent's mm).
+fn create_vcpu(vm: &VmFd, id: u8, mmap_size: usize) -> Result<VcpuFd, VmError> {
+    let mut vcpu = vm
+        .create_vcpu(id.into())
+        .map_err(kvm_err("create a vCPU"))?;
+    let run: *mut kvm_bindings::kvm_run = vcpu.get_kvm_run();
+    // SAFETY: `run` is the start of the vCPU's `kvm_run` mapping, which is
+    // `mmap_size` bytes long (KVM_GET_VCPU_MMAP_SIZE) and owned by `vcpu`;
+    // MADV_DONTFORK changes only what a child inherits.
+    let rc = unsafe { libc::madvise(run.cast(), mmap_size, libc::MADV_DONTFORK) };
+    if rc < 0 {
+        tracing::warn!(
+            "madvise(MADV_DONTFORK) on kvm_run: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(vcpu)
+}
+
+fn open_serial(
+    vm: &VmFd,
+    endpoints: &Endpoints,
+    saved: Option<&SerialState>,
+) -> Result<(Arc<PortBus>, Arc<Mutex<TailBuffer>>), VmError> {
     let tail = Arc::new(Mutex::new(TailBuffer::default()));
-    let log = match &cfg.serial_log {
+    let log = match &endpoints.serial_log {
         Some(path) => Some(
             OpenOptions::new()
                 .create(true)
@@ -258,24 +289,689 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
         ),
         None => None,
     };
-    let serial_irq = eventfd()?;
-    vm.register_irqfd(&serial_irq, SERIAL_GSI)
+    let irq = eventfd()?;
+    vm.register_irqfd(&irq, SERIAL_GSI)
         .map_err(kvm_err("register the serial irqfd"))?;
-    let serial = Serial::new(
-        IrqTrigger(serial_irq),
-        SerialOutput::new(log, Arc::clone(&tail), cfg.echo),
-    );
-    let pio = Arc::new(PortBus::new(serial));
+    let out = SerialOutput::new(log, Arc::clone(&tail), endpoints.echo);
+    let serial = match saved {
+        Some(s) => Serial::from_state(&s.to_superio(), IrqTrigger(irq), NoEvents, out)
+            .map_err(|_| VmError::SerialRestore)?,
+        None => Serial::new(IrqTrigger(irq), out),
+    };
+    Ok((Arc::new(PortBus::new(serial)), tail))
+}
 
-    // virtio-mmio devices.
-    let slots = virtio::create(&cfg.devices(), ram.memory())?;
-    let epoll = Epoll::new().map_err(|e| VmError::EventLoop("epoll_create", e))?;
-    let exit = Arc::new(ExitSignal {
-        outcome: Mutex::new(None),
-        evt: eventfd()?,
-    });
-    let mut tokens = vec![];
-    let watch = |fd: i32, token: Token, tokens: &mut Vec<Token>| -> Result<(), VmError> {
+fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>, VmError> {
+    let mut specs: Vec<DeviceSpec> = hw.disks.iter().cloned().map(DeviceSpec::Block).collect();
+    if hw.vsock {
+        let uds = endpoints
+            .vsock_uds
+            .clone()
+            .ok_or(VmError::VsockPathMissing)?;
+        specs.push(DeviceSpec::Vsock { uds });
+    }
+    Ok(specs)
+}
+
+fn listen(path: &Path) -> Result<UnixListener, VmError> {
+    let err = |source| VmError::ControlSocket {
+        path: path.to_path_buf(),
+        source,
+    };
+    let l = UnixListener::bind(path).map_err(err)?;
+    l.set_nonblocking(true).map_err(err)?;
+    Ok(l)
+}
+
+/// The parts every new VM shares, whichever way it came to life.
+struct Parts {
+    hw: Hardware,
+    endpoints: Endpoints,
+    vm: VmFd,
+    ram: Arc<GuestRam>,
+    pio: Arc<PortBus>,
+    tail: Arc<Mutex<TailBuffer>>,
+    slots: Vec<VirtioSlot>,
+    vcpus: Vec<(VcpuFd, Vec<kvm_bindings::kvm_cpuid_entry2>)>,
+    msr_indices: Arc<Vec<u32>>,
+}
+
+impl Machine {
+    /// Boots the VM `cfg` describes.
+    pub fn boot(cfg: &VmConfig) -> Result<Machine, VmError> {
+        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let layout = MemoryLayout::new(cfg.memory_mib * MIB);
+        let ram = GuestRam::new(&layout)?;
+        let vm = create_vm(&kvm, &ram)?;
+        let endpoints = Endpoints {
+            control: cfg.control.clone(),
+            vsock_uds: cfg.vsock_uds.clone(),
+            serial_log: cfg.serial_log.clone(),
+            echo: cfg.echo,
+        };
+        let hw = Hardware {
+            vcpus: cfg.vcpus,
+            memory_mib: cfg.memory_mib,
+            disks: cfg.disks.clone(),
+            vsock: cfg.vsock_uds.is_some(),
+        };
+        let (pio, tail) = open_serial(&vm, &endpoints, None)?;
+        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory())?;
+
+        // ACPI and boot state.
+        let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
+        let tables = acpi::build(&AcpiConfig {
+            vcpus: cfg.vcpus,
+            virtio: windows,
+        })?;
+        for (addr, blob) in &tables.blobs {
+            ram.memory()
+                .write_slice(blob, GuestAddress(*addr))
+                .map_err(VmError::AcpiWrite)?;
+        }
+        let entry = boot::load(
+            ram.memory(),
+            &layout,
+            &BootSpec {
+                kernel: &cfg.kernel,
+                initramfs: &cfg.initramfs,
+                cmdline: &cfg.cmdline,
+                rsdp_addr: tables.rsdp_addr,
+            },
+        )?;
+
+        // vCPUs: all configured before any runs.
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_err("get the supported CPUID"))?;
+        let mmap_size = kvm
+            .get_vcpu_mmap_size()
+            .map_err(kvm_err("get the vCPU mmap size"))?;
+        let mut vcpus = Vec::new();
+        for id in 0..cfg.vcpus {
+            let vcpu = create_vcpu(&vm, id, mmap_size)?;
+            let mut cpuid = supported.clone();
+            cpu::patch_cpuid(cpuid.as_mut_slice(), id, cfg.vcpus);
+            cpu::configure(&vcpu, &cpuid).map_err(|source| VmError::Cpu { id, source })?;
+            if id == 0 {
+                cpu::set_boot_registers(&vcpu, &entry)
+                    .map_err(|source| VmError::Cpu { id, source })?;
+            }
+            vcpus.push((vcpu, cpuid.as_slice().to_vec()));
+        }
+        let msr_indices = Arc::new(state::msr_indices(&kvm)?);
+        Machine::start(Parts {
+            hw,
+            endpoints,
+            vm,
+            ram: Arc::new(ram),
+            pio,
+            tail,
+            slots,
+            vcpus,
+            msr_indices,
+        })
+    }
+
+    /// Rebuilds a VM from `state` over `ram`: the one code path of a fork
+    /// child (`ram` is the inherited mapping, now copy-on-write) and of
+    /// `--restore` (`ram` maps the snapshot's memory file).
+    pub fn restore(
+        ram: Arc<GuestRam>,
+        saved: &MachineState,
+        endpoints: Endpoints,
+    ) -> Result<Machine, VmError> {
+        let hw = saved.hardware.clone();
+        if saved.vcpus.len() != usize::from(hw.vcpus) {
+            return Err(VmError::VcpuCount {
+                saved: saved.vcpus.len(),
+                hardware: hw.vcpus,
+            });
+        }
+        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let vm = create_vm(&kvm, &ram)?;
+        let mmap_size = kvm
+            .get_vcpu_mmap_size()
+            .map_err(kvm_err("get the vCPU mmap size"))?;
+        let mut vcpus = Vec::new();
+        for s in &saved.vcpus {
+            let vcpu = create_vcpu(&vm, s.id, mmap_size)?;
+            state::restore_cpuid(&vcpu, s)?;
+            vcpus.push((vcpu, s.cpuid.clone()));
+        }
+        state::restore_irqchip_and_pit(&vm, &saved.vm)?;
+        for ((vcpu, _), s) in vcpus.iter().zip(&saved.vcpus) {
+            state::restore_vcpu(vcpu, s)?;
+        }
+        state::restore_clock(&vm, &saved.vm)?;
+        // Devices last: a restored device may raise its interrupt at once
+        // (vsock RSTs), which must land on the restored irqchip.
+        let (pio, tail) = open_serial(&vm, &endpoints, Some(&saved.serial))?;
+        let slots = virtio::restore(
+            &device_specs(&hw, &endpoints)?,
+            ram.memory(),
+            &saved.devices,
+        )?;
+        let msr_indices = Arc::new(state::msr_indices(&kvm)?);
+        Machine::start(Parts {
+            hw,
+            endpoints,
+            vm,
+            ram,
+            pio,
+            tail,
+            slots,
+            vcpus,
+            msr_indices,
+        })
+    }
+
+    /// Wires devices (fresh irqfds and ioeventfds), listens on the control
+    /// socket and starts the vCPU threads.
+    fn start(p: Parts) -> Result<Machine, VmError> {
+        let dev_epoll = Epoll::new().map_err(|e| VmError::EventLoop("epoll_create", e))?;
+        let mut dev_tokens = Vec::new();
+        for (i, slot) in p.slots.iter().enumerate() {
+            wire_device(&p.vm, i, slot, &dev_epoll, &mut dev_tokens)?;
+        }
+        let mmio = Arc::new(MmioBus::new(&p.slots));
+        let ctl_epoll = Epoll::new().map_err(|e| VmError::EventLoop("epoll_create", e))?;
+        let exit = Arc::new(ExitSignal::new(eventfd()?));
+        let add = |fd: i32, token: u64| {
+            ctl_epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(|e| VmError::EventLoop("epoll_ctl", e))
+        };
+        add(exit.evt.as_raw_fd(), TOKEN_EXIT)?;
+        add(dev_epoll.as_raw_fd(), TOKEN_DEVICES)?;
+        let listener = match &p.endpoints.control {
+            Some(path) => {
+                let l = listen(path)?;
+                add(l.as_raw_fd(), TOKEN_LISTENER)?;
+                Some(l)
+            }
+            None => None,
+        };
+        register_signal_handler(vcpu::kick_signal(), vcpu::on_kick).map_err(VmError::KickSignal)?;
+        let contexts = p
+            .vcpus
+            .into_iter()
+            .zip(0u8..)
+            .map(|((vcpu, cpuid), id)| VcpuContext {
+                vcpu,
+                id,
+                cpuid,
+                msr_indices: Arc::clone(&p.msr_indices),
+                pio: Arc::clone(&p.pio),
+                mmio: Arc::clone(&mmio),
+                exit: Arc::clone(&exit),
+            })
+            .collect();
+        let vcpus = Vcpus::start(contexts).map_err(|(id, e)| VmError::Thread(id, e))?;
+        Ok(Machine {
+            hw: p.hw,
+            endpoints: p.endpoints,
+            vm: p.vm,
+            ram: p.ram,
+            pio: p.pio,
+            tail: p.tail,
+            slots: p.slots,
+            dev_epoll,
+            dev_tokens,
+            ctl_epoll,
+            listener,
+            items: HashMap::new(),
+            next_token: FIRST_DYNAMIC_TOKEN,
+            exit,
+            vcpus,
+            run_state: RunState::Running,
+        })
+    }
+
+    /// Runs the VM to its end, becoming a fork child as often as a fork
+    /// request makes this process one.
+    pub fn run(self) -> Result<VmExit, VmError> {
+        let mut m = self;
+        loop {
+            match m.event_loop() {
+                Ok(LoopEnd::Child(plan)) => m = become_child(m, plan),
+                end => return m.finish(end),
+            }
+        }
+    }
+
+    fn finish(mut self, end: Result<LoopEnd, VmError>) -> Result<VmExit, VmError> {
+        self.vcpus.stop();
+        let end = end?;
+        let (id, outcome) = match end {
+            LoopEnd::Vcpu(id, outcome) => (id, outcome),
+            LoopEnd::PanicWithoutReset(line) => return Ok(VmExit::Panic { line }),
+            LoopEnd::Child(_) => unreachable!("handled by Machine::run"),
+        };
+        match outcome {
+            VcpuOutcome::Guest(PortEvent::PowerOff) => Ok(VmExit::PowerOff),
+            VcpuOutcome::Guest(PortEvent::Reset(cause)) => {
+                let panic = self.tail.lock().ok().and_then(|t| t.panic_line());
+                Ok(match panic {
+                    Some(line) => VmExit::Panic { line },
+                    None => VmExit::Reset { cause },
+                })
+            }
+            VcpuOutcome::Failed(source) => Err(VmError::Vcpu { id, source }),
+            VcpuOutcome::Stopped => Err(VmError::Vcpu {
+                id,
+                source: VcpuError::Unexpected("stopped without a reason".into()),
+            }),
+        }
+    }
+
+    fn event_loop(&mut self) -> Result<LoopEnd, VmError> {
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut panic_watch = PanicWatch::default();
+        loop {
+            let n = match self.ctl_epoll.wait(PANIC_POLL_MS, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
+            };
+            if n == 0 {
+                if self.run_state == RunState::Running {
+                    let line = self.tail.lock().ok().and_then(|t| t.panic_line());
+                    if panic_watch.poll(line.is_some()) {
+                        if let Some(line) = line {
+                            return Ok(LoopEnd::PanicWithoutReset(line));
+                        }
+                    }
+                }
+                continue;
+            }
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_EXIT => {
+                        let _ = self.exit.evt.read();
+                        if let Some((id, outcome)) = self.exit.take() {
+                            return Ok(LoopEnd::Vcpu(id, outcome));
+                        }
+                    }
+                    TOKEN_LISTENER => self.accept_clients(),
+                    TOKEN_DEVICES => self.device_events()?,
+                    token => {
+                        if let Some(plan) = self.item_event(token) {
+                            return Ok(LoopEnd::Child(plan));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn device_events(&mut self) -> Result<(), VmError> {
+        if self.run_state != RunState::Running {
+            return Ok(());
+        }
+        let mut events = vec![EpollEvent::default(); self.dev_tokens.len().max(1)];
+        let n = match self.dev_epoll.wait(0, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+            Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
+        };
+        for ev in &events[..n] {
+            match self.dev_tokens.get(ev.data() as usize) {
+                Some(DevToken::QueueNotify { slot, queue, evt }) => {
+                    let _ = evt.read();
+                    virtio::lock(&self.slots[*slot].device).queue_notify(*queue);
+                }
+                Some(DevToken::DeviceEvents { slot }) => {
+                    virtio::lock(&self.slots[*slot].device).handle_events();
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Device events are watched only while the VM runs (a paused VM's
+    /// devices do nothing; level-triggered fds would spin the loop).
+    fn watch_devices(&self, on: bool) {
+        let op = if on {
+            ControlOperation::Add
+        } else {
+            ControlOperation::Delete
+        };
+        let ev = EpollEvent::new(EventSet::IN, TOKEN_DEVICES);
+        if let Err(e) = self.ctl_epoll.ctl(op, self.dev_epoll.as_raw_fd(), ev) {
+            tracing::warn!("cannot change the device watch: {e}");
+        }
+    }
+
+    fn add_item(&mut self, fd: i32, item: CtlItem) {
+        let token = self.next_token;
+        self.next_token += 1;
+        let ev = EpollEvent::new(EventSet::IN | EventSet::READ_HANG_UP, token);
+        match self.ctl_epoll.ctl(ControlOperation::Add, fd, ev) {
+            Ok(()) => {
+                self.items.insert(token, item);
+            }
+            Err(e) => tracing::warn!("cannot watch a control item: {e}"),
+        }
+    }
+
+    fn accept_clients(&mut self) {
+        loop {
+            let Some(l) = &self.listener else { return };
+            match l.accept() {
+                Ok((stream, _)) => {
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        tracing::warn!("control client: {e}");
+                        continue;
+                    }
+                    let fd = stream.as_raw_fd();
+                    self.add_item(
+                        fd,
+                        CtlItem::Client {
+                            stream,
+                            lines: LineBuffer::default(),
+                        },
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::warn!("control socket accept: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A client or child fd is ready. Returns a plan if this process has
+    /// just become a fork child.
+    fn item_event(&mut self, token: u64) -> Option<Box<ChildPlan>> {
+        let mut item = self.items.remove(&token)?;
+        match &mut item {
+            CtlItem::Child { pid, .. } => {
+                fork::reap(*pid);
+                None // dropping the pidfd unwatches it
+            }
+            CtlItem::Client { stream, lines } => {
+                let mut buf = [0u8; 4096];
+                let mut open = true;
+                let mut got = Vec::new();
+                loop {
+                    match stream.read(&mut buf) {
+                        Ok(0) => {
+                            open = false;
+                            break;
+                        }
+                        Ok(n) => got.extend(lines.push(&buf[..n])),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => {
+                            open = false;
+                            break;
+                        }
+                    }
+                    if got.contains(&Line::TooLong) {
+                        break;
+                    }
+                }
+                for line in got {
+                    let response = match line {
+                        Line::TooLong => {
+                            open = false;
+                            Response::error(format!(
+                                "request longer than {} bytes",
+                                control::MAX_LINE
+                            ))
+                        }
+                        Line::Complete(line) => match self.handle_line(&line) {
+                            Outcome::Reply(r) => r,
+                            // Dropping `item` here only closes this
+                            // process's descriptor of the parent's client.
+                            Outcome::Child(plan) => return Some(plan),
+                        },
+                    };
+                    if stream.write_all(&response.to_line()).is_err() {
+                        open = false;
+                        break;
+                    }
+                    if !open {
+                        break;
+                    }
+                }
+                if open {
+                    self.items.insert(token, item);
+                }
+                None
+            }
+        }
+    }
+
+    fn handle_line(&mut self, line: &[u8]) -> Outcome {
+        let request = match control::parse(line) {
+            Ok(r) => r,
+            Err(e) => return Outcome::Reply(Response::error(e)),
+        };
+        tracing::debug!(?request, "control request");
+        let started = Instant::now();
+        let outcome = match request {
+            Request::Status => Outcome::Reply(Response::Status {
+                ok: true,
+                state: self.run_state,
+                pid: std::process::id(),
+                vcpus: self.hw.vcpus,
+                memory_mib: self.hw.memory_mib,
+            }),
+            Request::Pause => Outcome::Reply(reply(self.pause().map(|_| ()))),
+            Request::Resume => {
+                self.resume();
+                Outcome::Reply(Response::ok())
+            }
+            Request::Zygote => Outcome::Reply(reply(self.zygote())),
+            Request::Snapshot { dir, then } => Outcome::Reply(match self.snapshot(&dir, then) {
+                Ok(n) => Response::Snapshot {
+                    ok: true,
+                    bytes_written: n,
+                },
+                Err(e) => Response::error(chain(e)),
+            }),
+            Request::Fork { children, then } => match self.fork(&children, then) {
+                Ok(o) => o,
+                Err(e) => Outcome::Reply(Response::error(chain(e))),
+            },
+        };
+        tracing::debug!(elapsed = ?started.elapsed(), "control request done");
+        outcome
+    }
+
+    /// Parks the vCPUs (capturing their state) and stops device work.
+    fn pause(&mut self) -> Result<Vec<VcpuState>, VmError> {
+        let states = self.vcpus.pause()?;
+        if self.run_state == RunState::Running {
+            self.watch_devices(false);
+            self.run_state = RunState::Paused;
+        }
+        Ok(states)
+    }
+
+    fn resume(&mut self) {
+        if self.run_state != RunState::Running {
+            self.watch_devices(true);
+            self.run_state = RunState::Running;
+        }
+        self.vcpus.resume();
+    }
+
+    /// The whole VM as plain data (vCPUs already parked and captured).
+    fn capture(&self, vcpus: Vec<VcpuState>) -> Result<MachineState, VmError> {
+        Ok(MachineState {
+            format_version: state::FORMAT_VERSION,
+            state_format: state::state_format(),
+            hardware: self.hw.clone(),
+            vm: state::save_vm(&self.vm)?,
+            vcpus,
+            serial: SerialState::from_superio(&self.pio.serial_state()),
+            devices: self
+                .slots
+                .iter()
+                .map(|s| virtio::lock(&s.device).save())
+                .collect(),
+        })
+    }
+
+    fn zygote(&mut self) -> Result<(), VmError> {
+        self.pause()?;
+        let ram = Arc::get_mut(&mut self.ram).ok_or(VmError::RamShared)?;
+        // SAFETY: the vCPUs are parked and devices run only on this thread,
+        // which is here: nothing touches guest memory during the copy.
+        let bytes = unsafe { ram.rebase_to_sealed_memfd() }?;
+        tracing::info!(bytes, "zygote: guest RAM now a sealed memfd");
+        self.run_state = RunState::Zygote;
+        Ok(())
+    }
+
+    fn snapshot(&mut self, dir: &Path, then: Then) -> Result<u64, VmError> {
+        let vcpus = self.pause()?;
+        let result = self.write_snapshot(dir, vcpus);
+        if then == Then::Resume {
+            self.resume();
+        }
+        result
+    }
+
+    fn write_snapshot(&self, dir: &Path, vcpus: Vec<VcpuState>) -> Result<u64, VmError> {
+        let saved = self.capture(vcpus)?;
+        let werr = |path: PathBuf| move |source| VmError::SnapshotWrite { path, source };
+        std::fs::create_dir_all(dir).map_err(werr(dir.to_path_buf()))?;
+        let mem_path = dir.join("memory");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(&mem_path)
+            .map_err(werr(mem_path.clone()))?;
+        let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
+        file.set_len(total).map_err(werr(mem_path.clone()))?;
+        // SAFETY: the vCPUs are parked and devices run only on this thread.
+        let mut written = unsafe { self.ram.write_sparse_to(&file) }?;
+        file.sync_all().map_err(werr(mem_path))?;
+        let json = saved.to_json()?;
+        let state_path = dir.join("state.json");
+        std::fs::write(&state_path, &json).map_err(werr(state_path))?;
+        written += json.len() as u64;
+        Ok(written)
+    }
+
+    fn fork(&mut self, children: &[ChildSpec], then: Then) -> Result<Outcome, VmError> {
+        let started = Instant::now();
+        let vcpus = self.pause()?;
+        let saved = self.capture(vcpus)?;
+        let mut results = Vec::with_capacity(children.len());
+        for spec in children {
+            if self.hw.vsock && spec.vsock_uds.is_none() {
+                results.push(ChildResult::Failed {
+                    error: VmError::VsockPathMissing.to_string(),
+                });
+                continue;
+            }
+            // SAFETY: every vCPU thread is parked in a condition wait
+            // holding no lock, device work runs only on this thread, and the
+            // child uses none of the parent's objects (it forgets them).
+            match unsafe { fork::fork() } {
+                Err(e) => results.push(ChildResult::Failed {
+                    error: format!("fork: {e}"),
+                }),
+                Ok(Forked::Child { ready }) => {
+                    return Ok(Outcome::Child(Box::new(ChildPlan {
+                        state: saved.clone(),
+                        spec: spec.clone(),
+                        ready,
+                    })))
+                }
+                Ok(Forked::Parent { pid, ready }) => {
+                    let r = fork::wait_ready(ready, fork::CHILD_READY_TIMEOUT);
+                    match fork::pidfd_open(pid) {
+                        Ok(pidfd) => {
+                            let fd = pidfd.as_raw_fd();
+                            self.add_item(fd, CtlItem::Child { pid, _pidfd: pidfd });
+                        }
+                        Err(e) => tracing::warn!(pid, "pidfd_open: {e}; child not reaped"),
+                    }
+                    tracing::info!(pid, elapsed = ?started.elapsed(), ok = r.is_ok(), "fork child");
+                    results.push(match r {
+                        Ok(()) => ChildResult::Started { pid: pid as u32 },
+                        Err(error) => ChildResult::Failed { error },
+                    });
+                }
+            }
+        }
+        if then == Then::Resume {
+            self.resume();
+        }
+        Ok(Outcome::Reply(Response::Fork {
+            ok: true,
+            children: results,
+        }))
+    }
+}
+
+fn reply(r: Result<(), VmError>) -> Response {
+    match r {
+        Ok(()) => Response::ok(),
+        Err(e) => Response::error(chain(e)),
+    }
+}
+
+fn chain(e: VmError) -> String {
+    format!("{:#}", anyhow::Error::new(e))
+}
+
+/// In a fork child: forget the parent's objects (their descriptors are the
+/// parent's open files), close every inherited descriptor but guest RAM's,
+/// and rebuild the VM from the captured state over the inherited mapping.
+fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
+    let ram = Arc::clone(&parent.ram);
+    let echo = parent.endpoints.echo;
+    // No Drop may run on the parent's objects: KVM fds, eventfds, epolls,
+    // sockets and vCPU thread handles all belong to the parent's VM.
+    std::mem::forget(parent);
+    let mut keep = ram.fds();
+    keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
+    fork::close_inherited(&keep);
+    let endpoints = Endpoints {
+        control: Some(plan.spec.control.clone()),
+        vsock_uds: plan.spec.vsock_uds.clone(),
+        serial_log: plan.spec.serial_log.clone(),
+        echo,
+    };
+    match Machine::restore(ram, &plan.state, endpoints) {
+        Ok(m) => {
+            fork::report_ready(plan.ready);
+            m
+        }
+        Err(e) => {
+            let msg = chain(e);
+            tracing::error!("fork child: {msg}");
+            fork::report_failure(plan.ready, &msg);
+            std::process::exit(crate::EXIT_VMM_ERROR);
+        }
+    }
+}
+
+/// Registers a device's irqfd and queue ioeventfds (fresh eventfds), and
+/// watches its events.
+fn wire_device(
+    vm: &VmFd,
+    index: usize,
+    slot: &VirtioSlot,
+    epoll: &Epoll,
+    tokens: &mut Vec<DevToken>,
+) -> Result<(), VmError> {
+    let mut watch = |fd: i32, token: DevToken| -> Result<(), VmError> {
         let ev = EpollEvent::new(EventSet::IN, tokens.len() as u64);
         epoll
             .ctl(ControlOperation::Add, fd, ev)
@@ -283,105 +979,6 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
         tokens.push(token);
         Ok(())
     };
-    watch(exit.evt.as_raw_fd(), Token::Stop, &mut tokens)?;
-    for (i, slot) in slots.iter().enumerate() {
-        wire_device(&vm, i, slot, &mut |fd, t| watch(fd, t, &mut tokens))?;
-    }
-    let mmio = Arc::new(MmioBus::new(&slots));
-
-    // ACPI and boot state.
-    let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
-    let tables = acpi::build(&AcpiConfig {
-        vcpus: cfg.vcpus,
-        virtio: windows,
-    })?;
-    for (addr, blob) in &tables.blobs {
-        ram.memory()
-            .write_slice(blob, GuestAddress(*addr))
-            .map_err(VmError::AcpiWrite)?;
-    }
-    let entry = boot::load(
-        ram.memory(),
-        &layout,
-        &BootSpec {
-            kernel: &cfg.kernel,
-            initramfs: &cfg.initramfs,
-            cmdline: &cfg.cmdline,
-            rsdp_addr: tables.rsdp_addr,
-        },
-    )?;
-
-    // vCPUs: all configured before any runs.
-    let supported = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(kvm_err("get the supported CPUID"))?;
-    let mut vcpus = Vec::new();
-    for id in 0..cfg.vcpus {
-        let vcpu = vm
-            .create_vcpu(id.into())
-            .map_err(kvm_err("create a vCPU"))?;
-        let mut cpuid = supported.clone();
-        cpu::patch_cpuid(cpuid.as_mut_slice(), id, cfg.vcpus);
-        cpu::configure(&vcpu, &cpuid).map_err(|source| VmError::Cpu { id, source })?;
-        if id == 0 {
-            cpu::set_boot_registers(&vcpu, &entry).map_err(|source| VmError::Cpu { id, source })?;
-        }
-        vcpus.push(vcpu);
-    }
-    register_signal_handler(kick_signal(), on_kick).map_err(VmError::KickSignal)?;
-    let stopping = Arc::new(AtomicBool::new(false));
-    let mut threads = Vec::new();
-    for (id, vcpu) in (0u8..).zip(vcpus) {
-        let (pio, mmio, exit) = (Arc::clone(&pio), Arc::clone(&mmio), Arc::clone(&exit));
-        let stop = Arc::clone(&stopping);
-        let spawned = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || {
-                let outcome = vcpu_loop(vcpu, &pio, &mmio, &stop);
-                exit.report(id, outcome);
-            });
-        match spawned {
-            Ok(t) => threads.push(t),
-            Err(e) => {
-                stop_vcpus(threads, &stopping);
-                return Err(VmError::Thread(id, e));
-            }
-        }
-    }
-
-    let end = event_loop(&epoll, &tokens, &slots, &exit, &tail);
-    stop_vcpus(threads, &stopping);
-    let end = end?;
-    // `vm` and `ram` stay alive until here: the slots point into `ram`.
-    drop(vm);
-    let (id, outcome) = match end {
-        LoopEnd::Vcpu(id, outcome) => (id, outcome),
-        LoopEnd::PanicWithoutReset(line) => return Ok(VmExit::Panic { line }),
-    };
-    match outcome {
-        VcpuOutcome::Guest(PortEvent::PowerOff) => Ok(VmExit::PowerOff),
-        VcpuOutcome::Guest(PortEvent::Reset(cause)) => {
-            let panic = tail.lock().ok().and_then(|t| t.panic_line());
-            Ok(match panic {
-                Some(line) => VmExit::Panic { line },
-                None => VmExit::Reset { cause },
-            })
-        }
-        VcpuOutcome::Failed(source) => Err(VmError::Vcpu { id, source }),
-        VcpuOutcome::Stopped => Err(VmError::Vcpu {
-            id,
-            source: VcpuError::Unexpected("stopped without a reason".into()),
-        }),
-    }
-}
-
-/// Registers a device's irqfd and queue ioeventfds, and watches its events.
-fn wire_device(
-    vm: &VmFd,
-    index: usize,
-    slot: &VirtioSlot,
-    watch: &mut dyn FnMut(i32, Token) -> Result<(), VmError>,
-) -> Result<(), VmError> {
     vm.register_irqfd(&slot.irq, slot.window.gsi)
         .map_err(kvm_err("register a virtio irqfd"))?;
     for queue in 0..slot.queues {
@@ -392,7 +989,7 @@ fn wire_device(
         let fd = evt.as_raw_fd();
         watch(
             fd,
-            Token::QueueNotify {
+            DevToken::QueueNotify {
                 slot: index,
                 queue,
                 evt,
@@ -400,101 +997,32 @@ fn wire_device(
         )?;
     }
     if let Some(fd) = virtio::lock(&slot.device).event_fd() {
-        watch(fd, Token::DeviceEvents { slot: index })?;
+        watch(fd, DevToken::DeviceEvents { slot: index })?;
     }
     Ok(())
 }
 
-fn event_loop(
-    epoll: &Epoll,
-    tokens: &[Token],
-    slots: &[VirtioSlot],
-    exit: &ExitSignal,
-    tail: &Mutex<TailBuffer>,
-) -> Result<LoopEnd, VmError> {
-    let mut events = vec![EpollEvent::default(); tokens.len().max(1)];
-    let mut panic_watch = PanicWatch::default();
-    loop {
-        let n = match epoll.wait(PANIC_POLL_MS, &mut events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
-        };
-        if n == 0 {
-            let line = tail.lock().ok().and_then(|t| t.panic_line());
-            if panic_watch.poll(line.is_some()) {
-                if let Some(line) = line {
-                    return Ok(LoopEnd::PanicWithoutReset(line));
-                }
-            }
-            continue;
-        }
-        for ev in &events[..n] {
-            match tokens.get(ev.data() as usize) {
-                Some(Token::Stop) => {
-                    let _ = exit.evt.read();
-                    if let Some((id, outcome)) = exit.take() {
-                        return Ok(LoopEnd::Vcpu(id, outcome));
-                    }
-                }
-                Some(Token::QueueNotify { slot, queue, evt }) => {
-                    let _ = evt.read();
-                    virtio::lock(&slots[*slot].device).queue_notify(*queue);
-                }
-                Some(Token::DeviceEvents { slot }) => {
-                    virtio::lock(&slots[*slot].device).handle_events();
-                }
-                None => {}
-            }
-        }
-    }
+/// Builds the VM described by `cfg`, runs it to its end and says how it ended.
+///
+/// Every vCPU thread has ended (or, after a bounded wait, been abandoned
+/// with a warning) when this returns.
+pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
+    host::check_host()?;
+    Machine::boot(cfg)?.run()
 }
 
-fn vcpu_loop(
-    mut vcpu: VcpuFd,
-    pio: &PortBus,
-    mmio: &MmioBus,
-    stopping: &AtomicBool,
-) -> VcpuOutcome {
-    loop {
-        if stopping.load(Ordering::SeqCst) {
-            return VcpuOutcome::Stopped;
-        }
-        match vcpu.run() {
-            Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
-            Ok(VcpuExit::IoOut(port, data)) => {
-                if let Some(event) = pio.write(port, data) {
-                    return VcpuOutcome::Guest(event);
-                }
-            }
-            Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
-            Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
-            Ok(VcpuExit::Shutdown) => {
-                return VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault))
-            }
-            Ok(VcpuExit::SystemEvent(kind, _)) => {
-                return match kind {
-                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
-                        VcpuOutcome::Guest(PortEvent::PowerOff)
-                    }
-                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
-                        VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault))
-                    }
-                    other => {
-                        VcpuOutcome::Failed(VcpuError::Unexpected(format!("system event {other}")))
-                    }
-                }
-            }
-            Ok(VcpuExit::Hlt | VcpuExit::IrqWindowOpen | VcpuExit::Intr) => {}
-            Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                return VcpuOutcome::Failed(VcpuError::FailEntry { reason, cpu })
-            }
-            Ok(VcpuExit::InternalError) => return VcpuOutcome::Failed(VcpuError::Internal),
-            Ok(other) => return VcpuOutcome::Failed(VcpuError::Unexpected(format!("{other:?}"))),
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
-            Err(e) => return VcpuOutcome::Failed(VcpuError::Run(e)),
-        }
-    }
+/// Restores the snapshot in `dir` (`memory` + `state.json`) and runs it.
+pub fn run_restore(dir: &Path, endpoints: Endpoints) -> Result<VmExit, VmError> {
+    host::check_host()?;
+    let state_path = dir.join("state.json");
+    let bytes = std::fs::read(&state_path).map_err(|source| VmError::StateFile {
+        path: state_path,
+        source,
+    })?;
+    let saved = MachineState::from_json(&bytes)?;
+    let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
+    let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
+    Machine::restore(Arc::new(ram), &saved, endpoints)?.run()
 }
 
 #[cfg(test)]

@@ -1,0 +1,470 @@
+//! The captured state of a VM as plain, versioned, serialisable data, and
+//! the KVM ioctls that capture and apply it.
+//!
+//! DESIGN.md: restore and fork are one code path. A fork child and
+//! `--restore` both rebuild every kernel object from a [`MachineState`];
+//! nothing here has a `Default`, so a forgotten field fails to compile.
+//!
+//! Restore order (research/kvm-fork-measurements.md): VM, memory slots,
+//! TSS/identity map, irqchip, PIT2, vCPUs (CPUID first), irqchip state,
+//! PIT state, per-vCPU registers and MSRs, then kvmclock. Configuration no
+//! GET ioctl returns is replayed from constants the boot path also uses:
+//! CPUID (saved per vCPU as configured), the PIT config (speaker dummy), and
+//! the default GSI routing and PIT reinjection (never changed by this VMM).
+//! irqfds and ioeventfds are registered afresh by the caller.
+
+use std::path::PathBuf;
+
+use forkbox_devices::virtio::persist::TransportState;
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
+    kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    CpuId, Msrs, KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE, KVM_VCPUEVENT_VALID_NMI_PENDING, KVM_VCPUEVENT_VALID_SIPI_VECTOR,
+};
+use kvm_ioctls::{VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever a state type changes shape or meaning.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// This build's state-format identifier, written into every state file.
+pub fn state_format() -> String {
+    format!(
+        "forkbox-vmm-{}/state-v{FORMAT_VERSION}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("KVM: cannot {0}")]
+    Kvm(&'static str, #[source] kvm_ioctls::Error),
+    #[error("vCPU {0}: KVM accepted none of MSR {1:#x} onwards")]
+    Msrs(u8, u32),
+    #[error("saved xsave region has {0} words, KVM wants 1024")]
+    XsaveSize(usize),
+    #[error("cannot build an ioctl list of {0} entries")]
+    FamList(usize),
+    #[error("state file has format {found:?} (version {found_version}); this forkbox-vmm reads {expected:?} (version {expected_version})")]
+    Version {
+        found: String,
+        found_version: u32,
+        expected: String,
+        expected_version: u32,
+    },
+    #[error("state file is not valid JSON for this format")]
+    Parse(#[source] serde_json::Error),
+    #[error("cannot encode the state")]
+    Encode(#[source] serde_json::Error),
+}
+
+/// What the VM is made of, beside its state (the command line's hardware).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hardware {
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    /// Disks in window order; re-opened from these paths on restore.
+    pub disks: Vec<PathBuf>,
+    /// Whether a vsock device follows the disks.
+    pub vsock: bool,
+}
+
+/// One vCPU, captured while parked outside `KVM_RUN` after an
+/// `immediate_exit` run completed any pending I/O.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VcpuState {
+    pub id: u8,
+    /// The table given to `KVM_SET_CPUID2` (no GET ioctl returns it as set).
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    /// The 4 KiB `kvm_xsave` region (`KVM_GET_XSAVE`; no AMX state here).
+    pub xsave: Vec<u32>,
+    pub xcrs: kvm_xcrs,
+    /// Every MSR of [`msr_indices`] that `KVM_GET_MSRS` returns, the TSC
+    /// (0x10) among them: restoring it sets the TSC offset.
+    pub msrs: Vec<kvm_msr_entry>,
+    pub lapic: kvm_lapic_state,
+    pub mp_state: kvm_mp_state,
+    pub events: kvm_vcpu_events,
+    pub debugregs: kvm_debugregs,
+}
+
+/// VM-wide KVM state.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmState {
+    pub pic_master: kvm_irqchip,
+    pub pic_slave: kvm_irqchip,
+    pub ioapic: kvm_irqchip,
+    pub pit: kvm_pit_state2,
+    pub clock: kvm_clock_data,
+}
+
+/// COM1 (mirrors `vm_superio::serial::SerialState`, which has no serde).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialState {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl SerialState {
+    pub fn from_superio(s: &vm_superio::serial::SerialState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+
+    pub fn to_superio(&self) -> vm_superio::serial::SerialState {
+        vm_superio::serial::SerialState {
+            baud_divisor_low: self.baud_divisor_low,
+            baud_divisor_high: self.baud_divisor_high,
+            interrupt_enable: self.interrupt_enable,
+            interrupt_identification: self.interrupt_identification,
+            line_control: self.line_control,
+            line_status: self.line_status,
+            modem_control: self.modem_control,
+            modem_status: self.modem_status,
+            scratch: self.scratch,
+            in_buffer: self.in_buffer.clone(),
+        }
+    }
+}
+
+/// Everything a fork child or `--restore` needs besides guest memory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MachineState {
+    pub format_version: u32,
+    pub state_format: String,
+    pub hardware: Hardware,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+    pub serial: SerialState,
+    /// One per virtio-mmio window, in window order.
+    pub devices: Vec<TransportState>,
+}
+
+#[derive(Deserialize)]
+struct FormatHeader {
+    format_version: u32,
+    state_format: String,
+}
+
+impl MachineState {
+    pub fn to_json(&self) -> Result<Vec<u8>, StateError> {
+        serde_json::to_vec(self).map_err(StateError::Encode)
+    }
+
+    /// Parses a state file, refusing one written by a build whose state
+    /// format differs (checked before the body is interpreted).
+    pub fn from_json(bytes: &[u8]) -> Result<Self, StateError> {
+        let header: FormatHeader = serde_json::from_slice(bytes).map_err(StateError::Parse)?;
+        let expected = state_format();
+        if header.format_version != FORMAT_VERSION || header.state_format != expected {
+            return Err(StateError::Version {
+                found: header.state_format,
+                found_version: header.format_version,
+                expected,
+                expected_version: FORMAT_VERSION,
+            });
+        }
+        serde_json::from_slice(bytes).map_err(StateError::Parse)
+    }
+}
+
+fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> StateError {
+    move |e| StateError::Kvm(what, e)
+}
+
+/// Most MSRs asked for in one ioctl.
+const MSR_CHUNK: usize = 128;
+
+/// The MSRs saved per vCPU: KVM's index list plus the ones the boot code
+/// sets, sorted and unique.
+pub fn msr_indices(kvm: &kvm_ioctls::Kvm) -> Result<Vec<u32>, StateError> {
+    let list = kvm
+        .get_msr_index_list()
+        .map_err(kvm_err("get the MSR index list"))?;
+    let mut v: Vec<u32> = list.as_slice().to_vec();
+    v.extend(crate::cpu::boot_msrs().iter().map(|e| e.index));
+    v.sort_unstable();
+    v.dedup();
+    Ok(v)
+}
+
+fn msr_list(entries: &[kvm_msr_entry]) -> Result<Msrs, StateError> {
+    Msrs::from_entries(entries).map_err(|_| StateError::FamList(entries.len()))
+}
+
+/// Reads every MSR of `indices` KVM will return. `KVM_GET_MSRS` stops at
+/// the first MSR it cannot read; that one is skipped (logged) and the rest
+/// read on.
+fn get_msrs(vcpu: &VcpuFd, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, StateError> {
+    let mut out = Vec::with_capacity(indices.len());
+    let mut rest = indices;
+    while !rest.is_empty() {
+        let chunk = &rest[..rest.len().min(MSR_CHUNK)];
+        let entries: Vec<kvm_msr_entry> = chunk
+            .iter()
+            .map(|&index| kvm_msr_entry {
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs = msr_list(&entries)?;
+        let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("get MSRs"))?;
+        out.extend_from_slice(&msrs.as_slice()[..n]);
+        if n < chunk.len() {
+            tracing::debug!(msr = chunk[n], "KVM_GET_MSRS refused this MSR; not saved");
+            rest = &rest[n + 1..];
+        } else {
+            rest = &rest[n..];
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `entries`; an MSR KVM refuses is skipped with a warning (KVM
+/// refuses host writes only to MSRs it reports but treats as read-only, as
+/// the PVM MSRs the research notes; none of these are needed to run).
+fn set_msrs(vcpu: &VcpuFd, id: u8, entries: &[kvm_msr_entry]) -> Result<(), StateError> {
+    let mut rest = entries;
+    while !rest.is_empty() {
+        let chunk = &rest[..rest.len().min(MSR_CHUNK)];
+        let n = vcpu
+            .set_msrs(&msr_list(chunk)?)
+            .map_err(kvm_err("set MSRs"))?;
+        if n < chunk.len() {
+            tracing::warn!(
+                vcpu = id,
+                msr = chunk[n].index,
+                "KVM_SET_MSRS refused this MSR; skipped"
+            );
+            if n == 0 && chunk.len() == rest.len() && rest.len() == 1 {
+                return Err(StateError::Msrs(id, chunk[0].index));
+            }
+            rest = &rest[n + 1..];
+        } else {
+            rest = &rest[n..];
+        }
+    }
+    Ok(())
+}
+
+/// Captures one vCPU. Call only from the thread that parked it, after the
+/// completing `immediate_exit` run.
+pub fn save_vcpu(
+    vcpu: &VcpuFd,
+    id: u8,
+    cpuid: &[kvm_cpuid_entry2],
+    msr_indices: &[u32],
+) -> Result<VcpuState, StateError> {
+    Ok(VcpuState {
+        id,
+        cpuid: cpuid.to_vec(),
+        regs: vcpu.get_regs().map_err(kvm_err("get regs"))?,
+        sregs: vcpu.get_sregs().map_err(kvm_err("get sregs"))?,
+        xsave: vcpu
+            .get_xsave()
+            .map_err(kvm_err("get xsave"))?
+            .region
+            .to_vec(),
+        xcrs: vcpu.get_xcrs().map_err(kvm_err("get xcrs"))?,
+        msrs: get_msrs(vcpu, msr_indices)?,
+        lapic: vcpu.get_lapic().map_err(kvm_err("get the LAPIC"))?,
+        mp_state: vcpu.get_mp_state().map_err(kvm_err("get the MP state"))?,
+        events: vcpu.get_vcpu_events().map_err(kvm_err("get vCPU events"))?,
+        debugregs: vcpu
+            .get_debug_regs()
+            .map_err(kvm_err("get debug registers"))?,
+    })
+}
+
+/// Sets CPUID on a fresh vCPU (before anything else, as KVM requires).
+pub fn restore_cpuid(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError> {
+    let cpuid =
+        CpuId::from_entries(&state.cpuid).map_err(|_| StateError::FamList(state.cpuid.len()))?;
+    vcpu.set_cpuid2(&cpuid).map_err(kvm_err("set CPUID"))
+}
+
+/// Applies a captured vCPU (after [`restore_cpuid`] and the irqchip state).
+pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError> {
+    vcpu.set_sregs(&state.sregs).map_err(kvm_err("set sregs"))?;
+    vcpu.set_regs(&state.regs).map_err(kvm_err("set regs"))?;
+    let mut xsave = kvm_xsave::default();
+    if state.xsave.len() != xsave.region.len() {
+        return Err(StateError::XsaveSize(state.xsave.len()));
+    }
+    xsave.region.copy_from_slice(&state.xsave);
+    // SAFETY: `xsave` is a complete legacy `kvm_xsave` (4 KiB region, no
+    // trailing XSAVE2 data), which is all KVM_SET_XSAVE reads.
+    unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm_err("set xsave"))?;
+    vcpu.set_xcrs(&state.xcrs).map_err(kvm_err("set xcrs"))?;
+    set_msrs(vcpu, state.id, &state.msrs)?;
+    vcpu.set_lapic(&state.lapic)
+        .map_err(kvm_err("set the LAPIC"))?;
+    vcpu.set_mp_state(state.mp_state)
+        .map_err(kvm_err("set the MP state"))?;
+    let mut events = state.events;
+    // Without these flags KVM ignores the saved NMI-pending and SIPI fields.
+    events.flags |= KVM_VCPUEVENT_VALID_NMI_PENDING | KVM_VCPUEVENT_VALID_SIPI_VECTOR;
+    vcpu.set_vcpu_events(&events)
+        .map_err(kvm_err("set vCPU events"))?;
+    vcpu.set_debug_regs(&state.debugregs)
+        .map_err(kvm_err("set debug registers"))?;
+    Ok(())
+}
+
+fn get_chip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {
+    let mut chip = kvm_irqchip {
+        chip_id,
+        ..Default::default()
+    };
+    vm.get_irqchip(&mut chip)
+        .map_err(kvm_err("get the irqchip"))?;
+    Ok(chip)
+}
+
+/// Captures the irqchip (PIC ×2, IOAPIC), PIT2 and kvmclock.
+pub fn save_vm(vm: &VmFd) -> Result<VmState, StateError> {
+    Ok(VmState {
+        pic_master: get_chip(vm, KVM_IRQCHIP_PIC_MASTER)?,
+        pic_slave: get_chip(vm, KVM_IRQCHIP_PIC_SLAVE)?,
+        ioapic: get_chip(vm, KVM_IRQCHIP_IOAPIC)?,
+        pit: vm.get_pit2().map_err(kvm_err("get the PIT"))?,
+        clock: vm.get_clock().map_err(kvm_err("get kvmclock"))?,
+    })
+}
+
+/// Applies the irqchip and PIT state (after the vCPUs exist, before their
+/// registers: the LAPIC restore reads the irqchip mode).
+pub fn restore_irqchip_and_pit(vm: &VmFd, state: &VmState) -> Result<(), StateError> {
+    for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
+        vm.set_irqchip(chip).map_err(kvm_err("set the irqchip"))?;
+    }
+    vm.set_pit2(&state.pit).map_err(kvm_err("set the PIT"))
+}
+
+/// Restores kvmclock last. With `KVM_CLOCK_REALTIME` in the saved flags,
+/// KVM advances the clock by the wall-clock time since the capture, so the
+/// guest does not lag by the fork or snapshot gap.
+pub fn restore_clock(vm: &VmFd, state: &VmState) -> Result<(), StateError> {
+    let mut clock = state.clock;
+    clock.flags &= KVM_CLOCK_REALTIME;
+    vm.set_clock(&clock).map_err(kvm_err("set kvmclock"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> MachineState {
+        let vcpu = VcpuState {
+            id: 0,
+            cpuid: vec![kvm_cpuid_entry2 {
+                function: 1,
+                eax: 7,
+                ..Default::default()
+            }],
+            regs: kvm_regs {
+                rip: 0xffff_ffff_8100_0000,
+                rax: 42,
+                ..Default::default()
+            },
+            sregs: kvm_sregs {
+                cr3: 0x9000,
+                ..Default::default()
+            },
+            xsave: vec![0; 1024],
+            xcrs: kvm_xcrs::default(),
+            msrs: vec![kvm_msr_entry {
+                index: 0x10,
+                data: 123_456,
+                ..Default::default()
+            }],
+            lapic: kvm_lapic_state::default(),
+            mp_state: kvm_mp_state::default(),
+            events: kvm_vcpu_events::default(),
+            debugregs: kvm_debugregs::default(),
+        };
+        MachineState {
+            format_version: FORMAT_VERSION,
+            state_format: state_format(),
+            hardware: Hardware {
+                vcpus: 1,
+                memory_mib: 512,
+                disks: vec!["/d".into()],
+                vsock: true,
+            },
+            vm: VmState {
+                pic_master: kvm_irqchip::default(),
+                pic_slave: kvm_irqchip {
+                    chip_id: 1,
+                    ..Default::default()
+                },
+                ioapic: kvm_irqchip {
+                    chip_id: 2,
+                    ..Default::default()
+                },
+                pit: kvm_pit_state2::default(),
+                clock: kvm_clock_data {
+                    clock: 99,
+                    flags: KVM_CLOCK_REALTIME,
+                    ..Default::default()
+                },
+            },
+            vcpus: vec![vcpu],
+            serial: SerialState::from_superio(&vm_superio::serial::SerialState::default()),
+            devices: vec![],
+        }
+    }
+
+    #[test]
+    fn state_json_round_trip_is_identical() {
+        let s = sample();
+        let bytes = s.to_json().expect("encode");
+        let back = MachineState::from_json(&bytes).expect("decode");
+        assert_eq!(back.to_json().expect("encode"), bytes);
+        assert_eq!(back.vcpus[0].regs.rax, 42);
+        assert_eq!(back.vcpus[0].msrs[0].data, 123_456);
+        assert_eq!(back.vm.clock.clock, 99);
+        assert_eq!(back.hardware.disks, vec![PathBuf::from("/d")]);
+    }
+
+    #[test]
+    fn state_other_format_refused_naming_both() {
+        let mut s = sample();
+        s.format_version = FORMAT_VERSION + 1;
+        s.state_format = "forkbox-vmm-9.9.9/state-v2".into();
+        let bytes = s.to_json().expect("encode");
+        let err = MachineState::from_json(&bytes).expect_err("must refuse");
+        let text = err.to_string();
+        assert!(text.contains("forkbox-vmm-9.9.9/state-v2"), "{text}");
+        assert!(text.contains(&state_format()), "{text}");
+    }
+
+    #[test]
+    fn state_garbage_is_a_parse_error() {
+        assert!(matches!(
+            MachineState::from_json(b"{\"nope\":1}"),
+            Err(StateError::Parse(_))
+        ));
+    }
+}

@@ -1,0 +1,345 @@
+//! vCPU threads: running, parking at a safe point, and stopping.
+//!
+//! Pausing (DESIGN.md "Fork: the core", step 1): the main thread raises
+//! `pause` and kicks every thread with a signal until each has parked. A
+//! thread parks by first calling `KVM_RUN` once with `immediate_exit` set,
+//! which completes a pending I/O or MMIO exit without entering the guest,
+//! then captures its own state and waits on a condition variable, holding
+//! no lock. Only then may the main thread `fork()`: a lock held by another
+//! thread would stay locked forever in the child.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_cpuid_entry2;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{Killable, SIGRTMIN};
+
+use crate::pio::{PortBus, PortEvent, ResetCause};
+use crate::state::{self, VcpuState};
+use crate::virtio::MmioBus;
+
+/// Why a vCPU thread stopped without a guest-requested exit.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("KVM_RUN failed")]
+    Run(#[source] kvm_ioctls::Error),
+    #[error("VM entry failed (hardware reason {reason:#x} on cpu {cpu})")]
+    FailEntry { reason: u64, cpu: u32 },
+    #[error("KVM internal error")]
+    Internal,
+    #[error("unexpected exit: {0}")]
+    Unexpected(String),
+}
+
+/// Why the vCPUs could not be parked.
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    #[error("vCPU {0} did not park within {PAUSE_TIMEOUT:?}")]
+    Timeout(u8),
+    #[error("the VM is ending")]
+    Ending,
+    #[error("vCPU {0}: cannot capture its state: {1}")]
+    Capture(u8, String),
+}
+
+/// What a vCPU thread reports when it stops.
+#[derive(Debug)]
+pub enum VcpuOutcome {
+    Guest(PortEvent),
+    Failed(VcpuError),
+    /// The VMM asked it to stop (another vCPU or the main loop ended the VM).
+    Stopped,
+}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+pub fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+pub extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Nothing to do: delivery alone makes KVM_RUN return EINTR.
+}
+
+/// How long stopping the vCPU threads may take before they are left behind.
+const VCPU_STOP_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long parking every vCPU may take.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The first vCPU to stop wins; the main loop is woken through `evt`.
+pub struct ExitSignal {
+    outcome: Mutex<Option<(u8, VcpuOutcome)>>,
+    pub evt: EventFd,
+}
+
+impl ExitSignal {
+    pub fn new(evt: EventFd) -> Self {
+        Self {
+            outcome: Mutex::new(None),
+            evt,
+        }
+    }
+
+    fn report(&self, id: u8, outcome: VcpuOutcome) {
+        tracing::debug!(vcpu = id, ?outcome, "vCPU stopped");
+        let mut slot = relock(&self.outcome);
+        if slot.is_none() && !matches!(outcome, VcpuOutcome::Stopped) {
+            *slot = Some((id, outcome));
+        }
+        drop(slot);
+        if let Err(e) = self.evt.write(1) {
+            tracing::error!("cannot wake the main loop: {e}");
+        }
+    }
+
+    pub fn take(&self) -> Option<(u8, VcpuOutcome)> {
+        relock(&self.outcome).take()
+    }
+}
+
+fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+struct Park {
+    paused: bool,
+    /// Bumped by every pause, so a thread still waiting from an earlier
+    /// pause re-captures its state for this one.
+    epoch: u64,
+    states: Vec<Option<Result<VcpuState, String>>>,
+}
+
+struct Shared {
+    pause: AtomicBool,
+    stop: AtomicBool,
+    park: Mutex<Park>,
+    cond: Condvar,
+}
+
+/// What one vCPU thread needs.
+pub struct VcpuContext {
+    pub vcpu: VcpuFd,
+    pub id: u8,
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub msr_indices: Arc<Vec<u32>>,
+    pub pio: Arc<PortBus>,
+    pub mmio: Arc<MmioBus>,
+    pub exit: Arc<ExitSignal>,
+}
+
+/// The running vCPU threads of a VM.
+pub struct Vcpus {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Vcpus {
+    /// Starts one thread per context, running (or parked, with `paused`).
+    pub fn start(contexts: Vec<VcpuContext>) -> Result<Self, (u8, std::io::Error)> {
+        let n = contexts.len();
+        let shared = Arc::new(Shared {
+            pause: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            park: Mutex::new(Park {
+                paused: false,
+                epoch: 0,
+                states: (0..n).map(|_| None).collect(),
+            }),
+            cond: Condvar::new(),
+        });
+        let mut vcpus = Vcpus {
+            shared,
+            threads: Vec::with_capacity(n),
+        };
+        for ctx in contexts {
+            let id = ctx.id;
+            let shared = Arc::clone(&vcpus.shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || {
+                    let exit = Arc::clone(&ctx.exit);
+                    let outcome = vcpu_loop(ctx, &shared);
+                    exit.report(id, outcome);
+                });
+            match spawned {
+                Ok(t) => vcpus.threads.push(t),
+                Err(e) => {
+                    vcpus.stop();
+                    return Err((id, e));
+                }
+            }
+        }
+        Ok(vcpus)
+    }
+
+    /// Parks every vCPU and returns their states (in id order).
+    pub fn pause(&self) -> Result<Vec<VcpuState>, PauseError> {
+        let sh = &self.shared;
+        {
+            let mut p = relock(&sh.park);
+            if !p.paused {
+                p.paused = true;
+                p.epoch += 1;
+                p.states.iter_mut().for_each(|s| *s = None);
+            }
+        }
+        sh.pause.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
+        let mut p = relock(&sh.park);
+        loop {
+            if let Some(missing) = p.states.iter().position(Option::is_none) {
+                if self.threads.iter().any(JoinHandle::is_finished) {
+                    return Err(PauseError::Ending);
+                }
+                if Instant::now() > deadline {
+                    return Err(PauseError::Timeout(missing as u8));
+                }
+                for (t, s) in self.threads.iter().zip(p.states.iter()) {
+                    if s.is_none() {
+                        if let Err(e) = t.kill(kick_signal()) {
+                            tracing::warn!("cannot kick a vCPU thread: {e}");
+                        }
+                    }
+                }
+                p = match sh.cond.wait_timeout(p, Duration::from_millis(1)) {
+                    Ok((g, _)) => g,
+                    Err(poison) => poison.into_inner().0,
+                };
+                continue;
+            }
+            let mut out = Vec::with_capacity(p.states.len());
+            for (id, s) in p.states.iter().enumerate() {
+                match s {
+                    Some(Ok(state)) => out.push(state.clone()),
+                    Some(Err(e)) => return Err(PauseError::Capture(id as u8, e.clone())),
+                    None => return Err(PauseError::Timeout(id as u8)),
+                }
+            }
+            return Ok(out);
+        }
+    }
+
+    /// Lets every parked vCPU run again.
+    pub fn resume(&self) {
+        let mut p = relock(&self.shared.park);
+        p.paused = false;
+        self.shared.pause.store(false, Ordering::SeqCst);
+        drop(p);
+        self.shared.cond.notify_all();
+    }
+
+    /// Stops every vCPU thread: sets `stop`, wakes parked ones, then signals
+    /// each until it has left `KVM_RUN` and ended (a signal that lands just
+    /// before the thread enters `KVM_RUN` is lost, hence the repetition).
+    pub fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let _p = relock(&self.shared.park);
+            self.shared.cond.notify_all();
+        }
+        let deadline = Instant::now() + VCPU_STOP_TIMEOUT;
+        let mut running = std::mem::take(&mut self.threads);
+        while !running.is_empty() {
+            let (done, rest): (Vec<_>, Vec<_>) = running.into_iter().partition(|t| t.is_finished());
+            for t in done {
+                let _ = t.join();
+            }
+            running = rest;
+            if running.is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(
+                    "{} vCPU thread(s) did not stop; leaving them",
+                    running.len()
+                );
+                break;
+            }
+            for t in &running {
+                if let Err(e) = t.kill(kick_signal()) {
+                    tracing::warn!("cannot kick a vCPU thread: {e}");
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Parks the calling vCPU thread until resumed (or stopped).
+fn park(ctx: &mut VcpuContext, shared: &Shared) {
+    // Complete any pending I/O exit without entering the guest.
+    ctx.vcpu.set_kvm_immediate_exit(1);
+    match ctx.vcpu.run() {
+        Err(e) if e.errno() == libc::EINTR => {}
+        other => tracing::debug!(vcpu = ctx.id, ?other, "completing run did not return EINTR"),
+    }
+    ctx.vcpu.set_kvm_immediate_exit(0);
+    let captured = state::save_vcpu(&ctx.vcpu, ctx.id, &ctx.cpuid, &ctx.msr_indices)
+        .map_err(|e| format!("{:#}", anyhow::Error::new(e)));
+    let mut p = relock(&shared.park);
+    if !p.paused {
+        return;
+    }
+    let epoch = p.epoch;
+    p.states[usize::from(ctx.id)] = Some(captured);
+    shared.cond.notify_all();
+    while p.paused && p.epoch == epoch && !shared.stop.load(Ordering::SeqCst) {
+        p = match shared.cond.wait(p) {
+            Ok(g) => g,
+            Err(poison) => poison.into_inner(),
+        };
+    }
+}
+
+fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return VcpuOutcome::Stopped;
+        }
+        if shared.pause.load(Ordering::SeqCst) {
+            park(&mut ctx, shared);
+            continue;
+        }
+        let (pio, mmio) = (&ctx.pio, &ctx.mmio);
+        match ctx.vcpu.run() {
+            Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if let Some(event) = pio.write(port, data) {
+                    return VcpuOutcome::Guest(event);
+                }
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
+            Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
+            Ok(VcpuExit::Shutdown) => {
+                return VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault))
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                return match kind {
+                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
+                        VcpuOutcome::Guest(PortEvent::PowerOff)
+                    }
+                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
+                        VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault))
+                    }
+                    other => {
+                        VcpuOutcome::Failed(VcpuError::Unexpected(format!("system event {other}")))
+                    }
+                }
+            }
+            Ok(VcpuExit::Hlt | VcpuExit::IrqWindowOpen | VcpuExit::Intr) => {}
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                return VcpuOutcome::Failed(VcpuError::FailEntry { reason, cpu })
+            }
+            Ok(VcpuExit::InternalError) => return VcpuOutcome::Failed(VcpuError::Internal),
+            Ok(other) => return VcpuOutcome::Failed(VcpuError::Unexpected(format!("{other:?}"))),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+            Err(e) => return VcpuOutcome::Failed(VcpuError::Run(e)),
+        }
+    }
+}
