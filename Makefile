@@ -15,7 +15,7 @@ FORKBOX := target/release/forkbox
 APT_PACKAGES := qemu-system-x86 busybox-static mmdebstrap kmod cpio e2fsprogs \
 	ca-certificates
 
-.PHONY: all deps build agent demo test lint fmt clean
+.PHONY: all deps python-deps build agent demo test sdk-test lint fmt clean
 
 all: build
 
@@ -29,6 +29,10 @@ deps:
 		$$SUDO apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+
+# What the Python SDK and its tests need, from PyPI.
+python-deps:
+	python3 -m pip install -q --disable-pip-version-check httpx pytest
 
 # The guest agent is PID 1 in an initramfs with no libc: link it statically.
 agent: deps
@@ -46,6 +50,15 @@ lint:
 
 test: build lint
 	$(CARGO) test --workspace --release
+	$(MAKE) sdk-test
+
+# The Python SDK against a real forkboxd. The whole pytest session runs
+# inside the emulated KVM host (QEMU TCG; its root is this machine's,
+# read-only), so the image is built out here first.
+sdk-test: build python-deps
+	$(FORKBOX) image minimal >/dev/null
+	$(FORKBOX) testbed run --timeout 1800 -- env PYTHONDONTWRITEBYTECODE=1 \
+		python3 -m pytest -p no:cacheprovider -q sdk/python/tests
 
 fmt:
 	$(CARGO) fmt --all

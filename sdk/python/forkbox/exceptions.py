@@ -1,0 +1,86 @@
+"""Errors raised by the SDK, mirroring the daemon's error kinds."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+
+class ForkboxError(Exception):
+    """Any error the daemon reported, with its kind and HTTP status."""
+
+    def __init__(self, message: str, kind: str = "", status: int = 0,
+                 detail: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.detail = detail or {}
+
+    @property
+    def infrastructure(self) -> bool:
+        """True when the sandbox infrastructure failed, not your request
+        or command: mask such episodes instead of scoring them."""
+        return bool(self.detail.get("infrastructure"))
+
+
+class InvalidRequestError(ForkboxError):
+    pass
+
+
+class NotFoundError(ForkboxError):
+    """Unknown sandbox or template, or (from the guest) a missing path."""
+
+
+class ConflictError(ForkboxError):
+    """The sandbox is not in a state that allows this (e.g. dead)."""
+
+
+class CapacityError(ForkboxError):
+    """The daemon's cap on live or creating sandboxes was reached."""
+
+
+class UnsupportedError(ForkboxError):
+    """Not available yet in this daemon (fork, pause before they land)."""
+
+
+class AuthenticationError(ForkboxError):
+    pass
+
+
+class TemplateError(ForkboxError):
+    """A template's setup or readiness step failed."""
+
+
+class InfrastructureError(ForkboxError):
+    """The sandbox machinery failed (VM died, agent unreachable)."""
+
+
+class DaemonUnavailableError(InfrastructureError):
+    """The daemon could not be reached."""
+
+    @property
+    def infrastructure(self) -> bool:
+        return True
+
+
+_BY_KIND = {
+    "invalid_request": InvalidRequestError,
+    "not_found": NotFoundError,
+    "conflict": ConflictError,
+    "capacity": CapacityError,
+    "unsupported": UnsupportedError,
+    "unauthorized": AuthenticationError,
+    "template_failed": TemplateError,
+    "infrastructure": InfrastructureError,
+}
+
+
+def from_response(status: int, body: Any) -> ForkboxError:
+    detail = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(detail, dict):
+        return ForkboxError(f"HTTP {status}: {body!r}", "", status)
+    kind = str(detail.get("kind", ""))
+    if kind == "guest":
+        cls = NotFoundError if detail.get("guest_kind") == "not_found" else ForkboxError
+    else:
+        cls = _BY_KIND.get(kind, ForkboxError)
+    return cls(str(detail.get("message", "")), kind, status, detail)
