@@ -703,6 +703,47 @@ mod tests {
     }
 
     #[test]
+    fn mmio_save_restore_round_trips_registers_and_activation() {
+        let (mut t, log, mem) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, &mem, 0, 0x1000);
+        setup_queue(&mut t, &mem, 1, 0x2000);
+        w(&mut t, reg::STATUS, ALL_OK);
+        t.interrupt().signal_used_queue();
+        w(&mut t, reg::QUEUE_SEL, 1);
+        let saved = t.save();
+        assert!(saved.activated);
+        assert_eq!(saved.interrupt_status, crate::VIRTIO_MMIO_INT_VRING);
+        let dev = Dummy {
+            log: log.clone(),
+            config: *b"abcdefgh",
+        };
+        let irq = Arc::new(EventFd::new(0).expect("eventfd"));
+        let mut back = MmioTransport::restore(Box::new(dev), mem, Interrupt::new(irq), &saved)
+            .expect("restore");
+        assert_eq!(back.save(), saved);
+        assert!(back.is_activated());
+        for off in [reg::STATUS, reg::QUEUE_READY, reg::INTERRUPT_STATUS] {
+            assert_eq!(r(&mut back, off), r(&mut t, off), "register {off:#x}");
+        }
+        back.queue_notify(1);
+        assert_eq!(log.lock().expect("lock").notified, vec![1]);
+    }
+
+    #[test]
+    fn mmio_restore_with_wrong_queue_count_fails() {
+        let (t, log, mem) = transport();
+        let mut saved = t.save();
+        saved.queues.pop();
+        let dev = Dummy {
+            log,
+            config: *b"abcdefgh",
+        };
+        let irq = Arc::new(EventFd::new(0).expect("eventfd"));
+        assert!(MmioTransport::restore(Box::new(dev), mem, Interrupt::new(irq), &saved).is_err());
+    }
+
+    #[test]
     fn mmio_features_without_version_1_are_refused() {
         let (mut t, _, _) = transport();
         w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER);

@@ -742,3 +742,55 @@ fn vsock_bench_guest_to_host_throughput() {
         (total >> 20) as f64 / secs
     );
 }
+
+#[test]
+fn vsock_save_restore_resets_connections_and_keeps_ring_positions() {
+    let mut h = harness("save");
+    h.activate();
+    let (_c, port) = h.connect(52, 4096);
+    let saved = h.dev.save();
+    let json = serde_json::to_string(&saved).expect("encode");
+    let saved: crate::virtio::persist::DeviceState = serde_json::from_str(&json).expect("decode");
+    let crate::virtio::persist::DeviceState::Vsock(v) = &saved else {
+        panic!("not a vsock state: {saved:?}");
+    };
+    assert_eq!(
+        v.pending_rsts.len(),
+        1,
+        "one RST owed for the open connection"
+    );
+    let queues = v.queues.as_ref().expect("active");
+    assert_eq!(queues.len(), 3);
+    assert!(queues[RX_QUEUE as usize].next_avail > 0 && queues[TX_QUEUE as usize].next_used > 0);
+    // A fresh device in the "child", same guest memory and rings.
+    let new_path = uds_path("save-child");
+    let mut dev = Vsock::new(CID, &new_path).expect("vsock device");
+    dev.restore(h.mem.clone(), Interrupt::new(h.irq.clone()), &saved)
+        .expect("restore");
+    // No rx buffer is free yet: the RST waits, so the state is unchanged.
+    assert_eq!(dev.save(), saved);
+    let old = std::mem::replace(&mut h.dev, dev);
+    drop(old);
+    h.post_rx(2);
+    let pkts = h.rx_packets();
+    assert_eq!(pkts.len(), 1, "{pkts:?}");
+    assert_eq!((pkts[0].0.op(), pkts[0].0.src_port), (Some(Op::Rst), port));
+    let old = std::mem::replace(&mut h.path, new_path);
+    let _ = std::fs::remove_file(old);
+    let (mut c2, _) = h.connect(53, 4096);
+    c2.write_all(b"x").expect("write");
+}
+
+#[test]
+fn vsock_restore_rejects_block_state() {
+    let path = uds_path("wrong");
+    let mut dev = Vsock::new(CID, &path).expect("vsock device");
+    let mem = memory(0x10_0000);
+    let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"));
+    let state = crate::virtio::persist::DeviceState::Block(crate::virtio::persist::BlockState {
+        acked_features: 0,
+        queues: None,
+    });
+    assert!(dev.restore(mem, Interrupt::new(irq), &state).is_err());
+    let _ = std::fs::remove_file(path);
+}
