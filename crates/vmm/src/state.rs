@@ -99,6 +99,10 @@ pub struct VmState {
     pub ioapic: kvm_irqchip,
     pub pit: kvm_pit_state2,
     pub clock: kvm_clock_data,
+    /// Host wall-clock time (ns since the epoch) when `clock` was read:
+    /// the restore side's measure of the gap when KVM does not report
+    /// `KVM_CLOCK_REALTIME` (it needs a TSC host clocksource).
+    pub captured_realtime_ns: u64,
 }
 
 /// COM1 (mirrors `vm_superio::serial::SerialState`, which has no serde).
@@ -304,8 +308,33 @@ pub fn restore_cpuid(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError>
     vcpu.set_cpuid2(&cpuid).map_err(kvm_err("set CPUID"))
 }
 
-/// Applies a captured vCPU (after [`restore_cpuid`] and the irqchip state).
-pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError> {
+const MSR_IA32_TSC: u32 = 0x10;
+
+fn realtime_now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Nanoseconds of host wall-clock time since `vm` was captured (0 if the
+/// host clock went backwards).
+pub fn realtime_gap_ns(vm: &VmState) -> u64 {
+    realtime_now_ns().saturating_sub(vm.captured_realtime_ns)
+}
+
+/// The saved TSC moved on by `gap_ns` at `tsc_khz`, so a guest using the
+/// TSC as its clocksource does not lag by the fork or snapshot gap (KVM
+/// sets the TSC offset from a host write of this MSR).
+pub fn advance_tsc(msrs: &mut [kvm_msr_entry], gap_ns: u64, tsc_khz: u32) {
+    let ticks = (u128::from(gap_ns) * u128::from(tsc_khz) / 1_000_000) as u64;
+    for e in msrs.iter_mut().filter(|e| e.index == MSR_IA32_TSC) {
+        e.data = e.data.wrapping_add(ticks);
+    }
+}
+
+/// Applies a captured vCPU (after [`restore_cpuid`] and the irqchip state),
+/// its TSC advanced by `gap_ns` of wall-clock time.
+pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, gap_ns: u64) -> Result<(), StateError> {
     vcpu.set_sregs(&state.sregs).map_err(kvm_err("set sregs"))?;
     vcpu.set_regs(&state.regs).map_err(kvm_err("set regs"))?;
     let mut xsave = kvm_xsave::default();
@@ -317,7 +346,14 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError> 
     // trailing XSAVE2 data), which is all KVM_SET_XSAVE reads.
     unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm_err("set xsave"))?;
     vcpu.set_xcrs(&state.xcrs).map_err(kvm_err("set xcrs"))?;
-    set_msrs(vcpu, state.id, &state.msrs)?;
+    let mut msrs = state.msrs.clone();
+    if gap_ns > 0 {
+        match vcpu.get_tsc_khz() {
+            Ok(khz) => advance_tsc(&mut msrs, gap_ns, khz),
+            Err(e) => tracing::warn!("cannot read the TSC frequency; TSC not advanced: {e}"),
+        }
+    }
+    set_msrs(vcpu, state.id, &msrs)?;
     vcpu.set_lapic(&state.lapic)
         .map_err(kvm_err("set the LAPIC"))?;
     vcpu.set_mp_state(state.mp_state)
@@ -350,6 +386,7 @@ pub fn save_vm(vm: &VmFd) -> Result<VmState, StateError> {
         ioapic: get_chip(vm, KVM_IRQCHIP_IOAPIC)?,
         pit: vm.get_pit2().map_err(kvm_err("get the PIT"))?,
         clock: vm.get_clock().map_err(kvm_err("get kvmclock"))?,
+        captured_realtime_ns: realtime_now_ns(),
     })
 }
 
@@ -362,12 +399,15 @@ pub fn restore_irqchip_and_pit(vm: &VmFd, state: &VmState) -> Result<(), StateEr
     vm.set_pit2(&state.pit).map_err(kvm_err("set the PIT"))
 }
 
-/// Restores kvmclock last. With `KVM_CLOCK_REALTIME` in the saved flags,
-/// KVM advances the clock by the wall-clock time since the capture, so the
-/// guest does not lag by the fork or snapshot gap.
-pub fn restore_clock(vm: &VmFd, state: &VmState) -> Result<(), StateError> {
+/// Restores kvmclock last, advanced by the wall-clock time since the
+/// capture so the guest does not lag by the fork or snapshot gap: by KVM
+/// when the saved flags carry `KVM_CLOCK_REALTIME`, else by `gap_ns`.
+pub fn restore_clock(vm: &VmFd, state: &VmState, gap_ns: u64) -> Result<(), StateError> {
     let mut clock = state.clock;
     clock.flags &= KVM_CLOCK_REALTIME;
+    if clock.flags == 0 {
+        clock.clock = clock.clock.wrapping_add(gap_ns);
+    }
     vm.set_clock(&clock).map_err(kvm_err("set kvmclock"))
 }
 
@@ -429,6 +469,7 @@ mod tests {
                     flags: KVM_CLOCK_REALTIME,
                     ..Default::default()
                 },
+                captured_realtime_ns: 1,
             },
             vcpus: vec![vcpu],
             serial: SerialState::from_superio(&vm_superio::serial::SerialState::default()),
@@ -458,6 +499,35 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("forkbox-vmm-9.9.9/state-v2"), "{text}");
         assert!(text.contains(&state_format()), "{text}");
+    }
+
+    #[test]
+    fn advance_tsc_moves_only_the_tsc() {
+        let mut msrs = vec![
+            kvm_msr_entry {
+                index: MSR_IA32_TSC,
+                data: 1000,
+                ..Default::default()
+            },
+            kvm_msr_entry {
+                index: 0x1a0,
+                data: 1,
+                ..Default::default()
+            },
+        ];
+        advance_tsc(&mut msrs, 2_000_000, 3_000_000); // 2 ms at 3 GHz
+        assert_eq!(msrs[0].data, 1000 + 6_000_000);
+        assert_eq!(msrs[1].data, 1);
+    }
+
+    #[test]
+    fn realtime_gap_counts_from_the_capture() {
+        let mut vm = sample().vm;
+        vm.captured_realtime_ns = realtime_now_ns() - 5_000_000_000;
+        let gap = realtime_gap_ns(&vm);
+        assert!((5_000_000_000..6_000_000_000).contains(&gap), "{gap}");
+        vm.captured_realtime_ns = u64::MAX;
+        assert_eq!(realtime_gap_ns(&vm), 0);
     }
 
     #[test]

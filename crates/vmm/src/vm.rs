@@ -171,6 +171,8 @@ enum LoopEnd {
 
 /// What a freshly forked child restores.
 struct ChildPlan {
+    /// When the parent received the fork request (timing logs only).
+    requested: Instant,
     state: MachineState,
     spec: ChildSpec,
     ready: OwnedFd,
@@ -234,19 +236,24 @@ pub struct Machine {
 /// GSI routing and PIT reinjection stay KVM's defaults on every path, so
 /// there is nothing about them to replay.
 fn create_vm(kvm: &Kvm, ram: &GuestRam) -> Result<VmFd, VmError> {
+    let t = Instant::now();
     let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+    let created = t.elapsed();
     ram.register(&vm)?;
+    let registered = t.elapsed();
     vm.set_tss_address(KVM_TSS_ADDR as usize)
         .map_err(kvm_err("set the TSS address"))?;
     vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
         .map_err(kvm_err("set the identity map address"))?;
     vm.create_irq_chip()
         .map_err(kvm_err("create the irqchip"))?;
+    let irqchip = t.elapsed();
     let pit = kvm_pit_config {
         flags: KVM_PIT_SPEAKER_DUMMY,
         ..Default::default()
     };
     vm.create_pit2(pit).map_err(kvm_err("create the PIT"))?;
+    tracing::debug!(?created, ?registered, ?irqchip, pit = ?t.elapsed(), "create_vm");
     Ok(vm)
 }
 
@@ -428,8 +435,10 @@ impl Machine {
                 hardware: hw.vcpus,
             });
         }
+        let t0 = Instant::now();
         let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
         let vm = create_vm(&kvm, &ram)?;
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: VM, memory slots, irqchip, PIT");
         let mmap_size = kvm
             .get_vcpu_mmap_size()
             .map_err(kvm_err("get the vCPU mmap size"))?;
@@ -440,10 +449,12 @@ impl Machine {
             vcpus.push((vcpu, s.cpuid.clone()));
         }
         state::restore_irqchip_and_pit(&vm, &saved.vm)?;
+        let gap_ns = state::realtime_gap_ns(&saved.vm);
         for ((vcpu, _), s) in vcpus.iter().zip(&saved.vcpus) {
-            state::restore_vcpu(vcpu, s)?;
+            state::restore_vcpu(vcpu, s, gap_ns)?;
         }
-        state::restore_clock(&vm, &saved.vm)?;
+        state::restore_clock(&vm, &saved.vm, gap_ns)?;
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
         // (vsock RSTs), which must land on the restored irqchip.
         let (pio, tail) = open_serial(&vm, &endpoints, Some(&saved.serial))?;
@@ -453,6 +464,7 @@ impl Machine {
             &saved.devices,
         )?;
         let msr_indices = Arc::new(state::msr_indices(&kvm)?);
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: devices");
         Machine::start(Parts {
             hw,
             endpoints,
@@ -869,31 +881,36 @@ impl Machine {
     fn fork(&mut self, children: &[ChildSpec], then: Then) -> Result<Outcome, VmError> {
         let started = Instant::now();
         let vcpus = self.pause()?;
+        let paused = started.elapsed();
         let saved = self.capture(vcpus)?;
-        let mut results = Vec::with_capacity(children.len());
+        tracing::debug!(?paused, captured = ?started.elapsed(), "fork: state captured");
+        // Fork every child first, then wait for all: they restore in
+        // parallel (KVM_CREATE_VM dominates a child's start).
+        let mut pending: Vec<Result<(libc::pid_t, OwnedFd), String>> = Vec::new();
         for spec in children {
             if self.hw.vsock && spec.vsock_uds.is_none() {
-                results.push(ChildResult::Failed {
-                    error: VmError::VsockPathMissing.to_string(),
-                });
+                pending.push(Err(VmError::VsockPathMissing.to_string()));
                 continue;
             }
+            let before_fork = Instant::now();
             // SAFETY: every vCPU thread is parked in a condition wait
             // holding no lock, device work runs only on this thread, and the
             // child uses none of the parent's objects (it forgets them).
             match unsafe { fork::fork() } {
-                Err(e) => results.push(ChildResult::Failed {
-                    error: format!("fork: {e}"),
-                }),
+                Err(e) => pending.push(Err(format!("fork: {e}"))),
                 Ok(Forked::Child { ready }) => {
+                    // Earlier siblings' pipe ends close with everything else
+                    // inherited (`close_inherited`).
+                    std::mem::forget(pending);
                     return Ok(Outcome::Child(Box::new(ChildPlan {
+                        requested: started,
                         state: saved.clone(),
                         spec: spec.clone(),
                         ready,
-                    })))
+                    })));
                 }
                 Ok(Forked::Parent { pid, ready }) => {
-                    let r = fork::wait_ready(ready, fork::CHILD_READY_TIMEOUT);
+                    tracing::debug!(pid, fork_syscall = ?before_fork.elapsed(), "fork: forked");
                     match fork::pidfd_open(pid) {
                         Ok(pidfd) => {
                             let fd = pidfd.as_raw_fd();
@@ -901,14 +918,26 @@ impl Machine {
                         }
                         Err(e) => tracing::warn!(pid, "pidfd_open: {e}; child not reaped"),
                     }
-                    tracing::info!(pid, elapsed = ?started.elapsed(), ok = r.is_ok(), "fork child");
-                    results.push(match r {
-                        Ok(()) => ChildResult::Started { pid: pid as u32 },
-                        Err(error) => ChildResult::Failed { error },
-                    });
+                    pending.push(Ok((pid, ready)));
                 }
             }
         }
+        let deadline = Instant::now() + fork::CHILD_READY_TIMEOUT;
+        let results = pending
+            .into_iter()
+            .map(|p| match p {
+                Err(error) => ChildResult::Failed { error },
+                Ok((pid, ready)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let r = fork::wait_ready(ready, left.max(std::time::Duration::from_millis(1)));
+                    tracing::info!(pid, elapsed = ?started.elapsed(), ok = r.is_ok(), "fork child");
+                    match r {
+                        Ok(()) => ChildResult::Started { pid: pid as u32 },
+                        Err(error) => ChildResult::Failed { error },
+                    }
+                }
+            })
+            .collect();
         if then == Then::Resume {
             self.resume();
         }
@@ -942,6 +971,7 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     let mut keep = ram.fds();
     keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
     fork::close_inherited(&keep);
+    tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: inherited fds closed");
     let endpoints = Endpoints {
         control: Some(plan.spec.control.clone()),
         vsock_uds: plan.spec.vsock_uds.clone(),
@@ -950,6 +980,7 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     };
     match Machine::restore(ram, &plan.state, endpoints) {
         Ok(m) => {
+            tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
             fork::report_ready(plan.ready);
             m
         }
