@@ -145,6 +145,10 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::Ping => reply(conn, Ok(Response::Pong)),
         Request::Shutdown => {
             let _ = send(conn, &Response::Ok);
+            // Powering off at once can beat the answer out of the VM (the
+            // VMM ends with the guest): wait, briefly, for the client to
+            // read it and hang up.
+            wait_for_hangup(conn, SHUTDOWN_ANSWER_GRACE);
             crate::shutdown(agent.on_shutdown)
         }
         Request::Exec { exec, stdin } => exec::run(conn, &agent.reaper, &agent.execs, &exec, stdin),
@@ -171,6 +175,27 @@ fn handle(conn: &UnixStream, agent: &Agent) {
     };
     if let Err(e) = outcome {
         reply_error(conn, e);
+    }
+}
+
+/// How long a shutdown waits for its client to take the answer.
+const SHUTDOWN_ANSWER_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads (and discards) until the peer closes, an error, or `grace`.
+fn wait_for_hangup(conn: &UnixStream, grace: std::time::Duration) {
+    use std::io::Read;
+    let deadline = std::time::Instant::now() + grace;
+    let mut buf = [0u8; 256];
+    let mut r = conn;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || conn.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match r.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
     }
 }
 
