@@ -4,11 +4,13 @@
 //! - [`cache`]: the content-addressed cache directory for built assets.
 //! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
 //! - [`kernel`]: the pinned guest and test-bed kernels and their modules.
+//! - [`control`]: the client of a VMM's control socket (pause, fork, snapshot).
 //! - [`cpio`]: the newc archive writer behind every initramfs.
 //! - [`image`]: the `minimal` and `debian` root filesystem images.
 //! - [`initramfs`]: the guest's and the emulated host's initramfs.
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
-//! - [`vm`]: one microVM: its assets, its VMM process, its agent client.
+//! - [`vm`]: one microVM: its assets, its VMM process, its agent client;
+//!   pause, zygote, fork, snapshot and restore.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
@@ -16,6 +18,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod control;
 pub mod cpio;
 pub mod debs;
 pub mod image;

@@ -101,6 +101,34 @@ fn trials() -> Vec<Trial> {
             vm_guest_reboot_ends_vmm_with_reboot_status,
         ),
         Trial::test("vm_dies_mid_call_is_reported", vm_dies_mid_call_is_reported),
+        Trial::test(
+            "fork_running_processes_continue_in_parent_and_children",
+            fork_running_processes_continue_in_parent_and_children,
+        ),
+        Trial::test(
+            "fork_children_diverge_from_each_other_and_parent",
+            fork_children_diverge_from_each_other_and_parent,
+        ),
+        Trial::test(
+            "fork_zygote_16_children_answer_with_distinct_randomness",
+            fork_zygote_16_children_answer_with_distinct_randomness,
+        ),
+        Trial::test(
+            "fork_of_fork_of_fork_inherits_and_answers",
+            fork_of_fork_of_fork_inherits_and_answers,
+        ),
+        Trial::test(
+            "fork_parent_killed_children_keep_running",
+            fork_parent_killed_children_keep_running,
+        ),
+        Trial::test(
+            "fork_during_commands_parent_finishes_children_report_interrupted",
+            fork_during_commands_parent_finishes_children_report_interrupted,
+        ),
+        Trial::test(
+            "snapshot_restore_resumes_processes_with_current_clock",
+            snapshot_restore_resumes_processes_with_current_clock,
+        ),
     ]
 }
 
@@ -135,6 +163,56 @@ fn exec(agent: &AgentClient, req: &ExecRequest) -> (forkbox_proto::ExecResult, V
         })
         .expect("exec");
     (result, out, err)
+}
+
+/// Runs a shell script that must succeed; returns its stdout.
+fn sh(agent: &AgentClient, script: &str) -> Result<String, Failed> {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let r = agent
+        .exec(&ExecRequest::shell(script), None, &mut |s, b| match s {
+            OutputStream::Stdout => out.extend_from_slice(b),
+            OutputStream::Stderr => err.extend_from_slice(b),
+        })
+        .map_err(|e| format!("`{script}`: {e:#}"))?;
+    if !r.success() {
+        return Err(format!(
+            "`{script}`: {r:?}\nstderr: {}",
+            String::from_utf8_lossy(&err)
+        )
+        .into());
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Forks `vm` into `n` children, all of which must come up.
+fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
+    vm.fork(n)
+        .map_err(|e| format!("fork request: {e:#}"))?
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| c.map_err(|e| format!("fork child {i}: {e:#}").into()))
+        .collect()
+}
+
+/// A counter writing to an open file every 10 ms, and busybox httpd.
+const BACKGROUND: &str = "mkdir -p /www && echo served > /www/index.html && httpd -p 8080 -h /www && \
+     (exec 3>/tmp/count.log; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; echo $i >&3; sleep 0.01; done) \
+     </dev/null >/dev/null 2>&1 &";
+
+/// The counter advances and httpd answers in this VM.
+fn background_alive(agent: &AgentClient, who: &str) -> TestResult {
+    let out = sh(
+        agent,
+        "a=$(cat /tmp/count); sleep 0.5; b=$(cat /tmp/count); echo $a $b; wget -q -O - http://127.0.0.1:8080/index.html",
+    )?;
+    let mut words = out.split_whitespace();
+    let a: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+    let b: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+    check(b > a && a > 0, format!("{who}: counter {a} -> {b}"))?;
+    check(
+        words.next() == Some("served"),
+        format!("{who}: httpd answered {out:?}"),
+    )
 }
 
 fn check(cond: bool, what: impl Into<String>) -> TestResult {
@@ -495,5 +573,228 @@ fn vm_dies_mid_call_is_reported() -> TestResult {
     check(
         text.contains("died") || text.contains("connect"),
         format!("error: {text}"),
+    )
+}
+
+fn fork_running_processes_continue_in_parent_and_children() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), BACKGROUND)?;
+    background_alive(parent.agent(), "parent before the fork")?;
+    let children = fork(&mut parent, 2)?;
+    background_alive(parent.agent(), "parent after the fork")?;
+    for (i, c) in children.iter().enumerate() {
+        background_alive(c.agent(), &format!("child {i}"))?;
+    }
+    Ok(())
+}
+
+fn fork_children_diverge_from_each_other_and_parent() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), "echo parent > /dev/shm/mem")?;
+    let children = fork(&mut parent, 2)?;
+    let (a, b) = (children[0].agent(), children[1].agent());
+    sh(a, "echo a > /tmp/only-a; echo child-a > /dev/shm/mem")?;
+    sh(b, "echo child-b > /dev/shm/mem")?;
+    sh(parent.agent(), "echo p > /tmp/only-parent")?;
+    let probe =
+        "for f in /tmp/only-a /tmp/only-parent; do [ -e $f ] && echo $f; done; cat /dev/shm/mem";
+    check(sh(a, probe)? == "/tmp/only-a\nchild-a\n", "child a's view")?;
+    let got = sh(b, probe)?;
+    check(got == "child-b\n", format!("child b's view: {got:?}"))?;
+    let got = sh(parent.agent(), probe)?;
+    check(
+        got == "/tmp/only-parent\nparent\n",
+        format!("parent's view: {got:?}"),
+    )
+}
+
+fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
+    let mut zygote = boot(VmSpec::default());
+    // The parent's RNG is initialised and has produced output already.
+    sh(zygote.agent(), "head -c 16 /dev/urandom >/dev/null")?;
+    zygote.make_zygote().map_err(|e| format!("{e:#}"))?;
+    let children = fork(&mut zygote, 16)?;
+    let mut seen = std::collections::HashSet::new();
+    for (i, c) in children.iter().enumerate() {
+        let report = c.after_fork.as_ref().ok_or("no after-fork report")?;
+        check(
+            report.rng.is_done() && report.clock.is_done(),
+            format!("child {i}: {report:?}"),
+        )?;
+        let out = sh(
+            c.agent(),
+            &format!("echo {i}; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; cat /proc/sys/kernel/random/uuid"),
+        )?;
+        let lines: Vec<&str> = out.lines().collect();
+        check(
+            lines.len() == 3 && lines[0] == i.to_string(),
+            format!("child {i}: {out:?}"),
+        )?;
+        check(
+            seen.insert(lines[1].to_string()),
+            format!("child {i} repeats urandom {}", lines[1]),
+        )?;
+        check(
+            seen.insert(lines[2].to_string()),
+            format!("child {i} repeats uuid {}", lines[2]),
+        )?;
+    }
+    Ok(())
+}
+
+fn fork_of_fork_of_fork_inherits_and_answers() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    sh(vm.agent(), "echo 0 > /tmp/gen0")?;
+    let mut lineage = vec![];
+    for generation in 1..=3 {
+        let mut child = fork(&mut vm, 1)?.remove(0);
+        sh(
+            child.agent(),
+            &format!("echo {generation} > /tmp/gen{generation}"),
+        )?;
+        std::mem::swap(&mut vm, &mut child);
+        lineage.push(child);
+    }
+    let got = sh(vm.agent(), "cat /tmp/gen0 /tmp/gen1 /tmp/gen2 /tmp/gen3")?;
+    check(
+        got == "0\n1\n2\n3\n",
+        format!("great-grandchild sees {got:?}"),
+    )?;
+    for (i, ancestor) in lineage.iter().enumerate() {
+        let got = sh(ancestor.agent(), "ls /tmp | grep -c gen")?;
+        check(
+            got.trim() == (i + 1).to_string(),
+            format!("generation {i} sees {got:?} gen files"),
+        )?;
+    }
+    Ok(())
+}
+
+fn fork_parent_killed_children_keep_running() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), BACKGROUND)?;
+    let children = fork(&mut parent, 2)?;
+    parent.kill();
+    let status = parent
+        .wait_exit(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    check(status.is_some(), "the parent VMM did not die")?;
+    std::thread::sleep(Duration::from_millis(500));
+    for (i, c) in children.iter().enumerate() {
+        background_alive(c.agent(), &format!("orphaned child {i}"))?;
+    }
+    Ok(())
+}
+
+fn fork_during_commands_parent_finishes_children_report_interrupted() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let runners: Vec<_> = (0..2)
+        .map(|i| {
+            let agent = parent.agent().clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                let r = agent.exec(
+                    &ExecRequest::shell(format!("echo started; sleep 4; echo finished {i}")),
+                    None,
+                    &mut |_, b| {
+                        if b.starts_with(b"started") {
+                            let _ = tx.send(());
+                        }
+                        out.extend_from_slice(b);
+                    },
+                );
+                (r, out)
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        rx.recv_timeout(Duration::from_secs(60))
+            .map_err(|_| "commands did not start")?;
+    }
+    let children = fork(&mut parent, 2)?;
+    for (i, h) in runners.into_iter().enumerate() {
+        let (r, out) = h.join().map_err(|_| "runner panicked")?;
+        let r = r.map_err(|e| format!("parent exec {i}: {e:#}"))?;
+        check(r.success(), format!("parent exec {i}: {r:?}"))?;
+        check(
+            out == format!("started\nfinished {i}\n").into_bytes(),
+            format!("parent exec {i} output {:?}", String::from_utf8_lossy(&out)),
+        )?;
+    }
+    for (i, c) in children.iter().enumerate() {
+        let report = c.after_fork.as_ref().ok_or("no after-fork report")?;
+        let accounted = report.interrupted.len() + report.still_running.len();
+        check(
+            accounted == 2,
+            format!("child {i} lost commands: {report:?}"),
+        )?;
+        check(
+            report.interrupted.iter().all(
+                |e| matches!(&e.command, forkbox_proto::Command::Shell(s) if s.contains("sleep 4")),
+            ),
+            format!("child {i}: {report:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn snapshot_restore_resumes_processes_with_current_clock() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    sh(vm.agent(), BACKGROUND)?;
+    background_alive(vm.agent(), "before the snapshot")?;
+    let snap = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let snap_dir = snap.path().join("snap");
+    // The counter only grows: what it shows now is at most its value when
+    // the snapshot is taken.
+    let at_pause: u64 = sh(vm.agent(), "cat /tmp/count")?
+        .trim()
+        .parse()
+        .map_err(|_| "counter unreadable")?;
+    vm.pause().map_err(|e| format!("{e:#}"))?;
+    let bytes = vm.snapshot(&snap_dir).map_err(|e| format!("{e:#}"))?;
+    check(bytes > 0, "empty snapshot")?;
+    drop(vm);
+    // The snapshot ages: its guest clock falls behind.
+    std::thread::sleep(Duration::from_secs(4));
+    let restored = Vm::restore(assets(), &snap_dir).map_err(|e| format!("{e:#}"))?;
+    let report = restored.after_fork.clone().ok_or("no after-fork report")?;
+    check(report.clock.is_done(), format!("{report:?}"))?;
+    let before = unix_now();
+    // busybox `date` has no %N: whole seconds, so the 1 s bound is
+    // checked at that resolution (the truncated second may be up to 1 s
+    // behind the instant it names).
+    let out = sh(restored.agent(), "date +%s; cat /tmp/count")?;
+    let after = unix_now();
+    let mut lines = out.lines();
+    let guest: f64 = lines
+        .next()
+        .and_then(|l| l.parse().ok())
+        .ok_or(format!("date said {out:?}"))?;
+    check(
+        guest + 1.0 > before - 1.0 && guest < after + 1.0,
+        format!(
+            "guest clock {guest:.0} vs host {before:.3}..{after:.3} (offset before the hook: {:.3} s)",
+            report.clock_offset_ns as f64 / 1e9
+        ),
+    )?;
+    let count: u64 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+    check(
+        count >= at_pause,
+        format!("counter went back: {at_pause} at pause, {count} after restore"),
+    )?;
+    background_alive(restored.agent(), "restored")?;
+    let log = sh(restored.agent(), "tail -n 1 /tmp/count.log")?;
+    let logged: u64 = log.trim().parse().unwrap_or(0);
+    check(
+        logged > at_pause,
+        format!("the open log file stopped at {logged} (pause at {at_pause})"),
     )
 }
