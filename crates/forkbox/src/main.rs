@@ -11,6 +11,8 @@ use forkbox::testbed::{self, Environment, RunOptions, Testbed};
 use forkbox::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
+mod bench_fork;
+
 #[derive(Parser)]
 #[command(
     name = "forkbox",
@@ -39,6 +41,13 @@ enum Cmd {
         /// Show the guest's serial console (kernel and agent messages).
         #[arg(long)]
         serial: bool,
+        /// Fork the booted VM into N children and run CMD in every one;
+        /// output lines are prefixed with the child's index.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+        fork: Option<u32>,
+        /// With --fork: what to fork from.
+        #[arg(long, value_enum, default_value = "zygote", requires = "fork")]
+        fork_from: ForkFrom,
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
@@ -61,8 +70,20 @@ enum Cmd {
     },
 }
 
+/// What `run --fork` forks.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ForkFrom {
+    /// Make the booted VM a zygote first: forks are O(1) in memory size.
+    Zygote,
+    /// Fork the running VM; it runs on.
+    Running,
+}
+
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Fork: zygote forks at several memory sizes against restore and cold
+    /// boot baselines, fan-out, memory per child, dirty fork, snapshot.
+    Fork(bench_fork::Options),
     /// Cold boot: VMM start to the agent's handshake.
     Boot {
         #[arg(long, value_enum, default_value = "minimal")]
@@ -133,6 +154,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             memory,
             timeout,
             serial,
+            fork,
+            fork_from,
             argv,
         } => {
             let spec = VmSpec {
@@ -142,7 +165,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 serial_to_stderr: serial,
                 ..VmSpec::default()
             };
-            run_cmd(&spec, timeout.map(Duration::from_secs), argv)
+            let timeout = timeout.map(Duration::from_secs);
+            match fork {
+                Some(n) => run_forked(&spec, timeout, n as usize, fork_from, argv),
+                None => run_cmd(&spec, timeout, argv),
+            }
         }
         Cmd::Demo => demo(),
         Cmd::Image { name } => {
@@ -203,6 +230,118 @@ fn run_cmd(spec: &VmSpec, timeout: Option<Duration>, argv: Vec<String>) -> anyho
         ExitStatus::Code(code) => code,
         ExitStatus::Signal(signal) => 128 + signal,
     })
+}
+
+/// `run --fork N`: boot, fork N ways, run the command in every child at
+/// once, print each child's output line by line as `[i] line`; exit 0 if
+/// every child succeeded, else the first failing child's code.
+fn run_forked(
+    spec: &VmSpec,
+    timeout: Option<Duration>,
+    n: usize,
+    from: ForkFrom,
+    argv: Vec<String>,
+) -> anyhow::Result<i32> {
+    use std::sync::Mutex;
+    if let Some(code) = delegate(spec.image)? {
+        return Ok(code);
+    }
+    let assets = Assets::prepare()?;
+    let mut vm = Vm::boot(&assets, spec).context("booting the microVM")?;
+    eprintln!(
+        "forkbox: booted in {:.0} ms",
+        vm.boot_time.as_secs_f64() * 1000.0
+    );
+    if from == ForkFrom::Zygote {
+        let t = Instant::now();
+        vm.make_zygote().context("making the VM a zygote")?;
+        eprintln!(
+            "forkbox: zygote ready in {:.0} ms",
+            t.elapsed().as_secs_f64() * 1000.0
+        );
+    }
+    let t = Instant::now();
+    let children = vm.fork(n).context("forking the VM")?;
+    eprintln!(
+        "forkbox: {n} children forked and reseeded in {:.0} ms",
+        t.elapsed().as_secs_f64() * 1000.0
+    );
+    let mut req = ExecRequest::argv(argv.clone());
+    if let Some(t) = timeout {
+        req = req.timeout(t);
+    }
+    let print_lock = Mutex::new(());
+    let codes: Vec<i32> = std::thread::scope(|scope| {
+        let handles: Vec<_> = children
+            .into_iter()
+            .enumerate()
+            .map(|(i, child)| {
+                let (req, print_lock) = (&req, &print_lock);
+                scope.spawn(move || -> i32 {
+                    let child = match child {
+                        Ok(c) => c,
+                        Err(e) => {
+                            eprintln!("[{i}] forkbox: fork failed: {e:#}");
+                            return 1;
+                        }
+                    };
+                    let mut pending = [Vec::new(), Vec::new()];
+                    let emit = |stream: OutputStream, line: &[u8]| {
+                        let _guard = print_lock.lock();
+                        let mut text = format!("[{i}] ").into_bytes();
+                        text.extend_from_slice(line);
+                        if !text.ends_with(b"\n") {
+                            text.push(b'\n');
+                        }
+                        forward_output(stream, &text);
+                    };
+                    let result = child.agent().exec(req, None, &mut |stream, bytes| {
+                        let buf = &mut pending[stream as usize];
+                        buf.extend_from_slice(bytes);
+                        while let Some(end) = buf.iter().position(|b| *b == b'\n') {
+                            let line: Vec<u8> = buf.drain(..=end).collect();
+                            emit(stream, &line);
+                        }
+                    });
+                    for (stream, buf) in [OutputStream::Stdout, OutputStream::Stderr]
+                        .into_iter()
+                        .zip(pending.iter())
+                    {
+                        if !buf.is_empty() {
+                            emit(stream, buf);
+                        }
+                    }
+                    match result {
+                        Ok(r) if r.timed_out => 124,
+                        Ok(r) => match r.status {
+                            ExitStatus::Code(c) => c,
+                            ExitStatus::Signal(s) => 128 + s,
+                        },
+                        Err(e) => {
+                            eprintln!("[{i}] forkbox: {e:#}");
+                            1
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(1)).collect()
+    });
+    let failed: Vec<String> = codes
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c != 0)
+        .map(|(i, c)| format!("[{i}] exit {c}"))
+        .collect();
+    if failed.is_empty() {
+        return Ok(0);
+    }
+    eprintln!(
+        "forkbox: {} of {n} children failed: {}",
+        failed.len(),
+        failed.join(", ")
+    );
+    Ok(codes.into_iter().find(|c| *c != 0).unwrap_or(1))
 }
 
 fn forward_output(stream: OutputStream, bytes: &[u8]) {
@@ -302,6 +441,14 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
     use serde_json::json;
     let env = Environment::detect();
     match what {
+        BenchCmd::Fork(opts) => {
+            if let Some(code) = delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let report = bench_fork::run(&opts)?;
+            print_report(opts.json, report);
+            Ok(0)
+        }
         BenchCmd::Calibrate { json } => {
             let c = calibrate();
             print_report(
