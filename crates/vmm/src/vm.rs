@@ -855,25 +855,36 @@ impl Machine {
         result
     }
 
+    /// Writes `DIR/memory` (sparse) and `DIR/state.json`, each to a
+    /// temporary name first and renamed into place: the directory may be
+    /// the one this VM was restored from, whose `memory` file is mapped
+    /// here (truncating it in place would fault the guest).
     fn write_snapshot(&self, dir: &Path, vcpus: Vec<VcpuState>) -> Result<u64, VmError> {
         let saved = self.capture(vcpus)?;
-        let werr = |path: PathBuf| move |source| VmError::SnapshotWrite { path, source };
-        std::fs::create_dir_all(dir).map_err(werr(dir.to_path_buf()))?;
+        let werr = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| VmError::SnapshotWrite { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(werr(dir))?;
         let mem_path = dir.join("memory");
+        let mem_tmp = dir.join(".memory.tmp");
         let file = OpenOptions::new()
             .create(true)
             .truncate(true)
             .write(true)
-            .open(&mem_path)
-            .map_err(werr(mem_path.clone()))?;
+            .open(&mem_tmp)
+            .map_err(werr(&mem_tmp))?;
         let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
-        file.set_len(total).map_err(werr(mem_path.clone()))?;
+        file.set_len(total).map_err(werr(&mem_tmp))?;
         // SAFETY: the vCPUs are parked and devices run only on this thread.
         let mut written = unsafe { self.ram.write_sparse_to(&file) }?;
-        file.sync_all().map_err(werr(mem_path))?;
+        file.sync_all().map_err(werr(&mem_tmp))?;
+        std::fs::rename(&mem_tmp, &mem_path).map_err(werr(&mem_path))?;
         let json = saved.to_json()?;
         let state_path = dir.join("state.json");
-        std::fs::write(&state_path, &json).map_err(werr(state_path))?;
+        let state_tmp = dir.join(".state.json.tmp");
+        std::fs::write(&state_tmp, &json).map_err(werr(&state_tmp))?;
+        std::fs::rename(&state_tmp, &state_path).map_err(werr(&state_path))?;
         written += json.len() as u64;
         Ok(written)
     }
@@ -1044,13 +1055,13 @@ pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
 
 /// Restores the snapshot in `dir` (`memory` + `state.json`) and runs it.
 pub fn run_restore(dir: &Path, endpoints: Endpoints) -> Result<VmExit, VmError> {
-    host::check_host()?;
     let state_path = dir.join("state.json");
     let bytes = std::fs::read(&state_path).map_err(|source| VmError::StateFile {
         path: state_path,
         source,
     })?;
     let saved = MachineState::from_json(&bytes)?;
+    host::check_host()?;
     let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
     let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
     Machine::restore(Arc::new(ram), &saved, endpoints)?.run()

@@ -378,6 +378,9 @@ impl VirtioDevice for Block {
             }
             None => None,
         };
+        // A kick the guest sent just before the capture went to the old
+        // process's ioeventfd: serve whatever the ring holds now.
+        self.process_queue();
         Ok(())
     }
 }

@@ -1063,7 +1063,8 @@ impl VirtioDevice for Vsock {
                 _event: event,
                 interrupt,
             });
-            // Packets the guest queued before the capture, then the RSTs.
+            // Packets the guest queued (and kicked through the old
+            // process's ioeventfd) before the capture, then the RSTs.
             self.process_tx();
         }
         Ok(())
