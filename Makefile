@@ -52,12 +52,12 @@ test: build lint
 	$(CARGO) test --workspace --release
 	$(MAKE) sdk-test
 
-# The Python SDK against a real forkboxd. The whole pytest session runs
-# inside the emulated KVM host (QEMU TCG; its root is this machine's,
-# read-only), so the image is built out here first.
+# The Python SDK against a real forkboxd. Without hardware virtualization
+# the whole pytest session runs inside the emulated KVM host (QEMU TCG; its
+# root is this machine's, read-only), so the image is built out here first.
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
-	$(FORKBOX) testbed run --timeout 1800 -- env PYTHONDONTWRITEBYTECODE=1 \
+	$(FORKBOX) testbed run --if-needed --timeout 1800 -- env PYTHONDONTWRITEBYTECODE=1 \
 		python3 -m pytest -p no:cacheprovider -q sdk/python/tests
 
 fmt:

@@ -128,6 +128,11 @@ enum TestbedCmd {
         /// vCPUs of the emulated host.
         #[arg(long, default_value_t = 2)]
         cpus: u32,
+        /// Run CMD directly where this machine has hardware virtualization
+        /// (or is the emulated host already); boot the emulated host only
+        /// where microVMs could not run otherwise.
+        #[arg(long)]
+        if_needed: bool,
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
@@ -408,8 +413,16 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
             timeout,
             memory,
             cpus,
+            if_needed,
             argv,
         } => {
+            if if_needed && Environment::detect() != Environment::NeedsEmulatedHost {
+                let status = std::process::Command::new(&argv[0])
+                    .args(&argv[1..])
+                    .status()
+                    .with_context(|| format!("running `{}`", argv.join(" ")))?;
+                return Ok(status.code().unwrap_or(1));
+            }
             let tb = Testbed::prepare().context("preparing the emulated host")?;
             let mut opts = RunOptions::new(argv.clone());
             opts.timeout = Duration::from_secs(timeout);
