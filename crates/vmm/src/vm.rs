@@ -713,13 +713,18 @@ impl Machine {
                 let mut buf = [0u8; 4096];
                 let mut open = true;
                 let mut got = Vec::new();
-                loop {
+                // Bounded per wake-up; the level-triggered epoll calls again.
+                let mut budget = 4 * control::MAX_LINE;
+                while budget > 0 {
                     match stream.read(&mut buf) {
                         Ok(0) => {
                             open = false;
                             break;
                         }
-                        Ok(n) => got.extend(lines.push(&buf[..n])),
+                        Ok(n) => {
+                            budget = budget.saturating_sub(n);
+                            got.extend(lines.push(&buf[..n]));
+                        }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(_) => {

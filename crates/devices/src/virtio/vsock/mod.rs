@@ -865,8 +865,7 @@ impl Vsock {
     }
 
     /// Resets every connection: the guest gets an RST for each, the host
-    /// clients see EOF. A fork child calls this so no connection is shared
-    /// with its parent.
+    /// clients see EOF.
     pub fn reset_connections(&mut self) {
         self.backend.close_all(true);
         self.process_rx();
@@ -880,6 +879,10 @@ impl Vsock {
     /// without any such call, listens on a fresh `uds_path` with a fresh
     /// epoll instance, and owes the guest an RST for every connection it
     /// had, so the agent sees them reset and the daemon reconnects.
+    ///
+    /// The VMM itself does not call this: a fork child builds a fresh
+    /// device from the parent's [`VirtioDevice::save`] state (the same path
+    /// as restoring a snapshot), and that state carries the same RSTs.
     pub fn after_fork(&mut self, uds_path: &Path) -> io::Result<()> {
         let (listener, epoll) = listen(uds_path)?;
         let old_listener = std::mem::replace(&mut self.backend.listener, listener);
