@@ -391,10 +391,13 @@ fn demo() -> anyhow::Result<i32> {
         let result = vm
             .agent()
             .exec(req, None, &mut |_, b| out.extend_from_slice(b))?;
+        let status = match result.status {
+            ExitStatus::Code(code) => format!("exit {code}"),
+            ExitStatus::Signal(signal) => format!("signal {signal}"),
+        };
         println!(
-            "forkbox demo: {name:<9} {:>7.1} ms  {:?}  {}",
+            "forkbox demo: {name:<9} {:>7.1} ms  {status:<7}  {}",
             t.elapsed().as_secs_f64() * 1000.0,
-            result.status,
             String::from_utf8_lossy(&out).trim()
         );
     }
