@@ -79,15 +79,42 @@ fn boot(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
     Vm::boot(assets, &spec).with_context(|| format!("booting a {memory_mib} MiB microVM"))
 }
 
-/// Request → child's first exec result, once.
-fn fork_one(parent: &mut Vm) -> anyhow::Result<(Duration, Vm)> {
+/// One fork, request → child's first exec result, split in phases.
+struct ForkSample {
+    total: Duration,
+    /// Request → the VMM's answer (child listening).
+    vmm: Duration,
+    /// VMM answer → AfterFork answered (connect retries included).
+    hook: Duration,
+}
+
+fn fork_one(parent: &mut Vm) -> anyhow::Result<(ForkSample, Vm)> {
     let t = Instant::now();
     let child = parent
         .fork(1)?
         .pop()
         .context("the VMM answered no child")??;
     first_exec(child.agent())?;
-    Ok((t.elapsed(), child))
+    let total = t.elapsed();
+    let vmm = child.vmm_answered.unwrap_or_default();
+    let sample = ForkSample {
+        total,
+        vmm,
+        hook: child.boot_time.saturating_sub(vmm),
+    };
+    Ok((sample, child))
+}
+
+/// Stats of the total, plus the p50 of each phase.
+fn fork_stats_json(samples: &[ForkSample]) -> (Stats, Value) {
+    let total: Vec<Duration> = samples.iter().map(|s| s.total).collect();
+    let vmm: Vec<Duration> = samples.iter().map(|s| s.vmm).collect();
+    let hook: Vec<Duration> = samples.iter().map(|s| s.hook).collect();
+    let s = Stats::from_durations(&total);
+    let mut v = stats_json(&s);
+    v["vmm_answer_p50_ms"] = json!(Stats::from_durations(&vmm).p50_ms);
+    v["after_fork_hook_p50_ms"] = json!(Stats::from_durations(&hook).p50_ms);
+    (s, v)
 }
 
 fn stats_json(s: &Stats) -> Value {
@@ -146,7 +173,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 o.forks,
             );
         }
-        let s = Stats::from_durations(&samples);
+        let (s, v) = fork_stats_json(&samples);
         if k == 0 {
             first_p50 = Some(s.p50_ms);
             // The restore baseline restores this same zygote.
@@ -154,9 +181,9 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             zygote.snapshot(&dir).context("snapshot of the zygote")?;
             baseline_zygote_dir = Some((dir, mib));
         }
-        per_size.push((mib, s));
+        per_size.push((mib, s, v));
     }
-    let p50s: Vec<f64> = per_size.iter().map(|(_, s)| s.p50_ms).collect();
+    let p50s: Vec<f64> = per_size.iter().map(|(_, s, _)| s.p50_ms).collect();
     let flat = p50s.iter().copied().fold(f64::MIN, f64::max)
         / p50s.iter().copied().fold(f64::MAX, f64::min);
     report.insert(
@@ -164,8 +191,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         Value::Array(
             per_size
                 .iter()
-                .map(|(mib, s)| {
-                    let mut v = stats_json(s);
+                .map(|(mib, _, v)| {
+                    let mut v = v.clone();
                     v["memory_mib"] = json!(mib);
                     v
                 })
@@ -245,6 +272,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             json!({
                 "children": children.len(), "memory_mib": mib,
                 "wall_ms": wall.as_secs_f64() * 1000.0,
+                "vmm_answer_ms": children.first().and_then(|c| c.vmm_answered).map(|d| d.as_secs_f64() * 1000.0),
                 "host_mem_per_idle_child_mib": per_child_kib / 1024.0,
             }),
         );
@@ -264,7 +292,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             drop(child);
             progress(o.json, "dirty running forks", i + 1, o.dirty_forks);
         }
-        let mut v = stats_json(&Stats::from_durations(&samples));
+        let (_, mut v) = fork_stats_json(&samples);
         v["dirty_mib"] = json!(o.dirty_mib);
         v["memory_mib"] = json!(mib);
         report.insert("running_dirty_fork_to_first_exec".into(), v);

@@ -205,6 +205,10 @@ pub struct Vm {
     pub boot_time: Duration,
     /// What the agent's after-fork hook did (fork children, restored VMs).
     pub after_fork: Option<AfterForkReport>,
+    /// Fork children: from the fork request to the VMM's answer (every
+    /// child's control socket listening); `boot_time` minus this is the
+    /// after-fork hook, connection retries included.
+    pub vmm_answered: Option<Duration>,
 }
 
 /// Makes this process a child subreaper, once: VMMs forked from VMMs we
@@ -306,6 +310,7 @@ impl Vm {
             state: RunState::Running,
             boot_time: start.elapsed(),
             after_fork: None,
+            vmm_answered: None,
         })
     }
 
@@ -346,7 +351,8 @@ impl Vm {
     /// Forks the VM into `n` children. A running VM goes on running, a
     /// paused one or a zygote stays paused. `Err` if the request as a whole
     /// failed; otherwise one entry per child, in order, each a running VM
-    /// whose after-fork hook has run.
+    /// whose after-fork hook has run. More than [`MAX_CHILDREN_PER_FORK`]
+    /// children take several requests.
     pub fn fork(&mut self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         let start = Instant::now();
         let dirs = (0..n)
@@ -357,7 +363,12 @@ impl Vm {
             RunState::Running => Then::Resume,
             RunState::Paused | RunState::Zygote => Then::Pause,
         };
-        let answers = self.control.fork(&paths, then)?;
+        // The VMM takes at most this many children per request.
+        let mut answers = Vec::with_capacity(n);
+        for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
+            answers.extend(self.control.fork(batch, then)?);
+        }
+        let answered = start.elapsed();
         // Take hold of every child process first: a pidfd pins its pid.
         let held: Vec<Result<(u32, OwnedFd), VmError>> = answers
             .into_iter()
@@ -384,6 +395,7 @@ impl Vm {
                             state: RunState::Running,
                             boot_time: Duration::ZERO,
                             after_fork: None,
+                            vmm_answered: Some(answered),
                         };
                         vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
                         vm.boot_time = start.elapsed();
@@ -438,6 +450,7 @@ impl Vm {
             state: RunState::Running,
             boot_time: Duration::ZERO,
             after_fork: None,
+            vmm_answered: None,
         };
         let status = loop {
             match vm.control.status() {
@@ -565,6 +578,9 @@ impl Vm {
         }
     }
 }
+
+/// Children per fork request the VMM accepts (it refuses more).
+pub const MAX_CHILDREN_PER_FORK: usize = 64;
 
 /// How long a fork child or restored VM may take to answer `AfterFork`
 /// (generous: the emulated host is slow, and 100 children share 2 CPUs).
