@@ -52,16 +52,7 @@ pub fn log(msg: &str) {
 }
 
 /// `error: cause: cause` on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use forkbox_proto::error_chain as chain;
 
 /// Carries out a shutdown request. Never returns.
 pub fn shutdown(action: ShutdownAction) -> ! {

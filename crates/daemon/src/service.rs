@@ -195,16 +195,7 @@ impl From<BackendError> for DaemonError {
 }
 
 /// The chain of an error's causes, `: `-joined.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use forkbox_proto::error_chain as chain;
 
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, Serialize, ToSchema)]

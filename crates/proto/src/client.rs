@@ -109,7 +109,7 @@ impl AgentClient {
                 Err(e @ ClientError::VersionMismatch { .. }) => return Err(e),
                 Err(e) if start.elapsed() >= timeout => {
                     return Err(ClientError::NotReady {
-                        reason: format!("not ready after {timeout:?}: {}", error_chain(&e)),
+                        reason: format!("not ready after {timeout:?}: {}", crate::error_chain(&e)),
                     })
                 }
                 Err(_) => thread::sleep(RETRY_PAUSE),
@@ -545,15 +545,4 @@ fn parse_response(body: &[u8]) -> Result<Response, ClientError> {
 
 fn unexpected(r: &Response) -> ClientError {
     ClientError::Malformed(format!("unexpected response {r:?}"))
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

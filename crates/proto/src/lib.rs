@@ -22,6 +22,18 @@ pub use client::{AgentClient, ClientError};
 pub use frame::{Frame, FrameError, FrameKind, MAX_FRAME_LEN};
 pub use msg::*;
 
+/// An error and its causes on one line, `: `-joined.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
 /// Version of this protocol; bumped on any incompatible change.
 /// 2: `AfterFork` (the host requires it of every fork child).
 pub const PROTOCOL_VERSION: u32 = 2;
