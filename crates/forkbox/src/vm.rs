@@ -54,7 +54,12 @@ pub enum VmError {
     #[error("cannot start forkbox-vmm")]
     Spawn(#[source] std::io::Error),
     #[error("the VM stopped during boot ({how})\n--- serial log (tail) ---\n{serial_tail}")]
-    DiedDuringBoot { how: String, serial_tail: String },
+    DiedDuringBoot {
+        how: String,
+        serial_tail: String,
+        /// The VMM's exit code, if it exited rather than was killed.
+        code: Option<i32>,
+    },
     #[error("the guest agent did not become ready within {secs} s\n--- serial log (tail) ---\n{serial_tail}")]
     NeverReady { secs: u64, serial_tail: String },
     #[error("the guest agent refused the handshake")]
@@ -244,7 +249,28 @@ impl Vm {
     }
 
     /// Boots `image` (an ext4 root image) and waits for the agent.
+    ///
+    /// A guest that resets before its agent is ready is booted once more,
+    /// with a warning: under heavy load in the emulated host an early,
+    /// silent reset happens now and then (cause not yet found; see
+    /// docs/SPEC.md). Any other failure, or a second reset, is returned.
     pub fn boot_image(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
+        match Self::boot_image_once(assets, image, spec) {
+            Err(VmError::DiedDuringBoot {
+                how,
+                serial_tail,
+                code: Some(vmm_exit::REBOOTED),
+            }) => {
+                eprintln!(
+                    "forkbox: warning: {how} during boot; booting once more. Serial log tail:\n{serial_tail}"
+                );
+                Self::boot_image_once(assets, image, spec)
+            }
+            other => other,
+        }
+    }
+
+    fn boot_image_once(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
         become_subreaper()?;
         let dir = vm_dir("forkbox-vm-")?;
         let paths = paths_in(dir.path());
@@ -278,6 +304,7 @@ impl Vm {
                 return Err(VmError::DiedDuringBoot {
                     how: describe_exit(status),
                     serial_tail: testbed::tail(&serial, 30),
+                    code: status.code(),
                 });
             }
             if start.elapsed() > spec.boot_timeout {
@@ -460,6 +487,7 @@ impl Vm {
                         return Err(VmError::DiedDuringBoot {
                             how: format!("no control socket: {e}"),
                             serial_tail: vm.serial_tail(30),
+                            code: None,
                         });
                     }
                     std::thread::sleep(Duration::from_millis(5));
