@@ -31,14 +31,25 @@ fn main() {
             eprintln!("vm tests: cannot prepare guest assets: {e:#?}");
             std::process::exit(1);
         }
-        let forwarded = std::env::args().skip(1).collect();
-        match testbed::rerun_inside(forwarded, Duration::from_secs(2400)) {
-            Ok(code) => std::process::exit(code),
-            Err(e) => {
-                eprintln!("vm tests: cannot run inside the emulated host: {e}");
-                std::process::exit(1);
+        let forwarded: Vec<String> = std::env::args().skip(1).collect();
+        // The emulated host's own kernel has crashed under load here (a
+        // fault inside its KVM_RUN, i.e. in QEMU's SVM emulation or its
+        // kvm_amd, which no user process may cause). That ends the run with
+        // 125 and the host's serial tail printed; run the suite once more
+        // then. Test failures (exit 101) are never retried.
+        for attempt in 1..=2 {
+            match testbed::rerun_inside(forwarded.clone(), Duration::from_secs(2400)) {
+                Ok(125) if attempt == 1 => eprintln!(
+                    "vm tests: the emulated host itself crashed (its serial log is above); running the suite once more"
+                ),
+                Ok(code) => std::process::exit(code),
+                Err(e) => {
+                    eprintln!("vm tests: cannot run inside the emulated host: {e}");
+                    std::process::exit(1);
+                }
             }
         }
+        std::process::exit(125);
     }
     eprintln!("vm tests: environment: {}", Environment::detect().label());
     let conclusion = libtest_mimic::run(&args, trials());
