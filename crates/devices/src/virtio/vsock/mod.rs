@@ -871,37 +871,6 @@ impl Vsock {
         self.process_rx();
     }
 
-    /// In a `fork()` child: stop sharing kernel objects with the parent.
-    ///
-    /// The inherited epoll instance, listener and streams are the parent's
-    /// open file descriptions; touching them (epoll_ctl, accept, read,
-    /// shutdown) would act on the parent's. This drops our descriptors
-    /// without any such call, listens on a fresh `uds_path` with a fresh
-    /// epoll instance, and owes the guest an RST for every connection it
-    /// had, so the agent sees them reset and the daemon reconnects.
-    ///
-    /// The VMM itself does not call this: a fork child builds a fresh
-    /// device from the parent's [`VirtioDevice::save`] state (the same path
-    /// as restoring a snapshot), and that state carries the same RSTs.
-    pub fn after_fork(&mut self, uds_path: &Path) -> io::Result<()> {
-        let (listener, epoll) = listen(uds_path)?;
-        let old_listener = std::mem::replace(&mut self.backend.listener, listener);
-        let old_epoll = std::mem::replace(&mut self.backend.epoll, epoll);
-        drop(old_listener);
-        drop(old_epoll);
-        let conns = std::mem::take(&mut self.backend.conns);
-        for (_, mut hc) in conns {
-            if let Some(c) = hc.conn.as_mut() {
-                let h = c.rst();
-                self.backend.push_rst(h);
-            }
-            // Dropping `hc` closes only this process's descriptor.
-        }
-        self.backend.rx_sched.clear();
-        self.process_rx();
-        Ok(())
-    }
-
     fn process_rx(&mut self) {
         if let Some(a) = self.active.as_mut() {
             self.backend.fill_rx(a);

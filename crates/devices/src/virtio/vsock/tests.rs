@@ -679,26 +679,6 @@ fn vsock_guest_shutdown_then_host_eof_drops_connection() {
     assert_eq!(h.dev.connection_count(), 0);
 }
 
-#[test]
-fn vsock_after_fork_resets_connections_and_listens_anew() {
-    let mut h = harness("fork");
-    h.activate();
-    let (mut c, port) = h.connect(52, 4096);
-    let new_path = uds_path("fork-child");
-    h.dev.after_fork(&new_path).expect("after_fork");
-    assert_eq!(h.dev.connection_count(), 0);
-    assert_eof(&mut c);
-    h.post_rx(2);
-    let pkts = h.rx_packets();
-    assert_eq!(pkts.len(), 1);
-    assert_eq!((pkts[0].0.op(), pkts[0].0.src_port), (Some(Op::Rst), port));
-    // The new socket serves new clients.
-    let old = std::mem::replace(&mut h.path, new_path);
-    let _ = std::fs::remove_file(old);
-    let (mut c2, _) = h.connect(53, 4096);
-    c2.write_all(b"x").expect("write");
-}
-
 /// Guest -> host throughput through the device (tx chain -> unix stream),
 /// with a reader thread as the host client. Not a pass/fail test: run with
 /// `cargo test -p forkbox-devices --release -- --ignored --nocapture bench`.
