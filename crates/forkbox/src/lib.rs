@@ -1,6 +1,7 @@
 //! forkbox's host side: everything the `forkbox` command does.
 //!
 //! - [`bench`]: percentiles, calibration, VMM memory overhead.
+//! - [`client`]: the client of forkboxd's HTTP API (unix socket or TCP).
 //! - [`cache`]: the content-addressed cache directory for built assets.
 //! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
 //! - [`kernel`]: the pinned guest and test-bed kernels and their modules.
@@ -18,6 +19,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod client;
 pub mod control;
 pub mod cpio;
 pub mod debs;

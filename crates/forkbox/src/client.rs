@@ -1,0 +1,518 @@
+//! The client of forkboxd's HTTP+JSON API, as the `forkbox` CLI uses it.
+//!
+//! Blocking calls over HTTP/1 on a current-thread tokio runtime, one
+//! connection per request, to a unix socket or a TCP address. Where the
+//! daemon is: [`Endpoint::from_env`] (`FORKBOX_URL`, else the socket
+//! forkboxd listens on by default). Streams (NDJSON) are read line by line
+//! with [`Response::next_line`].
+//!
+//! Owns no knowledge of the API's shapes beyond its error body: callers
+//! pick the paths and the JSON.
+
+use std::io;
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Where forkboxd listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `unix:///path/to/forkbox.sock`
+    Unix(PathBuf),
+    /// `http://host:port` (also `tcp://host:port`, forkboxd's own spelling).
+    Tcp { authority: String },
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = ClientError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ClientError::BadUrl(s.into());
+        if let Some(path) = s.strip_prefix("unix://") {
+            if !path.starts_with('/') {
+                return Err(bad());
+            }
+            return Ok(Self::Unix(path.into()));
+        }
+        let rest = s
+            .strip_prefix("http://")
+            .or_else(|| s.strip_prefix("tcp://"))
+            .ok_or_else(bad)?;
+        let authority = rest.strip_suffix('/').unwrap_or(rest);
+        let port_ok = authority
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok || authority.contains('/') {
+            return Err(bad());
+        }
+        Ok(Self::Tcp {
+            authority: authority.into(),
+        })
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unix(p) => write!(f, "unix://{}", p.display()),
+            Self::Tcp { authority } => write!(f, "http://{authority}"),
+        }
+    }
+}
+
+impl Endpoint {
+    /// `FORKBOX_URL`, else forkboxd's default socket.
+    pub fn from_env() -> Result<Self, ClientError> {
+        match std::env::var("FORKBOX_URL") {
+            Ok(url) if !url.is_empty() => url.parse(),
+            _ => Ok(Self::Unix(default_socket(
+                rustix::process::geteuid().is_root(),
+                std::env::var("XDG_RUNTIME_DIR").ok().as_deref(),
+            )?)),
+        }
+    }
+}
+
+/// `/run/forkbox/forkbox.sock` as root, else
+/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: the same rule as forkboxd's
+/// `listen::default_socket` (which this crate cannot call: forkboxd
+/// depends on it, not the other way round).
+pub fn default_socket(
+    is_root: bool,
+    xdg_runtime_dir: Option<&str>,
+) -> Result<PathBuf, ClientError> {
+    if is_root {
+        return Ok("/run/forkbox/forkbox.sock".into());
+    }
+    match xdg_runtime_dir.filter(|d| !d.is_empty()) {
+        Some(d) => Ok(PathBuf::from(d).join("forkbox/forkbox.sock")),
+        None => Err(ClientError::NoDefault),
+    }
+}
+
+/// The `error` object of forkboxd's error bodies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    pub kind: String,
+    pub message: String,
+    /// The sandbox machinery failed, not the request.
+    #[serde(default)]
+    pub infrastructure: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_kind: Option<String>,
+    /// For `template_failed`: the failed step and its output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{0:?}: expected unix:///PATH or http://HOST:PORT")]
+    BadUrl(String),
+    #[error("no daemon address: not root and $XDG_RUNTIME_DIR is unset; set FORKBOX_URL")]
+    NoDefault,
+    #[error("cannot reach forkboxd at {endpoint}: is it running? Start it with `forkbox daemon`")]
+    Unreachable {
+        endpoint: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("starting the client's runtime")]
+    Runtime(#[source] io::Error),
+    #[error("building the request")]
+    Request(#[source] hyper::http::Error),
+    #[error("talking to forkboxd")]
+    Http(#[source] hyper::Error),
+    #[error("forkboxd: {} ({}, {status})", .error.message, .error.kind)]
+    Api { status: u16, error: ApiError },
+    #[error("forkboxd answered {status} without a JSON error: {body}")]
+    Status { status: u16, body: String },
+    #[error("forkboxd sent JSON this client does not understand")]
+    Decode(#[source] serde_json::Error),
+}
+
+impl ClientError {
+    /// The daemon's error object, if it answered with one.
+    pub fn api(&self) -> Option<&ApiError> {
+        match self {
+            Self::Api { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+/// A request body.
+#[derive(Debug, Clone)]
+pub enum Body {
+    Empty,
+    Json(Vec<u8>),
+    /// Raw bytes with their content type.
+    Raw(Vec<u8>, &'static str),
+}
+
+impl Body {
+    pub fn json(v: &impl Serialize) -> Self {
+        Self::Json(serde_json::to_vec(v).expect("a JSON value always serializes"))
+    }
+}
+
+/// A connection factory for one daemon.
+pub struct Client {
+    endpoint: Endpoint,
+    token: Option<String>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Client {
+    pub fn new(endpoint: Endpoint, token: Option<String>) -> Result<Self, ClientError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .map_err(ClientError::Runtime)?;
+        Ok(Self {
+            endpoint,
+            token: token.filter(|t| !t.is_empty()),
+            rt,
+        })
+    }
+
+    /// [`Endpoint::from_env`] and `FORKBOX_TOKEN`.
+    pub fn from_env() -> Result<Self, ClientError> {
+        Self::new(Endpoint::from_env()?, std::env::var("FORKBOX_TOKEN").ok())
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Sends one request; any status comes back (see [`Response::ok`]).
+    /// `accept`: the `Accept` header, e.g. `application/x-ndjson`.
+    pub fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Body,
+        accept: Option<&'static str>,
+    ) -> Result<Response<'_>, ClientError> {
+        let host = match &self.endpoint {
+            Endpoint::Unix(_) => "forkboxd",
+            Endpoint::Tcp { authority } => authority,
+        };
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path_and_query)
+            .header(HOST, host);
+        if let Some(t) = &self.token {
+            req = req.header(AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if let Some(a) = accept {
+            req = req.header(ACCEPT, HeaderValue::from_static(a));
+        }
+        let (bytes, content_type) = match body {
+            Body::Empty => (Vec::new(), None),
+            Body::Json(b) => (b, Some("application/json")),
+            Body::Raw(b, ct) => (b, Some(ct)),
+        };
+        if let Some(ct) = content_type {
+            req = req.header(CONTENT_TYPE, ct);
+        }
+        let req = req
+            .body(Full::new(Bytes::from(bytes)))
+            .map_err(ClientError::Request)?;
+        let resp = self.rt.block_on(async {
+            let mut sender = match &self.endpoint {
+                Endpoint::Unix(path) => {
+                    let s = tokio::net::UnixStream::connect(path)
+                        .await
+                        .map_err(|e| self.unreachable(e))?;
+                    self.handshake(s).await?
+                }
+                Endpoint::Tcp { authority } => {
+                    let s = tokio::net::TcpStream::connect(authority.as_str())
+                        .await
+                        .map_err(|e| self.unreachable(e))?;
+                    self.handshake(s).await?
+                }
+            };
+            sender.send_request(req).await.map_err(ClientError::Http)
+        })?;
+        let (parts, body) = resp.into_parts();
+        Ok(Response {
+            status: parts.status,
+            body,
+            rt: &self.rt,
+            pending: Vec::new(),
+            done: false,
+        })
+    }
+
+    /// Sends a request and fails with the daemon's error unless it answers
+    /// 2xx.
+    pub fn call(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Body,
+    ) -> Result<Response<'_>, ClientError> {
+        self.send(method, path_and_query, body, None)?.ok()
+    }
+
+    /// `GET` and decode the JSON answer.
+    pub fn get<T: DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
+        self.call(Method::GET, path_and_query, Body::Empty)?.json()
+    }
+
+    fn unreachable(&self, source: io::Error) -> ClientError {
+        ClientError::Unreachable {
+            endpoint: self.endpoint.to_string(),
+            source,
+        }
+    }
+
+    async fn handshake<S>(
+        &self,
+        stream: S,
+    ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, ClientError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(ClientError::Http)?;
+        // The connection makes progress while we block on this runtime
+        // (sending, then reading the body); its errors surface there too.
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+}
+
+/// An answer whose body is read on demand.
+pub struct Response<'c> {
+    status: StatusCode,
+    body: Incoming,
+    rt: &'c tokio::runtime::Runtime,
+    pending: Vec<u8>,
+    done: bool,
+}
+
+impl Response<'_> {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Itself when 2xx, else the daemon's error.
+    pub fn ok(self) -> Result<Self, ClientError> {
+        if self.status.is_success() {
+            return Ok(self);
+        }
+        let status = self.status.as_u16();
+        let body = self.bytes()?;
+        #[derive(Deserialize)]
+        struct ErrorBody {
+            error: ApiError,
+        }
+        match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(b) => Err(ClientError::Api {
+                status,
+                error: b.error,
+            }),
+            Err(_) => Err(ClientError::Status {
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            }),
+        }
+    }
+
+    /// The next chunk of the body, `None` at its end.
+    pub fn next_chunk(&mut self) -> Result<Option<Bytes>, ClientError> {
+        while !self.done {
+            match self.rt.block_on(self.body.frame()) {
+                None => self.done = true,
+                Some(Err(e)) => return Err(ClientError::Http(e)),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Ok(Some(data));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The next line of an NDJSON stream (without its newline), `None` at
+    /// the end; a last line without a newline still counts.
+    pub fn next_line(&mut self) -> Result<Option<Vec<u8>>, ClientError> {
+        loop {
+            if let Some(i) = self.pending.iter().position(|b| *b == b'\n') {
+                let mut line: Vec<u8> = self.pending.drain(..=i).collect();
+                line.pop();
+                return Ok(Some(line));
+            }
+            match self.next_chunk()? {
+                Some(c) => self.pending.extend_from_slice(&c),
+                None if self.pending.is_empty() => return Ok(None),
+                None => return Ok(Some(std::mem::take(&mut self.pending))),
+            }
+        }
+    }
+
+    /// The next NDJSON line decoded, skipping blank lines.
+    pub fn next_json<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ClientError> {
+        while let Some(line) = self.next_line()? {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            return serde_json::from_slice(&line)
+                .map(Some)
+                .map_err(ClientError::Decode);
+        }
+        Ok(None)
+    }
+
+    /// The whole body.
+    pub fn bytes(mut self) -> Result<Vec<u8>, ClientError> {
+        let mut out = std::mem::take(&mut self.pending);
+        while let Some(c) = self.next_chunk()? {
+            out.extend_from_slice(&c);
+        }
+        Ok(out)
+    }
+
+    /// The whole body as JSON.
+    pub fn json<T: DeserializeOwned>(self) -> Result<T, ClientError> {
+        serde_json::from_slice(&self.bytes()?).map_err(ClientError::Decode)
+    }
+}
+
+/// Characters left as they are in a path segment.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
+/// `s` percent-encoded as one path segment.
+pub fn segment(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, SEGMENT).to_string()
+}
+
+/// `path` with `pairs` as its query string (form-encoded).
+pub fn with_query<'a>(path: &str, pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    let mut any = false;
+    for (k, v) in pairs {
+        q.append_pair(k, v);
+        any = true;
+    }
+    if any {
+        format!("{path}?{}", q.finish())
+    } else {
+        path.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_parses_unix_http_and_tcp() {
+        assert_eq!(
+            "unix:///tmp/f.sock".parse::<Endpoint>().expect("unix"),
+            Endpoint::Unix("/tmp/f.sock".into())
+        );
+        assert_eq!(
+            "http://127.0.0.1:7000".parse::<Endpoint>().expect("http"),
+            Endpoint::Tcp {
+                authority: "127.0.0.1:7000".into()
+            }
+        );
+        assert_eq!(
+            "http://box.local:7000/".parse::<Endpoint>().expect("slash"),
+            Endpoint::Tcp {
+                authority: "box.local:7000".into()
+            }
+        );
+        assert_eq!(
+            "tcp://[::1]:7000".parse::<Endpoint>().expect("tcp"),
+            Endpoint::Tcp {
+                authority: "[::1]:7000".into()
+            }
+        );
+    }
+
+    #[test]
+    fn endpoint_bad_urls_are_refused() {
+        for bad in [
+            "unix://",
+            "unix://relative.sock",
+            "https://h:1",
+            "http://nohost",
+            "http://:80",
+            "http://h:80/api",
+            "h:80",
+        ] {
+            assert!(
+                matches!(bad.parse::<Endpoint>(), Err(ClientError::BadUrl(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn endpoint_display_round_trips() {
+        for s in ["unix:///run/forkbox/forkbox.sock", "http://h:1"] {
+            assert_eq!(s.parse::<Endpoint>().expect("parse").to_string(), s);
+        }
+    }
+
+    #[test]
+    fn default_socket_agrees_with_forkboxd() {
+        assert_eq!(
+            default_socket(true, Some("/run/user/1000")).expect("root"),
+            PathBuf::from("/run/forkbox/forkbox.sock")
+        );
+        assert_eq!(
+            default_socket(false, Some("/run/user/1000")).expect("xdg"),
+            PathBuf::from("/run/user/1000/forkbox/forkbox.sock")
+        );
+        assert!(matches!(
+            default_socket(false, Some("")),
+            Err(ClientError::NoDefault)
+        ));
+        assert!(matches!(
+            default_socket(false, None),
+            Err(ClientError::NoDefault)
+        ));
+    }
+
+    #[test]
+    fn query_and_segment_are_encoded() {
+        assert_eq!(
+            with_query("/sandboxes/sb-1/files", [("path", "/a b/c&d")]),
+            "/sandboxes/sb-1/files?path=%2Fa+b%2Fc%26d"
+        );
+        assert_eq!(with_query("/sandboxes", []), "/sandboxes");
+        assert_eq!(segment("py-3.12"), "py-3.12");
+        assert_eq!(segment("a/b c"), "a%2Fb%20c");
+    }
+
+    #[test]
+    fn unreachable_daemon_says_to_start_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = Client::new(Endpoint::Unix(dir.path().join("none.sock")), None).expect("client");
+        let e = c.get::<serde_json::Value>("/health").err().expect("fails");
+        assert!(e.to_string().contains("forkbox daemon"), "{e}");
+    }
+}
