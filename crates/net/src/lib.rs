@@ -1,0 +1,16 @@
+//! The sandbox network, sans-IO.
+//!
+//! Owns: what a sandbox's guest may reach and the record of what it tried.
+//! Bytes and decisions in, bytes and events out; no sockets, no clocks, no
+//! threads here, so every piece is unit-tested and fuzzable without a VM.
+//!
+//! Module map:
+//! - [`policy`]: egress rules (`allow_out` / `deny_out`: names, `*.suffix`,
+//!   CIDRs, ports), parsed from the SDK's JSON, and the decision function.
+//!
+//! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
+//! frames from its virtio-net device and the daemon feeds it policies.
+
+#![forbid(unsafe_code)]
+
+pub mod policy;
