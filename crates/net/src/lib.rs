@@ -7,10 +7,13 @@
 //! Module map:
 //! - [`policy`]: egress rules (`allow_out` / `deny_out`: names, `*.suffix`,
 //!   CIDRs, ports), parsed from the SDK's JSON, and the decision function.
+//! - [`dns`]: the guest's DNS server: allowed names resolve (through a
+//!   [`dns::Resolver`]), others get NXDOMAIN.
 //!
 //! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
 //! frames from its virtio-net device and the daemon feeds it policies.
 
 #![forbid(unsafe_code)]
 
+pub mod dns;
 pub mod policy;
