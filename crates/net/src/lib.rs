@@ -9,6 +9,7 @@
 //!   CIDRs, ports), parsed from the SDK's JSON, and the decision function.
 //! - [`dns`]: the guest's DNS server: allowed names resolve (through a
 //!   [`dns::Resolver`]), others get NXDOMAIN.
+//! - [`log`]: the egress record (JSON line), a bounded ring, a writer.
 //!
 //! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
 //! frames from its virtio-net device and the daemon feeds it policies.
@@ -16,4 +17,5 @@
 #![forbid(unsafe_code)]
 
 pub mod dns;
+pub mod log;
 pub mod policy;
