@@ -32,7 +32,7 @@ deps:
 
 # What the Python SDK and its tests need, from PyPI.
 python-deps:
-	python3 -m pip install -q --disable-pip-version-check httpx pytest
+	python3 -m pip install -q --disable-pip-version-check httpx pytest gymnasium
 
 # The guest agent is PID 1 in an initramfs with no libc: link it statically.
 agent: deps

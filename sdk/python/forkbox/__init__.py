@@ -3,20 +3,41 @@
     from forkbox import Sandbox
     with Sandbox.create("minimal", metadata={"run": "1"}) as sb:
         print(sb.commands.run("echo hi").stdout)
+        children = sb.fork(count=4)          # Sandboxes (or per-child errors)
 
 The daemon is found through `FORKBOX_URL` (`unix:///path` or
 `http://host:port`), else its default socket.
+
+Modules:
+- `sandbox`: `Sandbox` (blocking): create, commands, files, fork, pause,
+  snapshots.
+- `async_sandbox`: `AsyncSandbox`, the same for asyncio.
+- `template`: `Template` / `AsyncTemplate`: build (bake) a template from a
+  recipe, streaming its progress; list, delete.
+- `rollouts`: `group` / `agroup`: fork N sandboxes from one state, run a
+  function in each, collect results and errors, kill them all.
+- `gym`: `SandboxEnv`, a Gymnasium environment (imported on its own, as it
+  needs `gymnasium`).
+- `exceptions`: one class per daemon error kind; `.infrastructure` tells
+  the machinery's failures from yours.
+- `_api`: the HTTP API as data (no IO), shared by the blocking and async
+  classes; `_client`: the connections.
 """
 
-from ._client import Client, default_url
+from ._client import AsyncClient, Client, default_url
+from .async_sandbox import AsyncSandbox
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
-                         InvalidRequestError, NotFoundError, TemplateError, UnsupportedError)
-from .sandbox import CommandResult, EntryInfo, Sandbox
+                         InvalidRequestError, NotFoundError, TemplateError,
+                         TemplateInfrastructureError, UnsupportedError)
+from .models import CommandResult, EntryInfo, TemplateInfo
+from .sandbox import Sandbox
+from .template import AsyncTemplate, Template
 
 __all__ = [
-    "Sandbox", "CommandResult", "EntryInfo", "Client", "default_url", "ForkboxError",
+    "Sandbox", "AsyncSandbox", "Template", "AsyncTemplate", "CommandResult", "EntryInfo",
+    "TemplateInfo", "Client", "AsyncClient", "default_url", "ForkboxError",
     "InvalidRequestError", "NotFoundError", "ConflictError", "CapacityError",
-    "UnsupportedError", "AuthenticationError", "TemplateError", "InfrastructureError",
-    "DaemonUnavailableError",
+    "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
+    "InfrastructureError", "DaemonUnavailableError",
 ]

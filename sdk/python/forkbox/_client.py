@@ -1,14 +1,21 @@
-"""The HTTP connection to forkboxd: where it is, and error translation."""
+"""The HTTP connection to forkboxd: where it is, and error translation.
+
+`Client` (blocking) and `AsyncClient` (asyncio) share the URL handling,
+the error translation and the NDJSON line parsing; they differ only in
+how they wait.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from typing import Any, Dict, Iterator, Optional
+import weakref
+from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
 
 import httpx
 
-from .exceptions import DaemonUnavailableError, from_response
+from .exceptions import DaemonUnavailableError, ForkboxError, from_response
 
 DEFAULT_ROOT_SOCKET = "/run/forkbox/forkbox.sock"
 
@@ -27,24 +34,58 @@ def default_url() -> str:
     return "unix://" + DEFAULT_ROOT_SOCKET
 
 
+def _endpoint(url: str) -> Tuple[Optional[str], str]:
+    """(unix socket path or None, base URL) of a daemon URL."""
+    if url.startswith("unix://"):
+        return url[len("unix://"):], "http://forkboxd"
+    if url.startswith(("http://", "https://")):
+        return None, url.rstrip("/")
+    raise ValueError(f"FORKBOX_URL {url!r}: expected unix:///path or http://host:port")
+
+
+def _headers(token: Optional[str]) -> Dict[str, str]:
+    token = token if token is not None else os.environ.get("FORKBOX_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _unavailable(url: str, e: Exception) -> DaemonUnavailableError:
+    return DaemonUnavailableError(f"cannot reach forkboxd at {url}: {e}", "infrastructure")
+
+
+def _error_of(r: httpx.Response) -> ForkboxError:
+    """The SDK error for an error response whose body has been read."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = r.text
+    return from_response(r.status_code, body)
+
+
+def _ndjson_line(line: str) -> Optional[Dict[str, Any]]:
+    return json.loads(line) if line.strip() else None
+
+
+def _stream_headers(kw: Dict[str, Any]) -> Dict[str, Any]:
+    headers = dict(kw.pop("headers", {}))
+    headers["Accept"] = "application/x-ndjson"
+    return headers
+
+
+def _timeout(timeout: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout, connect=10.0)
+
+
 class Client:
-    """A connection pool to one daemon (`unix:///path` or `http://host:port`)."""
+    """A blocking connection pool to one daemon (`unix:///path` or
+    `http://host:port`). Safe to share between threads."""
 
     def __init__(self, url: Optional[str] = None, token: Optional[str] = None,
                  timeout: float = 600.0) -> None:
         self.url = url or default_url()
-        token = token if token is not None else os.environ.get("FORKBOX_TOKEN")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if self.url.startswith("unix://"):
-            transport = httpx.HTTPTransport(uds=self.url[len("unix://"):])
-            base = "http://forkboxd"
-        elif self.url.startswith(("http://", "https://")):
-            transport = httpx.HTTPTransport()
-            base = self.url.rstrip("/")
-        else:
-            raise ValueError(f"FORKBOX_URL {self.url!r}: expected unix:///path or http://host:port")
-        self._http = httpx.Client(base_url=base, transport=transport, headers=headers,
-                                  timeout=httpx.Timeout(timeout, connect=10.0))
+        uds, base = _endpoint(self.url)
+        transport = httpx.HTTPTransport(uds=uds) if uds else httpx.HTTPTransport()
+        self._http = httpx.Client(base_url=base, transport=transport, headers=_headers(token),
+                                  timeout=_timeout(timeout))
 
     def close(self) -> None:
         self._http.close()
@@ -53,14 +94,9 @@ class Client:
         try:
             r = self._http.request(method, path, **kw)
         except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"cannot reach forkboxd at {self.url}: {e}",
-                                         "infrastructure") from e
+            raise _unavailable(self.url, e) from e
         if r.status_code >= 400:
-            try:
-                body = r.json()
-            except ValueError:
-                body = r.text
-            raise from_response(r.status_code, body)
+            raise _error_of(r)
         return r
 
     def json(self, method: str, path: str, **kw: Any) -> Any:
@@ -68,26 +104,68 @@ class Client:
         return r.json() if r.content else None
 
     def stream_ndjson(self, method: str, path: str, **kw: Any) -> Iterator[Dict[str, Any]]:
-        headers = dict(kw.pop("headers", {}))
-        headers["Accept"] = "application/x-ndjson"
+        headers = _stream_headers(kw)
         try:
             with self._http.stream(method, path, headers=headers, **kw) as r:
                 if r.status_code >= 400:
                     r.read()
-                    try:
-                        body = r.json()
-                    except ValueError:
-                        body = r.text
-                    raise from_response(r.status_code, body)
+                    raise _error_of(r)
                 for line in r.iter_lines():
-                    if line.strip():
-                        yield json.loads(line)
+                    ev = _ndjson_line(line)
+                    if ev is not None:
+                        yield ev
         except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"cannot reach forkboxd at {self.url}: {e}",
-                                         "infrastructure") from e
+            raise _unavailable(self.url, e) from e
+
+
+class AsyncClient:
+    """An asyncio connection pool to one daemon. Bound to the event loop
+    it is first used on (httpx's rule); `shared_async_client` keeps one
+    per loop."""
+
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None,
+                 timeout: float = 600.0) -> None:
+        self.url = url or default_url()
+        uds, base = _endpoint(self.url)
+        transport = httpx.AsyncHTTPTransport(uds=uds) if uds else httpx.AsyncHTTPTransport()
+        self._http = httpx.AsyncClient(base_url=base, transport=transport,
+                                       headers=_headers(token), timeout=_timeout(timeout))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise _unavailable(self.url, e) from e
+        if r.status_code >= 400:
+            raise _error_of(r)
+        return r
+
+    async def json(self, method: str, path: str, **kw: Any) -> Any:
+        r = await self.request(method, path, **kw)
+        return r.json() if r.content else None
+
+    async def stream_ndjson(self, method: str, path: str,
+                            **kw: Any) -> AsyncIterator[Dict[str, Any]]:
+        headers = _stream_headers(kw)
+        try:
+            async with self._http.stream(method, path, headers=headers, **kw) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _error_of(r)
+                async for line in r.aiter_lines():
+                    ev = _ndjson_line(line)
+                    if ev is not None:
+                        yield ev
+        except httpx.TransportError as e:
+            raise _unavailable(self.url, e) from e
 
 
 _shared: Dict[str, Client] = {}
+_shared_async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[str, AsyncClient]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def shared_client(url: Optional[str] = None) -> Client:
@@ -96,4 +174,14 @@ def shared_client(url: Optional[str] = None) -> Client:
     c = _shared.get(key)
     if c is None:
         c = _shared[key] = Client(key)
+    return c
+
+
+def shared_async_client(url: Optional[str] = None) -> AsyncClient:
+    """One pooled async client per daemon URL and running event loop."""
+    key = url or default_url()
+    per_loop = _shared_async.setdefault(asyncio.get_running_loop(), {})
+    c = per_loop.get(key)
+    if c is None:
+        c = per_loop[key] = AsyncClient(key)
     return c

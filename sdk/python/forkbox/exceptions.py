@@ -47,11 +47,25 @@ class AuthenticationError(ForkboxError):
 
 
 class TemplateError(ForkboxError):
-    """A template's setup or readiness step failed."""
+    """A template's bake failed: `step` (`boot`, `setup[N]`, `ready`, …)
+    and the tail of its `output`."""
+
+    @property
+    def step(self) -> str:
+        return str(self.detail.get("step") or "")
+
+    @property
+    def output(self) -> str:
+        return str(self.detail.get("output") or "")
 
 
 class InfrastructureError(ForkboxError):
     """The sandbox machinery failed (VM died, agent unreachable)."""
+
+
+class TemplateInfrastructureError(TemplateError, InfrastructureError):
+    """A bake failed because the machinery did (the VM, not the recipe):
+    both a `TemplateError` and an `InfrastructureError`."""
 
 
 class DaemonUnavailableError(InfrastructureError):
@@ -75,6 +89,7 @@ _BY_KIND = {
 
 
 def from_response(status: int, body: Any) -> ForkboxError:
+    """The error for an error body `{"error": {kind, message, …}}`."""
     detail = body.get("error") if isinstance(body, dict) else None
     if not isinstance(detail, dict):
         return ForkboxError(f"HTTP {status}: {body!r}", "", status)
@@ -84,3 +99,14 @@ def from_response(status: int, body: Any) -> ForkboxError:
     else:
         cls = _BY_KIND.get(kind, ForkboxError)
     return cls(str(detail.get("message", "")), kind, status, detail)
+
+
+def from_bake_failure(event: Dict[str, Any]) -> TemplateError:
+    """The error for a bake stream's last line `{"type": "failed", step,
+    kind, message, output}`."""
+    kind = str(event.get("kind", "template_failed"))
+    detail = {"kind": kind, "message": event.get("message", ""), "step": event.get("step"),
+              "output": event.get("output", ""), "infrastructure": kind == "infrastructure"}
+    cls = TemplateInfrastructureError if kind == "infrastructure" else TemplateError
+    step = event.get("step") or "?"
+    return cls(f"step {step}: {event.get('message', '')}", kind, 200, detail)

@@ -1,46 +1,29 @@
-"""`Sandbox`: one microVM, in E2B's spelling where it exists."""
+"""`Sandbox`: one microVM, in E2B's spelling where it exists (blocking;
+`AsyncSandbox` is the asyncio twin over the same `_api` calls)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
 
+from . import _api
+from ._api import Call
 from ._client import Client, shared_client
-from .exceptions import ForkboxError, InfrastructureError, NotFoundError, UnsupportedError
+from .exceptions import ForkboxError, NotFoundError, UnsupportedError
+from .models import CommandResult, EntryInfo, TemplateInfo
+
+T = TypeVar("T")
 
 
-@dataclass
-class CommandResult:
-    stdout: str
-    stderr: str
-    exit_code: Optional[int]
-    duration: float
-    """Seconds, measured by the guest agent."""
-    timed_out: bool
-    signal: Optional[int] = None
-
-
-@dataclass
-class EntryInfo:
-    name: str
-    path: str
-    type: str
-    """`file`, `dir`, `symlink` or `other`."""
-    size: int
-    mode: int
-    mtime: int
-
-
-def _params(**kw: Any) -> Dict[str, Any]:
-    return {k: v for k, v in kw.items() if v is not None}
+def _do(client: Client, call: "Call[T]") -> T:
+    return call.parse(client.request(call.method, call.path, **call.kwargs))
 
 
 class Commands:
     def __init__(self, sb: "Sandbox") -> None:
         self._sb = sb
 
-    def run(self, cmd: Union[str, List[str]], *, cwd: Optional[str] = None,
-            envs: Optional[Dict[str, str]] = None, user: Optional[Union[str, int]] = None,
+    def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = None,
+            envs: Optional[Mapping[str, str]] = None, user: Optional[Union[str, int]] = None,
             timeout: Optional[float] = None, stdin: Optional[str] = None,
             on_stdout: Optional[Callable[[str], None]] = None,
             on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
@@ -48,73 +31,38 @@ class Commands:
         A non-zero exit is a result, not an exception; infrastructure
         failures raise `InfrastructureError`. With `on_stdout`/`on_stderr`,
         output is streamed to them as it is produced."""
-        body: Dict[str, Any] = {"envs": envs or {}}
-        if isinstance(cmd, str):
-            body["cmd"] = cmd
-        else:
-            body["argv"] = list(cmd)
-        if cwd is not None:
-            body["cwd"] = cwd
-        if user is not None:
-            body["user"] = str(user)
-        if timeout is not None:
-            body["timeout_secs"] = timeout
-        if stdin is not None:
-            body["stdin"] = stdin
-        path = f"/sandboxes/{self._sb.sandbox_id}/commands"
-        c = self._sb._client
+        body = _api.exec_body(cmd, cwd, envs, user, timeout, stdin)
+        sid = self._sb.sandbox_id
         if on_stdout is None and on_stderr is None:
-            r = c.json("POST", path, json=body)
-            return _result(r, r.get("stdout", ""), r.get("stderr", ""))
-        out: List[str] = []
-        err: List[str] = []
-        for ev in c.stream_ndjson("POST", path, json=body):
-            t = ev.get("type")
-            if t == "stdout":
-                out.append(ev["data"])
-                if on_stdout:
-                    on_stdout(ev["data"])
-            elif t == "stderr":
-                err.append(ev["data"])
-                if on_stderr:
-                    on_stderr(ev["data"])
-            elif t == "exit":
-                return _result(ev, "".join(out), "".join(err))
-            elif t == "error":
-                from .exceptions import from_response
-                raise from_response(502, ev)
-        raise InfrastructureError("the command's stream ended without a result", "infrastructure")
-
-
-def _result(r: Dict[str, Any], stdout: str, stderr: str) -> CommandResult:
-    return CommandResult(stdout=stdout, stderr=stderr, exit_code=r.get("exit_code"),
-                         duration=float(r.get("duration_ms", 0.0)) / 1000.0,
-                         timed_out=bool(r.get("timed_out")), signal=r.get("signal"))
+            return _do(self._sb._client, _api.run(sid, body))
+        stream = _api.CommandStream(on_stdout, on_stderr)
+        for ev in self._sb._client.stream_ndjson("POST", _api.run_stream_path(sid), json=body):
+            result = stream.feed(ev)
+            if result is not None:
+                return result
+        raise stream.ended()
 
 
 class Files:
     def __init__(self, sb: "Sandbox") -> None:
         self._sb = sb
-        self._base = f"/sandboxes/{sb.sandbox_id}/files"
+
+    def _do(self, call: "Call[T]") -> T:
+        return _do(self._sb._client, call)
 
     def read(self, path: str, format: str = "text") -> Union[str, bytes]:
-        data = self._sb._client.request("GET", self._base, params={"path": path}).content
-        return data if format == "bytes" else data.decode("utf-8", errors="replace")
+        """The file's text (`format="text"`, UTF-8) or bytes (`"bytes"`)."""
+        return self._do(_api.read_file(self._sb.sandbox_id, path, format))
 
     def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
         """Writes a file, creating its parent directories; returns its size."""
-        raw = data.encode() if isinstance(data, str) else data
-        r = self._sb._client.json("PUT", self._base, params={"path": path, "mode": f"{mode:o}"},
-                                  content=raw)
-        return int(r["bytes"])
+        return self._do(_api.write_file(self._sb.sandbox_id, path, data, mode))
 
     def list(self, path: str) -> List[EntryInfo]:
-        r = self._sb._client.json("GET", self._base + "/list", params={"path": path})
-        return [EntryInfo(name=e["name"], path=e["path"], type=e["kind"], size=e["size"],
-                          mode=e["mode"], mtime=e["mtime"]) for e in r]
+        return self._do(_api.list_dir(self._sb.sandbox_id, path))
 
     def stat(self, path: str) -> Dict[str, Any]:
-        return self._sb._client.json("GET", self._base + "/stat", params={"path": path})
+        return self._do(_api.stat(self._sb.sandbox_id, path))
 
     def exists(self, path: str) -> bool:
         try:
@@ -124,71 +72,25 @@ class Files:
             return False
 
     def remove(self, path: str, recursive: bool = True) -> None:
-        self._sb._client.request("DELETE", self._base,
-                                 params={"path": path, "recursive": str(recursive).lower()})
+        self._do(_api.remove(self._sb.sandbox_id, path, recursive))
 
     def make_dir(self, path: str) -> None:
-        self._sb._client.request("POST", self._base + "/mkdir", params={"path": path})
+        self._do(_api.make_dir(self._sb.sandbox_id, path))
 
     def upload_tar(self, path: str, tar_bytes: bytes) -> int:
-        r = self._sb._client.json("PUT", self._base + "/tar", params={"path": path},
-                                  content=tar_bytes)
-        return int(r["bytes"])
+        return self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
 
     def download_tar(self, path: str) -> bytes:
-        return self._sb._client.request("GET", self._base + "/tar", params={"path": path}).content
+        return self._do(_api.download_tar(self._sb.sandbox_id, path))
 
 
-class Sandbox:
-    """A sandbox on forkboxd. Use as a context manager to kill it on exit,
-    even on error."""
+class SandboxBase:
+    """What the blocking and async sandboxes share: identity and the last
+    info the daemon gave."""
 
-    def __init__(self, info: Dict[str, Any], client: Client) -> None:
-        self._client = client
+    def __init__(self, info: Dict[str, Any]) -> None:
         self._info = info
         self.sandbox_id: str = info["id"]
-        self.commands = Commands(self)
-        self.files = Files(self)
-
-    # -- creation and lookup
-
-    @classmethod
-    def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,
-               metadata: Optional[Dict[str, str]] = None, envs: Optional[Dict[str, str]] = None,
-               on_timeout: str = "kill", wait: Optional[float] = None,
-               url: Optional[str] = None) -> "Sandbox":
-        """Creates a sandbox from `template` and waits until it is ready.
-        `timeout`: its time-to-live in seconds (`None`: until killed)."""
-        c = shared_client(url)
-        body: Dict[str, Any] = {"template": template, "timeout_secs": timeout,
-                                "on_timeout": on_timeout, "metadata": metadata or {},
-                                "envs": envs or {}}
-        if wait is not None:
-            body["wait_secs"] = wait
-        return cls(c.json("POST", "/sandboxes", json=body), c)
-
-    @classmethod
-    def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "Sandbox":
-        c = shared_client(url)
-        return cls(c.json("GET", f"/sandboxes/{sandbox_id}"), c)
-
-    @classmethod
-    def list(cls, metadata: Optional[Dict[str, str]] = None,
-             url: Optional[str] = None) -> List["Sandbox"]:
-        c = shared_client(url)
-        params = [("label", f"{k}={v}") for k, v in (metadata or {}).items()]
-        return [cls(i, c) for i in c.json("GET", "/sandboxes", params=params)]
-
-    @classmethod
-    def kill_by_metadata(cls, metadata: Dict[str, str], url: Optional[str] = None) -> List[str]:
-        c = shared_client(url)
-        return list(c.json("POST", "/sandboxes/kill", json={"metadata": metadata})["killed"])
-
-    # -- this sandbox
-
-    def get_info(self) -> Dict[str, Any]:
-        self._info = self._client.json("GET", f"/sandboxes/{self.sandbox_id}")
-        return self._info
 
     @property
     def metadata(self) -> Dict[str, str]:
@@ -198,49 +100,105 @@ class Sandbox:
     def template(self) -> str:
         return str(self._info.get("template"))
 
+    @property
+    def info(self) -> Dict[str, Any]:
+        """The info the daemon last answered (refresh with `get_info()`)."""
+        return dict(self._info)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sandbox_id!r}, template={self.template!r})"
+
+
+class Sandbox(SandboxBase):
+    """A sandbox on forkboxd. Use as a context manager to kill it on exit,
+    even on error."""
+
+    def __init__(self, info: Dict[str, Any], client: Client) -> None:
+        super().__init__(info)
+        self._client = client
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    # -- creation and lookup
+
+    @classmethod
+    def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,
+               metadata: Optional[Mapping[str, str]] = None,
+               envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
+               wait: Optional[float] = None, url: Optional[str] = None) -> "Sandbox":
+        """Creates a sandbox from `template` (a fork of its zygote; the first
+        create of a template not baked yet bakes it, which takes a while)
+        and waits until it is ready. `timeout`: its time-to-live in seconds
+        (`None`: until killed); `on_timeout`: `kill` or `pause`."""
+        c = shared_client(url)
+        return cls(_do(c, _api.create(template, timeout, on_timeout, metadata, envs, wait)), c)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "Sandbox":
+        c = shared_client(url)
+        return cls(_do(c, _api.info(sandbox_id)), c)
+
+    @classmethod
+    def list(cls, metadata: Optional[Mapping[str, str]] = None,
+             url: Optional[str] = None) -> List["Sandbox"]:
+        c = shared_client(url)
+        return [cls(i, c) for i in _do(c, _api.list_sandboxes(metadata))]
+
+    @classmethod
+    def kill_by_metadata(cls, metadata: Mapping[str, str],
+                         url: Optional[str] = None) -> List[str]:
+        return _do(shared_client(url), _api.kill_by_metadata(metadata))
+
+    # -- this sandbox
+
+    def get_info(self) -> Dict[str, Any]:
+        self._info = _do(self._client, _api.info(self.sandbox_id))
+        return dict(self._info)
+
     def is_running(self) -> bool:
         try:
-            return self.get_info()["state"] == "running"
+            return bool(self.get_info()["state"] == "running")
         except NotFoundError:
             return False
 
     def kill(self) -> bool:
         """Kills the sandbox; False if it was already dead or unknown."""
         try:
-            self._client.request("DELETE", f"/sandboxes/{self.sandbox_id}")
-            return True
+            return _do(self._client, _api.kill(self.sandbox_id))
         except ForkboxError as e:
-            if e.kind in ("not_found", "conflict"):
+            if _api.kill_refused(e):
                 return False
             raise
 
     def set_timeout(self, timeout: Optional[float], on_timeout: Optional[str] = None) -> None:
         """A new time-to-live in seconds, counted from now (`None`: none)."""
-        body: Dict[str, Any] = {"timeout_secs": timeout}
-        if on_timeout is not None:
-            body["on_timeout"] = on_timeout
-        self._info = self._client.json("POST", f"/sandboxes/{self.sandbox_id}/timeout", json=body)
+        self._info = _do(self._client, _api.set_timeout(self.sandbox_id, timeout, on_timeout))
 
     def pause(self) -> None:
-        self._info = self._client.json("POST", f"/sandboxes/{self.sandbox_id}/pause")
+        """Stops the sandbox's vCPUs; its memory and files stay."""
+        self._info = _do(self._client, _api.pause(self.sandbox_id))
 
     def resume(self) -> None:
-        self._info = self._client.json("POST", f"/sandboxes/{self.sandbox_id}/resume")
+        self._info = _do(self._client, _api.resume(self.sandbox_id))
 
-    def fork(self, count: int = 1) -> List[Union["Sandbox", Exception]]:
-        """Forks into `count` children. Raises `UnsupportedError` until the
-        daemon's fork lands."""
-        r = self._client.json("POST", f"/sandboxes/{self.sandbox_id}/fork", json={"count": count})
-        return [Sandbox(i, self._client) for i in r]
+    def fork(self, count: int = 1) -> List[Union["Sandbox", ForkboxError]]:
+        """Forks into `count` (1-256) children that start from this
+        sandbox's current memory and files. One entry per child, in order:
+        the child, or the error that child met (an exception instance,
+        not raised: the others are fine). The caller kills the children."""
+        entries = _do(self._client, _api.fork(self.sandbox_id, count))
+        return [e if isinstance(e, ForkboxError) else Sandbox(e, self._client) for e in entries]
+
+    def create_snapshot(self, name: str) -> TemplateInfo:
+        """Makes a template `name` from this sandbox's current state:
+        sandboxes created from it fork that state. This one keeps running."""
+        return _do(self._client, _api.snapshot(self.sandbox_id, name))
 
     def __enter__(self) -> "Sandbox":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.kill()
-
-    def __repr__(self) -> str:
-        return f"Sandbox({self.sandbox_id!r}, template={self.template!r})"
 
 
 __all__ = ["Sandbox", "CommandResult", "EntryInfo", "UnsupportedError"]

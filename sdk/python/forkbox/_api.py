@@ -1,0 +1,311 @@
+"""The daemon's HTTP API as data: each function builds one `Call` (method,
+path, request arguments, and how to read the answer) without doing any IO.
+`Sandbox` sends them with the blocking client and `AsyncSandbox` with the
+asyncio one, so the two stay one implementation.
+
+Streams (command output, template bakes) are read by small state machines
+(`CommandStream`, `BakeStream`) fed one NDJSON event at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import (Any, Callable, Dict, Generic, List, Mapping, Optional, Sequence, TypeVar,
+                    Union)
+
+import httpx
+
+from .exceptions import (ForkboxError, InfrastructureError, TemplateError, from_bake_failure,
+                         from_response)
+from .models import CommandResult, EntryInfo, TemplateInfo
+
+T = TypeVar("T")
+
+Json = Dict[str, Any]
+Ready = Union[str, Mapping[str, Any], None]
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and the reading of its (successful) answer."""
+
+    method: str
+    path: str
+    kwargs: Dict[str, Any]
+    parse: Callable[[httpx.Response], T]
+
+
+def _json(r: httpx.Response) -> Any:
+    return r.json() if r.content else None
+
+
+def _none(_: httpx.Response) -> None:
+    return None
+
+
+def _true(_: httpx.Response) -> bool:
+    return True
+
+
+def _sb(sandbox_id: str) -> str:
+    return f"/sandboxes/{sandbox_id}"
+
+
+# ------------------------------------------------------------ sandboxes
+
+def create(template: str, timeout: Optional[float], on_timeout: str,
+           metadata: Optional[Mapping[str, str]], envs: Optional[Mapping[str, str]],
+           wait: Optional[float]) -> "Call[Json]":
+    body: Json = {"template": template, "timeout_secs": timeout, "on_timeout": on_timeout,
+                  "metadata": dict(metadata or {}), "envs": dict(envs or {})}
+    if wait is not None:
+        body["wait_secs"] = wait
+    return Call("POST", "/sandboxes", {"json": body}, _json)
+
+
+def info(sandbox_id: str) -> "Call[Json]":
+    return Call("GET", _sb(sandbox_id), {}, _json)
+
+
+def list_sandboxes(metadata: Optional[Mapping[str, str]]) -> "Call[List[Json]]":
+    params = [("label", f"{k}={v}") for k, v in (metadata or {}).items()]
+    return Call("GET", "/sandboxes", {"params": params}, _json)
+
+
+def kill_by_metadata(metadata: Mapping[str, str]) -> "Call[List[str]]":
+    return Call("POST", "/sandboxes/kill", {"json": {"metadata": dict(metadata)}},
+                lambda r: list(r.json()["killed"]))
+
+
+def kill(sandbox_id: str) -> "Call[bool]":
+    return Call("DELETE", _sb(sandbox_id), {}, _true)
+
+
+def kill_refused(e: ForkboxError) -> bool:
+    """A kill that failed because the sandbox is already dead or unknown
+    (`kill` then answers False instead of raising)."""
+    return e.kind in ("not_found", "conflict")
+
+
+def set_timeout(sandbox_id: str, timeout: Optional[float],
+                on_timeout: Optional[str]) -> "Call[Json]":
+    body: Json = {"timeout_secs": timeout}
+    if on_timeout is not None:
+        body["on_timeout"] = on_timeout
+    return Call("POST", _sb(sandbox_id) + "/timeout", {"json": body}, _json)
+
+
+def pause(sandbox_id: str) -> "Call[Json]":
+    return Call("POST", _sb(sandbox_id) + "/pause", {}, _json)
+
+
+def resume(sandbox_id: str) -> "Call[Json]":
+    return Call("POST", _sb(sandbox_id) + "/resume", {}, _json)
+
+
+ForkEntry = Union[Json, ForkboxError]
+
+
+def _fork_entries(r: httpx.Response) -> List[ForkEntry]:
+    out: List[ForkEntry] = []
+    for e in r.json():
+        if isinstance(e, dict) and isinstance(e.get("sandbox"), dict):
+            out.append(e["sandbox"])
+        elif isinstance(e, dict) and "error" in e:
+            err = from_response(0, e)
+            out.append(err)
+        elif isinstance(e, dict) and "id" in e:
+            out.append(e)  # a bare SandboxInfo
+        else:
+            out.append(InfrastructureError(f"unreadable fork entry {e!r}", "infrastructure"))
+    return out
+
+
+def fork(sandbox_id: str, count: int) -> "Call[List[ForkEntry]]":
+    """Children in order: each a SandboxInfo, or the error that child met."""
+    if not 1 <= count <= 256:
+        raise ValueError(f"fork count {count}: expected 1-256")
+    return Call("POST", _sb(sandbox_id) + "/fork", {"json": {"count": count}}, _fork_entries)
+
+
+def snapshot(sandbox_id: str, name: str) -> "Call[TemplateInfo]":
+    return Call("POST", _sb(sandbox_id) + "/snapshot", {"json": {"name": name}},
+                lambda r: TemplateInfo.from_json(r.json(), "ready"))
+
+
+# ------------------------------------------------------------ commands
+
+def exec_body(cmd: Union[str, Sequence[str]], cwd: Optional[str],
+              envs: Optional[Mapping[str, str]], user: Optional[Union[str, int]],
+              timeout: Optional[float], stdin: Optional[str]) -> Json:
+    body: Json = {"envs": dict(envs or {})}
+    if isinstance(cmd, str):
+        body["cmd"] = cmd
+    else:
+        body["argv"] = list(cmd)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        body["user"] = str(user)
+    if timeout is not None:
+        body["timeout_secs"] = timeout
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def _result(r: Json, stdout: str, stderr: str) -> CommandResult:
+    return CommandResult(stdout=stdout, stderr=stderr, exit_code=r.get("exit_code"),
+                         duration=float(r.get("duration_ms", 0.0)) / 1000.0,
+                         timed_out=bool(r.get("timed_out")), signal=r.get("signal"))
+
+
+def run(sandbox_id: str, body: Json) -> "Call[CommandResult]":
+    def parse(resp: httpx.Response) -> CommandResult:
+        r = resp.json()
+        return _result(r, r.get("stdout", ""), r.get("stderr", ""))
+    return Call("POST", _sb(sandbox_id) + "/commands", {"json": body}, parse)
+
+
+def run_stream_path(sandbox_id: str) -> str:
+    return _sb(sandbox_id) + "/commands"
+
+
+class CommandStream:
+    """Reads a streamed command's events: output goes to the callbacks and
+    is kept; `feed` answers the result at `exit`."""
+
+    def __init__(self, on_stdout: Optional[Callable[[str], None]],
+                 on_stderr: Optional[Callable[[str], None]]) -> None:
+        self._cb = {"stdout": on_stdout, "stderr": on_stderr}
+        self._out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+
+    def feed(self, ev: Json) -> Optional[CommandResult]:
+        t = ev.get("type")
+        if t in ("stdout", "stderr"):
+            data = str(ev.get("data", ""))
+            self._out[t].append(data)
+            cb = self._cb[t]
+            if cb is not None:
+                cb(data)
+        elif t == "exit":
+            return _result(ev, "".join(self._out["stdout"]), "".join(self._out["stderr"]))
+        elif t == "error":
+            raise from_response(502, ev)
+        return None
+
+    @staticmethod
+    def ended() -> InfrastructureError:
+        return InfrastructureError("the command's stream ended without a result",
+                                   "infrastructure")
+
+
+# ------------------------------------------------------------ files
+
+def _files(sandbox_id: str) -> str:
+    return _sb(sandbox_id) + "/files"
+
+
+def read_file(sandbox_id: str, path: str, format: str) -> "Call[Union[str, bytes]]":
+    if format not in ("text", "bytes"):
+        raise ValueError(f"format {format!r}: expected 'text' or 'bytes'")
+
+    def parse(r: httpx.Response) -> Union[str, bytes]:
+        return r.content if format == "bytes" else r.content.decode("utf-8", errors="replace")
+    return Call("GET", _files(sandbox_id), {"params": {"path": path}}, parse)
+
+
+def write_file(sandbox_id: str, path: str, data: Union[str, bytes], mode: int) -> "Call[int]":
+    raw = data.encode() if isinstance(data, str) else data
+    return Call("PUT", _files(sandbox_id),
+                {"params": {"path": path, "mode": f"{mode:o}"}, "content": raw},
+                lambda r: int(r.json()["bytes"]))
+
+
+def list_dir(sandbox_id: str, path: str) -> "Call[List[EntryInfo]]":
+    def parse(r: httpx.Response) -> List[EntryInfo]:
+        return [EntryInfo(name=e["name"], path=e["path"], type=e["kind"], size=e["size"],
+                          mode=e["mode"], mtime=e["mtime"]) for e in r.json()]
+    return Call("GET", _files(sandbox_id) + "/list", {"params": {"path": path}}, parse)
+
+
+def stat(sandbox_id: str, path: str) -> "Call[Json]":
+    return Call("GET", _files(sandbox_id) + "/stat", {"params": {"path": path}}, _json)
+
+
+def remove(sandbox_id: str, path: str, recursive: bool) -> "Call[None]":
+    return Call("DELETE", _files(sandbox_id),
+                {"params": {"path": path, "recursive": str(recursive).lower()}}, _none)
+
+
+def make_dir(sandbox_id: str, path: str) -> "Call[None]":
+    return Call("POST", _files(sandbox_id) + "/mkdir", {"params": {"path": path}}, _none)
+
+
+def upload_tar(sandbox_id: str, path: str, tar_bytes: bytes) -> "Call[int]":
+    return Call("PUT", _files(sandbox_id) + "/tar", {"params": {"path": path},
+                                                     "content": tar_bytes},
+                lambda r: int(r.json()["bytes"]))
+
+
+def download_tar(sandbox_id: str, path: str) -> "Call[bytes]":
+    return Call("GET", _files(sandbox_id) + "/tar", {"params": {"path": path}},
+                lambda r: r.content)
+
+
+# ------------------------------------------------------------ templates
+
+def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
+                  setup: Optional[Sequence[str]], ready: Ready, ready_timeout: Optional[float],
+                  envs: Optional[Mapping[str, str]]) -> Json:
+    """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
+    one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
+    `{"http_url": url}`."""
+    if isinstance(setup, str):
+        raise TypeError("setup is a list of shell commands, not one string")
+    spec: Json = {"name": name, "image": image, "vcpus": vcpus, "memory_mib": memory_mib,
+                  "setup": list(setup or []), "envs": dict(envs or {})}
+    if ready is not None:
+        spec["ready"] = {"command": ready} if isinstance(ready, str) else dict(ready)
+    if ready_timeout is not None:
+        spec["ready_timeout_secs"] = int(ready_timeout)
+    return spec
+
+
+def list_templates() -> "Call[List[TemplateInfo]]":
+    return Call("GET", "/templates", {}, lambda r: [TemplateInfo.from_json(t) for t in r.json()])
+
+
+def get_template(name: str) -> "Call[TemplateInfo]":
+    return Call("GET", f"/templates/{name}", {}, lambda r: TemplateInfo.from_json(r.json()))
+
+
+def delete_template(name: str) -> "Call[None]":
+    return Call("DELETE", f"/templates/{name}", {}, _none)
+
+
+def bake_path(name: str) -> str:
+    return f"/templates/{name}/bake"
+
+
+class BakeStream:
+    """Reads a bake's events: each goes to `on_progress`; `feed` answers
+    the template at `done` and raises `TemplateError` at `failed`."""
+
+    def __init__(self, on_progress: Optional[Callable[[Json], None]]) -> None:
+        self._cb = on_progress
+
+    def feed(self, ev: Json) -> Optional[TemplateInfo]:
+        if self._cb is not None:
+            self._cb(ev)
+        t = ev.get("type")
+        if t == "done":
+            return TemplateInfo.from_json(ev.get("template") or {}, "ready")
+        if t == "failed":
+            raise from_bake_failure(ev)
+        return None
+
+    @staticmethod
+    def ended() -> TemplateError:
+        return from_bake_failure({"step": "stream", "kind": "infrastructure",
+                                  "message": "the bake's stream ended without done or failed"})

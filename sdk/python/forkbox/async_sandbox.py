@@ -1,0 +1,166 @@
+"""`AsyncSandbox`: `Sandbox` for asyncio, over the same `_api` calls.
+
+    async with await AsyncSandbox.create("minimal") as sb:
+        print((await sb.commands.run("echo hi")).stdout)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+
+from . import _api
+from ._api import Call
+from ._client import AsyncClient, shared_async_client
+from .exceptions import ForkboxError, NotFoundError
+from .models import CommandResult, EntryInfo, TemplateInfo
+from .sandbox import SandboxBase
+
+T = TypeVar("T")
+
+
+async def _do(client: AsyncClient, call: "Call[T]") -> T:
+    return call.parse(await client.request(call.method, call.path, **call.kwargs))
+
+
+class AsyncCommands:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = None,
+                  envs: Optional[Mapping[str, str]] = None,
+                  user: Optional[Union[str, int]] = None, timeout: Optional[float] = None,
+                  stdin: Optional[str] = None,
+                  on_stdout: Optional[Callable[[str], None]] = None,
+                  on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
+        """As `Sandbox.commands.run`."""
+        body = _api.exec_body(cmd, cwd, envs, user, timeout, stdin)
+        sid = self._sb.sandbox_id
+        if on_stdout is None and on_stderr is None:
+            return await _do(self._sb._client, _api.run(sid, body))
+        stream = _api.CommandStream(on_stdout, on_stderr)
+        async for ev in self._sb._client.stream_ndjson("POST", _api.run_stream_path(sid),
+                                                       json=body):
+            result = stream.feed(ev)
+            if result is not None:
+                return result
+        raise stream.ended()
+
+
+class AsyncFiles:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def _do(self, call: "Call[T]") -> T:
+        return await _do(self._sb._client, call)
+
+    async def read(self, path: str, format: str = "text") -> Union[str, bytes]:
+        return await self._do(_api.read_file(self._sb.sandbox_id, path, format))
+
+    async def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
+        return await self._do(_api.write_file(self._sb.sandbox_id, path, data, mode))
+
+    async def list(self, path: str) -> List[EntryInfo]:
+        return await self._do(_api.list_dir(self._sb.sandbox_id, path))
+
+    async def stat(self, path: str) -> Dict[str, Any]:
+        return await self._do(_api.stat(self._sb.sandbox_id, path))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+            return True
+        except NotFoundError:
+            return False
+
+    async def remove(self, path: str, recursive: bool = True) -> None:
+        await self._do(_api.remove(self._sb.sandbox_id, path, recursive))
+
+    async def make_dir(self, path: str) -> None:
+        await self._do(_api.make_dir(self._sb.sandbox_id, path))
+
+    async def upload_tar(self, path: str, tar_bytes: bytes) -> int:
+        return await self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
+
+    async def download_tar(self, path: str) -> bytes:
+        return await self._do(_api.download_tar(self._sb.sandbox_id, path))
+
+
+class AsyncSandbox(SandboxBase):
+    """A sandbox on forkboxd, for asyncio. `async with` kills it on exit."""
+
+    def __init__(self, info: Dict[str, Any], client: AsyncClient) -> None:
+        super().__init__(info)
+        self._client = client
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    @classmethod
+    async def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,
+                     metadata: Optional[Mapping[str, str]] = None,
+                     envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
+                     wait: Optional[float] = None, url: Optional[str] = None) -> "AsyncSandbox":
+        """As `Sandbox.create`."""
+        c = shared_async_client(url)
+        return cls(await _do(c, _api.create(template, timeout, on_timeout, metadata, envs,
+                                            wait)), c)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "AsyncSandbox":
+        c = shared_async_client(url)
+        return cls(await _do(c, _api.info(sandbox_id)), c)
+
+    @classmethod
+    async def list(cls, metadata: Optional[Mapping[str, str]] = None,
+                   url: Optional[str] = None) -> List["AsyncSandbox"]:
+        c = shared_async_client(url)
+        return [cls(i, c) for i in await _do(c, _api.list_sandboxes(metadata))]
+
+    @classmethod
+    async def kill_by_metadata(cls, metadata: Mapping[str, str],
+                               url: Optional[str] = None) -> List[str]:
+        return await _do(shared_async_client(url), _api.kill_by_metadata(metadata))
+
+    async def get_info(self) -> Dict[str, Any]:
+        self._info = await _do(self._client, _api.info(self.sandbox_id))
+        return dict(self._info)
+
+    async def is_running(self) -> bool:
+        try:
+            return bool((await self.get_info())["state"] == "running")
+        except NotFoundError:
+            return False
+
+    async def kill(self) -> bool:
+        """Kills the sandbox; False if it was already dead or unknown."""
+        try:
+            return await _do(self._client, _api.kill(self.sandbox_id))
+        except ForkboxError as e:
+            if _api.kill_refused(e):
+                return False
+            raise
+
+    async def set_timeout(self, timeout: Optional[float],
+                          on_timeout: Optional[str] = None) -> None:
+        self._info = await _do(self._client,
+                               _api.set_timeout(self.sandbox_id, timeout, on_timeout))
+
+    async def pause(self) -> None:
+        self._info = await _do(self._client, _api.pause(self.sandbox_id))
+
+    async def resume(self) -> None:
+        self._info = await _do(self._client, _api.resume(self.sandbox_id))
+
+    async def fork(self, count: int = 1) -> List[Union["AsyncSandbox", ForkboxError]]:
+        """As `Sandbox.fork`: children or per-child errors, in order."""
+        entries = await _do(self._client, _api.fork(self.sandbox_id, count))
+        return [e if isinstance(e, ForkboxError) else AsyncSandbox(e, self._client)
+                for e in entries]
+
+    async def create_snapshot(self, name: str) -> TemplateInfo:
+        return await _do(self._client, _api.snapshot(self.sandbox_id, name))
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.kill()

@@ -1,0 +1,297 @@
+"""`SandboxEnv`: a Gymnasium environment whose episodes are sandboxes.
+
+    from forkbox.gym import SandboxEnv
+    env = SandboxEnv("my-task", grader="test -f /work/done", max_steps=20)
+    obs, info = env.reset(seed=0)          # a fresh fork of the template's zygote
+    obs, reward, terminated, truncated, info = env.step("touch /work/done")
+
+Actions are shell commands (`/bin/sh`, as root unless `user=`); the
+observation is what the command printed, stdout and stderr interleaved,
+as text. Rewards come from the grader, run after every step:
+
+- a shell command: it exits 0 when the task is finished (the episode is
+  then `terminated`), non-zero while it is not. Its reward is the last
+  non-empty line of its stdout if that is a number, else 1.0 on exit 0 and
+  0.0 otherwise. So `test -f /done` scores 0/1, and
+  `python3 score.py` may print `0.25` and exit 1 to give partial credit
+  without ending the episode. A grader that times out or is killed by a
+  signal raises `GraderError`.
+- a callable `grader(sandbox, result) -> reward` or `-> (reward,
+  terminated)`, given the `Sandbox` and the step's `CommandResult`.
+- `None`: reward 0.0, never terminated.
+
+The episode is `truncated` after `max_steps` steps. When the sandbox
+machinery fails (create, a lost VM, the agent unreachable)
+`InfrastructureError` is raised: mask such episodes, don't score them.
+
+Observations live in `observation_space`, a `Text` space: output is
+sanitized (CR/LF to LF, characters outside the printable Basic
+Multilingual Plane become `?`) and, past `max_output_chars`, its middle is
+cut with a marker. Because a sandbox's state can't be seeded, `seed` only
+seeds `np_random`: episodes are as deterministic as
+the template and the commands are.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import string
+from typing import Any, Callable, Dict, Mapping, Optional, SupportsFloat, Tuple, Union
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+from .exceptions import ForkboxError, InfrastructureError
+from .models import CommandResult
+from .sandbox import Sandbox
+
+Grader = Union[str, Callable[[Sandbox, CommandResult],
+                             Union[SupportsFloat, Tuple[SupportsFloat, bool]]], None]
+
+
+class GraderError(ForkboxError):
+    """The grader command timed out or was killed: no reward can be read."""
+
+
+@functools.lru_cache(maxsize=1)
+def printable_charset() -> str:
+    """Tab, newline, and every printable character of the Basic
+    Multilingual Plane (what observations are made of)."""
+    return "\t\n" + "".join(c for c in map(chr, range(0x20, 0x10000)) if c.isprintable())
+
+
+class ShellOutput(spaces.Text):
+    """Text of up to `max_length` characters from `printable_charset()`
+    (the repr leaves out the 60,000-character charset)."""
+
+    def __init__(self, max_length: int, seed: Optional[int] = None) -> None:
+        super().__init__(max_length, min_length=0, charset=printable_charset(), seed=seed)
+
+    def __repr__(self) -> str:
+        return f"ShellOutput(max_length={self.max_length})"
+
+
+class ShellCommand(spaces.Text):
+    """A shell command: 1 to `max_length` characters of printable text.
+    Its random samples are harmless `echo <word>` commands (random shell
+    text would be destructive and nondeterministic): enough for checkers
+    and smoke tests, while an agent may send any command."""
+
+    def __init__(self, max_length: int, seed: Optional[int] = None) -> None:
+        if max_length < 6:
+            raise ValueError("max_length must leave room for a command (6 or more)")
+        super().__init__(max_length, min_length=1, charset=printable_charset(), seed=seed)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        word_len = int(self.np_random.integers(1, min(16, self.max_length - 5) + 1))
+        letters = string.ascii_letters + string.digits
+        word = "".join(letters[int(i)] for i in self.np_random.integers(0, len(letters),
+                                                                         size=word_len))
+        return f"echo {word}"
+
+    def __repr__(self) -> str:
+        return f"ShellCommand(max_length={self.max_length})"
+
+
+_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
+
+
+def score(result: CommandResult) -> Tuple[float, bool]:
+    """(reward, terminated) from a grader command's result, by the rule in
+    the module's doc."""
+    if result.timed_out or result.exit_code is None:
+        why = "timed out" if result.timed_out else f"was killed by signal {result.signal}"
+        raise GraderError(f"the grader {why}: {result.stdout[-500:]}{result.stderr[-500:]}")
+    done = result.exit_code == 0
+    lines = [ln.strip() for ln in result.stdout.splitlines() if ln.strip()]
+    if lines and _NUMBER.match(lines[-1]):
+        return float(lines[-1]), done
+    return (1.0 if done else 0.0), done
+
+
+class SandboxEnv(gymnasium.Env[str, str]):
+    """One sandbox per episode, forked from `template`'s zygote at each
+    `reset`; the previous one is killed. See the module's doc for actions,
+    observations and rewards."""
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(self, template: str, grader: Grader = None, *, max_steps: int = 50,
+                 reset_command: Optional[str] = None, step_timeout: Optional[float] = 60.0,
+                 grader_timeout: Optional[float] = 60.0, max_output_chars: int = 16384,
+                 max_action_chars: int = 16384, user: Optional[Union[str, int]] = None,
+                 cwd: Optional[str] = None, envs: Optional[Mapping[str, str]] = None,
+                 sandbox_metadata: Optional[Mapping[str, str]] = None,
+                 sandbox_timeout: Optional[float] = 3600.0, render_mode: Optional[str] = None,
+                 url: Optional[str] = None) -> None:
+        """`reset_command`: run after each reset, its output is the first
+        observation (default: none, the first observation is `""`).
+        `step_timeout`/`grader_timeout`: seconds per action / grading (an
+        action that runs out is killed and reported with
+        `info["timed_out"]`). `sandbox_timeout`: each sandbox's
+        time-to-live, a safety net should `close()` never be called."""
+        if max_steps < 1:
+            raise ValueError("max_steps must be 1 or more")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r}: expected None or 'ansi'")
+        self.template = template
+        self.grader = grader
+        self.max_steps = max_steps
+        self.reset_command = reset_command
+        self.step_timeout = step_timeout
+        self.grader_timeout = grader_timeout
+        self.user = user
+        self.cwd = cwd
+        self.envs = dict(envs or {})
+        self.sandbox_metadata = dict(sandbox_metadata or {})
+        self.sandbox_timeout = sandbox_timeout
+        self.render_mode = render_mode
+        self.url = url
+        self._output_space = ShellOutput(max_output_chars)
+        self.observation_space = self._output_space
+        self.action_space = ShellCommand(max_action_chars)
+        self.sandbox: Optional[Sandbox] = None
+        """The current episode's sandbox (`None` before `reset` and after
+        `close`)."""
+        self._steps = 0
+        self._transcript = ""
+
+    # -- gymnasium API
+
+    def reset(self, *, seed: Optional[int] = None,
+              options: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+        """Kills the previous sandbox and forks a fresh one from the
+        template (`options={"template": name}` picks another for this
+        episode)."""
+        super().reset(seed=seed)
+        template = str((options or {}).get("template", self.template))
+        self._kill()
+        self._steps = 0
+        self.sandbox = self._infra(lambda: Sandbox.create(
+            template, timeout=self.sandbox_timeout, metadata=self.sandbox_metadata,
+            envs=self.envs, url=self.url))
+        obs = ""
+        if self.reset_command is not None:
+            obs = self._observe(self._run(self.reset_command, self.step_timeout))
+        self._transcript = obs
+        return obs, {"template": template}
+
+    def step(self, action: str) -> Tuple[str, float, bool, bool, Dict[str, Any]]:
+        if self.sandbox is None:
+            raise RuntimeError("call reset() before step()")
+        if not isinstance(action, str):
+            raise TypeError(f"an action is a shell command string, not {type(action).__name__}")
+        self._steps += 1
+        result = self._run(action, self.step_timeout)
+        obs = self._observe(result)
+        reward, terminated, grade = self._grade(result)
+        truncated = not terminated and self._steps >= self.max_steps
+        info: Dict[str, Any] = {"exit_code": result.exit_code, "timed_out": result.timed_out,
+                                "steps": self._steps}
+        info.update(grade)
+        self._transcript = f"$ {action}\n{obs}"
+        return obs, reward, terminated, truncated, info
+
+    def render(self) -> Optional[str]:
+        """`ansi`: the last action and its output."""
+        return self._transcript if self.render_mode == "ansi" else None
+
+    def close(self) -> None:
+        self._kill()
+        super().close()
+
+    # -- helpers
+
+    def _kill(self) -> None:
+        sb, self.sandbox = self.sandbox, None
+        if sb is not None:
+            try:
+                sb.kill()
+            except ForkboxError:
+                pass  # already gone, or the daemon is: the TTL finishes it
+
+    def _run(self, cmd: str, timeout: Optional[float]) -> CommandResult:
+        sb = self.sandbox
+        assert sb is not None
+        # `exec 2>&1`: one stream, in the order the command wrote it.
+        result: CommandResult = self._infra(lambda: sb.commands.run(
+            "exec 2>&1\n" + cmd, timeout=timeout, user=self.user, cwd=self.cwd))
+        return result
+
+    def _grade(self, result: CommandResult) -> Tuple[float, bool, Dict[str, Any]]:
+        g = self.grader
+        if g is None:
+            return 0.0, False, {}
+        if isinstance(g, str):
+            sb = self.sandbox
+            assert sb is not None
+            r = self._infra(lambda: sb.commands.run(g, timeout=self.grader_timeout,
+                                                    user=self.user, cwd=self.cwd))
+            reward, done = score(r)
+            return reward, done, {"grader_exit_code": r.exit_code}
+        assert self.sandbox is not None
+        out = g(self.sandbox, result)
+        if isinstance(out, tuple):
+            return float(out[0]), bool(out[1]), {}
+        return float(out), False, {}
+
+    def _observe(self, result: CommandResult) -> str:
+        return fit_text(result.stdout, self._output_space)
+
+    def _infra(self, call: Callable[[], Any]) -> Any:
+        """Runs a call to the daemon; a failure because this episode's VM
+        was lost becomes `InfrastructureError` (the daemon reports a dead
+        sandbox as a conflict)."""
+        try:
+            return call()
+        except InfrastructureError:
+            raise
+        except ForkboxError as e:
+            if self.sandbox is not None and e.kind == "conflict" and self._vm_lost():
+                raise InfrastructureError(f"the episode's sandbox VM was lost: {e}",
+                                          "infrastructure",
+                                          detail={"infrastructure": True}) from e
+            raise
+
+    def _vm_lost(self) -> bool:
+        assert self.sandbox is not None
+        try:
+            death = self.sandbox.get_info().get("death")
+        except ForkboxError:
+            return False
+        return isinstance(death, dict) and "vm_lost" in death
+
+
+def fit_text(text: str, space: spaces.Text) -> str:
+    """`text` made a member of `space`: line ends normalized, characters
+    outside its charset replaced by `?`, and the middle cut (with a
+    marker) when it is too long."""
+    allowed = space.character_set
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if any(c not in allowed for c in text):
+        text = "".join(c if c in allowed else "?" for c in text)
+    limit = space.max_length
+    if len(text) > limit:
+        marker = f"\n[... {len(text) - limit} characters cut ...]\n"
+        if len(marker) >= limit:
+            text = text[:limit]
+        else:
+            head = (limit - len(marker)) // 2
+            tail = limit - len(marker) - head
+            marker = f"\n[... {len(text) - head - tail} characters cut ...]\n"
+            text = text[:head] + marker + (text[-tail:] if tail else "")
+            text = text[:limit]
+    if len(text) < space.min_length:
+        text = text.ljust(space.min_length)
+    return text
+
+
+__all__ = ["SandboxEnv", "ShellCommand", "ShellOutput", "GraderError", "score", "fit_text",
+           "printable_charset", "ENV_ID"]
+
+# `gymnasium.make("forkbox/Sandbox-v0", template=..., grader=...)`.
+ENV_ID = "forkbox/Sandbox-v0"
+if ENV_ID not in gymnasium.registry:
+    gymnasium.register(id=ENV_ID, entry_point="forkbox.gym:SandboxEnv")

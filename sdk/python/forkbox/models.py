@@ -1,0 +1,60 @@
+"""The SDK's plain result types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: Optional[int]
+    """`None` when a signal ended the command (see `signal`)."""
+    duration: float
+    """Seconds, measured by the guest agent."""
+    timed_out: bool
+    signal: Optional[int] = None
+
+
+@dataclass
+class EntryInfo:
+    name: str
+    path: str
+    type: str
+    """`file`, `dir`, `symlink` or `other`."""
+    size: int
+    mode: int
+    mtime: int
+
+
+@dataclass
+class TemplateInfo:
+    """A template as `GET /templates` shows it."""
+
+    name: str
+    image: str
+    vcpus: int
+    memory_mib: int
+    setup: List[str]
+    ready: Optional[Dict[str, Any]]
+    """`{"command": "…"}`, `{"file": "/path"}`, `{"tcp_port": 8080}` or
+    `{"http_url": "http://…"}`; `None`: ready once booted and set up."""
+    ready_timeout_secs: int
+    envs: Dict[str, str]
+    state: str
+    """`not_baked`, `baking`, `ready` or `failed`."""
+    from_sandbox: Optional[str]
+    """The sandbox a snapshot template was taken from; `None` otherwise."""
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    """The daemon's whole object, fields this SDK does not know included."""
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], default_state: str = "not_baked") -> "TemplateInfo":
+        return cls(name=str(d["name"]), image=str(d.get("image", "")),
+                   vcpus=int(d.get("vcpus", 1)), memory_mib=int(d.get("memory_mib", 0)),
+                   setup=list(d.get("setup") or []), ready=d.get("ready"),
+                   ready_timeout_secs=int(d.get("ready_timeout_secs", 0)),
+                   envs=dict(d.get("envs") or {}), state=str(d.get("state", default_state)),
+                   from_sandbox=d.get("from_sandbox"), raw=dict(d))

@@ -1,0 +1,159 @@
+"""Groups of rollouts from one state: fork `n` sandboxes, run a function
+in each at once, collect what each returned or raised, kill them all.
+
+    from forkbox import rollouts
+    results = rollouts.group("my-task", 8, lambda sb: sb.commands.run("./attempt").exit_code,
+                             timeout=120)
+    scores = [r for r in results if not isinstance(r, BaseException)]
+
+The answer is a list with one entry per child, in fork order: what
+`fn(child)` returned, or the exception instance it raised (not raised
+again), or the `ForkboxError` that child's fork met (then `fn` did not run
+for it), or a `TimeoutError` when the group's time ran out before `fn`
+finished. Entries that are `ForkboxError`s with `.infrastructure` set are
+the machinery's fault: mask those rather than scoring them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import (Any, Awaitable, Callable, Dict, List, Mapping, Optional, TypeVar, Union,
+                    cast)
+
+from .async_sandbox import AsyncSandbox
+from .exceptions import ForkboxError
+from .sandbox import Sandbox
+
+T = TypeVar("T")
+Outcome = Union[T, BaseException]
+
+
+def _timed_out(timeout: Optional[float]) -> TimeoutError:
+    return TimeoutError(f"the rollout group's time limit ({timeout} s) ran out first")
+
+
+def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
+          timeout: Optional[float] = None, metadata: Optional[Mapping[str, str]] = None,
+          sandbox_timeout: Optional[float] = 3600, url: Optional[str] = None) -> List[Outcome[T]]:
+    """Forks `n` sandboxes from one state and runs `fn(child)` in each,
+    each in its own thread.
+
+    `source`: a template name (one sandbox is created from it and forked
+    `n` ways; it is killed at the end too) or a running `Sandbox` (forked
+    as it is now; left running). `timeout`: seconds for all the `fn`s
+    together, counted once the children exist; `None` waits for all.
+    `metadata` and `sandbox_timeout` (a time-to-live, the safety net if
+    this process dies) apply to the sandbox created from a template.
+
+    Every child is killed before this returns, on error or time-out too;
+    a `fn` still running then sees its sandbox's calls fail. Raises only
+    when the group could not start (create or the fork request failed)."""
+    parent: Sandbox
+    if isinstance(source, str):
+        parent = Sandbox.create(source, timeout=sandbox_timeout, metadata=metadata, url=url)
+        owned = True
+    else:
+        parent, owned = source, False
+    children: List[Union[Sandbox, ForkboxError]] = []
+    try:
+        children = parent.fork(count=n)
+        return _run_threads(children, fn, timeout)
+    finally:
+        _kill_all([c for c in children if isinstance(c, Sandbox)] + ([parent] if owned else []))
+
+
+def _run_threads(children: List[Union[Sandbox, ForkboxError]], fn: Callable[[Sandbox], T],
+                 timeout: Optional[float]) -> List[Outcome[T]]:
+    results: Dict[int, Outcome[T]] = {}
+    cond = threading.Condition()
+
+    def work(i: int, sb: Sandbox) -> None:
+        try:
+            r: Outcome[T] = fn(sb)
+        except Exception as e:  # noqa: BLE001 - every failure is a result here
+            r = e
+        with cond:
+            results[i] = r
+            cond.notify_all()
+
+    running = [i for i, c in enumerate(children) if isinstance(c, Sandbox)]
+    for i in running:
+        # Daemon threads: a `fn` that ignores its killed sandbox must not
+        # keep the process alive.
+        threading.Thread(target=work, args=(i, children[i]), daemon=True,
+                         name=f"forkbox-rollout-{i}").start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with cond:
+        while len(results) < len(running):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            cond.wait(left)
+        out: List[Outcome[T]] = []
+        for i, c in enumerate(children):
+            if isinstance(c, ForkboxError):
+                out.append(c)
+            else:
+                out.append(results.get(i, _timed_out(timeout)))
+    return out
+
+
+def _kill_all(sandboxes: List[Sandbox]) -> None:
+    """Kills them all at once; a failed kill does not stop the others."""
+    def kill(sb: Sandbox) -> None:
+        try:
+            sb.kill()
+        except ForkboxError:
+            pass
+    threads = [threading.Thread(target=kill, args=(sb,), daemon=True) for sb in sandboxes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+async def agroup(source: Union[str, AsyncSandbox], n: int,
+                 fn: Callable[[AsyncSandbox], Awaitable[T]], *, timeout: Optional[float] = None,
+                 metadata: Optional[Mapping[str, str]] = None,
+                 sandbox_timeout: Optional[float] = 3600,
+                 url: Optional[str] = None) -> List[Outcome[T]]:
+    """`group` for asyncio: `fn` is a coroutine function, run as one task
+    per child; tasks still running at the time limit are cancelled."""
+    parent: AsyncSandbox
+    if isinstance(source, str):
+        parent = await AsyncSandbox.create(source, timeout=sandbox_timeout, metadata=metadata,
+                                           url=url)
+        owned = True
+    else:
+        parent, owned = source, False
+    children: List[Union[AsyncSandbox, ForkboxError]] = []
+    tasks: Dict[int, "asyncio.Future[T]"] = {}
+    try:
+        children = await parent.fork(count=n)
+        tasks = {i: asyncio.ensure_future(fn(c)) for i, c in enumerate(children)
+                 if isinstance(c, AsyncSandbox)}
+        if tasks:
+            await asyncio.wait(list(tasks.values()), timeout=timeout)
+        out: List[Outcome[T]] = []
+        for i, c in enumerate(children):
+            t = tasks.get(i)
+            if t is None:
+                out.append(cast(ForkboxError, c))
+            elif not t.done():
+                t.cancel()
+                out.append(_timed_out(timeout))
+            elif t.cancelled():
+                out.append(asyncio.CancelledError())
+            else:
+                e = t.exception()
+                out.append(e if e is not None else t.result())
+        return out
+    finally:
+        for t in tasks.values():
+            t.cancel()
+        doomed: List[Any] = [c for c in children if isinstance(c, AsyncSandbox)]
+        if owned:
+            doomed.append(parent)
+        await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)

@@ -1,0 +1,119 @@
+"""Templates: an image, resources and a ready recipe, baked once into a
+zygote that every sandbox created from the template is forked from.
+
+    info = Template.build("py", image="debian", setup=["apt-get install -y python3"],
+                          ready="python3 -c 1", on_progress=print)
+    sb = Sandbox.create("py")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from . import _api
+from ._api import Ready
+from ._client import shared_async_client, shared_client
+from .models import TemplateInfo
+from .sandbox import _do
+from .async_sandbox import _do as _ado
+
+ProgressCallback = Callable[[Dict[str, Any]], None]
+
+
+class Template:
+    """Blocking template calls (`AsyncTemplate` for asyncio)."""
+
+    @staticmethod
+    def build(name: str, *, image: str = "minimal", vcpus: int = 1, memory_mib: int = 512,
+              setup: Optional[Sequence[str]] = None, ready: Ready = None,
+              ready_timeout: Optional[float] = None, envs: Optional[Mapping[str, str]] = None,
+              on_progress: Optional[ProgressCallback] = None,
+              url: Optional[str] = None) -> TemplateInfo:
+        """Registers and bakes a template: boot `image`, run each `setup`
+        shell command as root (each must exit 0), wait up to
+        `ready_timeout` seconds for `ready` (a shell command that exits 0
+        when ready, or `{"file": path}`, `{"tcp_port": n}`,
+        `{"http_url": url}`), then keep the VM as the template's zygote.
+
+        `on_progress` gets every event of the bake as a dict: `{"type":
+        "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,
+        and the last one, `done` (with `boot_ms`, `total_ms`) or `failed`.
+        A failed bake raises `TemplateError` (`.step`, `.output`);
+        `TemplateInfrastructureError` when the VM failed, not the recipe."""
+        spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
+                                  envs)
+        return _bake(shared_client(url).stream_ndjson("POST", "/templates", json=spec),
+                     on_progress)
+
+    @staticmethod
+    def bake(name: str, *, on_progress: Optional[ProgressCallback] = None,
+             url: Optional[str] = None) -> TemplateInfo:
+        """Bakes a registered template that is not baked yet (the built-in
+        `minimal` and `debian` are baked on first use otherwise); a ready
+        one answers at once. Events and errors as in `build`."""
+        return _bake(shared_client(url).stream_ndjson("POST", _api.bake_path(name)),
+                     on_progress)
+
+    @staticmethod
+    def list(url: Optional[str] = None) -> List[TemplateInfo]:
+        return _do(shared_client(url), _api.list_templates())
+
+    @staticmethod
+    def get(name: str, url: Optional[str] = None) -> TemplateInfo:
+        return _do(shared_client(url), _api.get_template(name))
+
+    @staticmethod
+    def delete(name: str, url: Optional[str] = None) -> None:
+        _do(shared_client(url), _api.delete_template(name))
+
+
+def _bake(events: Any, on_progress: Optional[ProgressCallback]) -> TemplateInfo:
+    stream = _api.BakeStream(on_progress)
+    for ev in events:
+        info = stream.feed(ev)
+        if info is not None:
+            return info
+    raise stream.ended()
+
+
+async def _abake(events: Any, on_progress: Optional[ProgressCallback]) -> TemplateInfo:
+    stream = _api.BakeStream(on_progress)
+    async for ev in events:
+        info = stream.feed(ev)
+        if info is not None:
+            return info
+    raise stream.ended()
+
+
+class AsyncTemplate:
+    """`Template` for asyncio; same arguments and errors."""
+
+    @staticmethod
+    async def build(name: str, *, image: str = "minimal", vcpus: int = 1,
+                    memory_mib: int = 512, setup: Optional[Sequence[str]] = None,
+                    ready: Ready = None, ready_timeout: Optional[float] = None,
+                    envs: Optional[Mapping[str, str]] = None,
+                    on_progress: Optional[ProgressCallback] = None,
+                    url: Optional[str] = None) -> TemplateInfo:
+        spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
+                                  envs)
+        return await _abake(shared_async_client(url).stream_ndjson("POST", "/templates",
+                                                                   json=spec), on_progress)
+
+    @staticmethod
+    async def bake(name: str, *, on_progress: Optional[ProgressCallback] = None,
+                   url: Optional[str] = None) -> TemplateInfo:
+        return await _abake(shared_async_client(url).stream_ndjson("POST", _api.bake_path(name)),
+                            on_progress)
+
+    @staticmethod
+    async def list(url: Optional[str] = None) -> List[TemplateInfo]:
+        return await _ado(shared_async_client(url), _api.list_templates())
+
+    @staticmethod
+    async def get(name: str, url: Optional[str] = None) -> TemplateInfo:
+        return await _ado(shared_async_client(url), _api.get_template(name))
+
+    @staticmethod
+    async def delete(name: str, url: Optional[str] = None) -> None:
+        await _ado(shared_async_client(url), _api.delete_template(name))
