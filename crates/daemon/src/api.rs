@@ -26,10 +26,10 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
 
 use crate::core::{DeathCause, ExpiryAction, Labels, SandboxId, SandboxState};
 use crate::service::{
-    chain, BakeEvent, Command, CreateSandbox, Daemon, DaemonError, ExecEvent, Reply, SandboxInfo,
-    SandboxMetrics,
+    chain, BakeEvent, BakeFailure, Command, CreateSandbox, Daemon, DaemonError, ExecEvent, Reply,
+    SandboxInfo, SandboxMetrics,
 };
-use crate::template::{Readiness, TemplateSpec};
+use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
 
 /// Largest request body for file and tar uploads.
 pub const MAX_UPLOAD: usize = 1 << 30;
@@ -46,6 +46,7 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         templates_list,
         template_create,
         template_get,
+        template_bake,
         template_delete,
         sandbox_create,
         sandbox_list,
@@ -56,6 +57,7 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         sandbox_pause,
         sandbox_resume,
         sandbox_fork,
+        sandbox_snapshot,
         command_run,
         file_read,
         file_write,
@@ -75,8 +77,13 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         ExpiryAction,
         DeathCause,
         TemplateSpec,
+        TemplateInfo,
+        TemplateState,
         Readiness,
         BakeEvent,
+        BakeFailure,
+        ForkChild,
+        SnapshotBody,
         CreateBody,
         TimeoutBody,
         ForkBody,
@@ -119,6 +126,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/pause", post(sandbox_pause))
         .route("/resume", post(sandbox_resume))
         .route("/fork", post(sandbox_fork))
+        .route("/snapshot", post(sandbox_snapshot))
         .route("/commands", post(command_run))
         .route("/files", get(file_read).put(file_write).delete(file_remove))
         .route("/files/list", get(file_list))
@@ -137,6 +145,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
             "/templates/{name}",
             get(template_get).delete(template_delete),
         )
+        .route("/templates/{name}/bake", post(template_bake))
         .route("/sandboxes", get(sandbox_list).post(sandbox_create))
         .route("/sandboxes/kill", post(sandbox_kill_by_label))
         .nest("/sandboxes/{id}", sandbox)
@@ -217,7 +226,9 @@ impl ApiError {
             Self::Daemon(e) => match e {
                 DaemonError::Invalid(_) | DaemonError::BadTemplate(_) => StatusCode::BAD_REQUEST,
                 DaemonError::NoSandbox(_) | DaemonError::NoTemplate(_) => StatusCode::NOT_FOUND,
-                DaemonError::TemplateExists(_) | DaemonError::State(_) => StatusCode::CONFLICT,
+                DaemonError::TemplateExists(_) | DaemonError::State(_) | DaemonError::Busy(_) => {
+                    StatusCode::CONFLICT
+                }
                 DaemonError::Capacity { .. } => StatusCode::TOO_MANY_REQUESTS,
                 DaemonError::Unsupported(_) => StatusCode::NOT_IMPLEMENTED,
                 DaemonError::Guest(g) => match g.kind {
@@ -361,15 +372,16 @@ async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
 
 // ---------------------------------------------------------------- templates
 
-/// Built-in and baked templates.
-#[utoipa::path(get, path = "/templates", responses((status = 200, body = [TemplateSpec])))]
-async fn templates_list(State(st): State<AppState>) -> Json<Vec<TemplateSpec>> {
+/// Built-in, baked and snapshot templates, with their zygotes' state.
+#[utoipa::path(get, path = "/templates", responses((status = 200, body = [TemplateInfo])))]
+async fn templates_list(State(st): State<AppState>) -> Json<Vec<TemplateInfo>> {
     Json(st.daemon.templates())
 }
 
-/// Bakes a template: boot, setup commands, readiness check, then stop.
-/// Streams NDJSON [`BakeEvent`]s; the last line is `done` or `failed`.
-/// Until zygotes land, sandboxes from it cold-boot and replay the recipe.
+/// Registers and bakes a template: boot, setup commands, readiness check,
+/// then the VM is paused as the template's zygote, which every sandbox
+/// created from it forks. Streams NDJSON [`BakeEvent`]s; the last line is
+/// `done` or `failed` (a failed template is unregistered again).
 #[utoipa::path(post, path = "/templates", request_body = TemplateSpec,
     responses((status = 200, description = "NDJSON stream of bake events", body = BakeEvent, content_type = "application/x-ndjson"),
               (status = 400, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
@@ -384,12 +396,27 @@ async fn template_create(
 }
 
 #[utoipa::path(get, path = "/templates/{name}", params(("name" = String, Path)),
-    responses((status = 200, body = TemplateSpec), (status = 404, body = ApiErrorBody)))]
+    responses((status = 200, body = TemplateInfo), (status = 404, body = ApiErrorBody)))]
 async fn template_get(
     State(st): State<AppState>,
     Path(name): Path<String>,
-) -> ApiResult<Json<TemplateSpec>> {
+) -> ApiResult<Json<TemplateInfo>> {
     Ok(Json(st.daemon.template(&name)?))
+}
+
+/// Bakes a registered template that has no zygote yet (the built-in
+/// `minimal` and `debian`, or one whose last bake failed). Streams the
+/// same NDJSON events as `POST /templates`; a template already baked
+/// answers with one `done` line, one being baked is waited for.
+#[utoipa::path(post, path = "/templates/{name}/bake", params(("name" = String, Path)),
+    responses((status = 200, description = "NDJSON stream of bake events", body = BakeEvent, content_type = "application/x-ndjson"),
+              (status = 404, body = ApiErrorBody)))]
+async fn template_bake(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    let rx = counted(&st.daemon, st.daemon.bake_named(&name).map_err(ApiError::from))?;
+    Ok(ndjson(rx, |e| serde_json::to_string(&e).unwrap_or_default()))
 }
 
 #[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),
@@ -435,8 +462,9 @@ fn secs(v: Option<f64>, what: &str) -> ApiResult<Option<Duration>> {
     .transpose()
 }
 
-/// Creates a sandbox and waits until it is ready. It cold-boots (see
-/// `started_by`) until zygote forks land.
+/// Creates a sandbox and waits until it is ready: a copy-on-write fork of
+/// the template's zygote. A template not baked yet is baked first (the
+/// first creation from `debian` takes its boot; later ones a fork).
 #[utoipa::path(post, path = "/sandboxes", request_body = CreateBody,
     responses((status = 201, body = SandboxInfo), (status = 400, body = ApiErrorBody),
               (status = 404, body = ApiErrorBody), (status = 429, body = ApiErrorBody),
@@ -580,7 +608,7 @@ pub struct TimeoutBody {
 
 /// Changes a sandbox's time-to-live (counted from now).
 #[utoipa::path(post, path = "/sandboxes/{id}/timeout", params(("id" = String, Path)), request_body = TimeoutBody,
-    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 async fn sandbox_timeout(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -598,9 +626,10 @@ async fn sandbox_timeout(
     )?)
 }
 
-/// Pauses a running sandbox (501 until `Vm::pause` lands).
+/// Pauses a running sandbox: its vCPUs stop, its memory stays; commands
+/// and file calls are refused until it resumes.
 #[utoipa::path(post, path = "/sandboxes/{id}/pause", params(("id" = String, Path)),
-    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 async fn sandbox_pause(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -615,9 +644,9 @@ async fn sandbox_pause(
     )?)
 }
 
-/// Resumes a paused sandbox (501 until `Vm::resume` lands).
+/// Resumes a paused sandbox.
 #[utoipa::path(post, path = "/sandboxes/{id}/resume", params(("id" = String, Path)),
-    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 async fn sandbox_resume(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -639,23 +668,71 @@ pub struct ForkBody {
     pub count: u32,
 }
 
-/// Forks a sandbox into `count` children (501 until `Vm::fork` lands).
+/// One child of a fork: `sandbox`, or `error` when this child failed on
+/// its own (past the live cap, or it did not come up).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ForkChild {
+    Sandbox(SandboxInfo),
+    Error(ErrorDetail),
+}
+
+/// Forks a running or paused sandbox into `count` copy-on-write children,
+/// which inherit its labels, time-to-live and environment and run at once;
+/// the parent keeps its state. One entry per child, in order. The request
+/// as a whole fails (an error status) only when no child could be made.
 #[utoipa::path(post, path = "/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = ForkBody,
-    responses((status = 200, body = [SandboxInfo]), (status = 404, body = ApiErrorBody), (status = 501, body = ApiErrorBody)))]
+    responses((status = 200, body = [ForkChild]), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 async fn sandbox_fork(
     State(st): State<AppState>,
     Path(id): Path<String>,
     JsonBody(b): JsonBody<ForkBody>,
-) -> ApiResult<Json<Vec<SandboxInfo>>> {
+) -> ApiResult<Json<Vec<ForkChild>>> {
     let id = sandbox_id(&id)?;
     let r = st
         .daemon
         .execute(Command::Fork { id, count: b.count })
         .await;
     match counted(&st.daemon, r.map_err(ApiError::from))? {
-        Reply::Sandboxes(v) => Ok(Json(v)),
+        Reply::Forked(children) => Ok(Json(
+            children
+                .into_iter()
+                .map(|c| match c {
+                    Ok(info) => ForkChild::Sandbox(info),
+                    Err(e) => {
+                        st.daemon.count_error(&e);
+                        ForkChild::Error(ApiError::Daemon(e).detail())
+                    }
+                })
+                .collect(),
+        )),
         other => Err(unexpected(other)),
     }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotBody {
+    /// The new template's name.
+    pub name: String,
+}
+
+/// Makes a new template from a running or paused sandbox's current state:
+/// its zygote is a fork of the sandbox, so sandboxes created from it start
+/// where this one is now. The sandbox keeps running (or stays paused).
+#[utoipa::path(post, path = "/sandboxes/{id}/snapshot", params(("id" = String, Path)), request_body = SnapshotBody,
+    responses((status = 201, body = TemplateInfo), (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn sandbox_snapshot(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<SnapshotBody>,
+) -> ApiResult<(StatusCode, Json<TemplateInfo>)> {
+    let id = sandbox_id(&id)?;
+    let r = st.daemon.snapshot(&id, b.name).await;
+    let t = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok((StatusCode::CREATED, Json(t)))
 }
 
 // ---------------------------------------------------------------- commands
@@ -1166,7 +1243,9 @@ mod tests {
     use tower::ServiceExt;
 
     fn app(token: Option<&str>) -> Router {
-        let d = Daemon::new(Arc::new(Fake::default()), Config::default());
+        let mut config = Config::default();
+        config.limits.max_live = 4;
+        let d = Daemon::new(Arc::new(Fake::default()), config);
         router(d, token.map(str::to_owned))
     }
 
@@ -1212,7 +1291,7 @@ mod tests {
         assert_eq!(st, StatusCode::CREATED, "{info}");
         let id = info["id"].as_str().expect("id").to_owned();
         assert_eq!(info["state"], "running");
-        assert_eq!(info["started_by"], "cold_boot");
+        assert_eq!(info["started_by"], "fork");
         let (st, list) = call(&app, "GET", "/sandboxes?label=run=a", "").await;
         assert_eq!(st, StatusCode::OK);
         assert_eq!(list.as_array().map(Vec::len), Some(1));
@@ -1289,7 +1368,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn unknown_template_is_404_and_fork_is_501() {
+    async fn unknown_template_is_404_and_fork_answers_per_child() {
         let app = app(None);
         let (st, _) = call(&app, "POST", "/sandboxes", r#"{"template":"nope"}"#).await;
         assert_eq!(st, StatusCode::NOT_FOUND);
@@ -1302,7 +1381,22 @@ mod tests {
             r#"{"count":2}"#,
         )
         .await;
-        assert_eq!(st, StatusCode::NOT_IMPLEMENTED, "{err}");
+        assert_eq!(st, StatusCode::OK, "{err}");
+        let kids = err.as_array().expect("array");
+        assert_eq!(kids.len(), 2);
+        assert_eq!(kids[1]["sandbox"]["parent"], id.as_str());
+        assert_eq!(kids[1]["sandbox"]["started_by"], "fork");
+        // Past the cap of 4: two fit, the third says why on its own.
+        let (st, body) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            r#"{"count":3}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{body}");
+        assert_eq!(body[2]["error"]["kind"], "capacity", "{body}");
+        assert_eq!(body[2]["error"]["infrastructure"], false);
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@
 //! Every method here blocks (boots take seconds); the service calls them on
 //! `tokio::task::spawn_blocking`.
 
-use std::sync::Mutex;
+use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
 use forkbox::image::ImageName;
@@ -29,7 +29,21 @@ pub enum BackendError {
     Assets(#[source] VmError),
     #[error("booting the microVM")]
     Boot(#[source] VmError),
-    #[error("{0} is not supported by this backend yet")]
+    #[error("{what} failed")]
+    Control {
+        what: &'static str,
+        #[source]
+        source: VmError,
+    },
+    #[error("forking the microVM")]
+    Fork(#[source] VmError),
+    #[error("fork child {index} did not come up")]
+    ForkChild {
+        index: usize,
+        #[source]
+        source: VmError,
+    },
+    #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
 }
 
@@ -48,12 +62,23 @@ pub trait Machine: Send + Sync {
     fn pid(&self) -> Option<u32>;
     /// Whether the VM still runs. `Some(reason)` once it ended by itself.
     fn exited(&self) -> Option<String>;
-    /// How long its boot took, spawn to agent handshake.
+    /// How long it took to come up: spawn (or fork request) to the
+    /// agent's answer.
     fn boot_time(&self) -> Duration;
     /// Stop the vCPUs in place.
     fn pause(&self) -> Result<(), BackendError>;
     fn resume(&self) -> Result<(), BackendError>;
+    /// Pause for good and move the memory to a copy-on-write file: the VM
+    /// becomes a zygote, forked O(1) in its memory size.
+    fn make_zygote(&self) -> Result<(), BackendError>;
+    /// `n` copy-on-write children, running, each with its after-fork hook
+    /// done (clock, entropy). The parent keeps its run state. `Err` when
+    /// the request as a whole failed; otherwise one entry per child.
+    fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError>;
 }
+
+/// One child of [`Machine::fork`].
+pub type ForkedMachine = Result<Box<dyn Machine>, BackendError>;
 
 /// The real thing: `forkbox::vm::Vm`.
 pub struct VmBackend {
@@ -79,20 +104,37 @@ impl Backend for VmBackend {
             boot_timeout: spec.boot_timeout,
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
-        Ok(Box::new(VmMachine {
-            agent: vm.agent().clone(),
-            pid: vm.pid(),
-            boot_time: vm.boot_time,
-            vm: Mutex::new(vm),
-        }))
+        Ok(VmMachine::boxed(vm))
     }
 }
 
+/// A `Vm` behind a lock: forks share it (`read`), run-state changes take
+/// it whole (`write`).
 struct VmMachine {
-    vm: Mutex<Vm>,
+    vm: RwLock<Vm>,
     agent: AgentClient,
     pid: u32,
     boot_time: Duration,
+}
+
+impl VmMachine {
+    fn boxed(vm: Vm) -> Box<dyn Machine> {
+        Box::new(Self {
+            agent: vm.agent().clone(),
+            pid: vm.pid(),
+            boot_time: vm.boot_time,
+            vm: RwLock::new(vm),
+        })
+    }
+
+    fn with_vm(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&mut Vm) -> Result<(), VmError>,
+    ) -> Result<(), BackendError> {
+        let mut vm = self.vm.write().unwrap_or_else(|p| p.into_inner());
+        f(&mut vm).map_err(|source| BackendError::Control { what, source })
+    }
 }
 
 impl Machine for VmMachine {
@@ -105,7 +147,12 @@ impl Machine for VmMachine {
     }
 
     fn exited(&self) -> Option<String> {
-        let mut vm = self.vm.lock().unwrap_or_else(|p| p.into_inner());
+        // A fork in progress holds the VM shared: it is alive enough.
+        let mut vm = match self.vm.try_write() {
+            Ok(vm) => vm,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
         match vm.wait_exit(Duration::ZERO) {
             Ok(Some(status)) => Some(forkbox::vm::describe_exit(status)),
             Ok(None) => None,
@@ -117,14 +164,29 @@ impl Machine for VmMachine {
         self.boot_time
     }
 
-    // `Vm::pause`/`resume` are being added to forkbox::vm by the fork work;
-    // until they land the API answers 501 for pause, resume and fork.
     fn pause(&self) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("pause"))
+        self.with_vm("pausing the VM", Vm::pause)
     }
 
     fn resume(&self) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("resume"))
+        self.with_vm("resuming the VM", Vm::resume)
+    }
+
+    fn make_zygote(&self) -> Result<(), BackendError> {
+        self.with_vm("making the VM a zygote", Vm::make_zygote)
+    }
+
+    fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
+        let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
+        let children = vm.fork(n).map_err(BackendError::Fork)?;
+        Ok(children
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| {
+                c.map(VmMachine::boxed)
+                    .map_err(|source| BackendError::ForkChild { index, source })
+            })
+            .collect())
     }
 }
 
@@ -153,23 +215,44 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
-    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed as ORD};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed as ORD};
     use std::sync::Arc;
     use std::time::Duration;
 
     use forkbox_proto::client::AgentClient;
 
-    use super::{Backend, BackendError, Machine, MachineSpec};
+    use super::{Backend, BackendError, ForkedMachine, Machine, MachineSpec};
 
-    /// VMs that boot instantly (or fail to), with no agent behind them.
+    /// VMs that boot and fork instantly (or fail to), with no agent
+    /// behind them.
     #[derive(Default)]
     pub struct Fake {
         pub fail: bool,
-        pub alive: Arc<AtomicUsize>,
+        pub world: Arc<World>,
+    }
+
+    /// What the fake VMs share with the test.
+    #[derive(Default)]
+    pub struct World {
+        pub alive: AtomicUsize,
+        pub boots: AtomicUsize,
+        pub forks: AtomicUsize,
+        /// Every child of a fork with this index fails.
+        pub fail_child: AtomicUsize,
+        pub fail_children: AtomicBool,
     }
 
     struct FakeMachine {
-        alive: Arc<AtomicUsize>,
+        world: Arc<World>,
+    }
+
+    impl FakeMachine {
+        fn boxed(world: &Arc<World>) -> Box<dyn Machine> {
+            world.alive.fetch_add(1, ORD);
+            Box::new(Self {
+                world: world.clone(),
+            })
+        }
     }
 
     impl Backend for Fake {
@@ -177,16 +260,14 @@ pub(crate) mod fake {
             if self.fail {
                 return Err(BackendError::Unsupported("booting in this test"));
             }
-            self.alive.fetch_add(1, ORD);
-            Ok(Box::new(FakeMachine {
-                alive: self.alive.clone(),
-            }))
+            self.world.boots.fetch_add(1, ORD);
+            Ok(FakeMachine::boxed(&self.world))
         }
     }
 
     impl Drop for FakeMachine {
         fn drop(&mut self) {
-            self.alive.fetch_sub(1, ORD);
+            self.world.alive.fetch_sub(1, ORD);
         }
     }
 
@@ -204,10 +285,30 @@ pub(crate) mod fake {
             Duration::ZERO
         }
         fn pause(&self) -> Result<(), BackendError> {
-            Err(BackendError::Unsupported("pause"))
+            Ok(())
         }
         fn resume(&self) -> Result<(), BackendError> {
-            Err(BackendError::Unsupported("resume"))
+            Ok(())
+        }
+        fn make_zygote(&self) -> Result<(), BackendError> {
+            Ok(())
+        }
+        fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
+            self.world.forks.fetch_add(1, ORD);
+            let failing = self
+                .world
+                .fail_children
+                .load(ORD)
+                .then(|| self.world.fail_child.load(ORD));
+            Ok((0..n)
+                .map(|i| {
+                    if failing == Some(i) {
+                        Err(BackendError::Unsupported("this fork child in this test"))
+                    } else {
+                        Ok(FakeMachine::boxed(&self.world))
+                    }
+                })
+                .collect())
         }
     }
 }

@@ -90,7 +90,8 @@ pub enum DeathCause {
 pub struct Limits {
     /// Sandboxes creating, running or paused, at most.
     pub max_live: usize,
-    /// Sandboxes being created at once, at most.
+    /// Sandboxes being created at once, at most (each a fork of a
+    /// template's zygote plus its after-fork hook).
     pub max_creating: usize,
     /// Dead records kept for `info`; the oldest go first.
     pub keep_dead: usize,
@@ -100,7 +101,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_live: 64,
-            max_creating: 4,
+            max_creating: 16,
             keep_dead: 1024,
         }
     }
@@ -114,7 +115,9 @@ pub struct Admission {
     /// `None`: lives until killed.
     pub ttl: Option<Duration>,
     pub on_expiry: ExpiryAction,
-    /// The sandbox this one is forked from.
+    /// The sandbox this one is forked from. The children of one fork
+    /// request are one operation on one VMM: they count against the live
+    /// cap only, not against the cap on creations at once.
     pub parent: Option<SandboxId>,
 }
 
@@ -216,7 +219,7 @@ impl Registry {
                 cap: self.limits.max_live,
             });
         }
-        if self.creating >= self.limits.max_creating {
+        if adm.parent.is_none() && self.creating >= self.limits.max_creating {
             return Err(CoreError::TooManyCreating {
                 creating: self.creating,
                 cap: self.limits.max_creating,

@@ -29,8 +29,9 @@ struct Args {
     /// Most sandboxes creating, running or paused at once.
     #[arg(long, default_value_t = 64)]
     max_live: usize,
-    /// Most sandboxes being created at once.
-    #[arg(long, default_value_t = 4)]
+    /// Most sandboxes being created from templates at once (the children
+    /// of one fork request count once, against --max-live only).
+    #[arg(long, default_value_t = 16)]
     max_creating: usize,
     /// Seconds a creation waits for room under the caps before failing.
     #[arg(long, default_value_t = 30.0)]

@@ -61,7 +61,14 @@ pub struct Metrics {
     pub kills: AtomicU64,
     pub expiries: AtomicU64,
     pub execs: AtomicU64,
+    /// Fork requests (`POST /sandboxes/{id}/fork`) and children made.
+    pub forks: AtomicU64,
+    pub fork_children: AtomicU64,
+    pub bakes_ok: AtomicU64,
+    pub bakes_failed: AtomicU64,
     pub create_latency: Histogram,
+    /// A whole fork request: all children up and their hooks run.
+    pub fork_latency: Histogram,
     pub exec_latency: Histogram,
     errors: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -131,10 +138,40 @@ impl Metrics {
             "counter",
             self.execs.load(Ordering::Relaxed),
         );
+        g(
+            &mut s,
+            "forkbox_forks_total",
+            "Fork requests of running sandboxes.",
+            "counter",
+            self.forks.load(Ordering::Relaxed),
+        );
+        g(
+            &mut s,
+            "forkbox_fork_children_total",
+            "Children made by fork requests.",
+            "counter",
+            self.fork_children.load(Ordering::Relaxed),
+        );
+        let _ = writeln!(
+            s,
+            "# HELP forkbox_template_bakes_total Template bakes by outcome.\n# TYPE forkbox_template_bakes_total counter"
+        );
+        for (outcome, n) in [("ok", &self.bakes_ok), ("failed", &self.bakes_failed)] {
+            let _ = writeln!(
+                s,
+                "forkbox_template_bakes_total{{outcome=\"{outcome}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        self.fork_latency.render(
+            &mut s,
+            "forkbox_fork_seconds",
+            "Fork request latency, request to every child ready.",
+        );
         self.create_latency.render(
             &mut s,
             "forkbox_create_seconds",
-            "Sandbox creation latency, admission to ready.",
+            "Sandbox creation latency (a fork of the template's zygote), admission to ready.",
         );
         self.exec_latency.render(
             &mut s,

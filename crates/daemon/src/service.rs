@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AgentError, ExecRequest, ExecResult, OutputStream};
 use serde::Serialize;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 use utoipa::ToSchema;
 
 use crate::backend::{self, Backend, BackendError, Machine};
@@ -23,7 +23,7 @@ use crate::core::{
     SandboxState,
 };
 use crate::metrics::Metrics;
-use crate::template::{TemplateError, TemplateSpec};
+use crate::template::{TemplateError, TemplateInfo, TemplateSpec, TemplateState};
 
 /// How the daemon is tuned.
 #[derive(Debug, Clone, Copy)]
@@ -97,6 +97,8 @@ pub enum Reply {
     Sandbox(Box<SandboxInfo>),
     Sandboxes(Vec<SandboxInfo>),
     Killed(Vec<SandboxId>),
+    /// One entry per fork child, in order.
+    Forked(Vec<Result<SandboxInfo, DaemonError>>),
 }
 
 /// Why a request failed. [`DaemonError::is_infrastructure`] separates the
@@ -121,7 +123,10 @@ pub enum DaemonError {
         #[source]
         cause: CoreError,
     },
-    #[error("{0} is not available yet: it needs the fork/pause work in forkbox::vm")]
+    /// The request conflicts with work in progress (a bake, say).
+    #[error("{0}")]
+    Busy(String),
+    #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
     /// The guest refused a file operation (missing path, permissions…).
     #[error("the guest refused")]
@@ -149,7 +154,7 @@ impl DaemonError {
         match self {
             Self::Invalid(_) | Self::BadTemplate(_) => "invalid_request",
             Self::NoSandbox(_) | Self::NoTemplate(_) => "not_found",
-            Self::TemplateExists(_) | Self::State(_) => "conflict",
+            Self::TemplateExists(_) | Self::State(_) | Self::Busy(_) => "conflict",
             Self::Capacity { .. } => "capacity",
             Self::Unsupported(_) => "unsupported",
             Self::Guest(_) => "guest",
@@ -216,8 +221,8 @@ pub struct SandboxInfo {
     /// The sandbox this one was forked from.
     pub parent: Option<SandboxId>,
     pub children: Vec<SandboxId>,
-    /// How the sandbox started: `cold_boot` (its own boot, plus the
-    /// template's recipe replayed) until zygote forks land.
+    /// How the sandbox started: always `fork` (of its template's zygote,
+    /// or of `parent`).
     pub started_by: &'static str,
     /// Admission to ready, in milliseconds.
     pub create_ms: Option<u64>,
@@ -253,28 +258,123 @@ pub enum BakeEvent {
     Step { step: String, detail: String },
     /// Output of a setup or readiness command.
     Output { stream: String, data: String },
+    /// The zygote is up: sandboxes from the template fork it.
     Done {
-        template: TemplateSpec,
+        template: TemplateInfo,
+        /// The bake's boot, and the whole bake (0 and 0 when it was baked
+        /// before this request).
         boot_ms: u64,
         total_ms: u64,
     },
-    Failed {
-        step: String,
-        kind: String,
-        message: String,
-        output: String,
-    },
+    Failed(BakeFailure),
+}
+
+/// Why a bake failed, as its stream's last event says.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct BakeFailure {
+    pub step: String,
+    pub kind: String,
+    pub message: String,
+    pub output: String,
+}
+
+impl BakeFailure {
+    fn of(step: String, e: &DaemonError) -> Self {
+        Self {
+            step,
+            kind: e.kind().into(),
+            message: chain(e),
+            output: match e {
+                DaemonError::Recipe { output, .. } => output.clone(),
+                _ => String::new(),
+            },
+        }
+    }
+
+    /// The error a creation that waited on this bake returns.
+    fn to_error(&self, template: &str) -> DaemonError {
+        if self.kind == "template_failed" {
+            DaemonError::Recipe {
+                step: self.step.clone(),
+                message: format!("baking template {template:?}: {}", self.message),
+                output: self.output.clone(),
+            }
+        } else {
+            DaemonError::Infrastructure {
+                what: format!(
+                    "baking template {template:?} failed at {}: {}",
+                    self.step, self.message
+                ),
+                cause: None,
+            }
+        }
+    }
 }
 
 struct Live {
     machine: Arc<dyn Machine>,
     envs: BTreeMap<String, String>,
+    /// Its template's recipe and resources (a snapshot copies them).
+    spec: TemplateSpec,
+}
+
+/// `None` while the bake runs, then its outcome.
+type BakeWatch = watch::Receiver<Option<Result<(), BakeFailure>>>;
+
+/// A template and its zygote.
+struct Template {
+    spec: TemplateSpec,
+    from_sandbox: Option<SandboxId>,
+    /// Made by a request (not built in): a failed first bake unregisters
+    /// it, so the same name can be tried again.
+    drop_on_failure: bool,
+    zygote: Zygote,
+}
+
+enum Zygote {
+    None { error: Option<String> },
+    Baking(BakeWatch),
+    Ready {
+        machine: Arc<dyn Machine>,
+        bake_ms: u64,
+    },
+}
+
+impl Template {
+    fn info(&self) -> TemplateInfo {
+        let (state, error, bake_ms, pid) = match &self.zygote {
+            Zygote::None { error: None } => (TemplateState::NotBaked, None, None, None),
+            Zygote::None { error } => (TemplateState::Failed, error.clone(), None, None),
+            Zygote::Baking(_) => (TemplateState::Baking, None, None, None),
+            Zygote::Ready { machine, bake_ms } => {
+                (TemplateState::Ready, None, Some(*bake_ms), machine.pid())
+            }
+        };
+        TemplateInfo {
+            spec: self.spec.clone(),
+            state,
+            from_sandbox: self.from_sandbox.clone(),
+            error,
+            bake_ms,
+            zygote_pid: pid,
+            zygote_rss_kib: pid.and_then(backend::rss_kib),
+        }
+    }
+}
+
+/// What asking for a bake found.
+enum BakeStart {
+    Ready,
+    /// This call started it: the events go to the sender it was given.
+    Started(BakeWatch),
+    /// Another bake of the template runs.
+    InProgress(BakeWatch),
 }
 
 struct Shared {
     registry: Registry,
     machines: HashMap<SandboxId, Live>,
-    templates: BTreeMap<String, TemplateSpec>,
+    templates: BTreeMap<String, Template>,
 }
 
 struct Inner {
@@ -303,7 +403,15 @@ impl Daemon {
             forkbox::image::ImageName::Debian,
         ]
         .into_iter()
-        .map(|i| (i.as_str().to_owned(), TemplateSpec::builtin(i)))
+        .map(|i| {
+            let t = Template {
+                spec: TemplateSpec::builtin(i),
+                from_sandbox: None,
+                drop_on_failure: false,
+                zygote: Zygote::None { error: None },
+            };
+            (i.as_str().to_owned(), t)
+        })
         .collect();
         Self {
             inner: Arc::new(Inner {
@@ -395,9 +503,6 @@ impl Daemon {
                 Ok(Reply::Killed(killed))
             }
             Command::SetTimeout { id, ttl, on_expiry } => {
-                if on_expiry == Some(ExpiryAction::Pause) {
-                    return Err(DaemonError::Unsupported("on_timeout: pause"));
-                }
                 let mut s = self.lock();
                 s.registry
                     .set_timeout(&id, ttl, on_expiry, Instant::now())?;
@@ -424,25 +529,28 @@ impl Daemon {
                 if count == 0 || count > 256 {
                     return Err(DaemonError::Invalid("count must be 1-256".into()));
                 }
-                self.lock().registry.get(&id)?;
-                Err(DaemonError::Unsupported("fork"))
+                // Its own task, as for creations.
+                let this = self.clone();
+                let task = tokio::spawn(async move { this.fork(id, count as usize).await });
+                task.await
+                    .map_err(|e| DaemonError::infra("the fork task failed", e))?
+                    .map(Reply::Forked)
             }
         }
     }
 
+    /// A sandbox from a template: a fork of the template's zygote, baked
+    /// first if it is not yet.
     async fn create(&self, req: CreateSandbox) -> Result<SandboxInfo, DaemonError> {
-        if req.on_expiry == ExpiryAction::Pause {
-            return Err(DaemonError::Unsupported("on_timeout: pause"));
-        }
-        let template = self
-            .lock()
-            .templates
-            .get(&req.template)
-            .cloned()
-            .ok_or_else(|| DaemonError::NoTemplate(req.template.clone()))?;
-        let spec = template
-            .machine(self.inner.config.boot_timeout)
-            .map_err(DaemonError::BadTemplate)?;
+        let (zygote, template) = match self.zygote(&req.template).await {
+            Ok(z) => z,
+            Err(e) => {
+                if !matches!(e, DaemonError::NoTemplate(_)) {
+                    self.inner.metrics.creations_failed.fetch_add(1, ORD);
+                }
+                return Err(e);
+            }
+        };
         let id = self
             .admit(
                 Admission {
@@ -456,19 +564,21 @@ impl Daemon {
             )
             .await?;
         let started = Instant::now();
-        let backend = self.inner.backend.clone();
         let mut envs = template.envs.clone();
         envs.extend(req.envs);
-        let recipe_envs = envs.clone();
-        let booted = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
-            let machine = backend.boot(&spec)?;
-            run_recipe(&machine.agent(), &template, &recipe_envs, &mut |_| {})?;
-            Ok(machine)
+        let forked = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
+            let child = zygote.fork(1)?.into_iter().next().ok_or_else(|| {
+                DaemonError::infra(
+                    "forking the template's zygote",
+                    std::io::Error::other("the VMM answered with no child"),
+                )
+            })?;
+            Ok(child?)
         })
         .await
         .and_then(|r| r);
         let now = Instant::now();
-        let result = match booted {
+        let result = match forked {
             Err(e) => {
                 let _ = self.lock().registry.creation_failed(&id, now, chain(&e));
                 self.inner.metrics.creations_failed.fetch_add(1, ORD);
@@ -479,7 +589,14 @@ impl Daemon {
                 let mut s = self.lock();
                 match s.registry.created(&id, now) {
                     Ok(()) => {
-                        s.machines.insert(id.clone(), Live { machine, envs });
+                        s.machines.insert(
+                            id.clone(),
+                            Live {
+                                machine,
+                                envs,
+                                spec: template,
+                            },
+                        );
                         self.inner.metrics.creations_ok.fetch_add(1, ORD);
                         self.inner.metrics.create_latency.observe(started.elapsed());
                         let r = s.registry.get(&id)?;
@@ -660,113 +777,464 @@ impl Daemon {
         }
     }
 
-    pub fn templates(&self) -> Vec<TemplateSpec> {
-        self.lock().templates.values().cloned().collect()
+    /// Forks a running (or paused) sandbox into `count` children that
+    /// inherit its labels, time-to-live and environment. Children past the
+    /// live cap, or that fail to come up, fail alone.
+    async fn fork(
+        &self,
+        parent: SandboxId,
+        count: usize,
+    ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
+        let (machine, envs, spec, adm) = {
+            let s = self.lock();
+            let r = s.registry.get(&parent)?;
+            if !matches!(r.state, SandboxState::Running | SandboxState::Paused) {
+                return Err(DaemonError::State(CoreError::WrongState {
+                    id: parent.clone(),
+                    state: r.state,
+                    wanted: "fork",
+                    needs: "running or paused",
+                }));
+            }
+            let live = s
+                .machines
+                .get(&parent)
+                .ok_or_else(|| DaemonError::NoSandbox(parent.clone()))?;
+            let adm = Admission {
+                template: r.template.clone(),
+                labels: r.labels.clone(),
+                ttl: r.ttl,
+                on_expiry: r.on_expiry,
+                parent: Some(parent.clone()),
+            };
+            (
+                live.machine.clone(),
+                live.envs.clone(),
+                live.spec.clone(),
+                adm,
+            )
+        };
+        let started = Instant::now();
+        let mut slots: Vec<Result<SandboxId, DaemonError>> = {
+            let mut s = self.lock();
+            (0..count)
+                .map(|_| {
+                    s.registry
+                        .admit(adm.clone(), Instant::now(), SystemTime::now())
+                        .map_err(|e| match e {
+                            e if e.is_capacity() => DaemonError::Capacity {
+                                waited_ms: 0,
+                                cause: e,
+                            },
+                            e => e.into(),
+                        })
+                })
+                .collect()
+        };
+        let admitted: Vec<SandboxId> = slots
+            .iter()
+            .filter_map(|r| r.as_ref().ok().cloned())
+            .collect();
+        self.inner.metrics.forks.fetch_add(1, ORD);
+        let n = admitted.len();
+        let children = if n == 0 {
+            Ok(Vec::new())
+        } else {
+            blocking(move || machine.fork(n))
+                .await
+                .and_then(|r| r.map_err(DaemonError::from))
+        };
+        let now = Instant::now();
+        let mut made = match children {
+            Ok(c) => c.into_iter(),
+            Err(e) => {
+                // The request as a whole failed: no child exists.
+                let mut s = self.lock();
+                for id in &admitted {
+                    let _ = s.registry.creation_failed(id, now, chain(&e));
+                }
+                drop(s);
+                self.inner.room.notify_waiters();
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(count);
+        for slot in slots.drain(..) {
+            let id = match slot {
+                Ok(id) => id,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let child = made.next().unwrap_or_else(|| {
+                Err(crate::backend::BackendError::Unsupported(
+                    "a fork that answered with fewer children",
+                ))
+            });
+            out.push(self.adopt(&id, child.map_err(DaemonError::from), &envs, &spec, now));
+        }
+        let ok = out.iter().filter(|r| r.is_ok()).count();
+        self.inner.metrics.fork_children.fetch_add(ok as u64, ORD);
+        self.inner.metrics.fork_latency.observe(started.elapsed());
+        self.inner.room.notify_waiters();
+        Ok(out)
     }
 
-    pub fn template(&self, name: &str) -> Result<TemplateSpec, DaemonError> {
+    /// Records how one fork child's creation ended.
+    fn adopt(
+        &self,
+        id: &SandboxId,
+        child: Result<Box<dyn Machine>, DaemonError>,
+        envs: &BTreeMap<String, String>,
+        spec: &TemplateSpec,
+        now: Instant,
+    ) -> Result<SandboxInfo, DaemonError> {
+        let mut s = self.lock();
+        match child {
+            Err(e) => {
+                let _ = s.registry.creation_failed(id, now, chain(&e));
+                self.inner.metrics.creations_failed.fetch_add(1, ORD);
+                Err(e)
+            }
+            Ok(machine) => {
+                let machine: Arc<dyn Machine> = Arc::from(machine);
+                if let Err(e) = s.registry.created(id, now) {
+                    // Killed (by label, say) while it was being forked.
+                    drop(s);
+                    reap(machine);
+                    return Err(e.into());
+                }
+                s.machines.insert(
+                    id.clone(),
+                    Live {
+                        machine,
+                        envs: envs.clone(),
+                        spec: spec.clone(),
+                    },
+                );
+                self.inner.metrics.creations_ok.fetch_add(1, ORD);
+                let r = s.registry.get(id)?;
+                Ok(info(r, s.machines.get(id)))
+            }
+        }
+    }
+
+    /// Makes `name` a template whose zygote is a fork of the sandbox's
+    /// current state (the sandbox runs on, or stays paused).
+    pub async fn snapshot(&self, id: &SandboxId, name: String) -> Result<TemplateInfo, DaemonError> {
+        let (machine, mut spec) = {
+            let s = self.lock();
+            let r = s.registry.get(id)?;
+            if !matches!(r.state, SandboxState::Running | SandboxState::Paused) {
+                return Err(DaemonError::State(CoreError::WrongState {
+                    id: id.clone(),
+                    state: r.state,
+                    wanted: "snapshot",
+                    needs: "running or paused",
+                }));
+            }
+            let live = s
+                .machines
+                .get(id)
+                .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+            let mut spec = live.spec.clone();
+            spec.envs = live.envs.clone();
+            (live.machine.clone(), spec)
+        };
+        // Its state holds what the recipe did.
+        spec.name = name.clone();
+        spec.setup.clear();
+        spec.ready = None;
+        spec.validate().map_err(DaemonError::BadTemplate)?;
+        let (tx, rx) = watch::channel(None);
+        self.register(
+            Template {
+                spec,
+                from_sandbox: Some(id.clone()),
+                drop_on_failure: true,
+                zygote: Zygote::Baking(rx),
+            },
+            false,
+        )?;
+        let start = Instant::now();
+        let made = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
+            let child = machine.fork(1)?.into_iter().next().ok_or_else(|| {
+                DaemonError::infra(
+                    "forking the sandbox",
+                    std::io::Error::other("the VMM answered with no child"),
+                )
+            })??;
+            child.make_zygote()?;
+            Ok(child)
+        })
+        .await
+        .and_then(|r| r);
+        let outcome = match made {
+            Ok(z) => Ok(Arc::from(z)),
+            Err(e) => Err(BakeFailure::of("snapshot".into(), &e)),
+        };
+        let result = self.bake_ended(&name, outcome, start.elapsed(), &tx);
+        result.map_err(|f| f.to_error(&name))
+    }
+
+    pub fn templates(&self) -> Vec<TemplateInfo> {
+        self.lock().templates.values().map(Template::info).collect()
+    }
+
+    pub fn template(&self, name: &str) -> Result<TemplateInfo, DaemonError> {
         self.lock()
             .templates
             .get(name)
-            .cloned()
+            .map(Template::info)
             .ok_or_else(|| DaemonError::NoTemplate(name.into()))
     }
 
+    /// Unregisters a template and stops its zygote (sandboxes forked from
+    /// it live on). Built-in templates stay registered: deleting one only
+    /// drops its zygote.
     pub fn delete_template(&self, name: &str) -> Result<(), DaemonError> {
-        if TemplateSpec::builtin(forkbox::image::ImageName::Minimal).name == name
-            || TemplateSpec::builtin(forkbox::image::ImageName::Debian).name == name
-        {
-            return Err(DaemonError::Invalid(format!("{name:?} is built in")));
-        }
-        self.lock()
+        let mut s = self.lock();
+        let t = s
             .templates
-            .remove(name)
-            .map(|_| ())
-            .ok_or_else(|| DaemonError::NoTemplate(name.into()))
+            .get_mut(name)
+            .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+        if matches!(t.zygote, Zygote::Baking(_)) {
+            return Err(DaemonError::Busy(format!(
+                "template {name:?} is baking; delete it once the bake ends"
+            )));
+        }
+        let old = std::mem::replace(&mut t.zygote, Zygote::None { error: None });
+        if t.drop_on_failure {
+            s.templates.remove(name);
+        }
+        drop(s);
+        if let Zygote::Ready { machine, .. } = old {
+            reap(machine);
+        }
+        Ok(())
     }
 
-    /// Validates a template and starts baking it; progress arrives on the
-    /// channel, ending in `Done` (the template is then registered) or
-    /// `Failed`. The bake counts against the creation cap.
+    /// Registers a new template and bakes it: progress arrives on the
+    /// channel, ending in `Done` (its zygote is up) or `Failed` (it is
+    /// unregistered again).
     pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         spec.validate().map_err(DaemonError::BadTemplate)?;
-        if self.lock().templates.contains_key(&spec.name) {
-            return Err(DaemonError::TemplateExists(spec.name));
-        }
-        let machine_spec = spec
-            .machine(self.inner.config.boot_timeout)
+        spec.machine(self.inner.config.boot_timeout)
             .map_err(DaemonError::BadTemplate)?;
+        let name = spec.name.clone();
+        self.register(
+            Template {
+                spec,
+                from_sandbox: None,
+                drop_on_failure: true,
+                zygote: Zygote::None { error: None },
+            },
+            false,
+        )?;
+        self.bake_named(&name)
+    }
+
+    /// Bakes a registered template (a built-in one, say) unless it is
+    /// baked. A bake already running is waited for.
+    pub fn bake_named(&self, name: &str) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         let (tx, rx) = mpsc::channel(64);
+        let waiting = match self.start_bake(name, Some(tx.clone()))? {
+            BakeStart::Started(_) => return Ok(rx),
+            BakeStart::Ready => None,
+            BakeStart::InProgress(w) => Some(w),
+        };
         let this = self.clone();
+        let name = name.to_owned();
         tokio::spawn(async move {
-            let start = Instant::now();
-            let backend = this.inner.backend.clone();
-            let tx2 = tx.clone();
-            let spec2 = spec.clone();
-            let outcome = blocking(move || -> Result<u64, (String, DaemonError)> {
-                let send = |e: BakeEvent| {
-                    let _ = tx2.blocking_send(e);
-                };
-                send(BakeEvent::Step {
-                    step: "boot".into(),
-                    detail: format!(
-                        "image {}, {} vCPU, {} MiB",
-                        spec2.image, spec2.vcpus, spec2.memory_mib
-                    ),
-                });
-                let machine = backend.boot(&machine_spec).map_err(|e| ("boot".to_owned(), e.into()))?;
-                let boot_ms = machine.boot_time().as_millis() as u64;
-                run_recipe(&machine.agent(), &spec2, &spec2.envs, &mut |e| send(e))
-                    .map_err(|e| (step_of(&e), e))?;
-                send(BakeEvent::Step {
-                    step: "stop".into(),
-                    detail: "no zygote yet: sandboxes from this template cold-boot and replay the recipe".into(),
-                });
-                drop(machine);
-                Ok(boot_ms)
-            })
-            .await;
-            let event = match outcome {
-                Ok(Ok(boot_ms)) => {
-                    let mut s = this.lock();
-                    if s.templates.contains_key(&spec.name) {
-                        BakeEvent::Failed {
-                            step: "register".into(),
-                            kind: "conflict".into(),
-                            message: format!("template {:?} was created meanwhile", spec.name),
-                            output: String::new(),
-                        }
-                    } else {
-                        s.templates.insert(spec.name.clone(), spec.clone());
-                        BakeEvent::Done {
-                            template: spec,
-                            boot_ms,
-                            total_ms: start.elapsed().as_millis() as u64,
-                        }
-                    }
+            if let Some(mut w) = waiting {
+                let _ = tx
+                    .send(BakeEvent::Step {
+                        step: "wait".into(),
+                        detail: "another request is baking this template".into(),
+                    })
+                    .await;
+                let outcome = w.wait_for(Option::is_some).await.map(|v| v.clone());
+                if let Ok(Some(Err(f))) = outcome {
+                    let _ = tx.send(BakeEvent::Failed(f)).await;
+                    return;
                 }
-                Ok(Err((step, e))) => {
-                    let output = match &e {
-                        DaemonError::Recipe { output, .. } => output.clone(),
-                        _ => String::new(),
-                    };
-                    BakeEvent::Failed {
-                        step,
-                        kind: e.kind().into(),
-                        message: chain(&e),
-                        output,
-                    }
-                }
-                Err(e) => BakeEvent::Failed {
-                    step: "task".into(),
-                    kind: e.kind().into(),
-                    message: chain(&e),
-                    output: String::new(),
+            }
+            let event = match this.template(&name) {
+                Ok(template) => BakeEvent::Done {
+                    template,
+                    boot_ms: 0,
+                    total_ms: 0,
                 },
+                Err(e) => BakeEvent::Failed(BakeFailure::of("register".into(), &e)),
             };
             let _ = tx.send(event).await;
         });
         Ok(rx)
+    }
+
+    fn register(&self, t: Template, replace: bool) -> Result<(), DaemonError> {
+        let mut s = self.lock();
+        if !replace && s.templates.contains_key(&t.spec.name) {
+            return Err(DaemonError::TemplateExists(t.spec.name));
+        }
+        s.templates.insert(t.spec.name.clone(), t);
+        Ok(())
+    }
+
+    /// The zygote of `name` and its spec, baking it first when needed.
+    async fn zygote(&self, name: &str) -> Result<(Arc<dyn Machine>, TemplateSpec), DaemonError> {
+        loop {
+            let mut w = match self.start_bake(name, None)? {
+                BakeStart::Ready => {
+                    let s = self.lock();
+                    let t = s
+                        .templates
+                        .get(name)
+                        .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+                    if let Zygote::Ready { machine, .. } = &t.zygote {
+                        return Ok((machine.clone(), t.spec.clone()));
+                    }
+                    continue;
+                }
+                BakeStart::Started(w) | BakeStart::InProgress(w) => w,
+            };
+            let outcome = w
+                .wait_for(Option::is_some)
+                .await
+                .map(|v| v.clone())
+                .map_err(|e| DaemonError::infra("waiting for the template's bake", e))?;
+            if let Some(Err(f)) = outcome {
+                return Err(f.to_error(name));
+            }
+        }
+    }
+
+    /// Starts baking `name` unless its zygote is up or being made.
+    fn start_bake(
+        &self,
+        name: &str,
+        events: Option<mpsc::Sender<BakeEvent>>,
+    ) -> Result<BakeStart, DaemonError> {
+        let mut s = self.lock();
+        let t = s
+            .templates
+            .get_mut(name)
+            .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+        match &t.zygote {
+            Zygote::Ready { .. } => return Ok(BakeStart::Ready),
+            Zygote::Baking(w) => return Ok(BakeStart::InProgress(w.clone())),
+            Zygote::None { .. } => {}
+        }
+        let machine_spec = t
+            .spec
+            .machine(self.inner.config.boot_timeout)
+            .map_err(DaemonError::BadTemplate)?;
+        let (tx, rx) = watch::channel(None);
+        t.zygote = Zygote::Baking(rx.clone());
+        let spec = t.spec.clone();
+        drop(s);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let send = move |e: BakeEvent| {
+                if let Some(events) = &events {
+                    let _ = events.blocking_send(e);
+                }
+            };
+            let start = Instant::now();
+            let backend = this.inner.backend.clone();
+            let recipe = spec.clone();
+            let send2 = send.clone();
+            let baked = blocking(move || -> Result<(Box<dyn Machine>, u64), BakeFailure> {
+                send2(BakeEvent::Step {
+                    step: "boot".into(),
+                    detail: format!(
+                        "image {}, {} vCPU, {} MiB",
+                        recipe.image, recipe.vcpus, recipe.memory_mib
+                    ),
+                });
+                let machine = backend
+                    .boot(&machine_spec)
+                    .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
+                let boot_ms = machine.boot_time().as_millis() as u64;
+                run_recipe(&machine.agent(), &recipe, &recipe.envs, &mut |e| send2(e))
+                    .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
+                send2(BakeEvent::Step {
+                    step: "zygote".into(),
+                    detail: "pausing the VM; its memory becomes copy-on-write for every fork"
+                        .into(),
+                });
+                machine
+                    .make_zygote()
+                    .map_err(|e| BakeFailure::of("zygote".into(), &DaemonError::from(e)))?;
+                Ok((machine, boot_ms))
+            })
+            .await;
+            let (outcome, boot_ms) = match baked {
+                Ok(Ok((m, boot_ms))) => (Ok(Arc::from(m)), boot_ms),
+                Ok(Err(f)) => (Err(f), 0),
+                Err(e) => (Err(BakeFailure::of("task".into(), &e)), 0),
+            };
+            let name = spec.name.clone();
+            let event = match this.bake_ended(&name, outcome, start.elapsed(), &tx) {
+                Ok(template) => BakeEvent::Done {
+                    template,
+                    boot_ms,
+                    total_ms: start.elapsed().as_millis() as u64,
+                },
+                Err(f) => BakeEvent::Failed(f),
+            };
+            let _ = blocking(move || send(event)).await;
+        });
+        Ok(BakeStart::Started(rx))
+    }
+
+    /// Records how a bake (or a snapshot) ended and wakes its waiters.
+    fn bake_ended(
+        &self,
+        name: &str,
+        outcome: Result<Arc<dyn Machine>, BakeFailure>,
+        took: Duration,
+        done: &watch::Sender<Option<Result<(), BakeFailure>>>,
+    ) -> Result<TemplateInfo, BakeFailure> {
+        let mut s = self.lock();
+        let result = match (outcome, s.templates.get_mut(name)) {
+            (Ok(machine), Some(t)) => {
+                t.zygote = Zygote::Ready {
+                    machine,
+                    bake_ms: took.as_millis() as u64,
+                };
+                Ok(t.info())
+            }
+            (Ok(machine), None) => {
+                reap(machine);
+                Err(BakeFailure {
+                    step: "register".into(),
+                    kind: "not_found".into(),
+                    message: format!("template {name:?} was deleted while it baked"),
+                    output: String::new(),
+                })
+            }
+            (Err(f), Some(t)) => {
+                if t.drop_on_failure {
+                    s.templates.remove(name);
+                } else {
+                    t.zygote = Zygote::None {
+                        error: Some(format!("{}: {}", f.step, f.message)),
+                    };
+                }
+                Err(f)
+            }
+            (Err(f), None) => Err(f),
+        };
+        drop(s);
+        let counter = match &result {
+            Ok(_) => &self.inner.metrics.bakes_ok,
+            Err(_) => &self.inner.metrics.bakes_failed,
+        };
+        counter.fetch_add(1, ORD);
+        let _ = done.send(Some(result.as_ref().map(|_| ()).map_err(Clone::clone)));
+        result
     }
 
     /// Kills expired sandboxes and notices VMs that ended by themselves.
@@ -775,10 +1243,10 @@ impl Daemon {
         let expired = self.lock().registry.expired(now);
         for (id, action) in expired {
             match action {
-                ExpiryAction::Kill | ExpiryAction::Pause => {
-                    // Pause is refused at creation until the backend can.
+                ExpiryAction::Kill => {
                     let _ = self.kill(&id, DeathCause::Expired);
                 }
+                ExpiryAction::Pause => self.expiry_pause(&id),
             }
         }
         let lost: Vec<(SandboxId, String)> = {
@@ -791,6 +1259,26 @@ impl Daemon {
         for (id, reason) in lost {
             tracing::warn!(%id, %reason, "sandbox VM ended by itself");
             let _ = self.kill(&id, DeathCause::VmLost { reason });
+        }
+    }
+
+    /// Pauses a sandbox whose time ran out; one that cannot be paused is
+    /// killed rather than left running past its time.
+    fn expiry_pause(&self, id: &SandboxId) {
+        let Ok(machine) = self.machine(id) else {
+            return;
+        };
+        match machine.pause() {
+            Ok(()) => {
+                let mut s = self.lock();
+                let _ = s.registry.paused(id);
+                let _ = s.registry.expiry_paused(id);
+                self.inner.metrics.expiries.fetch_add(1, ORD);
+            }
+            Err(e) => {
+                tracing::warn!(%id, error = %chain(&e), "cannot pause an expired sandbox; killing it");
+                let _ = self.kill(id, DeathCause::Expired);
+            }
         }
     }
 
@@ -819,6 +1307,17 @@ impl Daemon {
         for id in &ids {
             let _ = self.kill(id, DeathCause::DaemonStopped);
         }
+        let zygotes: Vec<Arc<dyn Machine>> = {
+            let mut s = self.lock();
+            s.templates
+                .values_mut()
+                .filter_map(|t| match std::mem::replace(&mut t.zygote, Zygote::None { error: None }) {
+                    Zygote::Ready { machine, .. } => Some(machine),
+                    _ => None,
+                })
+                .collect()
+        };
+        zygotes.into_iter().for_each(reap);
         // Let the reaping threads finish.
         let _ = blocking(|| ()).await;
     }
@@ -958,7 +1457,7 @@ fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
             .map(|d| d.saturating_duration_since(now).as_millis() as u64),
         parent: r.parent.clone(),
         children: r.children.clone(),
-        started_by: "cold_boot",
+        started_by: "fork",
         create_ms: r
             .ready
             .map(|t| t.saturating_duration_since(r.admitted).as_millis() as u64),
@@ -1041,19 +1540,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn create_boot_failure_frees_the_slot_and_counts() {
-        let d = Daemon::new(
-            Arc::new(Fake {
-                fail: true,
-                ..Fake::default()
-            }),
-            Config::default(),
-        );
+    async fn create_fork_failure_frees_the_slot_and_counts() {
+        let fake = Fake::default();
+        fake.world.fail_children.store(true, ORD);
+        let d = Daemon::new(Arc::new(fake), Config::default());
         let err = d
             .execute(create("minimal", None))
             .await
-            .expect_err("boot fails");
-        // The fake says "unsupported"; a real boot failure is infrastructure.
+            .expect_err("fork fails");
+        // The fake says "unsupported"; a real fork failure is infrastructure.
         assert_eq!(err.kind(), "unsupported");
         assert_eq!(d.lock().registry.creating(), 0);
         assert_eq!(d.lock().registry.live(), 0);
@@ -1065,11 +1560,12 @@ mod tests {
     #[tokio::test]
     async fn tick_kills_expired_sandboxes_and_stops_their_vms() {
         let fake = Fake::default();
-        let alive = fake.alive.clone();
+        let world = fake.world.clone();
+        let alive = || world.alive.load(ORD) - 1; // the zygote
         let d = daemon(fake, 4);
         let a = created(&d, Some(Duration::from_secs(5))).await;
         let b = created(&d, None).await;
-        assert_eq!(alive.load(ORD), 2);
+        assert_eq!(alive(), 2);
         d.tick(Instant::now() + Duration::from_secs(4));
         assert_eq!(d.lock().registry.live(), 2);
         d.tick(Instant::now() + Duration::from_secs(6));
@@ -1082,13 +1578,13 @@ mod tests {
         assert_eq!(info(&b.id).state, SandboxState::Running);
         // Reaping runs on the blocking pool.
         for _ in 0..100 {
-            if alive.load(ORD) == 1 {
+            if alive() == 1 {
                 break;
             }
             tokio::task::yield_now().await;
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(alive.load(ORD), 1);
+        assert_eq!(alive(), 1);
     }
 
     #[tokio::test]
@@ -1138,19 +1634,187 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn pause_and_fork_say_unsupported_until_fork_lands() {
+    async fn creations_bake_the_template_once_and_fork_its_zygote() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        assert_eq!(d.template("minimal").expect("t").state, TemplateState::NotBaked);
+        let (a, b) = tokio::join!(created(&d, None), created(&d, None));
+        assert_ne!(a.id, b.id);
+        assert_eq!(world.boots.load(ORD), 1, "one bake for both");
+        assert_eq!(world.forks.load(ORD), 2);
+        assert_eq!(world.alive.load(ORD), 3, "zygote + 2");
+        assert_eq!(d.template("minimal").expect("t").state, TemplateState::Ready);
+        assert_eq!(a.started_by, "fork");
+        // Deleting a built-in drops its zygote only; the sandboxes live on.
+        d.delete_template("minimal").expect("delete");
+        assert_eq!(d.template("minimal").expect("t").state, TemplateState::NotBaked);
+        assert_eq!(d.lock().registry.live(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_failed_bake_fails_the_creation_and_is_retried_by_the_next() {
+        let d = daemon(
+            Fake {
+                fail: true,
+                ..Fake::default()
+            },
+            4,
+        );
+        let err = d.execute(create("minimal", None)).await.expect_err("bake");
+        assert!(err.is_infrastructure(), "{err:?}");
+        let t = d.template("minimal").expect("still registered");
+        assert_eq!(t.state, TemplateState::Failed);
+        assert!(t.error.is_some_and(|e| e.starts_with("boot:")));
+        assert_eq!(d.lock().registry.live(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_failed_bake_of_a_new_template_unregisters_it() {
+        let d = daemon(
+            Fake {
+                fail: true,
+                ..Fake::default()
+            },
+            4,
+        );
+        let mut spec = TemplateSpec::builtin(forkbox::image::ImageName::Minimal);
+        spec.name = "mine".into();
+        let mut rx = d.bake(spec.clone()).expect("starts");
+        let mut last = None;
+        while let Some(e) = rx.recv().await {
+            last = Some(e);
+        }
+        assert!(matches!(last, Some(BakeEvent::Failed(ref f)) if f.step == "boot"), "{last:?}");
+        assert_eq!(d.template("mine").expect_err("gone").kind(), "not_found");
+        // The name is free again.
+        d.bake(spec).expect("starts again");
+    }
+
+    async fn forked(d: &Daemon, id: &SandboxId, count: u32) -> Vec<Result<SandboxInfo, DaemonError>> {
+        match d.execute(Command::Fork { id: id.clone(), count }).await {
+            Ok(Reply::Forked(v)) => v,
+            other => panic!("fork: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn fork_children_inherit_labels_and_fail_alone() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
+        let parent = match d
+            .execute(Command::Create(CreateSandbox {
+                template: "minimal".into(),
+                labels: [("group".to_owned(), "g1".to_owned())].into(),
+                ttl: Some(Duration::from_secs(60)),
+                ..CreateSandbox::default()
+            }))
+            .await
+        {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        world.fail_child.store(1, ORD);
+        world.fail_children.store(true, ORD);
+        let kids = forked(&d, &parent.id, 3).await;
+        assert_eq!(kids.len(), 3);
+        assert!(kids[1].as_ref().is_err_and(|e| e.kind() == "unsupported"));
+        for k in [&kids[0], &kids[2]] {
+            let k = k.as_ref().expect("child");
+            assert_eq!(k.state, SandboxState::Running);
+            assert_eq!(k.parent.as_ref(), Some(&parent.id));
+            assert_eq!(k.metadata.get("group").map(String::as_str), Some("g1"));
+            assert_eq!(k.timeout_secs, Some(60.0));
+        }
+        let p = d.execute_sync_info(&parent.id).expect("parent");
+        assert_eq!(p.children.len(), 3, "lineage lists every attempt");
+        assert_eq!(d.lock().registry.live(), 3);
+        assert_eq!(d.lock().registry.creating(), 0);
+    }
+
+    #[tokio::test]
+    async fn fork_past_the_live_cap_fails_only_the_extra_children() {
+        let d = daemon(Fake::default(), 3);
+        let parent = created(&d, None).await;
+        let kids = forked(&d, &parent.id, 4).await;
+        let ok = kids.iter().filter(|k| k.is_ok()).count();
+        assert_eq!(ok, 2);
+        assert!(kids[2..].iter().all(|k| k.as_ref().is_err_and(|e| e.kind() == "capacity")));
+        let err = d
+            .execute(Command::Fork {
+                id: parent.id.clone(),
+                count: 0,
+            })
+            .await
+            .expect_err("count 0");
+        assert_eq!(err.kind(), "invalid_request");
+    }
+
+    #[tokio::test]
+    async fn paused_sandboxes_refuse_commands_until_resumed_and_can_fork() {
         let d = daemon(Fake::default(), 4);
         let a = created(&d, None).await;
+        match d.execute(Command::Pause { id: a.id.clone() }).await {
+            Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Paused),
+            other => panic!("{other:?}"),
+        }
         let err = d
-            .execute(Command::Pause { id: a.id.clone() })
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect_err("paused");
+        assert_eq!(err.kind(), "conflict");
+        let kids = forked(&d, &a.id, 1).await;
+        assert!(kids[0].is_ok());
+        match d.execute(Command::Resume { id: a.id.clone() }).await {
+            Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Running),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn expiry_with_pause_pauses_instead_of_killing() {
+        let d = daemon(Fake::default(), 4);
+        let a = match d
+            .execute(Command::Create(CreateSandbox {
+                template: "minimal".into(),
+                ttl: Some(Duration::from_secs(5)),
+                on_expiry: ExpiryAction::Pause,
+                ..CreateSandbox::default()
+            }))
             .await
-            .expect_err("pause");
-        assert_eq!(err.kind(), "unsupported");
+        {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        d.tick(Instant::now() + Duration::from_secs(6));
+        let i = d.execute_sync_info(&a.id).expect("info");
+        assert_eq!(i.state, SandboxState::Paused);
+        assert_eq!(i.expires_in_ms, None);
+    }
+
+    #[tokio::test]
+    async fn snapshot_makes_a_template_whose_creations_fork_it() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        let t = d.snapshot(&a.id, "after-step-3".into()).await.expect("snapshot");
+        assert_eq!(t.state, TemplateState::Ready);
+        assert_eq!(t.from_sandbox.as_ref(), Some(&a.id));
+        assert!(t.spec.setup.is_empty());
         let err = d
-            .execute(Command::Fork { id: a.id, count: 2 })
+            .snapshot(&a.id, "after-step-3".into())
             .await
-            .expect_err("fork");
-        assert_eq!(err.kind(), "unsupported");
+            .expect_err("exists");
+        assert_eq!(err.kind(), "conflict");
+        let forks = world.forks.load(ORD);
+        let b = match d.execute(create("after-step-3", None)).await {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(b.template, "after-step-3");
+        assert_eq!(world.forks.load(ORD), forks + 1);
+        assert_eq!(world.boots.load(ORD), 1, "no new boot");
     }
 
     impl Daemon {

@@ -2,10 +2,10 @@
 //! a readiness condition with a timeout). The built-in `minimal` and
 //! `debian` have no recipe.
 //!
-//! Until fork lands, a bake proves the recipe once (boot, setup, ready,
-//! stop) and every sandbox created from the template cold-boots and
-//! replays the recipe; once zygotes exist the bake will end in one and
-//! creation will fork it.
+//! Baking runs the recipe once in a fresh VM and keeps that VM, paused, as
+//! the template's zygote; every sandbox created from the template is a
+//! copy-on-write fork of it, so the recipe never runs again. A sandbox's
+//! snapshot is a template too: its zygote is a fork of that sandbox.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -86,6 +86,38 @@ fn default_memory() -> u32 {
 }
 fn default_ready_timeout() -> u64 {
     60
+}
+
+/// Where a template's zygote is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TemplateState {
+    /// Registered, no zygote yet: the first creation (or `bake`) bakes it.
+    NotBaked,
+    Baking,
+    /// Its zygote is up: creations fork it.
+    Ready,
+    /// The last bake failed (`error` says why); the next creation or
+    /// `bake` tries again.
+    Failed,
+}
+
+/// A template as the API shows it: its recipe and its zygote.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TemplateInfo {
+    #[serde(flatten)]
+    pub spec: TemplateSpec,
+    pub state: TemplateState,
+    /// For a sandbox's snapshot: the sandbox whose state it holds.
+    pub from_sandbox: Option<crate::core::SandboxId>,
+    /// Why the last bake failed.
+    pub error: Option<String>,
+    /// How long the bake took (boot, recipe, zygote), in milliseconds.
+    pub bake_ms: Option<u64>,
+    /// The zygote's VMM process and its resident memory (shared,
+    /// copy-on-write, with every sandbox forked from it).
+    pub zygote_pid: Option<u32>,
+    pub zygote_rss_kib: Option<u64>,
 }
 
 /// Why a template is not acceptable.

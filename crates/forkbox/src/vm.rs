@@ -380,7 +380,7 @@ impl Vm {
     /// failed; otherwise one entry per child, in order, each a running VM
     /// whose after-fork hook has run. More than [`MAX_CHILDREN_PER_FORK`]
     /// children take several requests.
-    pub fn fork(&mut self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
+    pub fn fork(&self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         let start = Instant::now();
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-"))
