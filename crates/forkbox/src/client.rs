@@ -120,7 +120,7 @@ pub enum ClientError {
     BadUrl(String),
     #[error("no daemon address: not root and $XDG_RUNTIME_DIR is unset; set FORKBOX_URL")]
     NoDefault,
-    #[error("cannot reach forkboxd at {endpoint}: is it running? Start it with `forkbox daemon`")]
+    #[error("forkboxd is not reachable at {endpoint} (start it with `forkbox daemon`)")]
     Unreachable {
         endpoint: String,
         #[source]
@@ -133,7 +133,7 @@ pub enum ClientError {
     #[error("talking to forkboxd")]
     Http(#[source] hyper::Error),
     #[error("forkboxd: {} ({}, {status})", .error.message, .error.kind)]
-    Api { status: u16, error: ApiError },
+    Api { status: u16, error: Box<ApiError> },
     #[error("forkboxd answered {status} without a JSON error: {body}")]
     Status { status: u16, body: String },
     #[error("forkboxd sent JSON this client does not understand")]
@@ -325,7 +325,7 @@ impl Response<'_> {
         match serde_json::from_slice::<ErrorBody>(&body) {
             Ok(b) => Err(ClientError::Api {
                 status,
-                error: b.error,
+                error: Box::new(b.error),
             }),
             Err(_) => Err(ClientError::Status {
                 status,
@@ -512,7 +512,9 @@ mod tests {
     fn unreachable_daemon_says_to_start_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let c = Client::new(Endpoint::Unix(dir.path().join("none.sock")), None).expect("client");
-        let e = c.get::<serde_json::Value>("/health").err().expect("fails");
+        let e = c
+            .get::<serde_json::Value>("/health")
+            .expect_err("nothing listens there");
         assert!(e.to_string().contains("forkbox daemon"), "{e}");
     }
 }

@@ -12,6 +12,7 @@ use forkbox::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
 mod bench_fork;
+mod cli;
 
 #[derive(Parser)]
 #[command(
@@ -68,6 +69,10 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// The clients of forkboxd (`daemon`, `template`, `sandbox`, `exec`,
+    /// `cp`, `logs`).
+    #[command(flatten)]
+    Client(cli::ClientCmd),
 }
 
 /// What `run --fork` forks.
@@ -184,6 +189,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Cmd::Testbed { command } => testbed_cmd(command),
         Cmd::Bench { what } => bench_cmd(what),
+        Cmd::Client(cmd) => cli::run(cmd),
     }
 }
 

@@ -1,0 +1,358 @@
+//! `forkbox sandbox …` and `forkbox logs`.
+
+use std::collections::BTreeMap;
+
+use anyhow::bail;
+use clap::Subcommand;
+use forkbox::client::{segment, with_query, Body, Client};
+use hyper::Method;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{cell, duration_ms, key_value, print_json, print_table, Format, SandboxId};
+
+#[derive(Subcommand)]
+pub enum SandboxCmd {
+    /// Create a sandbox from a template and wait until it is ready.
+    Create {
+        template: String,
+        /// Seconds it lives (from ready); default: until killed.
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// KEY=VALUE metadata (repeat for more).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+        labels: Vec<(String, String)>,
+        /// KEY=VALUE environment for every command in it (repeat for more).
+        #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
+        envs: Vec<(String, String)>,
+    },
+    /// Fork a sandbox into COUNT children.
+    Fork {
+        sandbox: SandboxId,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    /// List the live sandboxes (--all: the dead ones still remembered too).
+    #[command(alias = "list")]
+    Ls {
+        /// Only those carrying KEY=VALUE (repeat: all of them).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+        labels: Vec<(String, String)>,
+        #[arg(long)]
+        all: bool,
+    },
+    /// Kill sandboxes by id, or every one carrying the given labels.
+    #[command(alias = "rm")]
+    Kill {
+        #[arg(required_unless_present = "labels", conflicts_with = "labels")]
+        sandboxes: Vec<SandboxId>,
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+        labels: Vec<(String, String)>,
+    },
+    /// Save a sandbox as a new template NAME.
+    Snapshot { sandbox: SandboxId, name: String },
+    /// Stop a sandbox's vCPUs in place.
+    Pause { sandbox: SandboxId },
+    /// Let a paused sandbox run again.
+    Resume { sandbox: SandboxId },
+    /// Everything the daemon knows about one sandbox.
+    Info { sandbox: SandboxId },
+}
+
+/// `POST /sandboxes`.
+#[derive(Serialize)]
+struct CreateBody {
+    template: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeout_secs: Option<f64>,
+    metadata: BTreeMap<String, String>,
+    envs: BTreeMap<String, String>,
+}
+
+/// The fields of forkboxd's `SandboxInfo` that tables show.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SandboxView {
+    id: String,
+    template: String,
+    state: String,
+    metadata: BTreeMap<String, String>,
+    uptime_ms: Option<u64>,
+    expires_in_ms: Option<u64>,
+    parent: Option<String>,
+}
+
+fn sandbox_path(id: &SandboxId) -> String {
+    format!("/sandboxes/{}", segment(id.as_str()))
+}
+
+pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i32> {
+    match cmd {
+        SandboxCmd::Create {
+            template,
+            timeout,
+            labels,
+            envs,
+        } => {
+            let body = CreateBody {
+                template,
+                timeout_secs: timeout,
+                metadata: labels.into_iter().collect(),
+                envs: envs.into_iter().collect(),
+            };
+            let info: Value = client
+                .call(Method::POST, "/sandboxes", Body::json(&body))?
+                .json()?;
+            one(&info, format, |v| println!("{}", v.id))
+        }
+        SandboxCmd::Fork { sandbox, count } => {
+            let children: Vec<Value> = client
+                .call(
+                    Method::POST,
+                    &format!("{}/fork", sandbox_path(&sandbox)),
+                    Body::json(&serde_json::json!({ "count": count })),
+                )?
+                .json()?;
+            fork_result(&children, format)
+        }
+        SandboxCmd::Ls { labels, all } => {
+            let mut q: Vec<(&str, String)> = labels
+                .iter()
+                .map(|(k, v)| ("label", format!("{k}={v}")))
+                .collect();
+            if all {
+                q.push(("all", "true".into()));
+            }
+            let path = with_query("/sandboxes", q.iter().map(|(k, v)| (*k, v.as_str())));
+            let list: Vec<Value> = client.get(&path)?;
+            if format == Format::Json {
+                print_json(&Value::Array(list))?;
+            } else {
+                table(&list)?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Kill { sandboxes, labels } => {
+            let killed: Vec<String> = if labels.is_empty() {
+                for id in &sandboxes {
+                    client.call(Method::DELETE, &sandbox_path(id), Body::Empty)?;
+                }
+                sandboxes.iter().map(|s| s.to_string()).collect()
+            } else {
+                #[derive(Deserialize)]
+                struct Killed {
+                    killed: Vec<String>,
+                }
+                let metadata: BTreeMap<_, _> = labels.into_iter().collect();
+                let k: Killed = client
+                    .call(
+                        Method::POST,
+                        "/sandboxes/kill",
+                        Body::json(&serde_json::json!({ "metadata": metadata })),
+                    )?
+                    .json()?;
+                k.killed
+            };
+            if format == Format::Json {
+                print_json(&serde_json::json!({ "killed": killed }))?;
+            } else {
+                for id in killed {
+                    println!("killed {id}");
+                }
+            }
+            Ok(0)
+        }
+        SandboxCmd::Snapshot { sandbox, name } => {
+            let template: Value = client
+                .call(
+                    Method::POST,
+                    &format!("{}/snapshot", sandbox_path(&sandbox)),
+                    Body::json(&serde_json::json!({ "name": name })),
+                )?
+                .json()?;
+            if format == Format::Json {
+                print_json(&template)?;
+            } else {
+                println!(
+                    "template {} (snapshot of {sandbox})",
+                    cell(&template["name"])
+                );
+            }
+            Ok(0)
+        }
+        SandboxCmd::Pause { sandbox } => state_change(client, &sandbox, "pause", format),
+        SandboxCmd::Resume { sandbox } => state_change(client, &sandbox, "resume", format),
+        SandboxCmd::Info { sandbox } => {
+            let info: Value = client.get(&sandbox_path(&sandbox))?;
+            if format == Format::Json {
+                print_json(&info)?;
+            } else {
+                details(&info);
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn state_change(
+    client: &Client,
+    sandbox: &SandboxId,
+    action: &str,
+    format: Format,
+) -> anyhow::Result<i32> {
+    let info: Value = client
+        .call(
+            Method::POST,
+            &format!("{}/{action}", sandbox_path(sandbox)),
+            Body::Empty,
+        )?
+        .json()?;
+    one(&info, format, |v| println!("{} {}", v.id, v.state))
+}
+
+/// Prints one `SandboxInfo`: as JSON, or through `human`.
+fn one(info: &Value, format: Format, human: impl Fn(&SandboxView)) -> anyhow::Result<i32> {
+    if format == Format::Json {
+        print_json(info)?;
+    } else {
+        human(&serde_json::from_value(info.clone())?);
+    }
+    Ok(0)
+}
+
+/// A fork's answer: one entry per child, `{"sandbox": info}` or
+/// `{"error": {...}}` (a bare info is taken as a child too). Non-zero
+/// when any child failed.
+fn fork_result(children: &[Value], format: Format) -> anyhow::Result<i32> {
+    let failed = children.iter().filter(|c| c.get("error").is_some()).count();
+    if format == Format::Json {
+        print_json(&Value::Array(children.to_vec()))?;
+    } else {
+        for (i, c) in children.iter().enumerate() {
+            if let Some(e) = c.get("error") {
+                eprintln!(
+                    "forkbox: child {i} failed: {} ({})",
+                    cell(&e["message"]),
+                    cell(&e["kind"])
+                );
+            } else {
+                let info = c.get("sandbox").unwrap_or(c);
+                println!("{}", cell(&info["id"]));
+            }
+        }
+    }
+    Ok(if failed > 0 { 1 } else { 0 })
+}
+
+fn labels_text(m: &BTreeMap<String, String>) -> String {
+    if m.is_empty() {
+        return "-".into();
+    }
+    m.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn table(list: &[Value]) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for v in list {
+        let s: SandboxView = serde_json::from_value(v.clone())?;
+        rows.push(vec![
+            s.id,
+            s.template,
+            s.state,
+            s.uptime_ms.map_or("-".into(), duration_ms),
+            s.expires_in_ms.map_or("-".into(), duration_ms),
+            s.parent.unwrap_or_else(|| "-".into()),
+            labels_text(&s.metadata),
+        ]);
+    }
+    print_table(
+        &[
+            "ID", "TEMPLATE", "STATE", "UPTIME", "EXPIRES", "PARENT", "LABELS",
+        ],
+        &rows,
+    );
+    Ok(())
+}
+
+/// `key: value` lines of a `SandboxInfo`, nested objects flattened as
+/// `metrics.cpu_ms`.
+fn details(info: &Value) {
+    fn walk(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) {
+        match v {
+            Value::Object(m) if !m.is_empty() => {
+                for (k, v) in m {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&key, v, out);
+                }
+            }
+            Value::Array(a) => out.push((
+                prefix.into(),
+                if a.is_empty() {
+                    "-".into()
+                } else {
+                    a.iter().map(cell).collect::<Vec<_>>().join(", ")
+                },
+            )),
+            Value::Object(_) => out.push((prefix.into(), "-".into())),
+            other => out.push((prefix.into(), cell(other))),
+        }
+    }
+    let mut lines = Vec::new();
+    walk("", info, &mut lines);
+    let w = lines.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in lines {
+        println!("{:<w$}  {v}", format!("{k}:"), w = w + 1);
+    }
+}
+
+/// `forkbox logs`: forkboxd has no log endpoint (no serial or command log
+/// is kept), so this says so and prints what it has, the sandbox's info.
+pub fn logs(client: &Client, sandbox: &SandboxId, format: Format) -> anyhow::Result<i32> {
+    let info: Value = client.get(&sandbox_path(sandbox))?;
+    if format == Format::Json {
+        print_json(&info)?;
+    } else {
+        eprintln!(
+            "forkbox: forkboxd keeps no log for sandboxes yet; here is what it knows of {sandbox}:"
+        );
+        details(&info);
+    }
+    if info.get("id").is_none() {
+        bail!("forkboxd answered without a sandbox");
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fork_result_counts_failed_children() {
+        let ok = serde_json::json!([{"sandbox": {"id": "sb-1"}}, {"id": "sb-2"}]);
+        assert_eq!(
+            fork_result(ok.as_array().expect("array"), Format::Json).ok(),
+            Some(0)
+        );
+        let mixed = serde_json::json!([{"sandbox": {"id": "sb-1"}}, {"error": {"kind": "capacity", "message": "full"}}]);
+        assert_eq!(
+            fork_result(mixed.as_array().expect("array"), Format::Json).ok(),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn labels_text_joins_pairs() {
+        let m: BTreeMap<String, String> =
+            [("a".into(), "1".into()), ("b".into(), "2".into())].into();
+        assert_eq!(labels_text(&m), "a=1,b=2");
+        assert_eq!(labels_text(&BTreeMap::new()), "-");
+    }
+}
