@@ -415,8 +415,13 @@ async fn template_bake(
     State(st): State<AppState>,
     Path(name): Path<String>,
 ) -> ApiResult<Response> {
-    let rx = counted(&st.daemon, st.daemon.bake_named(&name).map_err(ApiError::from))?;
-    Ok(ndjson(rx, |e| serde_json::to_string(&e).unwrap_or_default()))
+    let rx = counted(
+        &st.daemon,
+        st.daemon.bake_named(&name).map_err(ApiError::from),
+    )?;
+    Ok(ndjson(rx, |e| {
+        serde_json::to_string(&e).unwrap_or_default()
+    }))
 }
 
 #[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),

@@ -255,9 +255,15 @@ pub enum ExecEvent {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BakeEvent {
     /// A step began: `boot`, `setup[N]`, `ready`, `stop`.
-    Step { step: String, detail: String },
+    Step {
+        step: String,
+        detail: String,
+    },
     /// Output of a setup or readiness command.
-    Output { stream: String, data: String },
+    Output {
+        stream: String,
+        data: String,
+    },
     /// The zygote is up: sandboxes from the template fork it.
     Done {
         template: TemplateInfo,
@@ -332,7 +338,9 @@ struct Template {
 }
 
 enum Zygote {
-    None { error: Option<String> },
+    None {
+        error: Option<String>,
+    },
     Baking(BakeWatch),
     Ready {
         machine: Arc<dyn Machine>,
@@ -922,7 +930,11 @@ impl Daemon {
 
     /// Makes `name` a template whose zygote is a fork of the sandbox's
     /// current state (the sandbox runs on, or stays paused).
-    pub async fn snapshot(&self, id: &SandboxId, name: String) -> Result<TemplateInfo, DaemonError> {
+    pub async fn snapshot(
+        &self,
+        id: &SandboxId,
+        name: String,
+    ) -> Result<TemplateInfo, DaemonError> {
         let (machine, mut spec) = {
             let s = self.lock();
             let r = s.registry.get(id)?;
@@ -1311,9 +1323,11 @@ impl Daemon {
             let mut s = self.lock();
             s.templates
                 .values_mut()
-                .filter_map(|t| match std::mem::replace(&mut t.zygote, Zygote::None { error: None }) {
-                    Zygote::Ready { machine, .. } => Some(machine),
-                    _ => None,
+                .filter_map(|t| {
+                    match std::mem::replace(&mut t.zygote, Zygote::None { error: None }) {
+                        Zygote::Ready { machine, .. } => Some(machine),
+                        _ => None,
+                    }
                 })
                 .collect()
         };
@@ -1638,17 +1652,26 @@ mod tests {
         let fake = Fake::default();
         let world = fake.world.clone();
         let d = daemon(fake, 4);
-        assert_eq!(d.template("minimal").expect("t").state, TemplateState::NotBaked);
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::NotBaked
+        );
         let (a, b) = tokio::join!(created(&d, None), created(&d, None));
         assert_ne!(a.id, b.id);
         assert_eq!(world.boots.load(ORD), 1, "one bake for both");
         assert_eq!(world.forks.load(ORD), 2);
         assert_eq!(world.alive.load(ORD), 3, "zygote + 2");
-        assert_eq!(d.template("minimal").expect("t").state, TemplateState::Ready);
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::Ready
+        );
         assert_eq!(a.started_by, "fork");
         // Deleting a built-in drops its zygote only; the sandboxes live on.
         d.delete_template("minimal").expect("delete");
-        assert_eq!(d.template("minimal").expect("t").state, TemplateState::NotBaked);
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::NotBaked
+        );
         assert_eq!(d.lock().registry.live(), 2);
     }
 
@@ -1685,14 +1708,27 @@ mod tests {
         while let Some(e) = rx.recv().await {
             last = Some(e);
         }
-        assert!(matches!(last, Some(BakeEvent::Failed(ref f)) if f.step == "boot"), "{last:?}");
+        assert!(
+            matches!(last, Some(BakeEvent::Failed(ref f)) if f.step == "boot"),
+            "{last:?}"
+        );
         assert_eq!(d.template("mine").expect_err("gone").kind(), "not_found");
         // The name is free again.
         d.bake(spec).expect("starts again");
     }
 
-    async fn forked(d: &Daemon, id: &SandboxId, count: u32) -> Vec<Result<SandboxInfo, DaemonError>> {
-        match d.execute(Command::Fork { id: id.clone(), count }).await {
+    async fn forked(
+        d: &Daemon,
+        id: &SandboxId,
+        count: u32,
+    ) -> Vec<Result<SandboxInfo, DaemonError>> {
+        match d
+            .execute(Command::Fork {
+                id: id.clone(),
+                count,
+            })
+            .await
+        {
             Ok(Reply::Forked(v)) => v,
             other => panic!("fork: {other:?}"),
         }
@@ -1740,7 +1776,9 @@ mod tests {
         let kids = forked(&d, &parent.id, 4).await;
         let ok = kids.iter().filter(|k| k.is_ok()).count();
         assert_eq!(ok, 2);
-        assert!(kids[2..].iter().all(|k| k.as_ref().is_err_and(|e| e.kind() == "capacity")));
+        assert!(kids[2..]
+            .iter()
+            .all(|k| k.as_ref().is_err_and(|e| e.kind() == "capacity")));
         let err = d
             .execute(Command::Fork {
                 id: parent.id.clone(),
@@ -1798,7 +1836,10 @@ mod tests {
         let world = fake.world.clone();
         let d = daemon(fake, 4);
         let a = created(&d, None).await;
-        let t = d.snapshot(&a.id, "after-step-3".into()).await.expect("snapshot");
+        let t = d
+            .snapshot(&a.id, "after-step-3".into())
+            .await
+            .expect("snapshot");
         assert_eq!(t.state, TemplateState::Ready);
         assert_eq!(t.from_sandbox.as_ref(), Some(&a.id));
         assert!(t.spec.setup.is_empty());

@@ -7,7 +7,7 @@
 //! A custom harness (libtest-mimic) so that the decision is made once, and
 //! so that one shared VM serves the many small exec and file tests.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use forkbox::image::ImageName;
@@ -62,85 +62,109 @@ fn main() {
     conclusion.exit();
 }
 
+/// Taken shared by every VM test, whole by the one that must run alone.
+static LOAD: RwLock<()> = RwLock::new(());
+
+/// Tests that run while no other VM test runs. In the emulated host, a
+/// guest with more vCPUs than the host has CPUs, booted while other tests
+/// loaded those CPUs, once stalled a vCPU for minutes (an RCU expedited
+/// stall: the vCPU never took its IPI; see docs/SPEC.md, known problems).
+/// Alone it boots in seconds; a stall alone still fails the test.
+const ALONE: &[&str] = &["vm_four_vcpus_are_online"];
+
 fn trials() -> Vec<Trial> {
-    vec![
-        Trial::test(
+    let tests: &[(&str, fn() -> TestResult)] = &[
+        (
             "testbed_dev_kvm_runs_real_mode_guest",
             testbed_dev_kvm_runs_real_mode_guest,
         ),
-        Trial::test("exec_exit_code_is_returned", exec_exit_code_is_returned),
-        Trial::test("exec_signal_is_reported", exec_signal_is_reported),
-        Trial::test("exec_stdin_round_trips", exec_stdin_round_trips),
-        Trial::test(
+        ("exec_exit_code_is_returned", exec_exit_code_is_returned),
+        ("exec_signal_is_reported", exec_signal_is_reported),
+        ("exec_stdin_round_trips", exec_stdin_round_trips),
+        (
             "exec_64mib_stdout_arrives_byte_for_byte",
             exec_64mib_stdout_arrives_byte_for_byte,
         ),
-        Trial::test(
+        (
             "exec_timeout_kills_process_group",
             exec_timeout_kills_process_group,
         ),
-        Trial::test(
+        (
             "exec_concurrent_commands_all_complete",
             exec_concurrent_commands_all_complete,
         ),
-        Trial::test(
+        (
             "exec_missing_binary_exits_127",
             exec_missing_binary_exits_127,
         ),
-        Trial::test("exec_output_cap_truncates", exec_output_cap_truncates),
-        Trial::test("exec_as_user_is_unprivileged", exec_as_user_is_unprivileged),
-        Trial::test("files_round_trip_with_mode", files_round_trip_with_mode),
-        Trial::test(
+        ("exec_output_cap_truncates", exec_output_cap_truncates),
+        ("exec_as_user_is_unprivileged", exec_as_user_is_unprivileged),
+        ("files_round_trip_with_mode", files_round_trip_with_mode),
+        (
             "files_directory_tar_round_trips",
             files_directory_tar_round_trips,
         ),
-        Trial::test(
+        (
             "root_is_overlay_on_readonly_image",
             root_is_overlay_on_readonly_image,
         ),
-        Trial::test("vm_four_vcpus_are_online", vm_four_vcpus_are_online),
-        Trial::test(
+        ("vm_four_vcpus_are_online", vm_four_vcpus_are_online),
+        (
             "vm_guest_panic_ends_vmm_with_panic_status",
             vm_guest_panic_ends_vmm_with_panic_status,
         ),
-        Trial::test(
+        (
             "vm_guest_poweroff_ends_vmm_cleanly",
             vm_guest_poweroff_ends_vmm_cleanly,
         ),
-        Trial::test(
+        (
             "vm_guest_reboot_ends_vmm_with_reboot_status",
             vm_guest_reboot_ends_vmm_with_reboot_status,
         ),
-        Trial::test("vm_dies_mid_call_is_reported", vm_dies_mid_call_is_reported),
-        Trial::test(
+        ("vm_dies_mid_call_is_reported", vm_dies_mid_call_is_reported),
+        (
             "fork_running_processes_continue_in_parent_and_children",
             fork_running_processes_continue_in_parent_and_children,
         ),
-        Trial::test(
+        (
             "fork_children_diverge_from_each_other_and_parent",
             fork_children_diverge_from_each_other_and_parent,
         ),
-        Trial::test(
+        (
             "fork_zygote_16_children_answer_with_distinct_randomness",
             fork_zygote_16_children_answer_with_distinct_randomness,
         ),
-        Trial::test(
+        (
             "fork_of_fork_of_fork_inherits_and_answers",
             fork_of_fork_of_fork_inherits_and_answers,
         ),
-        Trial::test(
+        (
             "fork_parent_killed_children_keep_running",
             fork_parent_killed_children_keep_running,
         ),
-        Trial::test(
+        (
             "fork_during_commands_parent_finishes_children_report_interrupted",
             fork_during_commands_parent_finishes_children_report_interrupted,
         ),
-        Trial::test(
+        (
             "snapshot_restore_resumes_processes_with_current_clock",
             snapshot_restore_resumes_processes_with_current_clock,
         ),
-    ]
+    ];
+    tests
+        .iter()
+        .map(|&(name, test)| {
+            Trial::test(name, move || {
+                if ALONE.contains(&name) {
+                    let _all = LOAD.write().unwrap_or_else(|p| p.into_inner());
+                    test()
+                } else {
+                    let _some = LOAD.read().unwrap_or_else(|p| p.into_inner());
+                    test()
+                }
+            })
+        })
+        .collect()
 }
 
 fn assets() -> &'static Assets {
