@@ -166,7 +166,9 @@ fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Resu
                 total_ms,
             } => {
                 progress.finish();
-                if format == Format::Human {
+                if format == Format::Human && total_ms == 0 {
+                    println!("{} was baked already", cell(&template["name"]));
+                } else if format == Format::Human {
                     println!(
                         "baked {} in {:.1} s (boot {boot_ms} ms)",
                         cell(&template["name"]),
