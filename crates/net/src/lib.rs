@@ -10,6 +10,9 @@
 //! - [`dns`]: the guest's DNS server: allowed names resolve (through a
 //!   [`dns::Resolver`]), others get NXDOMAIN.
 //! - [`log`]: the egress record (JSON line), a bounded ring, a writer.
+//! - [`gateway`]: the VMM-side userspace TCP/IP endpoint (smoltcp) behind
+//!   the guest's virtio-net: ARP, DNS through [`dns`], and each allowed TCP
+//!   connection relayed to a host stream a [`gateway::Connector`] opens.
 //!
 //! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
 //! frames from its virtio-net device and the daemon feeds it policies.
@@ -17,5 +20,6 @@
 #![forbid(unsafe_code)]
 
 pub mod dns;
+pub mod gateway;
 pub mod log;
 pub mod policy;
