@@ -37,9 +37,19 @@ impl HostStream for std::os::unix::net::UnixStream {
     }
 }
 
+/// Who opened a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Direction {
+    /// The guest, to a destination its policy allows: logged.
+    Outbound,
+    /// The daemon, to a port of the guest (the ports API): not egress.
+    Inbound,
+}
+
 /// A connection past its SYN.
 pub(super) struct Conn {
     pub id: ConnId,
+    pub direction: Direction,
     pub handle: SocketHandle,
     pub key: (SocketAddrV4, SocketAddrV4),
     pub stream: Box<dyn HostStream>,
@@ -60,6 +70,7 @@ pub(super) enum Progress {
 impl Conn {
     pub fn new(
         id: ConnId,
+        direction: Direction,
         handle: SocketHandle,
         key: (SocketAddrV4, SocketAddrV4),
         stream: Box<dyn HostStream>,
@@ -68,6 +79,7 @@ impl Conn {
     ) -> Self {
         Self {
             id,
+            direction,
             handle,
             key,
             stream,

@@ -9,7 +9,7 @@
 //! 10.0.2.0/24.
 //!
 //! Life of a guest connection:
-//! 1. The guest's SYN is seen here *before* smoltcp ([`frames::classify`]).
+//! 1. The guest's SYN is seen here *before* smoltcp (`frames::classify`).
 //!    Its destination is decided against the [`Policy`], by address and by
 //!    the name the guest looked up for it through this gateway's DNS.
 //!    10.0.2.2 itself is [`HOST_INTERNAL`], the host's loopback.
@@ -22,7 +22,7 @@
 //!    smoltcp socket is made listening on exactly that destination, the
 //!    held SYN is replayed into it, and the guest's handshake completes
 //!    against a destination that is already there.
-//! 4. Bytes are relayed ([`conn`]) until both sides have closed; then the
+//! 4. Bytes are relayed (`conn`) until both sides have closed; then the
 //!    record (bytes each way, duration) goes in the log.
 //!
 //! Bounds, since every byte here comes from a guest: frames queued each
@@ -57,7 +57,7 @@ pub use device::MAX_FRAME;
 use crate::dns::{self, Resolver};
 use crate::log::{EgressLog, EgressRecord, LogReason};
 use crate::policy::{Decision, Destination, Policy, Protocol, Reason, Verdict, HOST_INTERNAL};
-use conn::{Conn, Progress};
+use conn::{Conn, Direction, Progress};
 use device::QueueDevice;
 use frames::{Inbound, Syn};
 use names::NameMap;
@@ -71,6 +71,17 @@ pub const PREFIX_LEN: u8 = 24;
 /// The gateway's MAC address (locally administered).
 pub const GATEWAY_MAC: [u8; 6] = [0x02, 0x46, 0x42, 0x00, 0x00, 0x02];
 const DNS_PORT: u16 = 53;
+/// Local ports (on the gateway address) of inbound connections.
+const INBOUND_PORTS: (u16, u16) = (49152, 65535);
+
+/// Why an inbound connection could not be started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InboundError {
+    #[error("port 0 is not a guest port")]
+    BadPort,
+    #[error("too many connections")]
+    Limit,
+}
 
 /// Sizes and limits of one gateway.
 #[derive(Debug, Clone)]
@@ -207,6 +218,8 @@ pub struct Gateway<R, C> {
     names: NameMap,
     log: EgressLog,
     next_id: u64,
+    /// The next local port tried for an inbound connection.
+    next_inbound_port: u16,
 }
 
 impl<R: Resolver, C: Connector> Gateway<R, C> {
@@ -259,6 +272,7 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
             conns: HashMap::new(),
             keys: HashMap::new(),
             next_id: 1,
+            next_inbound_port: INBOUND_PORTS.0,
         }
     }
 
@@ -410,6 +424,72 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
         }
     }
 
+    /// Open a TCP connection from the gateway to `guest_port` on the guest
+    /// and relay it to `stream` (the daemon's side of a ports-API stream).
+    /// If nothing listens there, the guest's RST ends it and `stream` is
+    /// dropped. Not an egress attempt: not logged.
+    pub fn connect_inbound(
+        &mut self,
+        guest_port: u16,
+        stream: Box<dyn HostStream>,
+        now: Now,
+    ) -> Result<ConnId, InboundError> {
+        if guest_port == 0 {
+            return Err(InboundError::BadPort);
+        }
+        if self.pending.len() + self.conns.len() >= self.config.max_connections {
+            return Err(InboundError::Limit);
+        }
+        let guest = SocketAddrV4::new(GUEST_IP, guest_port);
+        let local = self.free_inbound_port(guest).ok_or(InboundError::Limit)?;
+        let size = self.config.tcp_buffer;
+        let mut socket = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0; size]),
+            tcp::SocketBuffer::new(vec![0; size]),
+        );
+        socket.set_nagle_enabled(false);
+        socket.set_timeout(Some(self.config.tcp_timeout.into()));
+        let remote = (IpAddress::Ipv4(GUEST_IP), guest_port);
+        let local_ep = IpListenEndpoint {
+            addr: Some(IpAddress::Ipv4(GATEWAY_IP)),
+            port: local.port(),
+        };
+        socket
+            .connect(self.iface.context(), remote, local_ep)
+            .map_err(|_| InboundError::BadPort)?;
+        let handle = self.sockets.add(socket);
+        let id = self.next_id();
+        let key = (guest, local);
+        self.keys.insert(key, id);
+        let record = self.record(Protocol::Tcp, None, guest, now);
+        let conn = Conn::new(
+            id,
+            Direction::Inbound,
+            handle,
+            key,
+            stream,
+            record,
+            now.monotonic,
+        );
+        self.conns.insert(id, conn);
+        self.iface
+            .poll(now.instant(), &mut self.device, &mut self.sockets);
+        Ok(id)
+    }
+
+    fn free_inbound_port(&mut self, guest: SocketAddrV4) -> Option<SocketAddrV4> {
+        let (lo, hi) = INBOUND_PORTS;
+        for _ in lo..=hi {
+            let port = self.next_inbound_port;
+            self.next_inbound_port = if port == hi { lo } else { port + 1 };
+            let local = SocketAddrV4::new(GATEWAY_IP, port);
+            if !self.keys.contains_key(&(guest, local)) {
+                return Some(local);
+            }
+        }
+        None
+    }
+
     fn next_id(&mut self) -> ConnId {
         let id = ConnId(self.next_id);
         self.next_id += 1;
@@ -556,7 +636,15 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
         }
         let key = (p.syn.src, p.syn.dst);
         self.keys.insert(key, id);
-        let conn = Conn::new(id, handle, key, stream, p.record, p.started);
+        let conn = Conn::new(
+            id,
+            Direction::Outbound,
+            handle,
+            key,
+            stream,
+            p.record,
+            p.started,
+        );
         self.conns.insert(id, conn);
     }
 
@@ -581,7 +669,9 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
         self.sockets.remove(conn.handle);
         let elapsed = now.monotonic.saturating_sub(conn.started);
         conn.record.duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-        self.log.push(conn.record);
+        if conn.direction == Direction::Outbound {
+            self.log.push(conn.record);
+        }
     }
 
     fn expire_pending(&mut self, now: Now) {

@@ -324,6 +324,36 @@ fn gateway_reset_all_resets_guest_connections() {
 }
 
 #[test]
+fn gateway_inbound_connection_reaches_guest_listener_unlogged() {
+    let mut net = Net::new("{}", Behavior::Echo);
+    let l = net.listen(8888);
+    let stream = Box::new(harness::Greeter::new(b"GET / HTTP/1.0\r\n\r\n"));
+    let now = net.now();
+    net.gw.connect_inbound(8888, stream, now).expect("starts");
+    assert!(net.run_until(200, |n| n.received(l) == b"GET / HTTP/1.0\r\n\r\n"));
+    net.send(l, b"HTTP/1.0 200 OK\r\n\r\n");
+    net.close(l);
+    assert!(net.run_until(2_000, |n| n.gw.stats().connections == 0));
+    assert!(net.gw.take_log().is_empty(), "inbound is not egress");
+}
+
+#[test]
+fn gateway_inbound_to_closed_port_ends_and_frees() {
+    let mut net = Net::new("{}", Behavior::Echo);
+    let now = net.now();
+    net.gw
+        .connect_inbound(9999, Box::new(harness::EchoStream::default()), now)
+        .expect("starts");
+    assert_eq!(net.gw.stats().connections, 1);
+    assert!(net.run_until(50, |n| n.gw.stats().connections == 0));
+    assert_eq!(
+        net.gw
+            .connect_inbound(0, Box::new(harness::EchoStream::default()), now),
+        Err(InboundError::BadPort)
+    );
+}
+
+#[test]
 fn gateway_syn_flood_pending_is_capped() {
     let mut net = Net::new(r#"{"allow_out": ["*"]}"#, Behavior::Defer);
     let max_pending = GatewayConfig::default().max_pending;

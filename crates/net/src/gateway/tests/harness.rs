@@ -111,9 +111,18 @@ impl HostStream for EchoStream {
     }
 }
 
-struct Greeter {
+pub struct Greeter {
     data: Vec<u8>,
     at: usize,
+}
+
+impl Greeter {
+    pub fn new(data: &[u8]) -> Self {
+        Self {
+            data: data.to_vec(),
+            at: 0,
+        }
+    }
 }
 
 impl Read for Greeter {
@@ -272,6 +281,18 @@ impl Net {
         s.connect(self.iface.context(), remote, self.next_port)
             .expect("guest connect");
         self.next_port += 1;
+        let h = self.sockets.add(s);
+        self.received.insert(h, Vec::new());
+        h
+    }
+
+    /// A guest socket listening on `port`; what it receives is recorded.
+    pub fn listen(&mut self, port: u16) -> SocketHandle {
+        let mut s = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0; 64 * 1024]),
+            tcp::SocketBuffer::new(vec![0; 64 * 1024]),
+        );
+        s.listen(port).expect("guest listen");
         let h = self.sockets.add(s);
         self.received.insert(h, Vec::new());
         h
