@@ -977,7 +977,10 @@ impl Daemon {
                     std::io::Error::other("the VMM answered with no child"),
                 )
             })??;
-            child.make_zygote()?;
+            // A fork child's memory is already a copy-on-write view of
+            // its parent's: it stays as it is, paused, and forks of it
+            // share it the same way.
+            child.pause()?;
             Ok(child)
         })
         .await
