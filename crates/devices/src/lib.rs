@@ -1,8 +1,9 @@
 //! Emulated devices of the forkbox VMM.
 //!
 //! Owns: the virtio-mmio transport ([`virtio::mmio`]), virtio-blk
-//! ([`virtio::block`]) and virtio-vsock with its userspace backend
-//! ([`virtio::vsock`]).
+//! ([`virtio::block`]), virtio-vsock with its userspace backend
+//! ([`virtio::vsock`]) and virtio-net in front of a frame backend
+//! ([`virtio::net`]).
 //!
 //! Module map:
 //! - [`virtio`]: the [`virtio::VirtioDevice`] trait and activation errors.
@@ -11,6 +12,8 @@
 //!   - [`virtio::chain`]: descriptor chains flattened into readable and
 //!     writable byte ranges of guest memory.
 //!   - [`virtio::block`]: read-only virtio-blk over a file (pread).
+//!   - [`virtio::net`]: virtio-net moving Ethernet frames to and from a
+//!     [`virtio::net::FrameBackend`] (the VMM's userspace gateway).
 //!   - [`virtio::vsock`]: virtio-vsock and its unix-socket ("hybrid") backend.
 //!     - [`virtio::vsock::packet`]: the 44-byte packet header, sans-IO.
 //!     - [`virtio::vsock::conn`]: one connection's state and credit, sans-IO.

@@ -6,6 +6,7 @@ use virtio_queue::Queue;
 pub mod block;
 pub mod chain;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -29,7 +30,7 @@ pub enum ActivateError {
 /// registers (features, queue setup, status); the device owns its
 /// configuration space and what happens when the driver kicks a queue.
 pub trait VirtioDevice: EventSource {
-    /// Virtio device ID (2 = block, 19 = vsock).
+    /// Virtio device ID (1 = net, 2 = block, 19 = vsock).
     fn device_type(&self) -> u32;
     /// Maximum size of each queue; its length is the number of queues.
     fn queue_max_sizes(&self) -> &[u16];

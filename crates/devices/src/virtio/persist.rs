@@ -121,12 +121,23 @@ pub struct VsockState {
     pub pending_rsts: Vec<Vec<u8>>,
 }
 
+/// virtio-net: its MAC, features and, once active, its rx and tx queues.
+/// The backend (the gateway and its host connections) is not device
+/// state: a restored or forked VM gets a fresh one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetState {
+    pub mac: [u8; 6],
+    pub acked_features: u64,
+    pub queues: Option<Vec<QueueState>>,
+}
+
 /// The state of whichever device sits behind a transport.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum DeviceState {
     Block(BlockState),
     Vsock(VsockState),
+    Net(NetState),
 }
 
 impl DeviceState {
@@ -134,6 +145,7 @@ impl DeviceState {
         match self {
             DeviceState::Block(_) => "block",
             DeviceState::Vsock(_) => "vsock",
+            DeviceState::Net(_) => "net",
         }
     }
 }

@@ -19,8 +19,9 @@ use crate::log::EgressRecord;
 
 /// The host side of a connection: a connected, non-blocking byte stream
 /// (`read`/`write` answer `WouldBlock` when they cannot make progress;
-/// `read` answers `Ok(0)` at end of stream).
-pub trait HostStream: Read + Write {
+/// `read` answers `Ok(0)` at end of stream). `Send`: the VMM's devices
+/// (and so the gateway behind its virtio-net) move between threads.
+pub trait HostStream: Read + Write + Send {
     /// Close the write half: the guest sent FIN.
     fn shutdown_write(&mut self) -> io::Result<()>;
 }
