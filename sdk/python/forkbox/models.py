@@ -47,6 +47,9 @@ class TemplateInfo:
     """`not_baked`, `baking`, `ready` or `failed`."""
     from_sandbox: Optional[str]
     """The sandbox a snapshot template was taken from; `None` otherwise."""
+    error: Optional[str] = None
+    """Why the last bake failed."""
+    bake_ms: Optional[int] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The daemon's whole object, fields this SDK does not know included."""
 
@@ -57,4 +60,5 @@ class TemplateInfo:
                    setup=list(d.get("setup") or []), ready=d.get("ready"),
                    ready_timeout_secs=int(d.get("ready_timeout_secs", 0)),
                    envs=dict(d.get("envs") or {}), state=str(d.get("state", default_state)),
-                   from_sandbox=d.get("from_sandbox"), raw=dict(d))
+                   from_sandbox=d.get("from_sandbox"), error=d.get("error"),
+                   bake_ms=d.get("bake_ms"), raw=dict(d))

@@ -48,7 +48,8 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
     this process dies) apply to the sandbox created from a template.
 
     Every child is killed before this returns, on error or time-out too;
-    a `fn` still running then sees its sandbox's calls fail. Raises only
+    a `fn` still running then sees its next calls to its sandbox fail (a
+    command already running may not be cut off). Raises only
     when the group could not start (create or the fork request failed)."""
     parent: Sandbox
     if isinstance(source, str):

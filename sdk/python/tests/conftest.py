@@ -4,6 +4,7 @@ inside the emulated host where this machine lacks VMX/SVM, as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,20 +21,24 @@ sys.path.insert(0, str(SDK))
 
 import httpx  # noqa: E402
 
-MAX_LIVE = 2
+# Room for a parent and a fork of 16 plus what the other tests keep live.
+MAX_LIVE = 24
+# The cap test's own daemon: small enough to fill.
+SMALL_MAX_LIVE = 2
 
 
-@pytest.fixture(scope="session")
-def daemon_url() -> Iterator[str]:
+@contextlib.contextmanager
+def _forkboxd(max_live: int) -> Iterator[str]:
+    """A forkboxd on a fresh unix socket; its URL. The log tail goes to
+    stderr at the end."""
     # /tmp: the emulated host mounts everything else read-only.
     d = tempfile.mkdtemp(prefix="forkboxd-test-", dir="/tmp")
     sock = os.path.join(d, "forkbox.sock")
     exe = os.environ.get("FORKBOXD") or str(REPO / "target" / "release" / "forkboxd")
     log = open(os.path.join(d, "forkboxd.log"), "w+b")
     proc = subprocess.Popen(
-        [exe, "--listen", f"unix://{sock}", "--max-live", str(MAX_LIVE), "--create-wait", "0"],
+        [exe, "--listen", f"unix://{sock}", "--max-live", str(max_live), "--create-wait", "0"],
         stdout=log, stderr=subprocess.STDOUT)
-    url = f"unix://{sock}"
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
@@ -50,12 +55,29 @@ def daemon_url() -> Iterator[str]:
             proc.kill()
             pytest.fail("forkboxd did not come up within 120 s")
         time.sleep(0.05)
-    os.environ["FORKBOX_URL"] = url
-    yield url
-    proc.terminate()
     try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.seek(0)
-    sys.stderr.write("--- forkboxd log ---\n" + log.read().decode(errors="replace")[-4000:])
+        yield f"unix://{sock}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.seek(0)
+        sys.stderr.write(f"--- forkboxd (max-live {max_live}) log ---\n"
+                         + log.read().decode(errors="replace")[-4000:])
+
+
+@pytest.fixture(scope="session")
+def daemon_url() -> Iterator[str]:
+    """The session's daemon; the SDK finds it through FORKBOX_URL."""
+    with _forkboxd(MAX_LIVE) as url:
+        os.environ["FORKBOX_URL"] = url
+        yield url
+
+
+@pytest.fixture(scope="module")
+def small_daemon_url() -> Iterator[str]:
+    """A second daemon whose live cap is SMALL_MAX_LIVE (pass `url=`)."""
+    with _forkboxd(SMALL_MAX_LIVE) as url:
+        yield url

@@ -9,8 +9,7 @@ from typing import List
 
 import pytest
 
-from forkbox import (CapacityError, InvalidRequestError, NotFoundError, Sandbox,
-                     UnsupportedError)
+from forkbox import CapacityError, InvalidRequestError, NotFoundError, Sandbox
 from forkbox._client import shared_client
 
 
@@ -94,14 +93,9 @@ def test_connect_list_and_info(sb: Sandbox) -> None:
     assert Sandbox.list(metadata={"suite": "nope"}) == []
     info = sb.get_info()
     assert info["state"] == "running"
-    assert info["started_by"] == "cold_boot"
+    assert info["started_by"] == "fork", "created as a fork of the template's zygote"
     assert info["metrics"]["memory_rss_kib"] > 0
     assert info["parent"] is None
-
-
-def test_fork_says_unsupported_until_it_lands(sb: Sandbox) -> None:
-    with pytest.raises(UnsupportedError):
-        sb.fork(count=2)
 
 
 def test_unknown_sandbox_and_bad_requests(daemon_url: str) -> None:
@@ -111,17 +105,30 @@ def test_unknown_sandbox_and_bad_requests(daemon_url: str) -> None:
         shared_client().json("POST", "/sandboxes", json={"template": "minimal", "nope": 1})
 
 
-def test_cap_ttl_kill_by_label_and_context_manager(sb: Sandbox) -> None:
-    # `sb` is live and the fixture's cap is 2: one more fits, then no room.
+def test_cap_ttl_kill_by_label_and_context_manager(small_daemon_url: str) -> None:
+    url = small_daemon_url
+    first = Sandbox.create("minimal", timeout=600, metadata={"suite": "first"}, url=url)
+    # `first` is live and this daemon's cap is 2: one more fits, then no room.
     with pytest.raises(RuntimeError):
-        with Sandbox.create("minimal", metadata={"suite": "second"}) as second:
+        with Sandbox.create("minimal", metadata={"suite": "second"}, url=url) as second:
             with pytest.raises(CapacityError):
-                Sandbox.create("minimal")
+                Sandbox.create("minimal", url=url)
             second.set_timeout(600)
             raise RuntimeError("the with block fails")
     assert not second.is_running(), "killed on exit even on error"
+    # A fork past the cap: refused whole, or the children past it get errors.
+    try:
+        children = first.fork(count=2)
+    except CapacityError:
+        children = []
+    else:
+        assert len(children) == 2
+        assert any(isinstance(c, CapacityError) for c in children), children
+    for c in children:
+        if isinstance(c, Sandbox):
+            c.kill()
     # Room again: a sandbox whose TTL runs out is killed by the daemon.
-    short = Sandbox.create("minimal", timeout=None, metadata={"suite": "ttl"})
+    short = Sandbox.create("minimal", timeout=None, metadata={"suite": "ttl"}, url=url)
     short.set_timeout(1)
     deadline = time.monotonic() + 30
     while short.is_running() and time.monotonic() < deadline:
@@ -130,7 +137,8 @@ def test_cap_ttl_kill_by_label_and_context_manager(sb: Sandbox) -> None:
     assert info["state"] == "dead"
     assert info["death"] == "expired"
     # Kill by label.
-    third = Sandbox.create("minimal", metadata={"suite": "bylabel"})
-    assert Sandbox.kill_by_metadata({"suite": "bylabel"}) == [third.sandbox_id]
+    third = Sandbox.create("minimal", metadata={"suite": "bylabel"}, url=url)
+    assert Sandbox.kill_by_metadata({"suite": "bylabel"}, url=url) == [third.sandbox_id]
     assert not third.is_running()
-    assert sb.is_running()
+    assert first.is_running()
+    first.kill()

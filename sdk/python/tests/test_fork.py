@@ -1,0 +1,88 @@
+"""Fork, pause/resume and snapshots against a real forkboxd."""
+
+from __future__ import annotations
+
+import uuid
+from typing import List, Sequence
+
+import pytest
+
+from forkbox import ForkboxError, InfrastructureError, Sandbox, Template
+
+
+def _alive(children: Sequence[object]) -> List[Sandbox]:
+    return [c for c in children if isinstance(c, Sandbox)]
+
+
+def test_fork_16_children_start_from_the_parents_state_in_order(daemon_url: str) -> None:
+    with Sandbox.create("minimal", timeout=600, metadata={"suite": "fork"}) as parent:
+        parent.files.write("/tmp/state", "before fork")
+        parent.commands.run("echo 42 > /tmp/counter")
+        children = parent.fork(count=16)
+        try:
+            assert len(children) == 16
+            errors = [c for c in children if not isinstance(c, Sandbox)]
+            assert errors == [], errors
+            kids = _alive(children)
+            assert len({k.sandbox_id for k in kids}) == 16
+            assert parent.sandbox_id not in {k.sandbox_id for k in kids}
+            for i, k in enumerate(kids):
+                # Each child sees the parent's files and gets its own copy.
+                r = k.commands.run(f"cat /tmp/state; read n < /tmp/counter; "
+                                   f"echo $((n + {i})) > /tmp/counter; cat /tmp/counter")
+                assert r.stdout == f"before fork{42 + i}\n", r
+            assert parent.files.read("/tmp/counter") == "42\n", "children's writes stay theirs"
+            info = kids[3].get_info()
+            assert info["parent"] == parent.sandbox_id
+            assert info["state"] == "running"
+            assert set(parent.get_info()["children"]) >= {k.sandbox_id for k in kids}
+        finally:
+            for k in _alive(children):
+                k.kill()
+        assert not any(k.is_running() for k in _alive(children))
+
+
+def test_fork_count_out_of_range_is_refused_before_sending() -> None:
+    sb = Sandbox({"id": "sb-0000000000000000"}, None)  # type: ignore[arg-type]
+    for bad in (0, 257):
+        with pytest.raises(ValueError):
+            sb.fork(count=bad)
+
+
+def test_pause_then_resume_keeps_state(daemon_url: str) -> None:
+    with Sandbox.create("minimal", timeout=600) as sb:
+        sb.commands.run("echo kept > /tmp/mark")
+        sb.pause()
+        assert sb.get_info()["state"] == "paused"
+        sb.resume()
+        assert sb.get_info()["state"] == "running"
+        assert sb.commands.run("cat /tmp/mark").stdout == "kept\n"
+
+
+# The daemon (9e77c50) cannot make a zygote of a sandbox that is itself a
+# fork: "the VMM refused `zygote`: guest memory is shared with another
+# owner". Every sandbox is a fork now, so no snapshot works yet.
+@pytest.mark.xfail(raises=InfrastructureError, strict=False,
+                   reason="daemon: snapshot of a forked sandbox is refused by the VMM")
+def test_create_snapshot_makes_a_template_that_forks_that_state(daemon_url: str) -> None:
+    name = f"snap-{uuid.uuid4().hex[:8]}"
+    try:
+        with Sandbox.create("minimal", timeout=600) as sb:
+            sb.commands.run("echo snapshotted > /tmp/mark")
+            tmpl = sb.create_snapshot(name)
+            assert tmpl.name == name
+            assert tmpl.from_sandbox == sb.sandbox_id
+            assert tmpl.state == "ready"
+            # The source keeps running; changes after the snapshot are its own.
+            sb.commands.run("echo later > /tmp/mark")
+        assert name in [t.name for t in Template.list()]
+        with Sandbox.create(name, timeout=600) as again:
+            assert again.commands.run("cat /tmp/mark").stdout == "snapshotted\n"
+            assert again.template == name
+        Template.delete(name)
+        assert name not in [t.name for t in Template.list()]
+    finally:
+        try:
+            Template.delete(name)
+        except ForkboxError:
+            pass
