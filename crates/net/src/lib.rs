@@ -13,12 +13,15 @@
 //! - [`gateway`]: the VMM-side userspace TCP/IP endpoint (smoltcp) behind
 //!   the guest's virtio-net: ARP, DNS through [`dns`], and each allowed TCP
 //!   connection relayed to a host stream a [`gateway::Connector`] opens.
+//! - [`broker`]: the messages between a VMM and the broker that resolves
+//!   names and opens connections for it, and the broker's own decision.
 //!
 //! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
 //! frames from its virtio-net device and the daemon feeds it policies.
 
 #![forbid(unsafe_code)]
 
+pub mod broker;
 pub mod dns;
 pub mod gateway;
 pub mod log;

@@ -1,12 +1,16 @@
 //! The command line, exactly as the forkbox CLI and daemon call it:
 //! `forkbox-vmm --kernel PATH --initramfs PATH --cmdline STR [--vcpus N=1]
 //! [--memory-mib N=512] [--disk PATH]... [--vsock-uds PATH]
-//! [--serial-log PATH] [--serial-stdout] [--control PATH]`, or
+//! [--serial-log PATH] [--serial-stdout] [--control PATH]
+//! [--net-policy PATH [--net-broker PATH] [--net-log PATH]]`, or
 //! `forkbox-vmm --restore DIR [--control PATH] [--vsock-uds PATH]
-//! [--serial-log PATH] [--serial-stdout]` (hardware and disks come from
-//! `DIR/state.json`).
+//! [--serial-log PATH] [--serial-stdout] [--net-policy ...]` (hardware and
+//! disks come from `DIR/state.json`; a VM saved with a network needs
+//! `--net-policy` again).
 
 use std::path::PathBuf;
+
+use crate::net::NetConfig;
 
 use clap::Parser;
 
@@ -51,6 +55,29 @@ pub struct Args {
     /// Also copy serial output to stderr.
     #[arg(long)]
     pub serial_stdout: bool,
+    /// Attach virtio-net behind the userspace gateway, with this egress
+    /// policy (JSON: `{"allow_out": [...], "deny_out": [...]}`).
+    #[arg(long)]
+    pub net_policy: Option<PathBuf>,
+    /// The network broker's socket (SOCK_SEQPACKET): it resolves names and
+    /// opens allowed connections. Without it the VMM reaches only
+    /// `host.forkbox.internal` (the host's loopback) itself.
+    #[arg(long, requires = "net_policy")]
+    pub net_broker: Option<PathBuf>,
+    /// Append the egress log (JSON lines) to this file.
+    #[arg(long, requires = "net_policy")]
+    pub net_log: Option<PathBuf>,
+}
+
+/// Why the command line cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("cannot read the network policy {path}")]
+    NetPolicy {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// What the command line asks for.
@@ -61,36 +88,53 @@ pub enum Command {
 }
 
 impl Args {
-    pub fn into_command(self) -> Command {
+    pub fn into_command(self) -> Result<Command, CliError> {
+        let net = match &self.net_policy {
+            Some(path) => Some(NetConfig {
+                policy_json: std::fs::read_to_string(path).map_err(|source| {
+                    CliError::NetPolicy {
+                        path: path.clone(),
+                        source,
+                    }
+                })?,
+                broker: self.net_broker.clone(),
+                log: self.net_log.clone(),
+            }),
+            None => None,
+        };
         let echo = if self.serial_stdout {
             Echo::Stderr
         } else {
             Echo::Off
         };
-        match (self.restore, self.kernel, self.initramfs, self.cmdline) {
-            (None, Some(kernel), Some(initramfs), Some(cmdline)) => Command::Boot(VmConfig {
-                kernel,
-                initramfs,
-                cmdline,
-                vcpus: self.vcpus,
-                memory_mib: self.memory_mib,
-                disks: self.disks,
-                vsock_uds: self.vsock_uds,
-                serial_log: self.serial_log,
-                echo,
-                control: self.control,
-            }),
-            // clap enforces: either --restore, or all three boot options.
-            (restore, ..) => Command::Restore {
-                dir: restore.unwrap_or_default(),
-                endpoints: Endpoints {
-                    control: self.control,
+        Ok(
+            match (self.restore, self.kernel, self.initramfs, self.cmdline) {
+                (None, Some(kernel), Some(initramfs), Some(cmdline)) => Command::Boot(VmConfig {
+                    kernel,
+                    initramfs,
+                    cmdline,
+                    vcpus: self.vcpus,
+                    memory_mib: self.memory_mib,
+                    disks: self.disks,
                     vsock_uds: self.vsock_uds,
                     serial_log: self.serial_log,
                     echo,
+                    control: self.control,
+                    net,
+                }),
+                // clap enforces: either --restore, or all three boot options.
+                (restore, ..) => Command::Restore {
+                    dir: restore.unwrap_or_default(),
+                    endpoints: Endpoints {
+                        control: self.control,
+                        vsock_uds: self.vsock_uds,
+                        serial_log: self.serial_log,
+                        echo,
+                        net,
+                    },
                 },
             },
-        }
+        )
     }
 }
 
@@ -110,7 +154,7 @@ mod tests {
 
     fn parse(extra: &[&str]) -> Result<VmConfig, clap::Error> {
         let argv = BASE.iter().chain(extra).copied();
-        Args::try_parse_from(argv).map(|a| match a.into_command() {
+        Args::try_parse_from(argv).map(|a| match a.into_command().expect("no files named") {
             Command::Boot(c) => c,
             other => panic!("not a boot: {other:?}"),
         })
@@ -183,7 +227,7 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!(
-            a.into_command(),
+            a.into_command().expect("no files named"),
             Command::Restore {
                 dir: "/snap".into(),
                 endpoints: Endpoints {
@@ -191,6 +235,7 @@ mod tests {
                     vsock_uds: Some("/v".into()),
                     serial_log: Some("/l".into()),
                     echo: Echo::Off,
+                    net: None,
                 }
             }
         );

@@ -5,7 +5,8 @@
 //! Requests (see the VMM's `--control` option):
 //! - `{"op":"status"}`
 //! - `{"op":"pause"}`, `{"op":"resume"}`
-//! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P}, ...],"then":"resume"|"pause"}`
+//! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P}, ...],"then":"resume"|"pause"}`
+//!   (`net_log`: the child's own egress log; without it the child has none)
 //! - `{"op":"zygote"}`
 //! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
 
@@ -35,6 +36,8 @@ pub struct ChildSpec {
     pub vsock_uds: Option<PathBuf>,
     #[serde(default)]
     pub serial_log: Option<PathBuf>,
+    #[serde(default)]
+    pub net_log: Option<PathBuf>,
 }
 
 /// A parsed control request.
@@ -189,7 +192,7 @@ mod tests {
     #[test]
     fn parse_fork_children_and_then() {
         let r = parse(
-            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s"},{"control":"/c2"}],"then":"pause"}"#,
+            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n"},{"control":"/c2"}],"then":"pause"}"#,
         )
         .expect("valid");
         assert_eq!(
@@ -199,12 +202,14 @@ mod tests {
                     ChildSpec {
                         control: "/c".into(),
                         vsock_uds: Some("/v".into()),
-                        serial_log: Some("/s".into())
+                        serial_log: Some("/s".into()),
+                        net_log: Some("/n".into())
                     },
                     ChildSpec {
                         control: "/c2".into(),
                         vsock_uds: None,
-                        serial_log: None
+                        serial_log: None,
+                        net_log: None
                     }
                 ],
                 then: Then::Pause

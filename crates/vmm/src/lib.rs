@@ -15,6 +15,8 @@
 //! - [`serial`]: COM1 output: log file, 64 KiB tail, optional stderr echo.
 //! - [`pio`]: the port I/O bus (COM1, i8042 reset, ACPI sleep/reset, PCI).
 //! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
+//! - [`net`]: the guest network's host side: `forkbox-net`'s gateway as
+//!   the virtio-net backend, its connector (broker or loopback) and log.
 //! - [`state`]: the captured VM state (versioned, serde) and the KVM ioctls
 //!   that capture and apply it.
 //! - [`control`]: the control socket's protocol (sans-IO parsing).
@@ -39,6 +41,7 @@ pub mod fork;
 pub mod host;
 pub mod layout;
 pub mod memory;
+pub mod net;
 pub mod pio;
 pub mod serial;
 pub mod state;
@@ -109,10 +112,13 @@ pub struct VmConfig {
     pub echo: Echo,
     /// The control socket (pause, resume, fork, zygote, snapshot).
     pub control: Option<PathBuf>,
+    /// A virtio-net device behind the userspace gateway (opt-in).
+    pub net: Option<net::NetConfig>,
 }
 
 impl VmConfig {
-    /// The virtio devices in window order: disks first (vda, vdb, ...), then vsock.
+    /// The virtio devices in window order: disks first (vda, vdb, ...),
+    /// then vsock, then net.
     pub fn devices(&self) -> Vec<virtio::DeviceSpec> {
         self.disks
             .iter()
@@ -123,6 +129,7 @@ impl VmConfig {
                     .clone()
                     .map(|uds| virtio::DeviceSpec::Vsock { uds }),
             )
+            .chain(self.net.clone().map(virtio::DeviceSpec::Net))
             .collect()
     }
 }

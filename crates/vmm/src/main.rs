@@ -25,7 +25,14 @@ fn main() {
             });
         }
     };
-    let result = match args.into_command() {
+    let command = match args.into_command() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+            std::process::exit(forkbox_vmm::EXIT_VMM_ERROR);
+        }
+    };
+    let result = match command {
         forkbox_vmm::cli::Command::Boot(config) => forkbox_vmm::run(&config),
         forkbox_vmm::cli::Command::Restore { dir, endpoints } => {
             forkbox_vmm::run_restore(&dir, endpoints)

@@ -68,6 +68,10 @@ pub struct Hardware {
     pub disks: Vec<PathBuf>,
     /// Whether a vsock device follows the disks.
     pub vsock: bool,
+    /// Whether a virtio-net device follows (state files without the field
+    /// have none).
+    #[serde(default)]
+    pub net: bool,
 }
 
 /// One vCPU, captured while parked outside `KVM_RUN` after an
@@ -452,6 +456,7 @@ mod tests {
                 memory_mib: 512,
                 disks: vec!["/d".into()],
                 vsock: true,
+                net: false,
             },
             vm: VmState {
                 pic_master: kvm_irqchip::default(),

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use forkbox_devices::virtio::block::Block;
 use forkbox_devices::virtio::mmio::MmioTransport;
+use forkbox_devices::virtio::net::Net;
 use forkbox_devices::virtio::persist::{RestoreError, TransportState};
 use forkbox_devices::virtio::vsock::Vsock;
 use forkbox_devices::virtio::VirtioDevice;
@@ -14,6 +15,7 @@ use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::layout::VirtioWindow;
+use crate::net::{GatewayBackend, NetConfig, NetError, GUEST_MAC};
 
 /// Guest CID of the VM's vsock device.
 pub const GUEST_CID: u64 = 3;
@@ -33,6 +35,8 @@ pub enum DeviceSpec {
     Block(PathBuf),
     /// virtio-vsock whose host side is a unix socket.
     Vsock { uds: PathBuf },
+    /// virtio-net behind the userspace gateway.
+    Net(NetConfig),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +53,8 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot set up the network")]
+    Net(#[source] NetError),
     #[error("too many virtio devices: {0} (at most {max})", max = crate::layout::MAX_VIRTIO_DEVICES)]
     TooMany(usize),
     #[error("cannot create an eventfd")]
@@ -114,6 +120,10 @@ fn new_device(spec: &DeviceSpec) -> Result<Box<dyn VirtioDevice>, DeviceError> {
                 })?,
             )
         }
+        DeviceSpec::Net(cfg) => Box::new(Net::new(
+            GUEST_MAC,
+            Box::new(GatewayBackend::new(cfg).map_err(DeviceError::Net)?),
+        )),
     })
 }
 

@@ -113,6 +113,8 @@ pub enum VmError {
     },
     #[error("this VM has a vsock device: a vsock socket path is required")]
     VsockPathMissing,
+    #[error("this VM has a network device: a network policy is required")]
+    NetConfigMissing,
     #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
     VcpuCount { saved: usize, hardware: u8 },
     #[error("guest memory is shared with another owner")]
@@ -159,6 +161,8 @@ pub struct Endpoints {
     pub vsock_uds: Option<PathBuf>,
     pub serial_log: Option<PathBuf>,
     pub echo: Echo,
+    /// The network's policy, broker and log (a VM with a net device).
+    pub net: Option<crate::net::NetConfig>,
 }
 
 /// Why the main loop stopped.
@@ -317,6 +321,10 @@ fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>,
             .ok_or(VmError::VsockPathMissing)?;
         specs.push(DeviceSpec::Vsock { uds });
     }
+    if hw.net {
+        let net = endpoints.net.clone().ok_or(VmError::NetConfigMissing)?;
+        specs.push(DeviceSpec::Net(net));
+    }
     Ok(specs)
 }
 
@@ -355,12 +363,14 @@ impl Machine {
             vsock_uds: cfg.vsock_uds.clone(),
             serial_log: cfg.serial_log.clone(),
             echo: cfg.echo,
+            net: cfg.net.clone(),
         };
         let hw = Hardware {
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
             disks: cfg.disks.clone(),
             vsock: cfg.vsock_uds.is_some(),
+            net: cfg.net.is_some(),
         };
         let (pio, tail) = open_serial(&vm, &endpoints, None)?;
         let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory())?;
@@ -981,6 +991,11 @@ fn chain(e: VmError) -> String {
 fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     let ram = Arc::clone(&parent.ram);
     let echo = parent.endpoints.echo;
+    // The same policy and broker; the child's own log (or none).
+    let net = parent.endpoints.net.clone().map(|n| crate::net::NetConfig {
+        log: plan.spec.net_log.clone(),
+        ..n
+    });
     // No Drop may run on the parent's objects: KVM fds, eventfds, epolls,
     // sockets and vCPU thread handles all belong to the parent's VM.
     std::mem::forget(parent);
@@ -993,6 +1008,7 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         vsock_uds: plan.spec.vsock_uds.clone(),
         serial_log: plan.spec.serial_log.clone(),
         echo,
+        net,
     };
     match Machine::restore(ram, &plan.state, endpoints) {
         Ok(m) => {

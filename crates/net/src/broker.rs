@@ -1,0 +1,212 @@
+//! The messages between a VMM and its connection broker, sans-IO.
+//!
+//! The VMM is not trusted with the network: it asks a broker (in forkbox,
+//! a process that holds the sandbox's policy) to resolve allowed names and
+//! to open allowed TCP connections, and receives each connected socket as
+//! a file descriptor (`SCM_RIGHTS`). One JSON message per `SOCK_SEQPACKET`
+//! datagram each way; every reply names the request it answers, so
+//! connects can be answered out of order.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+
+use serde::{Deserialize, Serialize};
+
+use crate::gateway::GATEWAY_IP;
+use crate::policy::{Destination, Policy, Protocol, HOST_INTERNAL};
+
+/// Longest message either way.
+pub const MAX_MESSAGE: usize = 4096;
+
+/// What a VMM asks its broker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum BrokerRequest {
+    /// Open a TCP connection to `address:port` (the guest's destination;
+    /// [`GATEWAY_IP`] is the host's loopback), which the guest looked up
+    /// as `name`. Answered with the connected socket.
+    Connect {
+        id: u64,
+        #[serde(default)]
+        name: Option<String>,
+        address: Ipv4Addr,
+        port: u16,
+    },
+    /// Resolve an allowed name to IPv4 addresses.
+    Resolve { id: u64, name: String },
+}
+
+/// The broker's answer. A successful `connect` carries one fd.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrokerReply {
+    pub id: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<Ipv4Addr>,
+    /// For `resolve`: the name does not exist.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub not_found: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl BrokerReply {
+    pub fn failed(id: u64, error: impl Into<String>) -> Self {
+        Self {
+            id,
+            ok: false,
+            addresses: Vec::new(),
+            not_found: false,
+            error: Some(error.into()),
+        }
+    }
+}
+
+/// Where the broker connects for an allowed request, or why it will not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectPlan {
+    /// Connect here (the host's loopback for [`HOST_INTERNAL`]).
+    Connect(SocketAddr),
+    /// Allowed only by the name's rules: connect only if `name` resolves
+    /// (on the broker's side) to the address, since the VMM's word for
+    /// which name an address belongs to is not trusted.
+    ConnectIfResolves {
+        name: String,
+        target: SocketAddrV4,
+    },
+    Deny(String),
+}
+
+/// The broker's own decision on a connect request: the policy again, from
+/// the start.
+pub fn plan_connect(
+    policy: &Policy,
+    name: Option<&str>,
+    address: Ipv4Addr,
+    port: u16,
+) -> ConnectPlan {
+    if address == GATEWAY_IP {
+        let d = Destination {
+            name: Some(HOST_INTERNAL),
+            ip: address.into(),
+            port,
+            protocol: Protocol::Tcp,
+        };
+        return match policy.decide(&d).is_allowed() {
+            true => ConnectPlan::Connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port))),
+            false => ConnectPlan::Deny(format!("{HOST_INTERNAL}:{port} is not allowed")),
+        };
+    }
+    let by_address = Destination {
+        name: None,
+        ip: address.into(),
+        port,
+        protocol: Protocol::Tcp,
+    };
+    if policy.decide(&by_address).is_allowed() {
+        // A name could only add a deny rule: decide with it too.
+        if let Some(n) = name {
+            let with_name = Destination {
+                name: Some(n),
+                ..by_address
+            };
+            if !policy.decide(&with_name).is_allowed() {
+                return ConnectPlan::Deny(format!("{n} ({address}):{port} is not allowed"));
+            }
+        }
+        return ConnectPlan::Connect(SocketAddr::from((address, port)));
+    }
+    match name {
+        Some(n) if n != HOST_INTERNAL => {
+            let with_name = Destination {
+                name: Some(n),
+                ..by_address
+            };
+            if policy.decide(&with_name).is_allowed() {
+                ConnectPlan::ConnectIfResolves {
+                    name: n.to_owned(),
+                    target: SocketAddrV4::new(address, port),
+                }
+            } else {
+                ConnectPlan::Deny(format!("{n} ({address}):{port} is not allowed"))
+            }
+        }
+        _ => ConnectPlan::Deny(format!("{address}:{port} is not allowed")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(json: &str) -> Policy {
+        Policy::from_json(json).expect("policy")
+    }
+
+    #[test]
+    fn broker_plan_host_internal_goes_to_loopback_only_when_allowed() {
+        let p = policy(r#"{"allow_out":["host.forkbox.internal:8080"]}"#);
+        assert_eq!(
+            plan_connect(&p, Some(HOST_INTERNAL), GATEWAY_IP, 8080),
+            ConnectPlan::Connect("127.0.0.1:8080".parse().expect("addr"))
+        );
+        assert!(matches!(
+            plan_connect(&p, None, GATEWAY_IP, 8081),
+            ConnectPlan::Deny(_)
+        ));
+        // Loopback by address is never reachable.
+        assert!(matches!(
+            plan_connect(&p, Some(HOST_INTERNAL), Ipv4Addr::LOCALHOST, 8080),
+            ConnectPlan::Deny(_)
+        ));
+    }
+
+    #[test]
+    fn broker_plan_name_rules_need_resolution_cidr_rules_do_not() {
+        let p = policy(
+            r#"{"allow_out":["pypi.example.org:443","192.0.2.0/24"],"deny_out":["bad.example"]}"#,
+        );
+        let a = Ipv4Addr::new(198, 51, 100, 7);
+        assert_eq!(
+            plan_connect(&p, Some("pypi.example.org"), a, 443),
+            ConnectPlan::ConnectIfResolves {
+                name: "pypi.example.org".into(),
+                target: SocketAddrV4::new(a, 443)
+            }
+        );
+        assert!(matches!(
+            plan_connect(&p, None, a, 443),
+            ConnectPlan::Deny(_)
+        ));
+        let b = Ipv4Addr::new(192, 0, 2, 9);
+        assert!(matches!(
+            plan_connect(&p, None, b, 80),
+            ConnectPlan::Connect(_)
+        ));
+        assert!(matches!(
+            plan_connect(&p, Some("bad.example"), b, 80),
+            ConnectPlan::Deny(_)
+        ));
+    }
+
+    #[test]
+    fn broker_messages_round_trip() {
+        let r = BrokerRequest::Connect {
+            id: 3,
+            name: Some(HOST_INTERNAL.into()),
+            address: GATEWAY_IP,
+            port: 80,
+        };
+        let s = serde_json::to_string(&r).expect("json");
+        assert_eq!(serde_json::from_str::<BrokerRequest>(&s).expect("parse"), r);
+        let ok = BrokerReply {
+            id: 1,
+            ok: true,
+            addresses: vec![Ipv4Addr::new(192, 0, 2, 1)],
+            not_found: false,
+            error: None,
+        };
+        let s = serde_json::to_string(&ok).expect("json");
+        assert_eq!(s, r#"{"id":1,"ok":true,"addresses":["192.0.2.1"]}"#);
+        assert_eq!(serde_json::from_str::<BrokerReply>(&s).expect("parse"), ok);
+    }
+}

@@ -1,0 +1,495 @@
+//! The host side of the guest's virtio-net: `forkbox-net`'s [`Gateway`]
+//! as the device's [`FrameBackend`], driven from the main loop.
+//!
+//! The backend keeps one epoll of its own (the device's single event fd):
+//! a timerfd for the gateway's next deadline, the broker connection's
+//! replies, and every host stream (edge-triggered: any readiness change
+//! means "poll the gateway"; the gateway moves what can move). Each wake-up
+//! ends with one gateway poll, its log records appended to the egress log
+//! file, and the timer re-armed.
+//!
+//! Who opens connections ([`AnyConnector`]) and resolves names
+//! ([`AnyResolver`]):
+//! - with `--net-broker PATH`, the broker (in forkbox, the process that
+//!   started this VMM and holds the policy) does both: connects are asked
+//!   over a `SOCK_SEQPACKET` socket and answered later with the connected
+//!   socket's fd (`SCM_RIGHTS`); names are resolved with a short blocking
+//!   request on a second connection;
+//! - without one, this process connects itself, and only to the host's
+//!   loopback for `host.forkbox.internal`; names resolve through the host's
+//!   resolver (blocking the main loop for as long as that takes).
+//!
+//! A fork child or restored VM builds a new backend: a fresh gateway (no
+//! TCP state, a fresh ISN seed, its own log), new broker connections. The
+//! guest's old connections are answered with RST by the new gateway.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use forkbox_devices::virtio::net::FrameBackend;
+use forkbox_net::broker::{BrokerReply, BrokerRequest, MAX_MESSAGE};
+use forkbox_net::dns::{ResolveError, Resolver};
+use forkbox_net::gateway::{
+    ConnId, ConnectOutcome, ConnectRequest, Connector, Gateway, GatewayConfig, Now, GATEWAY_IP,
+};
+use forkbox_net::log::JsonLinesWriter;
+use forkbox_net::policy::{Policy, HOST_INTERNAL};
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketAddrUnix,
+    SocketFlags, SocketType,
+};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::timerfd::TimerFd;
+
+/// The guest's MAC address (locally administered; every VM has the same:
+/// no two VMs share a network).
+pub const GUEST_MAC: [u8; 6] = [0x02, 0x46, 0x42, 0x00, 0x00, 0x0f];
+
+const TOKEN_TIMER: u64 = 1;
+const TOKEN_BROKER: u64 = 2;
+const TOKEN_STREAM: u64 = 3;
+/// How long a loopback connect or a broker resolve may block the loop.
+const BLOCKING_LIMIT: Duration = Duration::from_secs(5);
+/// The timer's shortest wait (a zero wait would disarm it).
+const MIN_WAIT: Duration = Duration::from_micros(50);
+
+/// The network of one VM, as the command line gives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The egress policy, JSON (`{"allow_out": [...], "deny_out": [...]}`).
+    pub policy_json: String,
+    /// The broker's socket; `None`: this process connects (loopback only).
+    pub broker: Option<PathBuf>,
+    /// Append the egress log here (JSON lines).
+    pub log: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("bad network policy")]
+    Policy(#[source] serde_json::Error),
+    #[error("cannot reach the network broker at {path}")]
+    Broker {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot open the egress log {path}")]
+    Log {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("network event setup")]
+    Setup(#[source] io::Error),
+}
+
+/// Connects a `SOCK_SEQPACKET` unix socket to `path`.
+fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    Ok(fd)
+}
+
+fn send_request(fd: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
+    let msg = serde_json::to_vec(req).map_err(io::Error::other)?;
+    rustix::net::send(fd, &msg, SendFlags::NOSIGNAL)?;
+    Ok(())
+}
+
+/// Receives one reply and the fd it carries, if any. `Ok(None)`: the
+/// broker hung up.
+fn recv_reply(fd: impl AsFd) -> io::Result<Option<(BrokerReply, Option<OwnedFd>)>> {
+    let mut buf = [0u8; MAX_MESSAGE];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        fd,
+        &mut [IoSliceMut::new(&mut buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    let mut passed = None;
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = msg {
+            for fd in fds {
+                // One expected; any more are closed as they drop.
+                passed.get_or_insert(fd);
+            }
+        }
+    }
+    if got.bytes == 0 {
+        return Ok(None);
+    }
+    let reply = serde_json::from_slice(&buf[..got.bytes]).map_err(io::Error::other)?;
+    Ok(Some((reply, passed)))
+}
+
+/// Makes `stream` non-blocking and watches it (edge-triggered).
+fn watch_stream(epoll: &Epoll, stream: &TcpStream) -> io::Result<()> {
+    stream.set_nonblocking(true)?;
+    let _ = stream.set_nodelay(true);
+    let ev = EpollEvent::new(
+        EventSet::IN | EventSet::OUT | EventSet::READ_HANG_UP | EventSet::EDGE_TRIGGERED,
+        TOKEN_STREAM,
+    );
+    epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), ev)
+}
+
+/// Opens the gateway's allowed connections.
+pub enum AnyConnector {
+    /// Asks the broker; answers arrive later.
+    Broker {
+        sock: OwnedFd,
+        epoll: Arc<Epoll>,
+        alive: bool,
+    },
+    /// Connects to the host's loopback for `host.forkbox.internal` only.
+    Loopback { epoll: Arc<Epoll> },
+}
+
+impl AnyConnector {
+    /// The broker's answers so far, with their streams watched.
+    fn take_replies(&mut self) -> Vec<(ConnId, ConnectOutcome)> {
+        let AnyConnector::Broker { sock, epoll, alive } = self else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        while *alive {
+            match recv_reply(&*sock) {
+                Ok(Some((reply, fd))) => {
+                    let outcome = match (reply.ok, fd) {
+                        (true, Some(fd)) => {
+                            let stream = TcpStream::from(fd);
+                            match watch_stream(epoll, &stream) {
+                                Ok(()) => ConnectOutcome::Connected(Box::new(stream)),
+                                Err(e) => ConnectOutcome::Refused(format!("watch: {e}")),
+                            }
+                        }
+                        (true, None) => ConnectOutcome::Refused("broker sent no socket".into()),
+                        (false, _) => ConnectOutcome::Refused(
+                            reply
+                                .error
+                                .unwrap_or_else(|| "refused by the broker".into()),
+                        ),
+                    };
+                    out.push((ConnId(reply.id), outcome));
+                }
+                Ok(None) => {
+                    tracing::warn!("network broker hung up: new connections will time out");
+                    let _ = epoll.ctl(
+                        ControlOperation::Delete,
+                        sock.as_raw_fd(),
+                        EpollEvent::default(),
+                    );
+                    *alive = false;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::warn!("network broker: {e}");
+                    break;
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Connector for AnyConnector {
+    fn connect(&mut self, request: &ConnectRequest) -> Option<ConnectOutcome> {
+        match self {
+            AnyConnector::Broker { sock, alive, .. } => {
+                if !*alive {
+                    return Some(ConnectOutcome::Refused("the broker is gone".into()));
+                }
+                let req = BrokerRequest::Connect {
+                    id: request.id.0,
+                    name: request.name.clone(),
+                    address: request.address,
+                    port: request.port,
+                };
+                match send_request(&*sock, &req) {
+                    Ok(()) => None,
+                    Err(e) => Some(ConnectOutcome::Refused(format!("broker: {e}"))),
+                }
+            }
+            AnyConnector::Loopback { epoll } => Some(loopback_connect(epoll, request)),
+        }
+    }
+}
+
+fn loopback_connect(epoll: &Epoll, request: &ConnectRequest) -> ConnectOutcome {
+    if request.address != GATEWAY_IP || !request.decision.is_allowed() {
+        return ConnectOutcome::Refused(format!(
+            "without a broker only {HOST_INTERNAL} is reachable"
+        ));
+    }
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, request.port));
+    match TcpStream::connect_timeout(&addr, BLOCKING_LIMIT) {
+        Ok(stream) => match watch_stream(epoll, &stream) {
+            Ok(()) => ConnectOutcome::Connected(Box::new(stream)),
+            Err(e) => ConnectOutcome::Refused(format!("watch: {e}")),
+        },
+        Err(e) => ConnectOutcome::Refused(e.to_string()),
+    }
+}
+
+/// Resolves the names the policy allows.
+pub enum AnyResolver {
+    /// Asks the broker (blocking, bounded by a receive timeout).
+    Broker { sock: OwnedFd, next_id: u64 },
+    /// The host's resolver.
+    Host,
+}
+
+impl Resolver for AnyResolver {
+    fn resolve_v4(&mut self, name: &str) -> Result<Vec<Ipv4Addr>, ResolveError> {
+        match self {
+            AnyResolver::Host => match (name, 0u16).to_socket_addrs() {
+                Ok(addrs) => {
+                    let v4: Vec<Ipv4Addr> = addrs
+                        .filter_map(|a| match a {
+                            SocketAddr::V4(a) => Some(*a.ip()),
+                            SocketAddr::V6(_) => None,
+                        })
+                        .collect();
+                    if v4.is_empty() {
+                        Err(ResolveError::NotFound)
+                    } else {
+                        Ok(v4)
+                    }
+                }
+                Err(_) => Err(ResolveError::NotFound),
+            },
+            AnyResolver::Broker { sock, next_id } => {
+                *next_id += 1;
+                let id = *next_id;
+                let req = BrokerRequest::Resolve {
+                    id,
+                    name: name.to_owned(),
+                };
+                send_request(&*sock, &req).map_err(|e| ResolveError::Failed(e.to_string()))?;
+                loop {
+                    match recv_reply(&*sock) {
+                        Ok(Some((r, _))) if r.id == id => {
+                            return match (r.ok, r.not_found) {
+                                (true, _) => Ok(r.addresses),
+                                (false, true) => Err(ResolveError::NotFound),
+                                (false, false) => Err(ResolveError::Failed(
+                                    r.error.unwrap_or_else(|| "resolve failed".into()),
+                                )),
+                            };
+                        }
+                        // A late answer to an earlier, timed-out question.
+                        Ok(Some(_)) => {}
+                        Ok(None) => return Err(ResolveError::Failed("broker hung up".into())),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(ResolveError::Failed(e.to_string())),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The gateway behind the guest's virtio-net.
+pub struct GatewayBackend {
+    gateway: Gateway<AnyResolver, AnyConnector>,
+    epoll: Arc<Epoll>,
+    timer: TimerFd,
+    started: Instant,
+    log: Option<(PathBuf, JsonLinesWriter<File>)>,
+    events: Vec<EpollEvent>,
+}
+
+impl GatewayBackend {
+    pub fn new(cfg: &NetConfig) -> Result<Self, NetError> {
+        let policy = Policy::from_json(&cfg.policy_json).map_err(NetError::Policy)?;
+        let epoll = Arc::new(Epoll::new().map_err(NetError::Setup)?);
+        let timer = TimerFd::new().map_err(|e| NetError::Setup(e.into()))?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                timer.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_TIMER),
+            )
+            .map_err(NetError::Setup)?;
+        let (resolver, connector) = match &cfg.broker {
+            Some(path) => {
+                let err = |source| NetError::Broker {
+                    path: path.clone(),
+                    source,
+                };
+                let conn = seqpacket_connect(path).map_err(err)?;
+                rustix::io::ioctl_fionbio(&conn, true).map_err(|e| err(e.into()))?;
+                epoll
+                    .ctl(
+                        ControlOperation::Add,
+                        conn.as_raw_fd(),
+                        EpollEvent::new(EventSet::IN, TOKEN_BROKER),
+                    )
+                    .map_err(NetError::Setup)?;
+                let res = seqpacket_connect(path).map_err(err)?;
+                rustix::net::sockopt::set_socket_timeout(
+                    &res,
+                    rustix::net::sockopt::Timeout::Recv,
+                    Some(BLOCKING_LIMIT),
+                )
+                .map_err(|e| err(e.into()))?;
+                (
+                    AnyResolver::Broker {
+                        sock: res,
+                        next_id: 0,
+                    },
+                    AnyConnector::Broker {
+                        sock: conn,
+                        epoll: Arc::clone(&epoll),
+                        alive: true,
+                    },
+                )
+            }
+            None => (
+                AnyResolver::Host,
+                AnyConnector::Loopback {
+                    epoll: Arc::clone(&epoll),
+                },
+            ),
+        };
+        let log = match &cfg.log {
+            Some(path) => {
+                let f = OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|source| NetError::Log {
+                        path: path.clone(),
+                        source,
+                    })?;
+                Some((path.clone(), JsonLinesWriter::new(f)))
+            }
+            None => None,
+        };
+        let mut seed = [0u8; 8];
+        if let Err(e) = rustix::rand::getrandom(&mut seed, rustix::rand::GetRandomFlags::empty()) {
+            tracing::warn!("getrandom: {e}; TCP sequence numbers seeded from the clock");
+            seed = unix_ms().to_le_bytes();
+        }
+        let config = GatewayConfig {
+            random_seed: u64::from_le_bytes(seed),
+            ..GatewayConfig::default()
+        };
+        let started = Instant::now();
+        let now = now_since(started);
+        let gateway = Gateway::new(config, policy, resolver, connector, now);
+        Ok(Self {
+            gateway,
+            epoll,
+            timer,
+            started,
+            log,
+            events: vec![EpollEvent::default(); 64],
+        })
+    }
+
+    fn now(&self) -> Now {
+        now_since(self.started)
+    }
+
+    /// One gateway poll, its records logged, the timer re-armed.
+    fn poll(&mut self) {
+        let now = self.now();
+        self.gateway.poll(now);
+        let records = self.gateway.take_log();
+        if let Some((path, w)) = &mut self.log {
+            if !records.is_empty() {
+                let r = records
+                    .iter()
+                    .try_for_each(|r| w.write(r))
+                    .and_then(|_| w.flush());
+                if let Err(e) = r {
+                    tracing::warn!("egress log {}: {e}", path.display());
+                }
+            }
+        }
+        let r = match self.gateway.poll_delay(now) {
+            Some(d) => self.timer.reset(d.max(MIN_WAIT), None),
+            None => self.timer.clear(),
+        };
+        if let Err(e) = r {
+            tracing::warn!("gateway timer: {e}");
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn now_since(started: Instant) -> Now {
+    Now {
+        monotonic: started.elapsed(),
+        unix_ms: unix_ms(),
+    }
+}
+
+impl FrameBackend for GatewayBackend {
+    fn send(&mut self, frame: &[u8]) {
+        let now = self.now();
+        self.gateway.receive_frame(frame, now);
+    }
+
+    fn flush(&mut self) {
+        self.poll();
+    }
+
+    fn recv(&mut self) -> Option<Vec<u8>> {
+        self.gateway.take_frame()
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        Some(self.epoll.as_raw_fd())
+    }
+
+    fn handle_events(&mut self) {
+        let n = match self.epoll.wait(0, &mut self.events) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!("gateway epoll: {e}");
+                0
+            }
+        };
+        let (mut timer, mut broker) = (false, false);
+        for ev in &self.events[..n] {
+            match ev.data() {
+                TOKEN_TIMER => timer = true,
+                TOKEN_BROKER => broker = true,
+                _ => {}
+            }
+        }
+        if timer {
+            // Readable: the read does not block.
+            let _ = self.timer.wait();
+        }
+        if broker {
+            let now = self.now();
+            for (id, outcome) in self.gateway.connector_mut().take_replies() {
+                self.gateway.connect_done(id, outcome, now);
+            }
+        }
+        self.poll();
+    }
+}
