@@ -133,11 +133,20 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
             Ok(0)
         }
         SandboxCmd::Kill { sandboxes, labels } => {
+            let mut failed = 0;
             let killed: Vec<String> = if labels.is_empty() {
+                // Every id is tried; the ones that fail are reported.
+                let mut killed = Vec::new();
                 for id in &sandboxes {
-                    client.call(Method::DELETE, &sandbox_path(id), Body::Empty)?;
+                    match client.call(Method::DELETE, &sandbox_path(id), Body::Empty) {
+                        Ok(_) => killed.push(id.to_string()),
+                        Err(e) => {
+                            failed += 1;
+                            eprintln!("forkbox: error: {id}: {:#}", anyhow::Error::from(e));
+                        }
+                    }
                 }
-                sandboxes.iter().map(|s| s.to_string()).collect()
+                killed
             } else {
                 #[derive(Deserialize)]
                 struct Killed {
@@ -160,7 +169,7 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
                     println!("killed {id}");
                 }
             }
-            Ok(0)
+            Ok(if failed > 0 { 1 } else { 0 })
         }
         SandboxCmd::Snapshot { sandbox, name } => {
             let template: Value = client
