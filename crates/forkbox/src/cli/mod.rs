@@ -1,7 +1,7 @@
 //! The daemon's client commands: `daemon`, `template`, `sandbox`, `exec`,
 //! `cp`, `logs`. Each parses its arguments, calls forkboxd through
 //! [`forkbox::client`] and prints a table (or, with `--json`, the
-//! daemon's JSON as it came).
+//! daemon's JSON, pretty-printed, nothing dropped).
 //!
 //! - `template`: bake (with progress), list, rm; template TOML files.
 //! - `sandbox`: create, fork, ls, kill, snapshot, pause, resume, info; `logs`.
@@ -66,7 +66,7 @@ pub enum ClientCmd {
 /// `--json` on every client command.
 #[derive(Args, Clone, Copy)]
 pub struct Out {
-    /// Print the daemon's JSON as it came instead of a table.
+    /// Print the daemon's JSON (every field) instead of a table.
     #[arg(long, global = true)]
     json: bool,
 }
