@@ -1,8 +1,11 @@
 //! PID 1 duties at boot: pseudo file systems, kernel modules, the root
-//! overlay, switching root, hostname, loopback.
+//! overlay, switching root, hostname, loopback, and (with `forkbox.net=1`)
+//! the guest network: `eth0` at 10.0.2.15/24, default route and DNS server
+//! 10.0.2.2 (the VMM's userspace gateway).
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::net::Ipv4Addr;
 use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -14,6 +17,13 @@ use crate::sys;
 const MODULES_LIST: &str = "/forkbox/modules.list";
 const ROOT_WAIT: Duration = Duration::from_secs(10);
 const ROOT_POLL: Duration = Duration::from_millis(5);
+/// How long `eth0` may take to appear once `virtio_net` is loaded.
+const NET_WAIT: Duration = Duration::from_secs(5);
+/// Modules loaded only for a VM with a network.
+const NET_MODULES: &[&str] = &["virtio_net", "net_failover", "failover"];
+const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
+const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
+const PREFIX_LEN: u8 = 24;
 
 /// Why the boot could not finish.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +52,8 @@ pub enum InitError {
 pub struct Cmdline {
     pub root: Option<String>,
     pub rootfstype: String,
+    /// `forkbox.net=1`: the VM has a virtio-net device to configure.
+    pub net: bool,
 }
 
 impl Cmdline {
@@ -49,12 +61,15 @@ impl Cmdline {
         let mut c = Self {
             root: None,
             rootfstype: "ext4".into(),
+            net: false,
         };
         for word in text.split_whitespace() {
             if let Some(v) = word.strip_prefix("forkbox.root=") {
                 c.root = Some(v.to_string()).filter(|v| !v.is_empty());
             } else if let Some(v) = word.strip_prefix("forkbox.rootfstype=") {
                 c.rootfstype = v.to_string();
+            } else if let Some(v) = word.strip_prefix("forkbox.net=") {
+                c.net = v == "1";
             }
         }
         c
@@ -110,9 +125,16 @@ fn attach_console() {
     }
 }
 
-/// Loads the modules listed in `/forkbox/modules.list`; returns the ones
-/// that failed (already loaded is not a failure).
-fn load_modules() -> Vec<String> {
+/// The module's name from its path (`.../virtio_net.ko` → `virtio_net`).
+fn module_name(path: &str) -> &str {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    file.split('.').next().unwrap_or(file)
+}
+
+/// Loads the modules listed in `/forkbox/modules.list` (the network's only
+/// with `net`); returns the ones that failed (already loaded is not a
+/// failure).
+fn load_modules(net: bool) -> Vec<String> {
     let list = match fs::read_to_string(MODULES_LIST) {
         Ok(l) => l,
         Err(e) => {
@@ -121,7 +143,13 @@ fn load_modules() -> Vec<String> {
         }
     };
     let mut failed = Vec::new();
-    for path in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+    let wanted = |p: &&str| net || !NET_MODULES.contains(&module_name(p));
+    for path in list
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .filter(wanted)
+    {
         let res = match File::open(path) {
             Ok(f) => match sys::finit_module(&f) {
                 Ok(()) => Ok(()),
@@ -209,8 +237,8 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
     attach_console();
     mount_early("proc", "/proc", "proc")?;
     mount_early("sysfs", "/sys", "sysfs")?;
-    let module_failures = load_modules();
     let cmdline = Cmdline::parse(&fs::read_to_string("/proc/cmdline").unwrap_or_default());
+    let module_failures = load_modules(cmdline.net);
     if let Some(dev) = &cmdline.root {
         switch_to_root(dev, &cmdline.rootfstype)?;
         crate::log(&format!(
@@ -242,6 +270,11 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
     if let Err(e) = sys::interface_up("lo") {
         crate::log(&format!("lo up: {e}"));
     }
+    if cmdline.net {
+        if let Err(e) = network_up() {
+            crate::log(&format!("network: {e}"));
+        }
+    }
     Ok(BootInfo {
         pid1: true,
         kernel: kernel_release(),
@@ -249,6 +282,31 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
         boot_ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
         module_failures,
     })
+}
+
+/// `eth0` at 10.0.2.15/24, up, default route via 10.0.2.2, which is also
+/// the DNS server (`/etc/resolv.conf` on the overlay root).
+fn network_up() -> io::Result<()> {
+    let start = Instant::now();
+    while !Path::new("/sys/class/net/eth0").exists() {
+        if start.elapsed() > NET_WAIT {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("eth0 did not appear within {NET_WAIT:?}"),
+            ));
+        }
+        thread::sleep(ROOT_POLL);
+    }
+    sys::set_ipv4("eth0", GUEST_IP, PREFIX_LEN)?;
+    sys::interface_up("eth0")?;
+    sys::add_default_route(GATEWAY_IP)?;
+    // /etc/resolv.conf may be a symlink into /run (systemd-resolved).
+    let _ = fs::remove_file("/etc/resolv.conf");
+    fs::write("/etc/resolv.conf", format!("nameserver {GATEWAY_IP}\n"))?;
+    crate::log(&format!(
+        "network: eth0 {GUEST_IP}/{PREFIX_LEN}, gateway and DNS {GATEWAY_IP}"
+    ));
+    Ok(())
 }
 
 pub fn kernel_release() -> String {
@@ -273,5 +331,17 @@ mod tests {
         let c = Cmdline::parse("console=ttyS0 forkbox.root=");
         assert_eq!(c.root, None);
         assert_eq!(c.rootfstype, "ext4");
+        assert!(!c.net);
+    }
+
+    #[test]
+    fn cmdline_net_flag_and_module_names() {
+        assert!(Cmdline::parse("quiet forkbox.net=1").net);
+        assert!(!Cmdline::parse("forkbox.net=0").net);
+        assert_eq!(
+            module_name("/lib/modules/6.1/kernel/drivers/net/virtio_net.ko"),
+            "virtio_net"
+        );
+        assert_eq!(module_name("net_failover.ko.xz"), "net_failover");
     }
 }

@@ -329,3 +329,106 @@ pub fn add_entropy_and_reseed(bytes: &[u8]) -> io::Result<()> {
     check(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) })?;
     Ok(())
 }
+
+/// An AF_INET socket for interface and route ioctls.
+fn inet_socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the fd is checked and owned once.
+    let fd =
+        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: fresh fd from socket(2), owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `addr` as a `struct sockaddr` (AF_INET, port 0).
+fn sockaddr_v4(addr: std::net::Ipv4Addr) -> libc::sockaddr {
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(addr.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_in and sockaddr are both 16-byte plain-old-data
+    // structs; the kernel reads this as the sockaddr_in it is.
+    unsafe { mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
+}
+
+fn ifreq_for(name: &str) -> io::Result<libc::ifreq> {
+    // SAFETY: ifreq is plain old data; all-zero is valid.
+    let mut req: libc::ifreq = unsafe { mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "interface name too long",
+        ));
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    Ok(req)
+}
+
+/// Gives interface `name` the address `addr/prefix` (SIOCSIFADDR,
+/// SIOCSIFNETMASK).
+pub fn set_ipv4(name: &str, addr: std::net::Ipv4Addr, prefix: u8) -> io::Result<()> {
+    let sock = inet_socket()?;
+    let mut req = ifreq_for(name)?;
+    req.ifr_ifru.ifru_addr = sockaddr_v4(addr);
+    // SAFETY: SIOCSIFADDR reads the name and the address from `req`,
+    // which is valid for the call.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) })?;
+    let mask = u32::MAX.checked_shl(32 - u32::from(prefix.min(32))).unwrap_or(0);
+    req.ifr_ifru.ifru_netmask = sockaddr_v4(std::net::Ipv4Addr::from(mask));
+    // SAFETY: as above, with the netmask member set.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFNETMASK, &req) })?;
+    Ok(())
+}
+
+/// `struct rtentry` from `<linux/route.h>` (libc has none for glibc).
+#[repr(C)]
+struct RtEntry {
+    rt_pad1: libc::c_ulong,
+    rt_dst: libc::sockaddr,
+    rt_gateway: libc::sockaddr,
+    rt_genmask: libc::sockaddr,
+    rt_flags: libc::c_ushort,
+    rt_pad2: libc::c_short,
+    rt_pad3: libc::c_ulong,
+    rt_pad4: *mut libc::c_void,
+    rt_metric: libc::c_short,
+    rt_dev: *mut libc::c_char,
+    rt_mtu: libc::c_ulong,
+    rt_window: libc::c_ulong,
+    rt_irtt: libc::c_ushort,
+}
+
+const RTF_UP: libc::c_ushort = 0x0001;
+const RTF_GATEWAY: libc::c_ushort = 0x0002;
+
+/// Adds the default IPv4 route via `gateway` (SIOCADDRT).
+pub fn add_default_route(gateway: std::net::Ipv4Addr) -> io::Result<()> {
+    let sock = inet_socket()?;
+    let any = sockaddr_v4(std::net::Ipv4Addr::UNSPECIFIED);
+    let rt = RtEntry {
+        rt_pad1: 0,
+        rt_dst: any,
+        rt_gateway: sockaddr_v4(gateway),
+        rt_genmask: any,
+        rt_flags: RTF_UP | RTF_GATEWAY,
+        rt_pad2: 0,
+        rt_pad3: 0,
+        rt_pad4: std::ptr::null_mut(),
+        rt_metric: 0,
+        rt_dev: std::ptr::null_mut(),
+        rt_mtu: 0,
+        rt_window: 0,
+        rt_irtt: 0,
+    };
+    // SAFETY: SIOCADDRT reads a `struct rtentry`, which `RtEntry` lays out
+    // exactly (repr(C)); null `rt_dev` lets the kernel pick the interface
+    // by the gateway's subnet. `rt` outlives the call.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCADDRT, &rt) })?;
+    Ok(())
+}
