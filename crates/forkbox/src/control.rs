@@ -43,6 +43,9 @@ pub struct ChildPaths {
     pub control: PathBuf,
     pub vsock_uds: PathBuf,
     pub serial_log: PathBuf,
+    /// The child's own egress log (a VM with a network only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_log: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -260,6 +263,7 @@ mod tests {
             control: "/c".into(),
             vsock_uds: "/v".into(),
             serial_log: "/s".into(),
+            net_log: None,
         }];
         let req = Request::Fork {
             children: &children,

@@ -9,6 +9,8 @@
 //! - [`cpio`]: the newc archive writer behind every initramfs.
 //! - [`image`]: the `minimal` and `debian` root filesystem images.
 //! - [`initramfs`]: the guest's and the emulated host's initramfs.
+//! - [`netbroker`]: a sandbox's network broker: resolves names and opens
+//!   allowed connections for its VMM, passing the sockets over.
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
 //! - [`vm`]: one microVM: its assets, its VMM process, its agent client;
 //!   pause, zygote, fork, snapshot and restore.
@@ -26,5 +28,6 @@ pub mod debs;
 pub mod image;
 pub mod initramfs;
 pub mod kernel;
+pub mod netbroker;
 pub mod testbed;
 pub mod vm;

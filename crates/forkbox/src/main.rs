@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use forkbox::image::{self, ImageName};
 use forkbox::testbed::{self, Environment, RunOptions, Testbed};
 use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
 mod bench_fork;
@@ -49,6 +50,11 @@ enum Cmd {
         /// With --fork: what to fork from.
         #[arg(long, value_enum, default_value = "zygote", requires = "fork")]
         fork_from: ForkFrom,
+        /// Give the VM a network whose egress allows RULE (repeat it:
+        /// `host.forkbox.internal:8080`, `*.debian.org:443`, `10.1.0.0/16`);
+        /// without it the VM has no network device.
+        #[arg(long = "allow-out", value_name = "RULE")]
+        allow_out: Vec<String>,
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
@@ -166,6 +172,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             serial,
             fork,
             fork_from,
+            allow_out,
             argv,
         } => {
             let spec = VmSpec {
@@ -176,9 +183,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 ..VmSpec::default()
             };
             let timeout = timeout.map(Duration::from_secs);
+            let net = network_policy(&allow_out)?;
             match fork {
-                Some(n) => run_forked(&spec, timeout, n as usize, fork_from, argv),
-                None => run_cmd(&spec, timeout, argv),
+                Some(n) => run_forked(&spec, net.as_ref(), timeout, n as usize, fork_from, argv),
+                None => run_cmd(&spec, net.as_ref(), timeout, argv),
             }
         }
         Cmd::Demo => demo(),
@@ -209,12 +217,26 @@ fn delegate(image: ImageName) -> anyhow::Result<Option<i32>> {
     )?))
 }
 
-fn run_cmd(spec: &VmSpec, timeout: Option<Duration>, argv: Vec<String>) -> anyhow::Result<i32> {
+/// `run --allow-out RULE...`: the policy, or `None` for no network.
+fn network_policy(rules: &[String]) -> anyhow::Result<Option<Policy>> {
+    if rules.is_empty() {
+        return Ok(None);
+    }
+    let json = serde_json::json!({ "allow_out": rules }).to_string();
+    Ok(Some(Policy::from_json(&json).context("--allow-out")?))
+}
+
+fn run_cmd(
+    spec: &VmSpec,
+    net: Option<&Policy>,
+    timeout: Option<Duration>,
+    argv: Vec<String>,
+) -> anyhow::Result<i32> {
     if let Some(code) = delegate(spec.image)? {
         return Ok(code);
     }
     let assets = Assets::prepare()?;
-    let vm = Vm::boot(&assets, spec).context("booting the microVM")?;
+    let vm = Vm::boot_with_network(&assets, spec, net).context("booting the microVM")?;
     let mut req = ExecRequest::argv(argv.clone());
     if let Some(t) = timeout {
         req = req.timeout(t);
@@ -248,6 +270,7 @@ fn run_cmd(spec: &VmSpec, timeout: Option<Duration>, argv: Vec<String>) -> anyho
 /// every child succeeded, else the first failing child's code.
 fn run_forked(
     spec: &VmSpec,
+    net: Option<&Policy>,
     timeout: Option<Duration>,
     n: usize,
     from: ForkFrom,
@@ -258,7 +281,7 @@ fn run_forked(
         return Ok(code);
     }
     let assets = Assets::prepare()?;
-    let mut vm = Vm::boot(&assets, spec).context("booting the microVM")?;
+    let mut vm = Vm::boot_with_network(&assets, spec, net).context("booting the microVM")?;
     eprintln!(
         "forkbox: booted in {:.0} ms",
         vm.boot_time.as_secs_f64() * 1000.0

@@ -14,9 +14,12 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use forkbox_net::log::{read_json_lines, EgressRecord, ReadLogError};
+use forkbox_net::policy::Policy;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT, MIN_AFTER_FORK_ENTROPY};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
@@ -25,6 +28,7 @@ use crate::control::{ChildPaths, Control, ControlError, ForkedChild, Then};
 use crate::image::{self, ImageError, ImageName};
 use crate::initramfs::{self, InitramfsError};
 use crate::kernel::{Kernel, KernelError};
+use crate::netbroker::{NetBroker, NetBrokerError};
 use crate::testbed;
 
 /// The guest kernel's command line. `panic=-1` turns a panic into an
@@ -94,7 +98,19 @@ pub enum VmError {
     },
     #[error("reading host entropy")]
     Entropy(#[source] std::io::Error),
+    #[error("starting the network broker")]
+    NetBroker(#[from] NetBrokerError),
+    #[error("this VM has no network")]
+    NoNetwork,
+    #[error("reading the egress log")]
+    EgressLog(#[source] ReadLogError),
 }
+
+/// Added to [`GUEST_CMDLINE`] for a VM with a network: the agent loads
+/// `virtio_net` and configures `eth0`.
+pub const NET_CMDLINE: &str = " forkbox.net=1";
+/// The egress log's name in a VM's directory.
+const EGRESS_LOG: &str = "egress.jsonl";
 
 /// How big a VM is and what it boots.
 #[derive(Debug, Clone)]
@@ -214,6 +230,8 @@ pub struct Vm {
     /// child's control socket listening); `boot_time` minus this is the
     /// after-fork hook, connection retries included.
     pub vmm_answered: Option<Duration>,
+    /// The network broker this VM's VMM (and its fork children's) uses.
+    net: Option<Arc<NetBroker>>,
 }
 
 /// Makes this process a child subreaper, once: VMMs forked from VMMs we
@@ -239,13 +257,30 @@ fn paths_in(dir: &Path) -> ChildPaths {
         control: dir.join("control.sock"),
         vsock_uds: dir.join("vsock.sock"),
         serial_log: dir.join("serial.log"),
+        net_log: None,
     }
 }
 
 impl Vm {
     pub fn boot(assets: &Assets, spec: &VmSpec) -> Result<Self, VmError> {
+        Self::boot_with_network(assets, spec, None)
+    }
+
+    /// Boots with a network when `network` is given: a virtio-net device
+    /// behind the VMM's userspace gateway, egress decided by `network`
+    /// (checked again by a broker in this process, which opens the allowed
+    /// connections), the guest at 10.0.2.15/24 with 10.0.2.2 as gateway
+    /// and DNS server, and the egress log in [`Vm::egress_log_path`].
+    /// Fork children share the policy and broker, and log on their own.
+    /// (A parameter, not a `VmSpec` field: `VmSpec` is built field by
+    /// field elsewhere.)
+    pub fn boot_with_network(
+        assets: &Assets,
+        spec: &VmSpec,
+        network: Option<&Policy>,
+    ) -> Result<Self, VmError> {
         let image = image::ensure(spec.image)?;
-        Self::boot_image(assets, &image, spec)
+        Self::boot_image_net(assets, &image, spec, network)
     }
 
     /// Boots `image` (an ext4 root image) and waits for the agent.
@@ -255,7 +290,16 @@ impl Vm {
     /// silent reset happens now and then (cause not yet found; see
     /// docs/SPEC.md). Any other failure, or a second reset, is returned.
     pub fn boot_image(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
-        match Self::boot_image_once(assets, image, spec) {
+        Self::boot_image_net(assets, image, spec, None)
+    }
+
+    fn boot_image_net(
+        assets: &Assets,
+        image: &Path,
+        spec: &VmSpec,
+        network: Option<&Policy>,
+    ) -> Result<Self, VmError> {
+        match Self::boot_image_once(assets, image, spec, network) {
             Err(VmError::DiedDuringBoot {
                 how,
                 serial_tail,
@@ -264,23 +308,47 @@ impl Vm {
                 eprintln!(
                     "forkbox: warning: {how} during boot; booting once more. Serial log tail:\n{serial_tail}"
                 );
-                Self::boot_image_once(assets, image, spec)
+                Self::boot_image_once(assets, image, spec, network)
             }
             other => other,
         }
     }
 
-    fn boot_image_once(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
+    fn boot_image_once(
+        assets: &Assets,
+        image: &Path,
+        spec: &VmSpec,
+        network: Option<&Policy>,
+    ) -> Result<Self, VmError> {
         become_subreaper()?;
         let dir = vm_dir("forkbox-vm-")?;
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
         let mut cmd = Command::new(&assets.vmm);
+        let mut cmdline = GUEST_CMDLINE.to_owned();
+        let net = match network {
+            Some(policy) => {
+                let policy_path = dir.path().join("net-policy.json");
+                let json = serde_json::to_string(policy)
+                    .map_err(|e| VmError::Io(std::io::Error::other(e)))?;
+                std::fs::write(&policy_path, json).map_err(VmError::Io)?;
+                let broker = NetBroker::start(&dir.path().join("net-broker.sock"), policy.clone())?;
+                cmd.arg("--net-policy")
+                    .arg(&policy_path)
+                    .arg("--net-broker")
+                    .arg(broker.path())
+                    .arg("--net-log")
+                    .arg(dir.path().join(EGRESS_LOG));
+                cmdline.push_str(NET_CMDLINE);
+                Some(Arc::new(broker))
+            }
+            None => None,
+        };
         cmd.arg("--kernel")
             .arg(&assets.kernel.vmlinuz)
             .arg("--initramfs")
             .arg(&assets.initramfs)
-            .args(["--cmdline", GUEST_CMDLINE])
+            .args(["--cmdline", &cmdline])
             .args(["--vcpus", &spec.vcpus.to_string()])
             .args(["--memory-mib", &spec.memory_mib.to_string()])
             .arg("--disk")
@@ -338,7 +406,24 @@ impl Vm {
             boot_time: start.elapsed(),
             after_fork: None,
             vmm_answered: None,
+            net,
         })
+    }
+
+    /// Where this VM's egress log is (JSON lines), if it has a network.
+    pub fn egress_log_path(&self) -> Option<PathBuf> {
+        self.net.as_ref().map(|_| self.dir.path().join(EGRESS_LOG))
+    }
+
+    /// The last `limit` egress records of this VM (its own: a fork
+    /// child's log starts empty).
+    pub fn egress_log(&self, limit: usize) -> Result<Vec<EgressRecord>, VmError> {
+        let path = self.egress_log_path().ok_or(VmError::NoNetwork)?;
+        match std::fs::File::open(&path) {
+            Ok(f) => read_json_lines(std::io::BufReader::new(f), limit).map_err(VmError::EgressLog),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(VmError::Io(e)),
+        }
     }
 
     pub fn agent(&self) -> &AgentClient {
@@ -385,7 +470,14 @@ impl Vm {
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-"))
             .collect::<Result<Vec<_>, _>>()?;
-        let paths: Vec<ChildPaths> = dirs.iter().map(|d| paths_in(d.path())).collect();
+        let paths: Vec<ChildPaths> = dirs
+            .iter()
+            .map(|d| ChildPaths {
+                net_log: self.net.as_ref().map(|_| d.path().join(EGRESS_LOG)),
+                ..paths_in(d.path())
+            })
+            .collect();
+        let net = &self.net;
         let then = match self.state {
             RunState::Running => Then::Resume,
             RunState::Paused | RunState::Zygote => Then::Pause,
@@ -423,6 +515,7 @@ impl Vm {
                             boot_time: Duration::ZERO,
                             after_fork: None,
                             vmm_answered: Some(answered),
+                            net: net.clone(),
                         };
                         vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
                         vm.boot_time = start.elapsed();
@@ -478,6 +571,7 @@ impl Vm {
             boot_time: Duration::ZERO,
             after_fork: None,
             vmm_answered: None,
+            net: None,
         };
         let status = loop {
             match vm.control.status() {

@@ -1,0 +1,374 @@
+//! The network broker of one sandbox: the trusted side of its egress.
+//!
+//! A VMM started with `--net-broker PATH` has no network of its own to
+//! use: it asks here, over a `SOCK_SEQPACKET` unix socket, to resolve the
+//! names its guest looks up and to open the TCP connections its guest
+//! makes (messages: `forkbox_net::broker`). Every request is decided again
+//! against the sandbox's [`Policy`] (the VMM is not trusted with the final
+//! word); an allowed connection is opened here and its socket passed back
+//! with `SCM_RIGHTS`. `host.forkbox.internal` (the gateway address) is the
+//! host's loopback.
+//!
+//! One thread accepts; each VMM connection gets a thread that reads
+//! requests, and each connect runs on a thread of its own (bounded per
+//! VMM connection) so a slow destination holds up nothing else.
+//!
+//! Today `forkbox::vm` runs a broker per networked VM in its own process;
+//! the daemon is meant to own this role (issue 6).
+
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use forkbox_net::broker::{plan_connect, BrokerReply, BrokerRequest, ConnectPlan, MAX_MESSAGE};
+use forkbox_net::dns::MAX_ANSWERS;
+use forkbox_net::policy::Policy;
+use rustix::net::{
+    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
+    SocketFlags, SocketType,
+};
+
+/// How long one outbound connect may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connects in flight per VMM connection (the gateway's own limit of
+/// pending attempts is 64).
+const MAX_CONNECTS: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetBrokerError {
+    #[error("cannot listen on {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot start the broker thread")]
+    Thread(#[source] io::Error),
+}
+
+/// A running broker; dropping it stops accepting (connections already
+/// made keep being served until their VMM hangs up).
+pub struct NetBroker {
+    path: PathBuf,
+    listener: Arc<OwnedFd>,
+    stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for NetBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetBroker")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl NetBroker {
+    /// Listens at `path` and serves `policy`.
+    pub fn start(path: &Path, policy: Policy) -> Result<Self, NetBrokerError> {
+        let err = |source: io::Error| NetBrokerError::Listen {
+            path: path.to_path_buf(),
+            source,
+        };
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| err(e.into()))?;
+        let addr = SocketAddrUnix::new(path).map_err(|e| err(e.into()))?;
+        rustix::net::bind(&fd, &addr).map_err(|e| err(e.into()))?;
+        rustix::net::listen(&fd, 64).map_err(|e| err(e.into()))?;
+        let listener = Arc::new(fd);
+        let stop = Arc::new(AtomicBool::new(false));
+        let policy = Arc::new(policy);
+        let (l, s) = (Arc::clone(&listener), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("net-broker".into())
+            .spawn(move || accept_loop(&l, &s, &policy))
+            .map_err(NetBrokerError::Thread)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            listener,
+            stop,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for NetBroker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the blocked accept (it fails with EINVAL).
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, policy: &Arc<Policy>) {
+    while !stop.load(Ordering::SeqCst) {
+        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
+            Ok(conn) => {
+                let policy = Arc::clone(policy);
+                let spawned = std::thread::Builder::new()
+                    .name("net-broker-conn".into())
+                    .spawn(move || serve(Arc::new(conn), &policy));
+                if let Err(e) = spawned {
+                    eprintln!("forkbox: net broker: cannot start a thread: {e}");
+                }
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Serves one VMM connection until it hangs up.
+fn serve(conn: Arc<OwnedFd>, policy: &Arc<Policy>) {
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let n = match rustix::net::recv(&*conn, &mut buf[..], RecvFlags::empty()) {
+            Ok((0, _)) => return,
+            Ok((n, _)) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        };
+        let request: BrokerRequest = match serde_json::from_slice(&buf[..n]) {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing to name in a reply: drop the connection.
+                eprintln!("forkbox: net broker: bad request: {e}");
+                return;
+            }
+        };
+        match request {
+            BrokerRequest::Resolve { id, name } => {
+                let reply = resolve(policy, id, &name);
+                let _ = send(&*conn, &reply, None);
+            }
+            BrokerRequest::Connect {
+                id,
+                name,
+                address,
+                port,
+            } => {
+                let plan = plan_connect(policy, name.as_deref(), address, port);
+                if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTS {
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    let _ = send(&*conn, &BrokerReply::failed(id, "too many connects"), None);
+                    continue;
+                }
+                let (conn, in_flight) = (Arc::clone(&conn), Arc::clone(&in_flight));
+                let spawned = std::thread::Builder::new()
+                    .name("net-broker-connect".into())
+                    .spawn(move || {
+                        let reply = match connect(plan) {
+                            Ok(stream) => {
+                                let ok = BrokerReply {
+                                    id,
+                                    ok: true,
+                                    addresses: Vec::new(),
+                                    not_found: false,
+                                    error: None,
+                                };
+                                send(&*conn, &ok, Some(stream.as_fd()))
+                            }
+                            Err(e) => send(&*conn, &BrokerReply::failed(id, e), None),
+                        };
+                        if let Err(e) = reply {
+                            eprintln!("forkbox: net broker: cannot answer: {e}");
+                        }
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                    });
+                if let Err(e) = spawned {
+                    eprintln!("forkbox: net broker: cannot start a thread: {e}");
+                }
+            }
+        }
+    }
+}
+
+fn resolve(policy: &Policy, id: u64, name: &str) -> BrokerReply {
+    if !policy.decide_name(name).is_allowed() {
+        return BrokerReply {
+            not_found: true,
+            ..BrokerReply::failed(id, "not allowed")
+        };
+    }
+    match resolve_v4(name) {
+        Ok(addresses) => BrokerReply {
+            id,
+            ok: true,
+            addresses: addresses.into_iter().take(MAX_ANSWERS).collect(),
+            not_found: false,
+            error: None,
+        },
+        Err(e) => BrokerReply {
+            not_found: true,
+            ..BrokerReply::failed(id, e.to_string())
+        },
+    }
+}
+
+fn resolve_v4(name: &str) -> io::Result<Vec<Ipv4Addr>> {
+    let v4: Vec<Ipv4Addr> = (name, 0u16)
+        .to_socket_addrs()?
+        .filter_map(|a| match a {
+            SocketAddr::V4(a) => Some(*a.ip()),
+            SocketAddr::V6(_) => None,
+        })
+        .collect();
+    if v4.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::NotFound, "no IPv4 address"));
+    }
+    Ok(v4)
+}
+
+fn connect(plan: ConnectPlan) -> Result<TcpStream, String> {
+    let target = match plan {
+        ConnectPlan::Deny(why) => return Err(why),
+        ConnectPlan::Connect(addr) => addr,
+        ConnectPlan::ConnectIfResolves { name, target } => {
+            let addrs = resolve_v4(&name).map_err(|e| format!("{name}: {e}"))?;
+            if !addrs.contains(target.ip()) {
+                return Err(format!("{name} does not resolve to {}", target.ip()));
+            }
+            SocketAddr::V4(target)
+        }
+    };
+    TcpStream::connect_timeout(&target, CONNECT_TIMEOUT).map_err(|e| e.to_string())
+}
+
+fn send(
+    conn: impl AsFd,
+    reply: &BrokerReply,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
+    let msg = serde_json::to_vec(reply).map_err(io::Error::other)?;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let fds;
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if let Some(fd) = fd {
+        fds = [fd];
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+    }
+    rustix::net::sendmsg(
+        conn,
+        &[IoSlice::new(&msg)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{IoSliceMut, Read, Write};
+    use std::net::TcpListener;
+
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage};
+
+    use super::*;
+
+    fn client(path: &Path) -> OwnedFd {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        rustix::net::connect(&fd, &SocketAddrUnix::new(path).expect("addr")).expect("connect");
+        fd
+    }
+
+    fn ask(fd: &OwnedFd, req: &BrokerRequest) -> (BrokerReply, Option<OwnedFd>) {
+        let msg = serde_json::to_vec(req).expect("json");
+        rustix::net::send(fd, &msg, SendFlags::empty()).expect("send");
+        let mut buf = [0u8; MAX_MESSAGE];
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = rustix::net::recvmsg(
+            fd,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::empty(),
+        )
+        .expect("recvmsg");
+        let mut passed = None;
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = m {
+                for f in fds {
+                    passed.get_or_insert(f);
+                }
+            }
+        }
+        let reply = serde_json::from_slice(&buf[..got.bytes]).expect("reply");
+        (reply, passed)
+    }
+
+    #[test]
+    fn netbroker_connects_allowed_loopback_and_refuses_the_rest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = server.local_addr().expect("addr").port();
+        let json = format!(r#"{{"allow_out":["host.forkbox.internal:{port}"]}}"#);
+        let broker = NetBroker::start(
+            &dir.path().join("b.sock"),
+            Policy::from_json(&json).expect("policy"),
+        )
+        .expect("broker");
+        let fd = client(broker.path());
+        let (reply, passed) = ask(
+            &fd,
+            &BrokerRequest::Connect {
+                id: 7,
+                name: Some("host.forkbox.internal".into()),
+                address: forkbox_net::gateway::GATEWAY_IP,
+                port,
+            },
+        );
+        assert!(reply.ok, "{reply:?}");
+        assert_eq!(reply.id, 7);
+        let mut stream = TcpStream::from(passed.expect("a socket"));
+        let (mut accepted, _) = server.accept().expect("accept");
+        stream.write_all(b"ping").expect("write");
+        let mut got = [0u8; 4];
+        accepted.read_exact(&mut got).expect("read");
+        assert_eq!(&got, b"ping");
+
+        // Another loopback port, and loopback by address: refused.
+        for (address, p) in [
+            (forkbox_net::gateway::GATEWAY_IP, port.wrapping_add(1)),
+            (Ipv4Addr::LOCALHOST, port),
+        ] {
+            let (reply, passed) = ask(
+                &fd,
+                &BrokerRequest::Connect {
+                    id: 8,
+                    name: None,
+                    address,
+                    port: p,
+                },
+            );
+            assert!(!reply.ok && passed.is_none(), "{reply:?}");
+        }
+        let (reply, _) = ask(
+            &fd,
+            &BrokerRequest::Resolve {
+                id: 9,
+                name: "denied.example".into(),
+            },
+        );
+        assert!(!reply.ok && reply.not_found, "{reply:?}");
+    }
+}
