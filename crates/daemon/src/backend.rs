@@ -9,7 +9,7 @@ use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
 use forkbox::image::ImageName;
-use forkbox::vm::{Assets, Vm, VmError, VmSpec};
+use forkbox::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
 use forkbox_proto::client::AgentClient;
 
 /// What a VM boots: the part of a template the backend needs.
@@ -37,6 +37,8 @@ pub enum BackendError {
     },
     #[error("forking the microVM")]
     Fork(#[source] VmError),
+    #[error("re-adopting a VM")]
+    Adopt(#[source] VmError),
     #[error("fork child {index} did not come up")]
     ForkChild {
         index: usize,
@@ -51,6 +53,10 @@ pub enum BackendError {
 pub trait Backend: Send + Sync + 'static {
     /// Boots a fresh VM and waits for its agent. Blocking.
     fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError>;
+    /// Takes back a VM an earlier daemon run started.
+    fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError>;
+    /// Clears away what is left of a VM that cannot be adopted.
+    fn discard(&self, handle: &VmHandle);
 }
 
 /// One running VM. Dropping it stops the VM (blocking: call drop off the
@@ -75,6 +81,8 @@ pub trait Machine: Send + Sync {
     /// done (clock, entropy). The parent keeps its run state. `Err` when
     /// the request as a whole failed; otherwise one entry per child.
     fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError>;
+    /// Where another daemon run can find this VM again.
+    fn handle(&self) -> Option<VmHandle>;
 }
 
 /// One child of [`Machine::fork`].
@@ -106,7 +114,19 @@ impl Backend for VmBackend {
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(VmMachine::boxed(vm))
     }
+
+    fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError> {
+        let vm = Vm::adopt(handle).map_err(BackendError::Adopt)?;
+        Ok(VmMachine::boxed(vm))
+    }
+
+    fn discard(&self, handle: &VmHandle) {
+        Vm::discard(handle);
+    }
 }
+
+/// Bound on an agent's hello for sandboxes the daemon owns.
+const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
 
 /// A `Vm` behind a lock: forks share it (`read`), run-state changes take
 /// it whole (`write`).
@@ -115,14 +135,20 @@ struct VmMachine {
     agent: AgentClient,
     pid: u32,
     boot_time: Duration,
+    handle: VmHandle,
 }
 
 impl VmMachine {
     fn boxed(vm: Vm) -> Box<dyn Machine> {
         Box::new(Self {
-            agent: vm.agent().clone(),
+            // A dead VMM refuses the connection at once; only a guest too
+            // busy to answer makes the handshake wait, and a loaded host
+            // (64 sandboxes on 2 emulated CPUs) takes more than the
+            // client's default 5 s.
+            agent: vm.agent().clone().with_handshake_timeout(AGENT_HANDSHAKE),
             pid: vm.pid(),
             boot_time: vm.boot_time,
+            handle: vm.handle(),
             vm: RwLock::new(vm),
         })
     }
@@ -176,6 +202,10 @@ impl Machine for VmMachine {
         self.with_vm("making the VM a zygote", Vm::make_zygote)
     }
 
+    fn handle(&self) -> Option<VmHandle> {
+        Some(self.handle.clone())
+    }
+
     fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
         let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
         let children = vm.fork(n).map_err(BackendError::Fork)?;
@@ -221,7 +251,7 @@ pub(crate) mod fake {
 
     use forkbox_proto::client::AgentClient;
 
-    use super::{Backend, BackendError, ForkedMachine, Machine, MachineSpec};
+    use super::{Backend, BackendError, ForkedMachine, Machine, MachineSpec, VmHandle};
 
     /// VMs that boot and fork instantly (or fail to), with no agent
     /// behind them.
@@ -240,17 +270,29 @@ pub(crate) mod fake {
         /// Every child of a fork with this index fails.
         pub fail_child: AtomicUsize,
         pub fail_children: AtomicBool,
+        /// Handles given out (each machine's pid is its index here).
+        pub handed: AtomicUsize,
+        /// Pids of VMs discarded; adopting a pid listed in `gone` fails.
+        pub discarded: std::sync::Mutex<Vec<u32>>,
+        pub gone: std::sync::Mutex<Vec<u32>>,
     }
 
     struct FakeMachine {
         world: Arc<World>,
+        pid: u32,
     }
 
     impl FakeMachine {
         fn boxed(world: &Arc<World>) -> Box<dyn Machine> {
+            let pid = world.handed.fetch_add(1, ORD) as u32 + 1000;
+            Self::with_pid(world, pid)
+        }
+
+        fn with_pid(world: &Arc<World>, pid: u32) -> Box<dyn Machine> {
             world.alive.fetch_add(1, ORD);
             Box::new(Self {
                 world: world.clone(),
+                pid,
             })
         }
     }
@@ -262,6 +304,22 @@ pub(crate) mod fake {
             }
             self.world.boots.fetch_add(1, ORD);
             Ok(FakeMachine::boxed(&self.world))
+        }
+
+        fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError> {
+            let gone = self.world.gone.lock().expect("gone").contains(&handle.pid);
+            if gone {
+                return Err(BackendError::Unsupported("adopting a VM that is gone"));
+            }
+            Ok(FakeMachine::with_pid(&self.world, handle.pid))
+        }
+
+        fn discard(&self, handle: &VmHandle) {
+            self.world
+                .discarded
+                .lock()
+                .expect("discarded")
+                .push(handle.pid);
         }
     }
 
@@ -292,6 +350,12 @@ pub(crate) mod fake {
         }
         fn make_zygote(&self) -> Result<(), BackendError> {
             Ok(())
+        }
+        fn handle(&self) -> Option<VmHandle> {
+            Some(VmHandle {
+                dir: format!("/nonexistent/vm-{}", self.pid).into(),
+                pid: self.pid,
+            })
         }
         fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
             self.world.forks.fetch_add(1, ORD);

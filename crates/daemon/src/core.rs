@@ -268,6 +268,18 @@ impl Registry {
         Ok(id)
     }
 
+    /// Takes back a sandbox a previous daemon run had (its VM re-adopted),
+    /// as it was: running or paused, with its deadline. It counts against
+    /// the live cap but is never refused: it exists already.
+    pub fn restore(&mut self, r: Record) {
+        if let Some(parent) = r.parent.as_ref().and_then(|p| self.records.get_mut(p)) {
+            if !parent.children.contains(&r.id) {
+                parent.children.push(r.id.clone());
+            }
+        }
+        self.records.insert(r.id.clone(), r);
+    }
+
     /// The VM is up: `Creating` → `Running`, and the TTL starts.
     pub fn created(&mut self, id: &SandboxId, now: Instant) -> Result<(), CoreError> {
         let r = self.get_mut(id)?;

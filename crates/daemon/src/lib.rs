@@ -9,6 +9,8 @@
 //! - [`service`]: the daemon proper: typed commands in, VMs driven through
 //!   the backend on the blocking pool, the TTL reaper, metrics.
 //! - [`metrics`]: counters and histograms in Prometheus' text format.
+//! - [`persist`]: the state directory a restarted daemon re-adopts its
+//!   VMs from.
 //! - [`api`]: the HTTP+JSON edge (axum) and its OpenAPI document.
 //! - [`listen`]: where the daemon listens (unix socket or TCP).
 //!
@@ -21,5 +23,6 @@ pub mod backend;
 pub mod core;
 pub mod listen;
 pub mod metrics;
+pub mod persist;
 pub mod service;
 pub mod template;

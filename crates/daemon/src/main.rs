@@ -1,5 +1,6 @@
 //! `forkboxd`: parse flags, check this host can run microVMs, listen.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use forkbox::testbed::Environment;
 use forkboxd::backend::VmBackend;
 use forkboxd::core::Limits;
 use forkboxd::listen::{default_socket, Listen};
+use forkboxd::persist::Store;
 use forkboxd::service::{Config, Daemon};
 
 /// The forkbox daemon: owns every sandbox on this host and serves the HTTP
@@ -36,6 +38,13 @@ struct Args {
     /// Seconds a creation waits for room under the caps before failing.
     #[arg(long, default_value_t = 30.0)]
     create_wait: f64,
+    /// Where live VMs are written down so that the next run re-adopts
+    /// them after a crash (default: the socket's path + `.state`).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Keep no state: VMs left by a crash are not found again.
+    #[arg(long, conflicts_with = "state_dir")]
+    no_state: bool,
     /// Seconds a VM may take to boot.
     #[arg(long, default_value_t = 120)]
     boot_timeout: u64,
@@ -102,12 +111,49 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("--create-wait must be a non-negative number")?,
         boot_timeout: Duration::from_secs(args.boot_timeout),
     };
-    let daemon = Daemon::new(Arc::new(backend), config);
+    if let Listen::Unix(path) = &listen {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("{} is in use: another forkboxd is running", path.display());
+        }
+    }
+    let store = match (args.no_state, args.state_dir) {
+        (true, _) => None,
+        (false, dir) => {
+            let dir = dir.unwrap_or_else(|| state_dir_for(&listen));
+            Some(
+                Store::open(&dir)
+                    .with_context(|| format!("opening the state directory {}", dir.display()))?,
+            )
+        }
+    };
+    let daemon = Daemon::with_store(Arc::new(backend), config, store.clone());
+    if let Some(store) = &store {
+        let (adopted, cleared) = daemon.recover();
+        if adopted + cleared > 0 {
+            tracing::info!(adopted, cleared, state = %store.dir().display(), "VMs of an earlier run");
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     rt.block_on(serve(daemon, listen, token))
+}
+
+/// The default state directory: beside the socket, one per socket, so
+/// that two daemons never adopt each other's VMs.
+fn state_dir_for(listen: &Listen) -> PathBuf {
+    match listen {
+        Listen::Unix(path) => {
+            let mut p = path.clone().into_os_string();
+            p.push(".state");
+            p.into()
+        }
+        Listen::Tcp(addr) => std::env::temp_dir().join(format!(
+            "forkboxd-tcp-{}.state",
+            addr.to_string().replace([':', '[', ']'], "_")
+        )),
+    }
 }
 
 /// Whether we run as root (the owner of our own /proc entry; no unsafe

@@ -23,6 +23,7 @@ use crate::core::{
     SandboxState,
 };
 use crate::metrics::Metrics;
+use crate::persist::{SavedSandbox, SavedTemplate, Store};
 use crate::template::{TemplateError, TemplateInfo, TemplateSpec, TemplateState};
 
 /// How the daemon is tuned.
@@ -388,6 +389,8 @@ struct Shared {
 struct Inner {
     backend: Arc<dyn Backend>,
     config: Config,
+    /// Where live VMs are written down, when the daemon keeps state.
+    store: Option<Store>,
     shared: Mutex<Shared>,
     room: Notify,
     metrics: Metrics,
@@ -400,7 +403,14 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// A daemon that keeps no state: its VMs die with it.
     pub fn new(backend: Arc<dyn Backend>, config: Config) -> Self {
+        Self::with_store(backend, config, None)
+    }
+
+    /// A daemon that writes its live VMs down in `store`, so that its next
+    /// run can [`recover`](Self::recover) them.
+    pub fn with_store(backend: Arc<dyn Backend>, config: Config, store: Option<Store>) -> Self {
         let salt = std::process::id()
             ^ (SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
@@ -425,6 +435,7 @@ impl Daemon {
             inner: Arc::new(Inner {
                 backend,
                 config,
+                store,
                 shared: Mutex::new(Shared {
                     registry: Registry::new(config.limits, salt),
                     machines: HashMap::new(),
@@ -514,6 +525,7 @@ impl Daemon {
                 let mut s = self.lock();
                 s.registry
                     .set_timeout(&id, ttl, on_expiry, Instant::now())?;
+                self.save(&s, &id);
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
@@ -522,6 +534,7 @@ impl Daemon {
                 blocking(move || m.pause()).await??;
                 let mut s = self.lock();
                 s.registry.paused(&id)?;
+                self.save(&s, &id);
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
@@ -530,6 +543,7 @@ impl Daemon {
                 blocking(move || m.resume()).await??;
                 let mut s = self.lock();
                 s.registry.resumed(&id, Instant::now())?;
+                self.save(&s, &id);
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
@@ -605,6 +619,7 @@ impl Daemon {
                                 spec: template,
                             },
                         );
+                        self.save(&s, &id);
                         self.inner.metrics.creations_ok.fetch_add(1, ORD);
                         self.inner.metrics.create_latency.observe(started.elapsed());
                         let r = s.registry.get(&id)?;
@@ -659,6 +674,9 @@ impl Daemon {
             s.registry.kill(id, Instant::now(), cause)?;
             s.machines.remove(id)
         };
+        if let Some(store) = &self.inner.store {
+            store.forget_sandbox(id);
+        }
         if expired {
             self.inner.metrics.expiries.fetch_add(1, ORD);
         } else {
@@ -669,6 +687,99 @@ impl Daemon {
         }
         self.inner.room.notify_waiters();
         Ok(())
+    }
+
+    /// Writes a live sandbox down (when the daemon keeps state).
+    fn save(&self, s: &Shared, id: &SandboxId) {
+        let Some(store) = &self.inner.store else {
+            return;
+        };
+        let (Ok(r), Some(live)) = (s.registry.get(id), s.machines.get(id)) else {
+            return;
+        };
+        let Some(vm) = live.machine.handle() else {
+            return;
+        };
+        store.save_sandbox(&SavedSandbox {
+            id: id.clone(),
+            template: r.template.clone(),
+            paused: r.state == SandboxState::Paused,
+            labels: r.labels.clone(),
+            ttl_secs: r.ttl.map(|t| t.as_secs_f64()),
+            on_expiry: r.on_expiry,
+            deadline_unix_ms: SavedSandbox::deadline_of(r, Instant::now(), SystemTime::now()),
+            parent: r.parent.clone(),
+            created_unix: r.created_unix,
+            envs: live.envs.clone(),
+            spec: live.spec.clone(),
+            vm,
+        });
+    }
+
+    /// Takes back every VM an earlier run of the daemon wrote down: baked
+    /// templates' zygotes first, then sandboxes (parents before children).
+    /// A VM that cannot be adopted (its VMM died, or its pid is another
+    /// process now) is cleared away and forgotten. Blocking; call it before
+    /// serving. Returns (adopted, cleared away).
+    pub fn recover(&self) -> (usize, usize) {
+        let Some(store) = self.inner.store.clone() else {
+            return (0, 0);
+        };
+        let backend = self.inner.backend.clone();
+        let (templates, mut sandboxes) = store.load();
+        let (mut adopted, mut cleared) = (0, 0);
+        for t in templates {
+            match backend.adopt(&t.vm) {
+                Ok(m) => {
+                    adopted += 1;
+                    let name = t.spec.name.clone();
+                    self.lock().templates.insert(
+                        name,
+                        Template {
+                            spec: t.spec,
+                            from_sandbox: t.from_sandbox,
+                            drop_on_failure: t.drop_on_failure,
+                            zygote: Zygote::Ready {
+                                machine: Arc::from(m),
+                                bake_ms: t.bake_ms,
+                            },
+                        },
+                    );
+                }
+                Err(e) => {
+                    cleared += 1;
+                    tracing::warn!(template = %t.spec.name, error = %chain(&e), "cannot re-adopt a template's zygote; clearing it away");
+                    backend.discard(&t.vm);
+                    store.forget_template(&t.spec.name);
+                }
+            }
+        }
+        sandboxes.sort_by_key(|s| (s.created_unix, s.parent.is_some()));
+        for saved in sandboxes {
+            match backend.adopt(&saved.vm) {
+                Ok(m) => {
+                    adopted += 1;
+                    let mut s = self.lock();
+                    s.registry
+                        .restore(saved.record(Instant::now(), SystemTime::now()));
+                    s.machines.insert(
+                        saved.id.clone(),
+                        Live {
+                            machine: Arc::from(m),
+                            envs: saved.envs,
+                            spec: saved.spec,
+                        },
+                    );
+                }
+                Err(e) => {
+                    cleared += 1;
+                    tracing::warn!(id = %saved.id, error = %chain(&e), "cannot re-adopt a sandbox's VM; clearing it away");
+                    backend.discard(&saved.vm);
+                    store.forget_sandbox(&saved.id);
+                }
+            }
+        }
+        (adopted, cleared)
     }
 
     fn machine(&self, id: &SandboxId) -> Result<Arc<dyn Machine>, DaemonError> {
@@ -921,6 +1032,7 @@ impl Daemon {
                         spec: spec.clone(),
                     },
                 );
+                self.save(&s, id);
                 self.inner.metrics.creations_ok.fetch_add(1, ORD);
                 let r = s.registry.get(id)?;
                 Ok(info(r, s.machines.get(id)))
@@ -1024,6 +1136,9 @@ impl Daemon {
             s.templates.remove(name);
         }
         drop(s);
+        if let Some(store) = &self.inner.store {
+            store.forget_template(name);
+        }
         if let Zygote::Ready { machine, .. } = old {
             reap(machine);
         }
@@ -1215,6 +1330,15 @@ impl Daemon {
         let mut s = self.lock();
         let result = match (outcome, s.templates.get_mut(name)) {
             (Ok(machine), Some(t)) => {
+                if let (Some(store), Some(vm)) = (&self.inner.store, machine.handle()) {
+                    store.save_template(&SavedTemplate {
+                        spec: t.spec.clone(),
+                        from_sandbox: t.from_sandbox.clone(),
+                        drop_on_failure: t.drop_on_failure,
+                        bake_ms: took.as_millis() as u64,
+                        vm,
+                    });
+                }
                 t.zygote = Zygote::Ready {
                     machine,
                     bake_ms: took.as_millis() as u64,
@@ -1288,6 +1412,7 @@ impl Daemon {
                 let mut s = self.lock();
                 let _ = s.registry.paused(id);
                 let _ = s.registry.expiry_paused(id);
+                self.save(&s, id);
                 self.inner.metrics.expiries.fetch_add(1, ORD);
             }
             Err(e) => {
@@ -1328,7 +1453,12 @@ impl Daemon {
                 .values_mut()
                 .filter_map(|t| {
                     match std::mem::replace(&mut t.zygote, Zygote::None { error: None }) {
-                        Zygote::Ready { machine, .. } => Some(machine),
+                        Zygote::Ready { machine, .. } => {
+                            if let Some(store) = &self.inner.store {
+                                store.forget_template(&t.spec.name);
+                            }
+                            Some(machine)
+                        }
                         _ => None,
                     }
                 })
@@ -1859,6 +1989,62 @@ mod tests {
         assert_eq!(b.template, "after-step-3");
         assert_eq!(world.forks.load(ORD), forks + 1);
         assert_eq!(world.boots.load(ORD), 1, "no new boot");
+    }
+
+    #[tokio::test]
+    async fn a_restarted_daemon_re_adopts_what_it_wrote_down_and_clears_the_rest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = || Some(Store::open(dir.path()).expect("store"));
+        let first_world = {
+            let fake = Fake::default();
+            let world = fake.world.clone();
+            let d = Daemon::with_store(Arc::new(fake), Config::default(), store());
+            let a = created(&d, Some(Duration::from_secs(600))).await;
+            let b = created(&d, None).await;
+            d.execute(Command::Pause { id: b.id.clone() })
+                .await
+                .expect("pause");
+            let kids = forked(&d, &a.id, 1).await;
+            let c = kids[0].as_ref().expect("child").clone();
+            let gone = created(&d, None).await;
+            d.execute(Command::Kill {
+                id: gone.id.clone(),
+            })
+            .await
+            .expect("kill");
+            // The daemon "crashes": no shutdown; its state stays written.
+            (world, a, b, c)
+        };
+        let (old, a, b, c) = first_world;
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        // Sandbox c's VMM died while no daemon ran.
+        let c_pid = old.handed.load(ORD) as u32 + 1000 - 1 - 1;
+        world.gone.lock().expect("gone").push(c_pid);
+        let d = Daemon::with_store(Arc::new(fake), Config::default(), store());
+        let (adopted, cleared) = d.recover();
+        assert_eq!(
+            (adopted, cleared),
+            (3, 1),
+            "zygote, a, b adopted; c cleared"
+        );
+        assert_eq!(*world.discarded.lock().expect("discarded"), vec![c_pid]);
+        let info = |id: &SandboxId| d.execute_sync_info(id).expect("known");
+        assert_eq!(info(&a.id).state, SandboxState::Running);
+        assert!(info(&a.id).expires_in_ms.is_some_and(|ms| ms > 590_000));
+        assert_eq!(info(&b.id).state, SandboxState::Paused);
+        assert!(d.execute_sync_info(&c.id).is_none(), "cleared away");
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::Ready
+        );
+        // Adopted sandboxes work as before: fork one, no new bake.
+        assert!(forked(&d, &a.id, 1).await[0].is_ok());
+        created(&d, None).await;
+        assert_eq!(world.boots.load(ORD), 0, "the zygote was re-adopted");
+        // What was cleared is forgotten: a third run finds 4 live VMs.
+        let d3 = Daemon::with_store(Arc::new(Fake::default()), Config::default(), store());
+        assert_eq!(d3.recover(), (5, 0));
     }
 
     impl Daemon {

@@ -89,6 +89,29 @@ pub fn calibrate() -> Calibration {
 
 /// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
 /// every mapping in `/proc/PID/smaps` except the guest-RAM memfd.
+/// A `Key:   N kB` field of `/proc/meminfo` or a `smaps_rollup`, in KiB.
+pub fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The host's `MemAvailable`, in KiB.
+pub fn mem_available_kib() -> Option<u64> {
+    meminfo_kib(
+        &std::fs::read_to_string("/proc/meminfo").ok()?,
+        "MemAvailable:",
+    )
+}
+
+/// A process's proportional set size in KiB: its private pages plus its
+/// share of the pages it shares (a fork child with its zygote and
+/// siblings).
+pub fn pss_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    meminfo_kib(&text, "Pss:")
+}
+
 pub fn vmm_overhead_kib(pid: u32) -> std::io::Result<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
     Ok(overhead_from_smaps(&smaps))
@@ -117,6 +140,15 @@ fn overhead_from_smaps(smaps: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn meminfo_kib_reads_a_field() {
+        let text = "MemTotal:       24000000 kB\nMemAvailable:   12345 kB\n";
+        assert_eq!(meminfo_kib(text, "MemAvailable:"), Some(12345));
+        assert_eq!(meminfo_kib(text, "Pss:"), None);
+        assert!(mem_available_kib().is_some_and(|k| k > 0));
+        assert!(pss_kib(std::process::id()).is_some_and(|k| k > 0));
+    }
 
     #[test]
     fn stats_percentiles_nearest_rank() {

@@ -121,14 +121,8 @@ fn stats_json(s: &Stats) -> Value {
     json!({"runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms})
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in KiB.
 fn mem_available_kib() -> anyhow::Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .context("no MemAvailable in /proc/meminfo")
+    forkbox::bench::mem_available_kib().context("no MemAvailable in /proc/meminfo")
 }
 
 /// Writes `mib` MiB of incompressible, non-zero data into guest RAM

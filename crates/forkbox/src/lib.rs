@@ -1,6 +1,9 @@
 //! forkbox's host side: everything the `forkbox` command does.
 //!
-//! - [`bench`]: percentiles, calibration, VMM memory overhead.
+//! - [`bench`]: percentiles, calibration, VMM and host memory figures.
+//! - [`bench_service`]: `forkbox bench service`, the API's latencies.
+//! - [`demo`]: `forkbox demo`, one GRPO step through the daemon.
+//! - [`local_daemon`]: a forkboxd of our own for the demo and benchmarks.
 //! - [`client`]: the client of forkboxd's HTTP API (unix socket or TCP).
 //! - [`cache`]: the content-addressed cache directory for built assets.
 //! - [`debs`]: Debian packages fetched with `apt-get download` and unpacked.
@@ -20,14 +23,17 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod bench_service;
 pub mod cache;
 pub mod client;
 pub mod control;
 pub mod cpio;
 pub mod debs;
+pub mod demo;
 pub mod image;
 pub mod initramfs;
 pub mod kernel;
+pub mod local_daemon;
 pub mod netbroker;
 pub mod testbed;
 pub mod vm;

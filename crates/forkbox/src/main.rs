@@ -58,8 +58,10 @@ enum Cmd {
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
-    /// Boot the `debian` image and run a few commands in it, timing each step.
-    Demo,
+    /// One GRPO-style step through a forkboxd of our own: bake a warm
+    /// `debian` template, fork a group from it, solve, grade, kill; print
+    /// fork and exec latency, memory per sandbox and wall time.
+    Demo(forkbox::demo::Options),
     /// Build the guest images (cached; a second build is instant).
     Image {
         #[arg(value_enum)]
@@ -111,6 +113,9 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The service through its HTTP API: create-from-template → first
+    /// command result beside the raw fork, and group fan-out.
+    Service(forkbox::bench_service::Options),
     /// A tight loop and fork+exec, here: the yardstick for other figures.
     Calibrate {
         #[arg(long)]
@@ -189,7 +194,13 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 None => run_cmd(&spec, net.as_ref(), timeout, argv),
             }
         }
-        Cmd::Demo => demo(),
+        Cmd::Demo(opts) => {
+            if let Some(code) = delegate(ImageName::Debian)? {
+                return Ok(code);
+            }
+            forkbox::demo::run(&opts)?;
+            Ok(0)
+        }
         Cmd::Image { name } => {
             let path = image::ensure(name)?;
             println!("{}", path.display());
@@ -385,55 +396,6 @@ fn forward_output(stream: OutputStream, bytes: &[u8]) {
     };
 }
 
-fn demo() -> anyhow::Result<i32> {
-    let image = ImageName::Debian;
-    let t = Instant::now();
-    if let Some(code) = delegate(image)? {
-        return Ok(code);
-    }
-    let env = Environment::detect();
-    println!("forkbox demo: environment: {}", env.label());
-    println!(
-        "forkbox demo: assets ready in {:.2} s",
-        t.elapsed().as_secs_f64()
-    );
-    let assets = Assets::prepare()?;
-    let spec = VmSpec {
-        image,
-        ..VmSpec::default()
-    };
-    let vm = Vm::boot(&assets, &spec).context("booting the microVM")?;
-    println!(
-        "forkbox demo: booted a `debian` microVM (1 vCPU, 512 MiB) to its agent in {:.0} ms",
-        vm.boot_time.as_secs_f64() * 1000.0
-    );
-    let steps: &[(&str, ExecRequest)] = &[
-        ("kernel", ExecRequest::argv(["uname", "-sr"])),
-        ("python", ExecRequest::argv(["python3", "-c", "import sys; print('python', sys.version.split()[0], 'says 2**64 =', 2**64)"])),
-        ("git", ExecRequest::shell("cd /tmp && git init -q repo && cd repo && echo hi > f && git add f && git -c user.email=a@b -c user.name=demo commit -qm first && git log --oneline")),
-        ("whoami", ExecRequest::argv(["id"])),
-        ("exit code", ExecRequest::shell("exit 3")),
-    ];
-    for (name, req) in steps {
-        let t = Instant::now();
-        let mut out = Vec::new();
-        let result = vm
-            .agent()
-            .exec(req, None, &mut |_, b| out.extend_from_slice(b))?;
-        let status = match result.status {
-            ExitStatus::Code(code) => format!("exit {code}"),
-            ExitStatus::Signal(signal) => format!("signal {signal}"),
-        };
-        println!(
-            "forkbox demo: {name:<9} {:>7.1} ms  {status:<7}  {}",
-            t.elapsed().as_secs_f64() * 1000.0,
-            String::from_utf8_lossy(&out).trim()
-        );
-    }
-    println!("forkbox demo: done");
-    Ok(0)
-}
-
 fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
     match cmd {
         TestbedCmd::Prepare => {
@@ -492,6 +454,18 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
             }
             let report = bench_fork::run(&opts)?;
             print_report(opts.json, report);
+            Ok(0)
+        }
+        BenchCmd::Service(opts) => {
+            if let Some(code) = delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let report = forkbox::bench_service::run(&opts)?;
+            if opts.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                report.print();
+            }
             Ok(0)
         }
         BenchCmd::Calibrate { json } => {

@@ -104,6 +104,17 @@ pub enum VmError {
     NoNetwork,
     #[error("reading the egress log")]
     EgressLog(#[source] ReadLogError),
+    #[error("the VMM at {dir} is not the one recorded: {why}")]
+    NotAdoptable { dir: PathBuf, why: String },
+}
+
+/// Where a running VM can be found again by another process: its
+/// directory and its VMM's pid (what a daemon records to re-adopt its VMs
+/// after it restarts).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmHandle {
+    pub dir: PathBuf,
+    pub pid: u32,
 }
 
 /// Added to [`GUEST_CMDLINE`] for a VM with a network: the agent loads
@@ -218,7 +229,7 @@ pub enum RunState {
 /// background: tearing a VM down takes tens of milliseconds).
 pub struct Vm {
     vmm: Option<Vmm>,
-    dir: tempfile::TempDir,
+    dir: VmDir,
     agent: AgentClient,
     control: Control,
     state: RunState,
@@ -245,10 +256,28 @@ pub fn become_subreaper() -> Result<(), VmError> {
     .map_err(|k| VmError::Subreaper(k.into()))
 }
 
-fn vm_dir(prefix: &str) -> Result<tempfile::TempDir, VmError> {
+/// A VM's directory: its control and vsock sockets and serial log.
+/// Removed with the VM; it outlives a process that dies without dropping
+/// it, so that a restarted daemon can find the VM again.
+struct VmDir(PathBuf);
+
+impl VmDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for VmDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn vm_dir(prefix: &str) -> Result<VmDir, VmError> {
     tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
+        .map(|d| VmDir(d.keep()))
         .map_err(VmError::Io)
 }
 
@@ -428,6 +457,66 @@ impl Vm {
 
     pub fn agent(&self) -> &AgentClient {
         &self.agent
+    }
+
+    /// What another process needs to [`adopt`](Self::adopt) this VM.
+    pub fn handle(&self) -> VmHandle {
+        VmHandle {
+            dir: self.dir.path().to_owned(),
+            pid: self.pid(),
+        }
+    }
+
+    /// Takes back a VM that another process (a daemon that died) started:
+    /// its VMM must answer on the control socket in `h.dir` with the
+    /// recorded pid. The VM keeps its run state.
+    pub fn adopt(h: &VmHandle) -> Result<Vm, VmError> {
+        let not = |why: String| VmError::NotAdoptable {
+            dir: h.dir.clone(),
+            why,
+        };
+        let paths = paths_in(&h.dir);
+        let control = Control::new(paths.control);
+        let status = control.status()?;
+        if status.pid != h.pid {
+            return Err(not(format!("it has pid {}, not {}", status.pid, h.pid)));
+        }
+        let state = match status.state.as_str() {
+            "running" => RunState::Running,
+            "paused" => RunState::Paused,
+            "zygote" => RunState::Zygote,
+            other => return Err(not(format!("unknown state {other:?}"))),
+        };
+        let pidfd = pidfd_of(h.pid)?;
+        Ok(Vm {
+            vmm: Some(Vmm::Forked { pid: h.pid, pidfd }),
+            dir: VmDir(h.dir.clone()),
+            agent: AgentClient::hybrid_vsock(&paths.vsock_uds, AGENT_PORT),
+            control,
+            state,
+            boot_time: Duration::ZERO,
+            after_fork: None,
+            vmm_answered: None,
+            net: None,
+        })
+    }
+
+    /// Clears away a VM that cannot be adopted: kills its VMM if `h.pid`
+    /// is still a `forkbox-vmm` process, and removes its directory.
+    pub fn discard(h: &VmHandle) {
+        let exe = std::fs::read_link(format!("/proc/{}/exe", h.pid)).ok();
+        let is_vmm = exe
+            .as_deref()
+            .and_then(Path::file_name)
+            .is_some_and(|n| n == "forkbox-vmm");
+        if is_vmm {
+            if let Ok(fd) = pidfd_of(h.pid) {
+                let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
+            }
+        }
+        if h.dir.starts_with(std::env::temp_dir()) {
+            let _ = std::fs::remove_dir_all(&h.dir);
+        }
     }
 
     /// The VMM's control socket.

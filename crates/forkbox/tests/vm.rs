@@ -72,8 +72,10 @@ static LOAD: RwLock<()> = RwLock::new(());
 /// Alone it boots in seconds; a stall alone still fails the test.
 const ALONE: &[&str] = &["vm_four_vcpus_are_online"];
 
+type NamedTest = (&'static str, fn() -> TestResult);
+
 fn trials() -> Vec<Trial> {
-    let tests: &[(&str, fn() -> TestResult)] = &[
+    let tests: &[NamedTest] = &[
         (
             "testbed_dev_kvm_runs_real_mode_guest",
             testbed_dev_kvm_runs_real_mode_guest,
@@ -149,6 +151,14 @@ fn trials() -> Vec<Trial> {
         (
             "snapshot_restore_resumes_processes_with_current_clock",
             snapshot_restore_resumes_processes_with_current_clock,
+        ),
+        (
+            "net_allowed_connects_denied_refused_and_both_logged",
+            net_allowed_connects_denied_refused_and_both_logged,
+        ),
+        (
+            "net_fork_child_connections_are_its_own",
+            net_fork_child_connections_are_its_own,
         ),
     ];
     tests
@@ -831,5 +841,214 @@ fn snapshot_restore_resumes_processes_with_current_clock() -> TestResult {
     check(
         logged > at_pause,
         format!("the open log file stopped at {logged} (pause at {at_pause})"),
+    )
+}
+
+/// A server on the test process's loopback (the emulated host's, where the
+/// suite runs there) that answers each connection's first line and closes.
+fn line_echo_server() -> (u16, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let port = listener.local_addr().expect("local addr").port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut line = String::new();
+            let _ = BufReader::new(&conn).read_line(&mut line);
+            let _ = conn.write_all(line.as_bytes());
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (port, rx)
+}
+
+fn net_policy(rules: &[String]) -> forkbox_net::policy::Policy {
+    let json = serde_json::json!({ "allow_out": rules }).to_string();
+    forkbox_net::policy::Policy::from_json(&json).expect("policy")
+}
+
+/// Waits (up to 10 s) for a record in `vm`'s egress log that `pred` picks.
+fn logged(
+    vm: &Vm,
+    what: &str,
+    pred: impl Fn(&forkbox_net::log::EgressRecord) -> bool,
+) -> Result<forkbox_net::log::EgressRecord, Failed> {
+    let start = std::time::Instant::now();
+    loop {
+        let log = vm.egress_log(1000).map_err(|e| format!("{e:#}"))?;
+        if let Some(r) = log.iter().find(|r| pred(r)) {
+            return Ok(r.clone());
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(format!("no {what} in the egress log: {log:#?}").into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn net_allowed_connects_denied_refused_and_both_logged() -> TestResult {
+    use forkbox_net::policy::{Protocol, Verdict};
+    let (allowed, lines) = line_echo_server();
+    // A loopback server that is not on the allowlist: never reached.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    other.set_nonblocking(true).expect("nonblocking");
+    let denied = other.local_addr().expect("addr").port();
+    let policy = net_policy(&[format!("host.forkbox.internal:{allowed}")]);
+    let vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
+        .map_err(|e| format!("boot: {e:#}"))?;
+    let agent = vm.agent();
+
+    // The allowed name resolves to the gateway, and connects and echoes.
+    let out = sh(
+        agent,
+        &format!(
+            "nslookup host.forkbox.internal 10.0.2.2 | grep -c 10.0.2.2; \
+             echo hello-from-guest | timeout 20 nc 10.0.2.2 {allowed}"
+        ),
+    )?;
+    check(
+        out.contains("hello-from-guest"),
+        format!("allowed echo: {out:?}"),
+    )?;
+    let got = lines
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|e| format!("server: {e}"))?;
+    check(got == "hello-from-guest\n", format!("server got {got:?}"))?;
+    let r = logged(&vm, "allowed connection", |r| {
+        r.protocol == Protocol::Tcp && r.port == allowed
+    })?;
+    check(
+        r.verdict == Verdict::Allow
+            && r.name.as_deref() == Some("host.forkbox.internal")
+            && r.bytes_out == 17
+            && r.bytes_in == 17,
+        format!("allowed record: {r:?}"),
+    )?;
+
+    // A loopback port off the allowlist: refused at once (no 20 s wait),
+    // never reaching the server, on the record as denied.
+    let t = std::time::Instant::now();
+    let (res, _, err) = exec(
+        agent,
+        &ExecRequest::shell(format!("echo x | timeout 20 nc 10.0.2.2 {denied}")),
+    );
+    let took = t.elapsed();
+    check(
+        !res.success() && took < Duration::from_secs(10),
+        format!(
+            "denied connect: {res:?} after {took:?}, stderr {:?}",
+            String::from_utf8_lossy(&err)
+        ),
+    )?;
+    check(
+        matches!(other.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the denied server was reached",
+    )?;
+    let r = logged(&vm, "denied connection", |r| {
+        r.protocol == Protocol::Tcp && r.port == denied
+    })?;
+    check(r.verdict == Verdict::Deny, format!("denied record: {r:?}"))?;
+
+    // A name off the allowlist: NXDOMAIN, logged.
+    let (res, out, _) = exec(
+        agent,
+        &ExecRequest::shell("nslookup denied.forkbox.test 10.0.2.2"),
+    );
+    let out = String::from_utf8_lossy(&out);
+    check(
+        !res.success() || out.contains("NXDOMAIN") || out.contains("can't find"),
+        format!("denied name answered: {res:?} {out:?}"),
+    )?;
+    let r = logged(&vm, "denied DNS question", |r| {
+        r.protocol == Protocol::Dns && r.name.as_deref() == Some("denied.forkbox.test")
+    })?;
+    check(r.verdict == Verdict::Deny, format!("dns record: {r:?}"))
+}
+
+fn net_fork_child_connections_are_its_own() -> TestResult {
+    use forkbox_net::policy::{Protocol, Verdict};
+    let (port, lines) = line_echo_server();
+    let sink = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let sink_port = sink.local_addr().expect("addr").port();
+    let policy = net_policy(&[
+        format!("host.forkbox.internal:{port}"),
+        format!("host.forkbox.internal:{sink_port}"),
+    ]);
+    let mut vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
+        .map_err(|e| format!("boot: {e:#}"))?;
+    // Throughput guest → host loopback, for docs/SPEC.md (printed only).
+    let counted = std::thread::spawn(move || -> std::io::Result<(u64, Duration)> {
+        use std::io::{Read, Write};
+        let (mut c, _) = sink.accept()?;
+        let t = std::time::Instant::now();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut n = 0u64;
+        loop {
+            match c.read(&mut buf)? {
+                0 => break,
+                k => n += k as u64,
+            }
+        }
+        let took = t.elapsed();
+        c.write_all(b"done\n")?;
+        Ok((n, took))
+    });
+    let out = sh(
+        vm.agent(),
+        &format!(
+            "dd if=/dev/zero bs=64k count=1024 2>/dev/null | timeout 120 nc 10.0.2.2 {sink_port}"
+        ),
+    )?;
+    match counted.join() {
+        Ok(Ok((n, took))) => eprintln!(
+            "net: guest -> host loopback: {n} bytes in {:.2} s = {:.0} Mbit/s ({out:?})",
+            took.as_secs_f64(),
+            n as f64 * 8.0 / took.as_secs_f64() / 1e6
+        ),
+        other => eprintln!(
+            "net: throughput not measured: {:?}",
+            other.map(|r| r.map(|_| ()))
+        ),
+    }
+
+    let child = fork(&mut vm, 1)?.remove(0);
+    let out = sh(
+        child.agent(),
+        &format!("echo from-child | timeout 20 nc 10.0.2.2 {port}"),
+    )?;
+    check(out.contains("from-child"), format!("child echo: {out:?}"))?;
+    let got = lines
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|e| format!("server: {e}"))?;
+    check(got == "from-child\n", format!("server got {got:?}"))?;
+    let r = logged(&child, "the child's connection", |r| {
+        r.protocol == Protocol::Tcp && r.port == port
+    })?;
+    check(r.verdict == Verdict::Allow, format!("child record: {r:?}"))?;
+    check(
+        child.egress_log_path() != vm.egress_log_path(),
+        "child and parent share a log path",
+    )?;
+    let parent = vm.egress_log(1000).map_err(|e| format!("{e:#}"))?;
+    check(
+        !parent.iter().any(|r| r.port == port),
+        format!("the child's connection is in the parent's log: {parent:#?}"),
+    )?;
+    // The parent still connects, on its own record.
+    let out = sh(
+        vm.agent(),
+        &format!("echo from-parent | timeout 20 nc 10.0.2.2 {port}"),
+    )?;
+    check(out.contains("from-parent"), format!("parent echo: {out:?}"))?;
+    logged(&vm, "the parent's connection", |r| {
+        r.protocol == Protocol::Tcp && r.port == port
+    })?;
+    let child_log = child.egress_log(1000).map_err(|e| format!("{e:#}"))?;
+    check(
+        child_log.iter().filter(|r| r.port == port).count() == 1,
+        format!("the parent's connection is in the child's log: {child_log:#?}"),
     )
 }

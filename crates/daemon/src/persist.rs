@@ -1,0 +1,237 @@
+//! What the daemon writes down so that, after it dies (a crash, SIGKILL,
+//! an OOM kill), its next run finds every VM it had: one JSON file per
+//! live sandbox and per baked template in the state directory, written on
+//! every change and removed when the sandbox or template goes.
+//!
+//! A stop by SIGTERM/SIGINT stops every VM and leaves nothing behind.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use forkbox::vm::VmHandle;
+use serde::{Deserialize, Serialize};
+
+use crate::core::{ExpiryAction, Labels, Record, SandboxId, SandboxState};
+use crate::template::TemplateSpec;
+
+/// A live sandbox as written down.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedSandbox {
+    pub id: SandboxId,
+    pub template: String,
+    pub paused: bool,
+    pub labels: Labels,
+    pub ttl_secs: Option<f64>,
+    pub on_expiry: ExpiryAction,
+    /// When the time-to-live runs out, in Unix milliseconds.
+    pub deadline_unix_ms: Option<u64>,
+    pub parent: Option<SandboxId>,
+    pub created_unix: u64,
+    pub envs: BTreeMap<String, String>,
+    pub spec: TemplateSpec,
+    pub vm: VmHandle,
+}
+
+/// A baked template (its zygote) as written down.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedTemplate {
+    pub spec: TemplateSpec,
+    pub from_sandbox: Option<SandboxId>,
+    /// Unregistered (not just un-baked) when deleted.
+    pub drop_on_failure: bool,
+    pub bake_ms: u64,
+    pub vm: VmHandle,
+}
+
+impl SavedSandbox {
+    /// The registry record it stands for, `now` being the restart.
+    pub fn record(&self, now: Instant, wall: SystemTime) -> Record {
+        let now_ms = unix_ms(wall);
+        let deadline = self
+            .deadline_unix_ms
+            .map(|d| now + Duration::from_millis(d.saturating_sub(now_ms)));
+        Record {
+            id: self.id.clone(),
+            template: self.template.clone(),
+            state: if self.paused {
+                SandboxState::Paused
+            } else {
+                SandboxState::Running
+            },
+            labels: self.labels.clone(),
+            ttl: self
+                .ttl_secs
+                .and_then(|s| Duration::try_from_secs_f64(s).ok()),
+            on_expiry: self.on_expiry,
+            deadline,
+            parent: self.parent.clone(),
+            children: Vec::new(),
+            admitted: now,
+            created_unix: self.created_unix,
+            ready: Some(now),
+            died: None,
+        }
+    }
+
+    /// The deadline of `r` in Unix milliseconds.
+    pub fn deadline_of(r: &Record, now: Instant, wall: SystemTime) -> Option<u64> {
+        r.deadline
+            .map(|d| unix_ms(wall) + d.saturating_duration_since(now).as_millis() as u64)
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The state directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating) `dir`, with `sandboxes/` and `templates/` in it.
+    pub fn open(dir: &Path) -> std::io::Result<Self> {
+        for sub in ["sandboxes", "templates"] {
+            std::fs::create_dir_all(dir.join(sub))?;
+        }
+        Ok(Self {
+            dir: dir.to_owned(),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn sandbox_path(&self, id: &SandboxId) -> PathBuf {
+        self.dir.join("sandboxes").join(format!("{id}.json"))
+    }
+
+    fn template_path(&self, name: &str) -> PathBuf {
+        // Template names are [a-z0-9._-], never `..` alone: validated.
+        self.dir.join("templates").join(format!("{name}.json"))
+    }
+
+    pub fn save_sandbox(&self, s: &SavedSandbox) {
+        write_json(&self.sandbox_path(&s.id), s);
+    }
+
+    pub fn forget_sandbox(&self, id: &SandboxId) {
+        let _ = std::fs::remove_file(self.sandbox_path(id));
+    }
+
+    pub fn save_template(&self, t: &SavedTemplate) {
+        write_json(&self.template_path(&t.spec.name), t);
+    }
+
+    pub fn forget_template(&self, name: &str) {
+        let _ = std::fs::remove_file(self.template_path(name));
+    }
+
+    /// Everything written down, each file read on its own: one that does
+    /// not parse is reported and removed, the rest still load.
+    pub fn load(&self) -> (Vec<SavedTemplate>, Vec<SavedSandbox>) {
+        (
+            read_all(&self.dir.join("templates")),
+            read_all(&self.dir.join("sandboxes")),
+        )
+    }
+}
+
+/// Writes `v` to `path` atomically (a temporary file renamed over it).
+fn write_json(path: &Path, v: &impl Serialize) {
+    let tmp = path.with_extension("json.tmp");
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(&serde_json::to_vec_pretty(v).map_err(std::io::Error::other)?)?;
+        f.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&tmp, path)) {
+        Ok(()) => {}
+        Err(e) => tracing::error!(path = %path.display(), error = %e, "cannot write daemon state"),
+    }
+}
+
+fn read_all<T: serde::de::DeserializeOwned>(dir: &Path) -> Vec<T> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|e| e != "json") {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        match std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+        {
+            Ok(v) => out.push(v),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "unreadable daemon state; removing it");
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saved(id: &str) -> SavedSandbox {
+        SavedSandbox {
+            id: SandboxId::parse(id).expect("id"),
+            template: "minimal".into(),
+            paused: true,
+            labels: [("k".to_owned(), "v".to_owned())].into(),
+            ttl_secs: Some(60.0),
+            on_expiry: ExpiryAction::Kill,
+            deadline_unix_ms: None,
+            parent: None,
+            created_unix: 1,
+            envs: BTreeMap::new(),
+            spec: TemplateSpec::builtin(forkbox::image::ImageName::Minimal),
+            vm: VmHandle {
+                dir: "/tmp/forkbox-vm-x".into(),
+                pid: 42,
+            },
+        }
+    }
+
+    #[test]
+    fn saved_state_round_trips_and_forgets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        let a = saved("sb-00000001deadbeef");
+        store.save_sandbox(&a);
+        store.save_sandbox(&saved("sb-00000002deadbeef"));
+        std::fs::write(dir.path().join("sandboxes/bad.json"), b"{").expect("write");
+        let (templates, sandboxes) = store.load();
+        assert!(templates.is_empty());
+        assert_eq!(sandboxes.len(), 2, "the unreadable file is skipped");
+        assert!(
+            !dir.path().join("sandboxes/bad.json").exists(),
+            "and removed"
+        );
+        store.forget_sandbox(&a.id);
+        assert_eq!(store.load().1.len(), 1);
+    }
+
+    #[test]
+    fn deadline_survives_as_wall_clock_time() {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let mut s = saved("sb-00000001deadbeef");
+        s.deadline_unix_ms = Some(unix_ms(wall) + 30_000);
+        let r = s.record(now, wall);
+        assert_eq!(r.state, SandboxState::Paused);
+        let left = r.deadline.expect("deadline").duration_since(now);
+        assert!((29..=30).contains(&left.as_secs()), "{left:?}");
+        assert_eq!(SavedSandbox::deadline_of(&r, now, wall), s.deadline_unix_ms);
+    }
+}
