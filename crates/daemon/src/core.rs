@@ -236,8 +236,15 @@ impl Registry {
                 });
             }
         }
-        self.serial += 1;
-        let id = SandboxId(format!("sb-{:08x}{:08x}", self.serial, self.salt));
+        // Never one in use (sandboxes re-adopted from an earlier run carry
+        // that run's salt).
+        let id = loop {
+            self.serial += 1;
+            let id = SandboxId(format!("sb-{:08x}{:08x}", self.serial, self.salt));
+            if !self.records.contains_key(&id) {
+                break id;
+            }
+        };
         if let Some(parent) = &adm.parent {
             if let Some(p) = self.records.get_mut(parent) {
                 p.children.push(id.clone());
@@ -488,6 +495,26 @@ mod tests {
             },
             7,
         )
+    }
+
+    #[test]
+    fn restored_sandboxes_count_as_live_and_their_ids_are_never_handed_out() {
+        let mut reg = registry(2, 2);
+        let now = Instant::now();
+        let first = admit(&mut reg, now).expect("admit");
+        reg.created(&first, now).expect("created");
+        let mut old = reg.get(&first).expect("record").clone();
+        // A fresh registry with the same salt, as after a restart.
+        let mut reg = registry(2, 2);
+        old.children.clear();
+        reg.restore(old);
+        assert_eq!(reg.live(), 1);
+        let next = admit(&mut reg, now).expect("admit");
+        assert_ne!(next, first);
+        assert!(matches!(
+            admit(&mut reg, now),
+            Err(CoreError::TooManyLive { .. })
+        ));
     }
 
     fn admit(reg: &mut Registry, now: Instant) -> Result<SandboxId, CoreError> {
