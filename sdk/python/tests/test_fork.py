@@ -7,7 +7,7 @@ from typing import List, Sequence
 
 import pytest
 
-from forkbox import ForkboxError, InfrastructureError, Sandbox, Template
+from forkbox import ForkboxError, Sandbox, Template
 
 
 def _alive(children: Sequence[object]) -> List[Sandbox]:
@@ -59,11 +59,6 @@ def test_pause_then_resume_keeps_state(daemon_url: str) -> None:
         assert sb.commands.run("cat /tmp/mark").stdout == "kept\n"
 
 
-# The daemon (9e77c50) cannot make a zygote of a sandbox that is itself a
-# fork: "the VMM refused `zygote`: guest memory is shared with another
-# owner". Every sandbox is a fork now, so no snapshot works yet.
-@pytest.mark.xfail(raises=InfrastructureError, strict=False,
-                   reason="daemon: snapshot of a forked sandbox is refused by the VMM")
 def test_create_snapshot_makes_a_template_that_forks_that_state(daemon_url: str) -> None:
     name = f"snap-{uuid.uuid4().hex[:8]}"
     try:
