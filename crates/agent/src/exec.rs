@@ -23,6 +23,7 @@ use forkbox_proto::{
     OutputStream, Response, StreamSummary, User, DATA_CHUNK, MAX_FRAME_LEN,
 };
 
+use crate::background::Background;
 use crate::execs::ExecTable;
 use crate::reaper::Reaper;
 use crate::sys::{self, WaitStatus};
@@ -61,16 +62,10 @@ enum Event {
     ClientGone,
 }
 
-/// Runs `req`, streaming output to `conn`, and writes the final
-/// `Response::Exec`. An `Err` means nothing was started and the caller
-/// should report it.
-pub fn run(
-    conn: &UnixStream,
-    reaper: &Reaper,
-    execs: &ExecTable,
-    req: &ExecRequest,
-    stdin_streamed: bool,
-) -> Result<(), AgentError> {
+/// Builds the command for `req`: argv, user, working directory,
+/// environment, a new session. `stdin_piped`: stdin is a pipe (else
+/// `/dev/null`). Returns it with `argv[0]`.
+fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<(Command, String), AgentError> {
     let argv = match &req.command {
         forkbox_proto::Command::Argv(v) if v.is_empty() => {
             return Err(AgentError::new(ErrorKind::InvalidRequest, "empty argv"))
@@ -108,7 +103,7 @@ pub fn run(
         .env_clear()
         .envs(default_env(&home, account.as_ref()))
         .envs(&req.env)
-        .stdin(if stdin_streamed {
+        .stdin(if stdin_piped {
             Stdio::piped()
         } else {
             Stdio::null()
@@ -119,7 +114,20 @@ pub fn run(
         cmd.uid(a.uid).gid(a.gid);
     }
     sys::spawn_in_new_session(&mut cmd);
+    Ok((cmd, argv[0].clone()))
+}
 
+/// Runs `req`, streaming output to `conn`, and writes the final
+/// `Response::Exec`. An `Err` means nothing was started and the caller
+/// should report it.
+pub fn run(
+    conn: &UnixStream,
+    reaper: &Reaper,
+    execs: &ExecTable,
+    req: &ExecRequest,
+    stdin_streamed: bool,
+) -> Result<(), AgentError> {
+    let (mut cmd, argv0) = prepare(req, stdin_streamed)?;
     let out_sock = conn
         .try_clone()
         .map_err(|e| internal("cannot clone connection", &e))?;
@@ -138,7 +146,7 @@ pub fn run(
     );
     let mut child = match spawned {
         Ok(child) => child,
-        Err(e) => return spawn_failed(&sink, &argv[0], &e, stdin_streamed, conn, start),
+        Err(e) => return spawn_failed(&sink, &argv0, &e, stdin_streamed, conn, start),
     };
     let pgid = child.id();
     let exec_id = conn
@@ -153,6 +161,70 @@ pub fn run(
         watch_client(watcher_sock, stdin, &watch_tx)
     });
 
+    start_pumps(&mut child, &sink, req.output_cap, &tx);
+    drop(tx);
+    // `child` is dropped without waiting: the reaper owns its status.
+    drop(child);
+
+    let outcome = wait_events(&rx, Some(conn), pgid, start, req.timeout.map(|t| start + t));
+    let result = outcome.result(start);
+    if let Some(id) = exec_id {
+        execs.finished(id, result.status, outcome.client_gone);
+    }
+    finish(&sink, conn, &Response::Exec { result });
+    Ok(())
+}
+
+/// Starts `req` in the background: answers `Response::Spawned` on `conn`
+/// at once, then (on this thread) waits for it to end and records how.
+/// Its output goes to a bounded buffer, its stdin is a pipe kept open.
+pub fn spawn(
+    conn: &UnixStream,
+    reaper: &Reaper,
+    execs: &ExecTable,
+    req: &ExecRequest,
+) -> Result<(), AgentError> {
+    let (mut cmd, argv0) = prepare(req, true)?;
+    let (tx, rx) = mpsc::channel::<Event>();
+    let start = Instant::now();
+    let exit_tx = tx.clone();
+    let mut child = reaper
+        .spawn(
+            &mut cmd,
+            Box::new(move |status| {
+                let _ = exit_tx.send(Event::Exited(status));
+            }),
+        )
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => {
+                AgentError::new(ErrorKind::NotFound, format!("{argv0}: command not found"))
+            }
+            _ => AgentError::new(ErrorKind::from_io(e.kind()), format!("{argv0}: {e}")),
+        })?;
+    let pgid = child.id();
+    let bg = Arc::new(Background::new(child.stdin.take()));
+    let exec_id = execs.register_background(req.command.clone(), pgid, Arc::clone(&bg));
+    start_pumps(&mut child, &bg, req.output_cap, &tx);
+    drop(tx);
+    drop(child);
+    // The client has its pid; it may go at once.
+    let _ = crate::server::send(conn, &Response::Spawned { pid: pgid });
+    let _ = conn.shutdown(std::net::Shutdown::Both);
+
+    let outcome = wait_events(&rx, None, pgid, start, req.timeout.map(|t| start + t));
+    let result = outcome.result(start);
+    execs.finished(exec_id, result.status, false);
+    bg.finish(result);
+    Ok(())
+}
+
+/// Starts the stdout and stderr pumps of `child` into `sink`.
+fn start_pumps<S: OutputSink + 'static>(
+    child: &mut std::process::Child,
+    sink: &Arc<S>,
+    cap: Option<u64>,
+    tx: &Sender<Event>,
+) {
     for (stream, pipe) in [
         (
             OutputStream::Stdout,
@@ -174,32 +246,9 @@ pub fn run(
             continue;
         };
         let _ = sys::set_pipe_size(&pipe.as_fd_ref(), PIPE_SIZE);
-        let (sink, tx, cap) = (Arc::clone(&sink), tx.clone(), req.output_cap);
-        spawn_thread("exec-pump", move || pump(pipe, stream, cap, &sink, &tx));
+        let (sink, tx) = (Arc::clone(sink), tx.clone());
+        spawn_thread("exec-pump", move || pump(pipe, stream, cap, &*sink, &tx));
     }
-    drop(tx);
-    // `child` is dropped without waiting: the reaper owns its status.
-    drop(child);
-
-    let outcome = wait_events(&rx, conn, pgid, start, req.timeout.map(|t| start + t));
-    let status = match outcome.status {
-        Some(WaitStatus::Exited(c)) => ExitStatus::Code(c),
-        Some(WaitStatus::Signaled(s)) => ExitStatus::Signal(s),
-        // Only if the reaper vanished; report as killed.
-        None => ExitStatus::Signal(libc::SIGKILL),
-    };
-    if let Some(id) = exec_id {
-        execs.finished(id, status, outcome.client_gone);
-    }
-    let result = ExecResult {
-        status,
-        timed_out: outcome.timed_out,
-        duration: outcome.duration.unwrap_or_else(|| start.elapsed()),
-        stdout: outcome.stdout,
-        stderr: outcome.stderr,
-    };
-    finish(&sink, conn, &Response::Exec { result });
-    Ok(())
 }
 
 /// Sends the final response, then closes the sink and unblocks the watcher.
@@ -207,6 +256,21 @@ fn finish(sink: &Sink, conn: &UnixStream, resp: &Response) {
     let _ = sink.send(FrameKind::Control, &encode_control(resp));
     sink.close();
     let _ = conn.shutdown(std::net::Shutdown::Read);
+}
+
+/// Where a pump puts output.
+pub trait OutputSink: Send + Sync {
+    fn output(&self, stream: OutputStream, bytes: &[u8]) -> io::Result<()>;
+}
+
+impl OutputSink for Sink {
+    fn output(&self, stream: OutputStream, bytes: &[u8]) -> io::Result<()> {
+        let kind = match stream {
+            OutputStream::Stdout => FrameKind::Stdout,
+            OutputStream::Stderr => FrameKind::Stderr,
+        };
+        self.send(kind, bytes)
+    }
 }
 
 #[derive(Default)]
@@ -220,9 +284,29 @@ struct Outcome {
     stderr: StreamSummary,
 }
 
+impl Outcome {
+    fn result(&self, start: Instant) -> ExecResult {
+        let status = match self.status {
+            Some(WaitStatus::Exited(c)) => ExitStatus::Code(c),
+            Some(WaitStatus::Signaled(s)) => ExitStatus::Signal(s),
+            // Only if the reaper vanished; report as killed.
+            None => ExitStatus::Signal(libc::SIGKILL),
+        };
+        ExecResult {
+            status,
+            timed_out: self.timed_out,
+            duration: self.duration.unwrap_or_else(|| start.elapsed()),
+            stdout: self.stdout,
+            stderr: self.stderr,
+        }
+    }
+}
+
+/// Waits for the exit and both pumps, enforcing the deadline; with a
+/// client `conn`, kills the group when the client vanishes.
 fn wait_events(
     rx: &mpsc::Receiver<Event>,
-    conn: &UnixStream,
+    conn: Option<&UnixStream>,
     pgid: u32,
     start: Instant,
     deadline: Option<Instant>,
@@ -253,7 +337,7 @@ fn wait_events(
                     kill(pgid);
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
-                } else if !killed && sys::peer_hung_up(conn) {
+                } else if !killed && conn.is_some_and(sys::peer_hung_up) {
                     // The watcher may be stuck writing stdin the command
                     // does not read; notice a vanished client anyway.
                     out.client_gone = true;
@@ -310,13 +394,9 @@ fn pump(
     mut pipe: Box<dyn ReadPipe>,
     stream: OutputStream,
     cap: Option<u64>,
-    sink: &Sink,
+    sink: &dyn OutputSink,
     events: &Sender<Event>,
 ) {
-    let kind = match stream {
-        OutputStream::Stdout => FrameKind::Stdout,
-        OutputStream::Stderr => FrameKind::Stderr,
-    };
     let mut buf = vec![0u8; DATA_CHUNK];
     let (mut total, mut sent) = (0u64, 0u64);
     let mut client_ok = true;
@@ -330,7 +410,7 @@ fn pump(
         total += n as u64;
         let allowed = cap.map_or(n, |c| c.saturating_sub(sent).min(n as u64) as usize);
         if allowed > 0 && client_ok {
-            if sink.send(kind, &buf[..allowed]).is_err() {
+            if sink.output(stream, &buf[..allowed]).is_err() {
                 client_ok = false;
                 let _ = events.send(Event::ClientGone);
             }

@@ -7,25 +7,45 @@
 //! here as *interrupted*. The after-fork hook then waits for those execs
 //! to end and reports them, once. Nothing is lost silently: an exec either
 //! answers its client, or is reported by the next `AfterFork`.
+//!
+//! Background processes (`Spawn`) are in the same table, with no client
+//! connection: a fork never cuts them off (the child runs its copy on).
+//! Ended ones stay listed, with their output and result, until
+//! [`KEPT_ENDED`] newer ones ended.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::unix::net::UnixStream;
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use forkbox_proto::{Command, ExitStatus, ForkedExec};
+use forkbox_proto::{Command, ExitStatus, ForkedExec, ProcessInfo};
 
+use crate::background::Background;
 use crate::sys;
+
+/// Ended background processes kept for `WaitProcess`, `AttachProcess`
+/// and the list.
+pub const KEPT_ENDED: usize = 64;
 
 struct Running {
     command: Command,
     pid: u32,
     started: Instant,
-    /// A clone of the client connection, to see whether it is gone.
-    conn: UnixStream,
+    /// A clone of the client connection, to see whether it is gone;
+    /// `None` for a background process.
+    conn: Option<UnixStream>,
     /// Already reported (as interrupted, before it ended): do not report
     /// it again when it ends.
     reported: bool,
+}
+
+/// A background process, running or ended.
+struct Spawned {
+    pid: u32,
+    command: Command,
+    started: Instant,
+    ended: Option<Instant>,
+    bg: Arc<Background>,
 }
 
 #[derive(Default)]
@@ -34,6 +54,8 @@ struct Inner {
     running: HashMap<u64, Running>,
     /// Ended because their client vanished; not yet reported.
     interrupted: Vec<ForkedExec>,
+    /// By exec id, oldest first.
+    background: VecDeque<(u64, Spawned)>,
 }
 
 /// Shared by every connection thread.
@@ -57,6 +79,29 @@ impl ExecTable {
 
     /// Records a started exec; returns its id.
     pub fn register(&self, command: Command, pid: u32, conn: UnixStream) -> u64 {
+        self.insert(command, pid, Some(conn))
+    }
+
+    /// Records a started background process; returns its exec id.
+    pub fn register_background(&self, command: Command, pid: u32, bg: Arc<Background>) -> u64 {
+        let id = self.insert(command.clone(), pid, None);
+        let mut inner = self.lock();
+        // A pid the kernel reused: the older record is stale.
+        inner.background.retain(|(_, s)| s.pid != pid);
+        inner.background.push_back((
+            id,
+            Spawned {
+                pid,
+                command,
+                started: Instant::now(),
+                ended: None,
+                bg,
+            },
+        ));
+        id
+    }
+
+    fn insert(&self, command: Command, pid: u32, conn: Option<UnixStream>) -> u64 {
         let mut inner = self.lock();
         inner.next_id += 1;
         let id = inner.next_id;
@@ -73,10 +118,73 @@ impl ExecTable {
         id
     }
 
+    /// The background process with this pid, running or ended.
+    pub fn background(&self, pid: u32) -> Option<Arc<Background>> {
+        let inner = self.lock();
+        inner
+            .background
+            .iter()
+            .rev()
+            .find(|(_, s)| s.pid == pid)
+            .map(|(_, s)| Arc::clone(&s.bg))
+    }
+
+    /// Whether a process the agent started with this pid still runs.
+    pub fn is_running(&self, pid: u32) -> bool {
+        self.lock().running.values().any(|r| r.pid == pid)
+    }
+
+    /// Background processes (running or kept after they ended), then
+    /// running execs with a client; each by start.
+    pub fn list(&self) -> Vec<ProcessInfo> {
+        let inner = self.lock();
+        let mut out: Vec<ProcessInfo> = inner
+            .background
+            .iter()
+            .map(|(_, s)| ProcessInfo {
+                pid: s.pid,
+                command: s.command.clone(),
+                background: true,
+                ran_for: s.ended.unwrap_or_else(Instant::now) - s.started,
+                result: s.bg.result(),
+            })
+            .collect();
+        let mut fg: Vec<(&u64, &Running)> = inner
+            .running
+            .iter()
+            .filter(|(_, r)| r.conn.is_some())
+            .collect();
+        fg.sort_by_key(|(id, _)| **id);
+        out.extend(fg.into_iter().map(|(_, r)| ProcessInfo {
+            pid: r.pid,
+            command: r.command.clone(),
+            background: false,
+            ran_for: r.started.elapsed(),
+            result: None,
+        }));
+        out
+    }
+
     /// The exec ended. `client_gone`: it was killed because its client
     /// connection vanished, so nobody got its result.
     pub fn finished(&self, id: u64, status: ExitStatus, client_gone: bool) {
         let mut inner = self.lock();
+        if let Some((_, s)) = inner.background.iter_mut().find(|(i, _)| *i == id) {
+            s.ended = Some(Instant::now());
+        }
+        let ended = inner
+            .background
+            .iter()
+            .filter(|(_, s)| s.ended.is_some())
+            .count();
+        if ended > KEPT_ENDED {
+            let mut excess = ended - KEPT_ENDED;
+            inner.background.retain(|(_, s)| {
+                let drop_it = excess > 0 && s.ended.is_some();
+                excess -= usize::from(drop_it);
+                !drop_it
+            });
+        }
         if let Some(r) = inner.running.remove(&id) {
             if client_gone && !r.reported {
                 inner.interrupted.push(ForkedExec {
@@ -102,7 +210,7 @@ impl ExecTable {
         let doomed: Vec<u64> = inner
             .running
             .iter()
-            .filter(|(_, r)| sys::peer_hung_up(&r.conn))
+            .filter(|(_, r)| r.conn.as_ref().is_some_and(sys::peer_hung_up))
             .map(|(id, r)| {
                 // The exec's own thread kills it too once it notices;
                 // ESRCH from the second kill is fine.
@@ -199,6 +307,36 @@ mod tests {
         assert_eq!(s.interrupted[0].status, None);
         table.finished(id, ExitStatus::Signal(9), true);
         assert!(table.settle(Duration::ZERO).interrupted.is_empty());
+    }
+
+    #[test]
+    fn background_is_listed_after_it_ends_and_never_interrupted() {
+        let table = ExecTable::default();
+        let bg = Arc::new(Background::new(None));
+        let id = table.register_background(Command::Shell("true".into()), 999_999, bg);
+        assert!(table.is_running(999_999));
+        let s = table.settle(Duration::ZERO);
+        assert!(s.interrupted.is_empty());
+        assert_eq!(s.still_running.len(), 1);
+        table.finished(id, ExitStatus::Code(0), false);
+        assert!(!table.is_running(999_999));
+        assert!(table.background(999_999).is_some());
+        let list = table.list();
+        assert_eq!(list.len(), 1);
+        assert!(list[0].background);
+    }
+
+    #[test]
+    fn ended_background_processes_beyond_the_bound_are_forgotten() {
+        let table = ExecTable::default();
+        for pid in 0..(KEPT_ENDED as u32 + 5) {
+            let bg = Arc::new(Background::new(None));
+            let id = table.register_background(Command::Shell("true".into()), 10_000 + pid, bg);
+            table.finished(id, ExitStatus::Code(0), false);
+        }
+        assert_eq!(table.list().len(), KEPT_ENDED);
+        assert!(table.background(10_000).is_none());
+        assert!(table.background(10_000 + KEPT_ENDED as u32 + 4).is_some());
     }
 
     #[test]

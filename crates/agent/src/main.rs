@@ -19,14 +19,19 @@
 //! - `server`: accept loop, handshake, request dispatch;
 //! - `exec`: running commands with streamed I/O, caps and timeouts;
 //! - `execs`: the table of running execs, and those a fork cut off;
+//! - `background`: background processes' output buffer, stdin, wait,
+//!   kill and reattach;
+//! - `ports`: relaying a host connection to a guest TCP port;
 //! - `fork`: the after-fork hook (clock, RNG reseed, cut-off execs);
 //! - `files`: file and tar requests.
 
+mod background;
 mod exec;
 mod execs;
 mod files;
 mod fork;
 mod init;
+mod ports;
 mod reaper;
 mod server;
 mod sys;

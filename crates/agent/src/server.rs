@@ -17,7 +17,7 @@ use forkbox_proto::{
 use crate::execs::ExecTable;
 use crate::fork::{self, Machine};
 use crate::reaper::Reaper;
-use crate::{exec, files, sys};
+use crate::{background, exec, files, ports, sys};
 
 /// Why serving stopped.
 #[derive(Debug, thiserror::Error)]
@@ -172,6 +172,23 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::Remove { path, recursive } => reply(conn, files::remove(&path, recursive)),
         Request::DownloadTar { path } => files::download_tar(conn, &path),
         Request::UploadTar { path } => files::upload_tar(conn, &path),
+        Request::ConnectPort { port } => ports::relay(conn, port),
+        Request::Spawn { exec } => exec::spawn(conn, &agent.reaper, &agent.execs, &exec),
+        Request::ListProcesses => reply(
+            conn,
+            Ok(Response::Processes {
+                processes: agent.execs.list(),
+            }),
+        ),
+        Request::WaitProcess { pid, timeout } => background::wait(conn, &agent.execs, pid, timeout),
+        Request::KillProcess { pid, signal } => reply(
+            conn,
+            background::kill(&agent.execs, pid, signal).map(|()| Response::Ok),
+        ),
+        Request::ProcessStdin { pid, close } => background::stdin(conn, &agent.execs, pid, close),
+        Request::AttachProcess { pid, follow } => {
+            background::attach(conn, &agent.execs, pid, follow)
+        }
     };
     if let Err(e) = outcome {
         reply_error(conn, e);

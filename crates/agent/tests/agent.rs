@@ -771,3 +771,151 @@ fn after_fork_lists_exec_with_live_connection_as_running() {
     }
     assert!(got_done);
 }
+
+// ---------------------------------------------------------------- ports
+
+#[test]
+fn port_relay_echoes_bytes_both_ways() {
+    let agent = Agent::start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut buf = [0u8; 5];
+        s.read_exact(&mut buf).expect("read");
+        s.write_all(&buf).expect("write");
+        s.write_all(b" world").expect("write");
+    });
+    let mut stream = agent.client().connect_port(port).expect("connect_port");
+    stream.write_all(b"hello").expect("write");
+    let mut got = Vec::new();
+    stream.read_to_end(&mut got).expect("read");
+    assert_eq!(got, b"hello world");
+    server.join().expect("server");
+}
+
+#[test]
+fn port_refused_is_connection_refused_error() {
+    let agent = Agent::start();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let err = agent.client().connect_port(port).expect_err("refused");
+    let a = err.agent_error().expect("agent error");
+    assert_eq!(a.kind, ErrorKind::ConnectionRefused);
+    assert!(
+        a.message.contains(&format!("guest port {port}")),
+        "{}",
+        a.message
+    );
+}
+
+// ---------------------------------------------------------------- background
+
+fn attach_all(
+    client: &AgentClient,
+    pid: u32,
+    follow: bool,
+) -> (Vec<u8>, Option<forkbox_proto::ExecResult>) {
+    let mut out = Vec::new();
+    let (dropped, result) = client
+        .attach_process(pid, follow, &mut |_, b| out.extend_from_slice(b))
+        .expect("attach");
+    assert_eq!(dropped, 0);
+    (out, result)
+}
+
+#[test]
+fn background_stdin_wait_and_reattach() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let pid = client
+        .spawn(&ExecRequest::shell(
+            "echo start; read line; echo got:$line; exit 4",
+        ))
+        .expect("spawn");
+    let sent = client
+        .process_stdin(pid, true, &mut &b"abc\n"[..])
+        .expect("stdin");
+    assert_eq!(sent, 4);
+    let result = client
+        .wait_process(pid, Some(Duration::from_secs(20)))
+        .expect("wait")
+        .expect("ended");
+    assert_eq!(result.status, ExitStatus::Code(4));
+    let (out, result) = attach_all(&client, pid, false);
+    assert_eq!(out, b"start\ngot:abc\n");
+    assert_eq!(result.map(|r| r.status), Some(ExitStatus::Code(4)));
+    let listed = client.processes().expect("list");
+    assert!(listed
+        .iter()
+        .any(|p| p.pid == pid && p.background && p.result.is_some()));
+}
+
+#[test]
+fn background_wait_times_out_then_kill_ends_it() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let pid = client
+        .spawn(&ExecRequest::shell("sleep 30"))
+        .expect("spawn");
+    let waited = client
+        .wait_process(pid, Some(Duration::from_millis(100)))
+        .expect("wait");
+    assert!(waited.is_none());
+    assert!(client
+        .processes()
+        .expect("list")
+        .iter()
+        .any(|p| p.pid == pid && p.result.is_none()));
+    client.kill_process(pid, 15).expect("kill");
+    let result = client
+        .wait_process(pid, Some(Duration::from_secs(20)))
+        .expect("wait")
+        .expect("ended");
+    assert_eq!(result.status, ExitStatus::Signal(15));
+    assert!(wait_gone(pid));
+    let err = client.kill_process(pid, 9).expect_err("not running");
+    assert_eq!(err.agent_error().map(|a| a.kind), Some(ErrorKind::NotFound));
+}
+
+#[test]
+fn background_attach_follow_streams_until_exit() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let pid = client
+        .spawn(&ExecRequest::shell(
+            "for i in 1 2 3; do echo $i; sleep 0.1; done; echo e >&2",
+        ))
+        .expect("spawn");
+    let (out, result) = attach_all(&client, pid, true);
+    assert_eq!(out, b"1\n2\n3\ne\n");
+    assert_eq!(result.map(|r| r.status), Some(ExitStatus::Code(0)));
+}
+
+#[test]
+fn background_survives_the_connection_that_started_it() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let pid = client
+        .spawn(&ExecRequest::shell("sleep 0.3; echo late"))
+        .expect("spawn");
+    // The spawning connection is gone; the process runs on.
+    let result = client
+        .wait_process(pid, Some(Duration::from_secs(20)))
+        .expect("wait")
+        .expect("ended");
+    assert!(result.success());
+    assert_eq!(attach_all(&client, pid, false).0, b"late\n");
+}
+
+#[test]
+fn background_unknown_pid_is_not_found() {
+    let agent = Agent::start();
+    let err = agent
+        .client()
+        .wait_process(999_999, None)
+        .expect_err("unknown");
+    assert_eq!(err.agent_error().map(|a| a.kind), Some(ErrorKind::NotFound));
+}

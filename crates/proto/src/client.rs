@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::frame::{read_frame, write_frame, Frame, FrameError, FrameKind};
 use crate::msg::{
     AfterForkReport, AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion,
-    OutputStream, Request, Response,
+    OutputStream, ProcessInfo, Request, Response,
 };
 use crate::{decode_control, encode_control, DATA_CHUNK, MAX_FRAME_LEN, PROTOCOL_VERSION};
 
@@ -282,6 +282,102 @@ impl AgentClient {
         let conn = self.connect()?;
         conn.send(&Request::UploadTar { path: dir.into() })?;
         conn.send_data(from)
+    }
+
+    /// Connects to `127.0.0.1:port` inside the guest. The returned stream
+    /// carries the raw bytes of that TCP connection both ways. Nothing
+    /// listening is an agent error of kind `ConnectionRefused`.
+    pub fn connect_port(&self, port: u16) -> Result<UnixStream, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::ConnectPort { port })?;
+        match conn.response()? {
+            Response::Ready => Ok(conn.stream),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Starts a command in the background; returns its guest pid.
+    pub fn spawn(&self, req: &ExecRequest) -> Result<u32, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Spawn { exec: req.clone() })?;
+        match conn.response()? {
+            Response::Spawned { pid } => Ok(pid),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Background processes (running or recently ended) and running execs.
+    pub fn processes(&self) -> Result<Vec<ProcessInfo>, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::ListProcesses)?;
+        match conn.response()? {
+            Response::Processes { processes } => Ok(processes),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Waits for background process `pid` to end, at most `timeout`;
+    /// `None` if it still runs then.
+    pub fn wait_process(
+        &self,
+        pid: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<ExecResult>, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::WaitProcess { pid, timeout })?;
+        match conn.response()? {
+            Response::Waited { result } => Ok(result),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Sends `signal` to the process group of process `pid`.
+    pub fn kill_process(&self, pid: u32, signal: i32) -> Result<(), ClientError> {
+        self.simple(Request::KillProcess { pid, signal })
+    }
+
+    /// Writes `from` to the stdin of background process `pid`; with
+    /// `close`, closes its stdin after. Returns the bytes written.
+    pub fn process_stdin(
+        &self,
+        pid: u32,
+        close: bool,
+        from: &mut dyn Read,
+    ) -> Result<u64, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::ProcessStdin { pid, close })?;
+        conn.send_data(from)
+    }
+
+    /// The buffered output of background process `pid`, passed to `out`;
+    /// with `follow`, then its output as it comes until it ends. Returns
+    /// the bytes lost to the bounded buffer and the result, if it ended.
+    pub fn attach_process(
+        &self,
+        pid: u32,
+        follow: bool,
+        out: &mut dyn FnMut(OutputStream, &[u8]),
+    ) -> Result<(u64, Option<ExecResult>), ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::AttachProcess { pid, follow })?;
+        loop {
+            let frame = conn.frame()?;
+            match frame.kind {
+                FrameKind::Stdout => out(OutputStream::Stdout, &frame.body),
+                FrameKind::Stderr => out(OutputStream::Stderr, &frame.body),
+                FrameKind::Control => {
+                    return match parse_response(&frame.body)? {
+                        Response::Attached { dropped, result } => Ok((dropped, result)),
+                        other => Err(unexpected(&other)),
+                    }
+                }
+                kind => {
+                    return Err(ClientError::Malformed(format!(
+                        "unexpected {kind:?} frame while attached"
+                    )))
+                }
+            }
+        }
     }
 
     fn simple(&self, req: Request) -> Result<(), ClientError> {

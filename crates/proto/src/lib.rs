@@ -36,7 +36,10 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// Version of this protocol; bumped on any incompatible change.
 /// 2: `AfterFork` (the host requires it of every fork child).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: `ConnectPort` (raw relay to a guest port) and background processes
+/// (`Spawn`, `ListProcesses`, `WaitProcess`, `KillProcess`,
+/// `ProcessStdin`, `AttachProcess`); `ErrorKind::ConnectionRefused`.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;

@@ -19,6 +19,15 @@
 //!    - `ListDir`: zero or more `Response::Entries` batches (each frame
 //!      stays under the frame limit), then `Response::Done { bytes }` with
 //!      the number of entries.
+//!    - `ConnectPort`: `Response::Ready` once the agent is connected to the
+//!      guest port; from then on the connection carries raw bytes both
+//!      ways (no frames) until either side closes.
+//!    - `Spawn`: `Response::Spawned { pid }` at once; the command runs on
+//!      in the background, its output kept in a bounded buffer.
+//!    - `ProcessStdin`: like `WriteFile` (`Ready`, `Data`… `Eof`, `Done`).
+//!    - `AttachProcess`: the buffered output as `Stdout`/`Stderr` frames,
+//!      with `follow` then the live output until the process ends, then
+//!      `Response::Attached`.
 //!    - the others: one response.
 //!
 //! Any step may be replaced by `Response::Error`, after which the agent
@@ -115,6 +124,58 @@ pub enum Request {
         /// Fresh host randomness, at least [`MIN_AFTER_FORK_ENTROPY`] bytes.
         entropy: Vec<u8>,
     },
+    /// Connect to `127.0.0.1:port` inside the guest and relay raw bytes
+    /// (a dev server, a browser's debugging port). Refused:
+    /// [`ErrorKind::ConnectionRefused`].
+    ConnectPort {
+        port: u16,
+    },
+    /// Start a command in the background (stdin is a pipe kept open until
+    /// `ProcessStdin { close: true }`); it outlives this connection.
+    Spawn {
+        exec: ExecRequest,
+    },
+    /// Background processes (running or recently ended) and the execs
+    /// running with a client.
+    ListProcesses,
+    /// Wait for a background process to end, at most `timeout` (none:
+    /// until it ends).
+    WaitProcess {
+        pid: u32,
+        #[serde(default)]
+        timeout: Option<Duration>,
+    },
+    /// Send `signal` to the process group of a running process.
+    KillProcess {
+        pid: u32,
+        signal: i32,
+    },
+    /// Stream bytes to a background process's stdin; with `close`, close
+    /// its stdin after them.
+    ProcessStdin {
+        pid: u32,
+        close: bool,
+    },
+    /// The output of a background process so far; with `follow`, then
+    /// its output as it comes until it ends.
+    AttachProcess {
+        pid: u32,
+        follow: bool,
+    },
+}
+
+/// A process the agent tracks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// Process id (and process group id) in the guest.
+    pub pid: u32,
+    pub command: Command,
+    /// Started by `Spawn` (otherwise an exec with a live client).
+    pub background: bool,
+    /// How long it has run (until it ended, if it did).
+    pub ran_for: Duration,
+    /// How it ended; `None` while it runs.
+    pub result: Option<ExecResult>,
 }
 
 /// Fewest entropy bytes an `AfterFork` request may carry (512 bits: the
@@ -381,6 +442,24 @@ pub enum Response {
     AfterFork {
         report: AfterForkReport,
     },
+    /// A background process started.
+    Spawned {
+        pid: u32,
+    },
+    Processes {
+        processes: Vec<ProcessInfo>,
+    },
+    /// The end of a `WaitProcess`: `None` if it still ran at the timeout.
+    Waited {
+        result: Option<ExecResult>,
+    },
+    /// The end of an `AttachProcess`: `dropped` bytes of output had left
+    /// the bounded buffer before they could be sent; `result` is `None`
+    /// while the process runs (without `follow`).
+    Attached {
+        dropped: u64,
+        result: Option<ExecResult>,
+    },
     Error {
         error: AgentError,
     },
@@ -414,6 +493,8 @@ pub enum ErrorKind {
     IsADirectory,
     DirectoryNotEmpty,
     InvalidRequest,
+    /// Nothing listens on the guest port.
+    ConnectionRefused,
     /// A frame or message the agent could not decode.
     Protocol,
     Io,
@@ -432,6 +513,7 @@ impl ErrorKind {
             K::IsADirectory => Self::IsADirectory,
             K::DirectoryNotEmpty => Self::DirectoryNotEmpty,
             K::InvalidInput | K::InvalidData => Self::InvalidRequest,
+            K::ConnectionRefused => Self::ConnectionRefused,
             _ => Self::Io,
         }
     }
@@ -490,6 +572,28 @@ mod tests {
         let json = serde_json::to_vec(&resp).expect("serialize");
         let back: Response = serde_json::from_slice(&json).expect("deserialize");
         assert_eq!(back, resp);
+    }
+
+    #[test]
+    fn process_requests_json_roundtrip() {
+        for req in [
+            Request::ConnectPort { port: 8000 },
+            Request::Spawn {
+                exec: ExecRequest::shell("sleep 1"),
+            },
+            Request::WaitProcess {
+                pid: 7,
+                timeout: Some(Duration::from_millis(250)),
+            },
+            Request::AttachProcess {
+                pid: 7,
+                follow: true,
+            },
+        ] {
+            let json = serde_json::to_vec(&req).expect("serialize");
+            let back: Request = serde_json::from_slice(&json).expect("deserialize");
+            assert_eq!(back, req);
+        }
     }
 
     #[test]
