@@ -93,6 +93,10 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
     }
     let whole = Stats::from_durations(&whole);
     let raw = Stats::from_durations(&raw);
+    // Each figure as soon as it is measured: a wide fan-out can take the
+    // emulated host down with it.
+    eprintln!("bench service: {}", whole.line("create → first command result"));
+    eprintln!("bench service: {}", raw.line("raw fork inside it"));
 
     let mut fan_out = Vec::new();
     for &width in &o.widths {
@@ -107,6 +111,10 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
         let ready = children.iter().filter(|c| c.is_ok()).count();
         let first_error = children.iter().find_map(|c| c.as_ref().err().cloned());
         calls::kill_label(&client, "bench", &group)?;
+        eprintln!(
+            "bench service: fan-out {width}: {ready} ready in {:.0} ms",
+            wall.as_secs_f64() * 1000.0
+        );
         fan_out.push(FanOut {
             width,
             ready,
