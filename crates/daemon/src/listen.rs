@@ -49,18 +49,13 @@ impl std::fmt::Display for Listen {
 }
 
 /// `/run/forkbox/forkbox.sock` as root, else
-/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`. The SDK and CLI use the same.
+/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: the rule the CLI's client
+/// (`forkbox::client::default_socket`) owns, so both always agree.
 pub fn default_socket(
     is_root: bool,
     xdg_runtime_dir: Option<&str>,
 ) -> Result<PathBuf, ListenError> {
-    if is_root {
-        return Ok("/run/forkbox/forkbox.sock".into());
-    }
-    match xdg_runtime_dir.filter(|d| !d.is_empty()) {
-        Some(d) => Ok(PathBuf::from(d).join("forkbox/forkbox.sock")),
-        None => Err(ListenError::NoDefault),
-    }
+    forkbox::client::default_socket(is_root, xdg_runtime_dir).map_err(|_| ListenError::NoDefault)
 }
 
 #[cfg(test)]

@@ -81,9 +81,9 @@ impl Endpoint {
 }
 
 /// `/run/forkbox/forkbox.sock` as root, else
-/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: the same rule as forkboxd's
-/// `listen::default_socket` (which this crate cannot call: forkboxd
-/// depends on it, not the other way round).
+/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: where forkboxd listens by
+/// default (its `listen::default_socket` calls this) and so where the CLI
+/// looks.
 pub fn default_socket(
     is_root: bool,
     xdg_runtime_dir: Option<&str>,
