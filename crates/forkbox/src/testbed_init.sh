@@ -28,6 +28,8 @@ mount -t tmpfs tmpfs /host/run
 mkdir -p "/host$run"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 rundir "/host$run" || fail "cannot mount the run directory"
 [ -e /dev/kvm ] || echo "testbed: warning: no /dev/kvm (kvm_amd did not load)"
+# Loopback up: tests serve on 127.0.0.1 for their guests (host.forkbox.internal).
+ip link set lo up || echo "testbed: cannot bring lo up"
 chroot /host /bin/sh "$run/cmd.sh" >"/host$run/stdout" 2>"/host$run/stderr" </dev/null
 echo $? >"/host$run/status"
 sync

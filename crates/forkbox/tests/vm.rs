@@ -865,6 +865,15 @@ fn line_echo_server() -> (u16, std::sync::mpsc::Receiver<String>) {
     (port, rx)
 }
 
+/// `sh`, with the VM's egress log and serial tail in the failure.
+fn net_sh(vm: &Vm, script: &str) -> Result<String, Failed> {
+    sh(vm.agent(), script).map_err(|e| {
+        let log = vm.egress_log(100);
+        let e = e.message().unwrap_or_default().to_owned();
+        format!("{e}\negress log: {log:#?}\nserial:\n{}", vm.serial_tail(20)).into()
+    })
+}
+
 fn net_policy(rules: &[String]) -> forkbox_net::policy::Policy {
     let json = serde_json::json!({ "allow_out": rules }).to_string();
     forkbox_net::policy::Policy::from_json(&json).expect("policy")
@@ -902,8 +911,8 @@ fn net_allowed_connects_denied_refused_and_both_logged() -> TestResult {
     let agent = vm.agent();
 
     // The allowed name resolves to the gateway, and connects and echoes.
-    let out = sh(
-        agent,
+    let out = net_sh(
+        &vm,
         &format!(
             "nslookup host.forkbox.internal 10.0.2.2 | grep -c 10.0.2.2; \
              echo hello-from-guest | timeout 20 nc 10.0.2.2 {allowed}"
@@ -996,8 +1005,8 @@ fn net_fork_child_connections_are_its_own() -> TestResult {
         c.write_all(b"done\n")?;
         Ok((n, took))
     });
-    let out = sh(
-        vm.agent(),
+    let out = net_sh(
+        &vm,
         &format!(
             "dd if=/dev/zero bs=64k count=1024 2>/dev/null | timeout 120 nc 10.0.2.2 {sink_port}"
         ),
@@ -1015,8 +1024,8 @@ fn net_fork_child_connections_are_its_own() -> TestResult {
     }
 
     let child = fork(&mut vm, 1)?.remove(0);
-    let out = sh(
-        child.agent(),
+    let out = net_sh(
+        &child,
         &format!("echo from-child | timeout 20 nc 10.0.2.2 {port}"),
     )?;
     check(out.contains("from-child"), format!("child echo: {out:?}"))?;
@@ -1038,8 +1047,8 @@ fn net_fork_child_connections_are_its_own() -> TestResult {
         format!("the child's connection is in the parent's log: {parent:#?}"),
     )?;
     // The parent still connects, on its own record.
-    let out = sh(
-        vm.agent(),
+    let out = net_sh(
+        &vm,
         &format!("echo from-parent | timeout 20 nc 10.0.2.2 {port}"),
     )?;
     check(out.contains("from-parent"), format!("parent echo: {out:?}"))?;
