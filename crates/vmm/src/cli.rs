@@ -245,6 +245,35 @@ mod tests {
     }
 
     #[test]
+    fn parse_net_reads_policy_and_needs_it_for_broker_and_log() {
+        let dir = std::env::temp_dir().join(format!("forkbox-vmm-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let policy = dir.join("p.json");
+        std::fs::write(&policy, r#"{"allow_out":["host.forkbox.internal:80"]}"#).expect("write");
+        let p = policy.to_str().expect("utf-8 path");
+        let c =
+            parse(&["--net-policy", p, "--net-broker", "/b", "--net-log", "/l"]).expect("valid");
+        let net = c.net.clone().expect("net");
+        assert!(net.policy_json.contains("host.forkbox.internal"));
+        assert_eq!(net.broker, Some("/b".into()));
+        assert_eq!(net.log, Some("/l".into()));
+        assert!(matches!(
+            c.devices().last(),
+            Some(crate::virtio::DeviceSpec::Net(_))
+        ));
+        assert!(parse(&["--net-broker", "/b"]).is_err());
+        assert!(parse(&["--net-log", "/l"]).is_err());
+        let missing = Args::try_parse_from(
+            BASE.iter()
+                .chain(&["--net-policy", "/nonexistent"])
+                .copied(),
+        )
+        .expect("parses");
+        assert!(missing.into_command().is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn parse_control_socket() {
         assert_eq!(
             parse(&["--control", "/c"]).expect("valid").control,
