@@ -1,6 +1,7 @@
 # forkbox: the two commands of the README's Quick start, and what they need.
-#   make demo   boot a microVM and run commands in it (inside the emulated
-#               KVM host where this machine has no hardware virtualization)
+#   make demo   one GRPO step through the daemon: bake a warm template, fork
+#               64 sandboxes, solve, grade, kill (inside the emulated KVM
+#               host where this machine has no hardware virtualization)
 #   make test   format check, clippy, every test (VM tests included)
 # Both install what they need first (Debian packages, the Rust build); the
 # guest kernel and images are fetched and built by forkbox itself, cached
@@ -13,7 +14,7 @@ FORKBOX := target/release/forkbox
 
 # Debian packages forkbox uses at build and run time.
 APT_PACKAGES := qemu-system-x86 busybox-static mmdebstrap kmod cpio e2fsprogs \
-	ca-certificates
+	ca-certificates python3 python3-pip
 
 .PHONY: all deps python-deps build agent demo test sdk-test lint fmt clean
 
@@ -31,8 +32,10 @@ deps:
 	fi
 
 # What the Python SDK and its tests need, from PyPI.
-python-deps:
-	python3 -m pip install -q --disable-pip-version-check httpx pytest gymnasium
+# PIP_BREAK_SYSTEM_PACKAGES: Debian's python3 refuses system-wide pip
+# installs otherwise (PEP 668); older pips ignore it.
+python-deps: deps
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --disable-pip-version-check httpx pytest gymnasium
 
 # The guest agent is PID 1 in an initramfs with no libc: link it statically.
 agent: deps
