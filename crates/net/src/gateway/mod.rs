@@ -448,6 +448,9 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
             tcp::SocketBuffer::new(vec![0; size]),
         );
         socket.set_nagle_enabled(false);
+        // ACK every segment at once: the guest's window is our buffer, and a
+        // delayed ACK (smoltcp's default 10 ms) stalls a bulk sender.
+        socket.set_ack_delay(None);
         socket.set_timeout(Some(self.config.tcp_timeout.into()));
         let remote = (IpAddress::Ipv4(GUEST_IP), guest_port);
         let local_ep = IpListenEndpoint {
@@ -612,6 +615,9 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
             tcp::SocketBuffer::new(vec![0; size]),
         );
         socket.set_nagle_enabled(false);
+        // ACK every segment at once: the guest's window is our buffer, and a
+        // delayed ACK (smoltcp's default 10 ms) stalls a bulk sender.
+        socket.set_ack_delay(None);
         socket.set_timeout(Some(self.config.tcp_timeout.into()));
         let endpoint = IpListenEndpoint {
             addr: Some(IpAddress::Ipv4(*p.syn.dst.ip())),
