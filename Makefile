@@ -1,6 +1,6 @@
 # forkbox: the two commands of the README's Quick start, and what they need.
 #   make demo   one GRPO step through the daemon: bake a warm template, fork
-#               64 sandboxes, solve, grade, kill (inside the emulated KVM
+#               a group of sandboxes, solve, grade, kill (inside the emulated KVM
 #               host where this machine has no hardware virtualization)
 #   make test   format check, clippy, every test (VM tests included)
 # Both install what they need first (Debian packages, the Rust build); the

@@ -95,7 +95,10 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
     let raw = Stats::from_durations(&raw);
     // Each figure as soon as it is measured: a wide fan-out can take the
     // emulated host down with it.
-    eprintln!("bench service: {}", whole.line("create → first command result"));
+    eprintln!(
+        "bench service: {}",
+        whole.line("create → first command result")
+    );
     eprintln!("bench service: {}", raw.line("raw fork inside it"));
 
     let mut fan_out = Vec::new();
