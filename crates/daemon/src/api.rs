@@ -15,7 +15,7 @@ use axum::extract::{DefaultBodyLimit, FromRequest, Path, RawQuery, Request, Stat
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use forkbox_proto::{
     AgentError, ErrorKind as GuestKind, ExecRequest, ExecResult, ExitStatus, User,
@@ -26,8 +26,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
 
 use crate::core::{DeathCause, ExpiryAction, Labels, SandboxId, SandboxState};
 use crate::service::{
-    chain, BakeEvent, BakeFailure, Command, CreateSandbox, Daemon, DaemonError, ExecEvent, Reply,
-    SandboxInfo, SandboxMetrics,
+    chain, AttachEvent, BakeEvent, BakeFailure, Command, CreateSandbox, Daemon, DaemonError,
+    ExecEvent, PortForwardInfo, Reply, SandboxInfo, SandboxMetrics,
 };
 use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -38,7 +38,7 @@ pub const MAX_UPLOAD: usize = 1 << 30;
 #[openapi(
     info(
         title = "forkboxd",
-        description = "The forkbox daemon: sandboxes, commands, files, templates."
+        description = "The forkbox daemon: sandboxes, commands, background processes, files, ports, templates."
     ),
     paths(
         health,
@@ -59,6 +59,14 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         sandbox_fork,
         sandbox_snapshot,
         command_run,
+        process_list,
+        process_wait,
+        process_kill,
+        process_stdin,
+        process_output,
+        ports_list,
+        port_open,
+        port_close,
         file_read,
         file_write,
         file_remove,
@@ -92,6 +100,14 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         ExecBody,
         ExecOutput,
         StreamEvent,
+        ProcessStarted,
+        ProcessJson,
+        WaitBody,
+        KillBody,
+        StdinWritten,
+        ProcessOutput,
+        PortBody,
+        PortForwardInfo,
         FileStatJson,
         DirEntryJson,
         Written,
@@ -128,6 +144,13 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/fork", post(sandbox_fork))
         .route("/snapshot", post(sandbox_snapshot))
         .route("/commands", post(command_run))
+        .route("/processes", get(process_list))
+        .route("/processes/{pid}/wait", post(process_wait))
+        .route("/processes/{pid}/kill", post(process_kill))
+        .route("/processes/{pid}/stdin", post(process_stdin))
+        .route("/processes/{pid}/output", get(process_output))
+        .route("/ports", get(ports_list).post(port_open))
+        .route("/ports/{port}", delete(port_close))
         .route("/files", get(file_read).put(file_write).delete(file_remove))
         .route("/files/list", get(file_list))
         .route("/files/stat", get(file_stat))
@@ -187,7 +210,9 @@ pub struct ApiErrorBody {
 pub struct ErrorDetail {
     /// `invalid_request`, `unauthorized`, `not_found`, `conflict`,
     /// `capacity`, `unsupported`, `guest` (the guest refused a file
-    /// operation), `template_failed`, `infrastructure`.
+    /// operation, or nothing listens on a guest port), `timeout` (a
+    /// process still ran when a wait ended), `template_failed`,
+    /// `infrastructure`.
     pub kind: String,
     pub message: String,
     /// True when the sandbox infrastructure failed (mask, don't score).
@@ -208,6 +233,8 @@ pub enum ApiError {
     BadRequest(String),
     NotFound(String),
     Unauthorized,
+    /// A wait ended before what it waited for.
+    Timeout(String),
     Daemon(DaemonError),
 }
 
@@ -223,6 +250,7 @@ impl ApiError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::Daemon(e) => match e {
                 DaemonError::Invalid(_) | DaemonError::BadTemplate(_) => StatusCode::BAD_REQUEST,
                 DaemonError::NoSandbox(_) | DaemonError::NoTemplate(_) => StatusCode::NOT_FOUND,
@@ -234,7 +262,9 @@ impl ApiError {
                 DaemonError::Guest(g) => match g.kind {
                     GuestKind::NotFound => StatusCode::NOT_FOUND,
                     GuestKind::PermissionDenied => StatusCode::FORBIDDEN,
-                    GuestKind::AlreadyExists | GuestKind::DirectoryNotEmpty => StatusCode::CONFLICT,
+                    GuestKind::AlreadyExists
+                    | GuestKind::DirectoryNotEmpty
+                    | GuestKind::ConnectionRefused => StatusCode::CONFLICT,
                     GuestKind::Io | GuestKind::Internal | GuestKind::Protocol => {
                         StatusCode::INTERNAL_SERVER_ERROR
                     }
@@ -258,6 +288,7 @@ impl ApiError {
         match self {
             Self::BadRequest(m) => plain("invalid_request", m.clone()),
             Self::NotFound(m) => plain("not_found", m.clone()),
+            Self::Timeout(m) => plain("timeout", m.clone()),
             Self::Unauthorized => plain(
                 "unauthorized",
                 "missing or wrong bearer token (Authorization: Bearer …)".into(),
@@ -767,6 +798,19 @@ pub struct ExecBody {
     /// Per-stream output cap in bytes (buffered form default: 16 MiB).
     #[serde(default)]
     pub output_cap: Option<u64>,
+    /// Start it in the background and answer at once with its `pid`
+    /// (`ProcessStarted`); then see `/processes`. Its stdin (after
+    /// `stdin`, if given) stays open for `/processes/{pid}/stdin`; the
+    /// guest keeps its last 1 MiB of output.
+    #[serde(default)]
+    pub background: bool,
+}
+
+/// A background process started.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProcessStarted {
+    /// Its process id (and process group id) in the guest.
+    pub pid: u32,
 }
 
 /// The result of a command. A non-zero exit is not an error.
@@ -849,9 +893,10 @@ fn exit_output(r: &ExecResult, stdout: Option<String>, stderr: Option<String>) -
 /// Runs a command. With `Accept: application/x-ndjson` (or
 /// `text/event-stream`) output streams as [`StreamEvent`]s while it is
 /// produced, ending with `exit` (or `error`); otherwise the answer is one
-/// [`ExecOutput`] once it ends. A non-zero exit is a 200.
+/// [`ExecOutput`] once it ends. A non-zero exit is a 200. With
+/// `background: true` the answer is a [`ProcessStarted`] at once.
 #[utoipa::path(post, path = "/sandboxes/{id}/commands", params(("id" = String, Path)), request_body = ExecBody,
-    responses((status = 200, body = ExecOutput, description = "buffered result, or an NDJSON/SSE stream of StreamEvent"),
+    responses((status = 200, body = ExecOutput, description = "buffered result, an NDJSON/SSE stream of StreamEvent, or (background) a ProcessStarted"),
               (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
               (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 async fn command_run(
@@ -872,6 +917,17 @@ async fn command_run(
     } else {
         None
     };
+    if b.background {
+        let (req, stdin) = exec_request(b, false)?;
+        let pid = counted(
+            &st.daemon,
+            st.daemon
+                .spawn_process(&id, req, stdin)
+                .await
+                .map_err(ApiError::from),
+        )?;
+        return Ok(Json(ProcessStarted { pid }).into_response());
+    }
     let (req, stdin) = exec_request(b, mode.is_none())?;
     let mut rx = counted(
         &st.daemon,
@@ -982,6 +1038,374 @@ fn stream_response<T: Send + 'static>(
         Some((Ok::<_, Infallible>(bytes), (rx, render)))
     });
     Response::new(Body::from_stream(stream))
+}
+
+// ---------------------------------------------------------------- processes
+
+fn pid_of(s: &str) -> ApiResult<u32> {
+    s.parse()
+        .map_err(|_| ApiError::BadRequest(format!("pid {s:?}: expected a process id")))
+}
+
+/// A JSON body that may also be empty (then every field takes its default).
+fn optional_json<T: Default + serde::de::DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("malformed request body: {e}")))
+}
+
+/// A process the guest agent tracks: a background process (running, or
+/// among the last 64 that ended), or a command a client is waiting on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProcessJson {
+    pub pid: u32,
+    /// The shell command, if it was started as one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    /// Started with `background: true`.
+    pub background: bool,
+    pub running: bool,
+    /// How long it has run (until it ended, if it did).
+    pub duration_ms: f64,
+    /// How it ended (its output is at `/output`); `null` while it runs.
+    pub result: Option<ExecOutput>,
+}
+
+fn process_json(p: forkbox_proto::ProcessInfo) -> ProcessJson {
+    let (cmd, argv) = match p.command {
+        forkbox_proto::Command::Shell(s) => (Some(s), None),
+        forkbox_proto::Command::Argv(a) => (None, Some(a)),
+    };
+    ProcessJson {
+        pid: p.pid,
+        cmd,
+        argv,
+        background: p.background,
+        running: p.result.is_none(),
+        duration_ms: p.ran_for.as_secs_f64() * 1000.0,
+        result: p.result.as_ref().map(|r| exit_output(r, None, None)),
+    }
+}
+
+/// Lists the sandbox's background processes (running, and the last 64
+/// that ended) and the commands running with a client.
+#[utoipa::path(get, path = "/sandboxes/{id}/processes", params(("id" = String, Path)),
+    responses((status = 200, body = [ProcessJson]), (status = 404, body = ApiErrorBody),
+              (status = 502, body = ApiErrorBody)))]
+async fn process_list(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Vec<ProcessJson>>> {
+    let id = sandbox_id(&id)?;
+    let r = st.daemon.process(&id, |a| a.processes()).await;
+    let list = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(Json(list.into_iter().map(process_json).collect()))
+}
+
+/// `POST …/processes/{pid}/wait` (the body may be empty).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WaitBody {
+    /// Longest wait in seconds (none: until it ends).
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+}
+
+/// Waits for a background process to end; answers its result with the
+/// output the guest kept (its last 1 MiB; `*_truncated` when some was
+/// dropped). Still running at `timeout_secs`: 408, kind `timeout`.
+#[utoipa::path(post, path = "/sandboxes/{id}/processes/{pid}/wait",
+    params(("id" = String, Path), ("pid" = u32, Path)), request_body = WaitBody,
+    responses((status = 200, body = ExecOutput), (status = 404, body = ApiErrorBody),
+              (status = 408, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn process_wait(
+    State(st): State<AppState>,
+    Path((id, pid)): Path<(String, String)>,
+    body: Bytes,
+) -> ApiResult<Json<ExecOutput>> {
+    let id = sandbox_id(&id)?;
+    let pid = pid_of(&pid)?;
+    let b: WaitBody = optional_json(&body)?;
+    let timeout = secs(b.timeout_secs, "timeout_secs")?;
+    let r = st
+        .daemon
+        .process(&id, move |a| {
+            let Some(result) = a.wait_process(pid, timeout)? else {
+                return Ok(None);
+            };
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let (dropped, _) = a.attach_process(pid, false, &mut |s, bytes| match s {
+                forkbox_proto::OutputStream::Stdout => out.extend_from_slice(bytes),
+                forkbox_proto::OutputStream::Stderr => err.extend_from_slice(bytes),
+            })?;
+            Ok(Some((result, out, err, dropped)))
+        })
+        .await;
+    match counted(&st.daemon, r.map_err(ApiError::from))? {
+        None => Err(ApiError::Timeout(format!(
+            "process {pid} still runs after {:.3} s",
+            timeout.unwrap_or_default().as_secs_f64()
+        ))),
+        Some((result, out, err, dropped)) => {
+            let mut o = exit_output(
+                &result,
+                Some(String::from_utf8_lossy(&out).into_owned()),
+                Some(String::from_utf8_lossy(&err).into_owned()),
+            );
+            o.stdout_truncated |= dropped > 0;
+            o.stderr_truncated |= dropped > 0;
+            Ok(Json(o))
+        }
+    }
+}
+
+/// `POST …/processes/{pid}/kill` (the body may be empty).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KillBody {
+    /// Signal number sent to the process group (default 9, SIGKILL).
+    #[serde(default)]
+    pub signal: Option<i32>,
+}
+
+/// Signals a running process's group (background or not).
+#[utoipa::path(post, path = "/sandboxes/{id}/processes/{pid}/kill",
+    params(("id" = String, Path), ("pid" = u32, Path)), request_body = KillBody,
+    responses((status = 204), (status = 404, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn process_kill(
+    State(st): State<AppState>,
+    Path((id, pid)): Path<(String, String)>,
+    body: Bytes,
+) -> ApiResult<StatusCode> {
+    let id = sandbox_id(&id)?;
+    let pid = pid_of(&pid)?;
+    let b: KillBody = optional_json(&body)?;
+    let signal = b.signal.unwrap_or(libc::SIGKILL);
+    let r = st
+        .daemon
+        .process(&id, move |a| a.kill_process(pid, signal))
+        .await;
+    counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct StdinQuery {
+    /// Close the process's stdin after these bytes (it sees EOF).
+    close: Option<bool>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StdinWritten {
+    pub bytes: u64,
+}
+
+/// Writes the raw request body to a background process's stdin.
+#[utoipa::path(post, path = "/sandboxes/{id}/processes/{pid}/stdin",
+    params(("id" = String, Path), ("pid" = u32, Path), StdinQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = StdinWritten), (status = 400, body = ApiErrorBody),
+              (status = 404, body = ApiErrorBody)))]
+async fn process_stdin(
+    State(st): State<AppState>,
+    Path((id, pid)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    body: Bytes,
+) -> ApiResult<Json<StdinWritten>> {
+    let id = sandbox_id(&id)?;
+    let pid = pid_of(&pid)?;
+    let q: StdinQuery = query(raw)?;
+    let close = q.close.unwrap_or(false);
+    let r = st
+        .daemon
+        .process(&id, move |a| {
+            a.process_stdin(pid, close, &mut body.as_ref())
+        })
+        .await;
+    let bytes = counted(&st.daemon, r.map_err(ApiError::from))?;
+    Ok(Json(StdinWritten { bytes }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct OutputQuery {
+    /// Go on with the output as it comes until the process ends.
+    follow: Option<bool>,
+}
+
+/// A background process's output so far.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProcessOutput {
+    pub stdout: String,
+    pub stderr: String,
+    /// Bytes of output the guest's bounded buffer (1 MiB) dropped.
+    pub dropped_bytes: u64,
+    pub running: bool,
+    /// How it ended; `null` while it runs.
+    pub result: Option<ExecOutput>,
+}
+
+/// Reattaches to a background process: the output the guest kept, and
+/// with `follow=true` its output as it comes until it ends. With `Accept:
+/// application/x-ndjson`, [`StreamEvent`]s (`stdout`, `stderr`, then
+/// `exit` once it ended; without `follow` a running process's stream ends
+/// without `exit`); otherwise one [`ProcessOutput`].
+#[utoipa::path(get, path = "/sandboxes/{id}/processes/{pid}/output",
+    params(("id" = String, Path), ("pid" = u32, Path), OutputQuery),
+    responses((status = 200, body = ProcessOutput, description = "buffered, or an NDJSON stream of StreamEvent"),
+              (status = 404, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn process_output(
+    State(st): State<AppState>,
+    Path((id, pid)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let pid = pid_of(&pid)?;
+    let q: OutputQuery = query(raw)?;
+    let streamed = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/x-ndjson"));
+    let mut rx = counted(
+        &st.daemon,
+        st.daemon
+            .attach(&id, pid, q.follow.unwrap_or(false))
+            .map_err(ApiError::from),
+    )?;
+    if !streamed {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                AttachEvent::Output(forkbox_proto::OutputStream::Stdout, b) => out.extend(b),
+                AttachEvent::Output(forkbox_proto::OutputStream::Stderr, b) => err.extend(b),
+                AttachEvent::End { dropped, result } => {
+                    return Ok(Json(ProcessOutput {
+                        stdout: String::from_utf8_lossy(&out).into_owned(),
+                        stderr: String::from_utf8_lossy(&err).into_owned(),
+                        dropped_bytes: dropped,
+                        running: result.is_none(),
+                        result: result.as_ref().map(|r| exit_output(r, None, None)),
+                    })
+                    .into_response())
+                }
+                AttachEvent::Failed(e) => return Err(e.into()),
+            }
+        }
+        return Err(unexpected_end());
+    }
+    let (tx, events) = mpsc::channel::<StreamEvent>(64);
+    tokio::spawn(async move {
+        let mut carry = [Vec::new(), Vec::new()];
+        while let Some(ev) = rx.recv().await {
+            let event = match ev {
+                AttachEvent::Output(s, bytes) => {
+                    let data = utf8_chunk(&mut carry[s as usize], bytes);
+                    match s {
+                        forkbox_proto::OutputStream::Stdout => StreamEvent::Stdout { data },
+                        forkbox_proto::OutputStream::Stderr => StreamEvent::Stderr { data },
+                    }
+                }
+                AttachEvent::End {
+                    result: Some(r), ..
+                } => StreamEvent::Exit(exit_output(&r, None, None)),
+                AttachEvent::End { result: None, .. } => break,
+                AttachEvent::Failed(e) => StreamEvent::Error {
+                    error: ApiError::from(e).detail(),
+                },
+            };
+            if tx.send(event).await.is_err() {
+                break;
+            }
+        }
+    });
+    Ok(ndjson(events, |e| {
+        serde_json::to_string(&e).unwrap_or_default()
+    }))
+}
+
+// ---------------------------------------------------------------- ports
+
+/// `POST /sandboxes/{id}/ports`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PortBody {
+    /// The guest TCP port (on the guest's 127.0.0.1).
+    pub port: u16,
+    /// First check that the guest port accepts (one connection, closed at
+    /// once); default true.
+    #[serde(default)]
+    pub check: Option<bool>,
+    /// With `check`: keep retrying a refusing port this many seconds (a
+    /// server still starting); default 0.
+    #[serde(default)]
+    pub wait_secs: Option<f64>,
+}
+
+/// Opens a forward of a guest TCP port: the daemon listens on
+/// `127.0.0.1:NNNNN` of the host and relays each connection to the guest
+/// port through the guest agent (no guest network needed). Opening an
+/// open port answers the same forward. A guest port that refuses: 409,
+/// kind `guest`, `guest_kind` `connection_refused`; later connections it
+/// refuses are reset. Every forward closes when the sandbox dies.
+#[utoipa::path(post, path = "/sandboxes/{id}/ports", params(("id" = String, Path)), request_body = PortBody,
+    responses((status = 200, body = PortForwardInfo), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+async fn port_open(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<PortBody>,
+) -> ApiResult<Json<PortForwardInfo>> {
+    let id = sandbox_id(&id)?;
+    let wait = secs(b.wait_secs, "wait_secs")?.unwrap_or_default();
+    let r = st
+        .daemon
+        .open_port(&id, b.port, b.check.unwrap_or(true), wait)
+        .await;
+    Ok(Json(counted(&st.daemon, r.map_err(ApiError::from))?))
+}
+
+/// The sandbox's open port forwards.
+#[utoipa::path(get, path = "/sandboxes/{id}/ports", params(("id" = String, Path)),
+    responses((status = 200, body = [PortForwardInfo]), (status = 404, body = ApiErrorBody)))]
+async fn ports_list(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Vec<PortForwardInfo>>> {
+    let id = sandbox_id(&id)?;
+    Ok(Json(counted(
+        &st.daemon,
+        st.daemon.ports(&id).map_err(ApiError::from),
+    )?))
+}
+
+/// Closes a port forward and its connections.
+#[utoipa::path(delete, path = "/sandboxes/{id}/ports/{port}",
+    params(("id" = String, Path), ("port" = u16, Path)),
+    responses((status = 204), (status = 404, body = ApiErrorBody)))]
+async fn port_close(
+    State(st): State<AppState>,
+    Path((id, port)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let id = sandbox_id(&id)?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| ApiError::BadRequest(format!("port {port:?}: expected 1-65535")))?;
+    if counted(
+        &st.daemon,
+        st.daemon.close_port(&id, port).map_err(ApiError::from),
+    )? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound(format!(
+            "no forward of guest port {port}"
+        )))
+    }
 }
 
 // ---------------------------------------------------------------- files
@@ -1458,6 +1882,203 @@ mod tests {
             text.contains("forkbox_errors_total{kind=\"not_found\"} 1"),
             "{text}"
         );
+    }
+
+    /// A stand-in guest agent on a unix socket that only relays
+    /// `ConnectPort` to this host's 127.0.0.1 (as the real one does in
+    /// its guest).
+    fn fake_port_agent(dir: &std::path::Path) -> std::path::PathBuf {
+        use forkbox_proto::frame::{read_frame, write_frame};
+        use forkbox_proto::{encode_control, FrameKind, Hello, Request as AgentRequest};
+        let sock = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind agent");
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                std::thread::spawn(move || {
+                    let hello = Hello {
+                        protocol_version: forkbox_proto::PROTOCOL_VERSION,
+                        agent_version: "fake".into(),
+                        boot: Default::default(),
+                    };
+                    write_frame(&mut conn, FrameKind::Control, &encode_control(&hello))
+                        .expect("hello");
+                    let Ok(Some(f)) = read_frame(&mut conn, forkbox_proto::MAX_FRAME_LEN) else {
+                        return;
+                    };
+                    let Ok(AgentRequest::ConnectPort { port }) =
+                        forkbox_proto::decode_control(&f.body)
+                    else {
+                        return;
+                    };
+                    let reply = match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                        Ok(tcp) => {
+                            let r = forkbox_proto::Response::Ready;
+                            write_frame(&mut conn, FrameKind::Control, &encode_control(&r))
+                                .expect("ready");
+                            let (mut c2, mut t2) = (
+                                conn.try_clone().expect("clone"),
+                                tcp.try_clone().expect("clone"),
+                            );
+                            std::thread::spawn(move || {
+                                let _ = std::io::copy(&mut c2, &mut t2);
+                                let _ = t2.shutdown(std::net::Shutdown::Write);
+                            });
+                            let mut tcp = tcp;
+                            let _ = std::io::copy(&mut tcp, &mut conn);
+                            let _ = conn.shutdown(std::net::Shutdown::Write);
+                            return;
+                        }
+                        Err(e) => forkbox_proto::Response::Error {
+                            error: AgentError::new(
+                                GuestKind::ConnectionRefused,
+                                format!("guest port {port} refused the connection: {e}"),
+                            ),
+                        },
+                    };
+                    let _ = write_frame(&mut conn, FrameKind::Control, &encode_control(&reply));
+                });
+            }
+        });
+        sock
+    }
+
+    fn app_with_agent(sock: std::path::PathBuf) -> Router {
+        let fake = Fake::default();
+        *fake.world.agent_sock.lock().expect("agent_sock") = Some(sock);
+        router(Daemon::new(Arc::new(fake), Config::default()), None)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn port_forward_relays_to_the_guest_port_and_closes_with_the_sandbox() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let app = app_with_agent(fake_port_agent(dir.path()));
+        // The "guest" server: echoes one line per connection.
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = server.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = server.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 64];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    let _ = s.write_all(&buf[..n]).await;
+                });
+            }
+        });
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let body = format!(r#"{{"port":{port}}}"#);
+        let (st, fwd) = call(&app, "POST", &format!("/sandboxes/{id}/ports"), &body).await;
+        assert_eq!(st, StatusCode::OK, "{fwd}");
+        assert_eq!(fwd["port"], port);
+        let host = fwd["host"].as_str().expect("host").to_owned();
+        assert!(host.starts_with("127.0.0.1:"), "{host}");
+        let mut c = tokio::net::TcpStream::connect(&host)
+            .await
+            .expect("connect");
+        c.write_all(b"ping").await.expect("write");
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).await.expect("read");
+        assert_eq!(got, b"ping");
+        // Opening it again answers the same forward; it is listed.
+        let (_, again) = call(&app, "POST", &format!("/sandboxes/{id}/ports"), &body).await;
+        assert_eq!(again["host"], host.as_str());
+        let (_, list) = call(&app, "GET", &format!("/sandboxes/{id}/ports"), "").await;
+        assert_eq!(list.as_array().map(Vec::len), Some(1));
+        // Killing the sandbox closes the listener.
+        call(&app, "DELETE", &format!("/sandboxes/{id}"), "").await;
+        let mut closed = false;
+        for _ in 0..200 {
+            if tokio::net::TcpStream::connect(&host).await.is_err() {
+                closed = true;
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(closed, "the forward outlived its sandbox");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn port_forward_to_a_refusing_port_is_409_and_close_is_404_after() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let app = app_with_agent(fake_port_agent(dir.path()));
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/ports"),
+            &format!(r#"{{"port":{port}}}"#),
+        )
+        .await;
+        assert_eq!(st, StatusCode::CONFLICT, "{err}");
+        assert_eq!(err["error"]["guest_kind"], "connection_refused");
+        assert_eq!(err["error"]["infrastructure"], false);
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&format!("guest port {port} refused")), "{msg}");
+        // Without the check the forward opens; closing it twice is a 404.
+        let (st, _) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/ports"),
+            &format!(r#"{{"port":{port},"check":false}}"#),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        let uri = format!("/sandboxes/{id}/ports/{port}");
+        assert_eq!(
+            call(&app, "DELETE", &uri, "").await.0,
+            StatusCode::NO_CONTENT
+        );
+        assert_eq!(
+            call(&app, "DELETE", &uri, "").await.0,
+            StatusCode::NOT_FOUND
+        );
+    }
+
+    #[tokio::test]
+    async fn process_routes_check_the_sandbox_and_the_pid() {
+        let app = app(None);
+        let (st, _) = call(&app, "GET", "/sandboxes/sb-0000000000000000/processes", "").await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/processes/abc/wait"),
+            "",
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/processes/12/kill"),
+            r#"{"sig":9}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        // The fake has no agent: a well-formed call is an infrastructure error.
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"sleep 1","background":true}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
+        assert_eq!(err["error"]["infrastructure"], true);
     }
 
     #[test]

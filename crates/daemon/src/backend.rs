@@ -275,6 +275,8 @@ pub(crate) mod fake {
         /// Pids of VMs discarded; adopting a pid listed in `gone` fails.
         pub discarded: std::sync::Mutex<Vec<u32>>,
         pub gone: std::sync::Mutex<Vec<u32>>,
+        /// Where the machines' agent listens (default: nowhere).
+        pub agent_sock: std::sync::Mutex<Option<std::path::PathBuf>>,
     }
 
     struct FakeMachine {
@@ -331,7 +333,8 @@ pub(crate) mod fake {
 
     impl Machine for FakeMachine {
         fn agent(&self) -> AgentClient {
-            AgentClient::unix("/nonexistent/forkbox-test.sock")
+            let sock = self.world.agent_sock.lock().expect("agent_sock").clone();
+            AgentClient::unix(sock.unwrap_or_else(|| "/nonexistent/forkbox-test.sock".into()))
         }
         fn pid(&self) -> Option<u32> {
             None

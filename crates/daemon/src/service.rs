@@ -5,14 +5,19 @@
 //! Lifecycle requests arrive as one [`Command`] enum through
 //! [`Daemon::execute`]. Commands and file transfers stream bytes both ways,
 //! so they are methods of their own ([`Daemon::exec`], [`Daemon::files`]),
-//! still taking typed requests.
+//! still taking typed requests. So are background processes
+//! ([`Daemon::spawn_process`], [`Daemon::process`], [`Daemon::attach`])
+//! and port forwards ([`Daemon::open_port`]: a host listener whose
+//! connections are relayed to a guest port through the agent; every
+//! forward of a sandbox closes when it dies).
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use forkbox_proto::client::{AgentClient, ClientError};
-use forkbox_proto::{AgentError, ExecRequest, ExecResult, OutputStream};
+use forkbox_proto::{AgentError, ErrorKind as GuestKind, ExecRequest, ExecResult, OutputStream};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use utoipa::ToSchema;
@@ -323,6 +328,44 @@ struct Live {
     envs: BTreeMap<String, String>,
     /// Its template's recipe and resources (a snapshot copies them).
     spec: TemplateSpec,
+    /// Open port forwards by guest port; they close with the sandbox
+    /// (dropping one stops its listener and its connections).
+    ports: BTreeMap<u16, PortForward>,
+}
+
+/// A host listener relaying each connection to a guest port.
+struct PortForward {
+    host: SocketAddr,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for PortForward {
+    fn drop(&mut self) {
+        // The task owns the listener and every relay: all close.
+        self.task.abort();
+    }
+}
+
+/// An open port forward.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PortForwardInfo {
+    /// The guest port.
+    pub port: u16,
+    /// Where to connect on the host: `127.0.0.1:NNNNN`.
+    pub host: String,
+}
+
+/// What reattaching to a background process yields.
+#[derive(Debug)]
+pub enum AttachEvent {
+    Output(OutputStream, Vec<u8>),
+    /// `dropped` bytes had left the guest's bounded buffer; `result` is
+    /// `None` while the process runs.
+    End {
+        dropped: u64,
+        result: Option<ExecResult>,
+    },
+    Failed(DaemonError),
 }
 
 /// `None` while the bake runs, then its outcome.
@@ -394,6 +437,30 @@ struct Inner {
     shared: Mutex<Shared>,
     room: Notify,
     metrics: Metrics,
+}
+
+impl Shared {
+    /// A sandbox that can be forked (or snapshot): running or paused.
+    fn forkable(
+        &self,
+        id: &SandboxId,
+        wanted: &'static str,
+    ) -> Result<(&Record, &Live), DaemonError> {
+        let r = self.registry.get(id)?;
+        if !matches!(r.state, SandboxState::Running | SandboxState::Paused) {
+            return Err(DaemonError::State(CoreError::WrongState {
+                id: id.clone(),
+                state: r.state,
+                wanted,
+                needs: "running or paused",
+            }));
+        }
+        let live = self
+            .machines
+            .get(id)
+            .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+        Ok((r, live))
+    }
 }
 
 /// The daemon. Cheap to clone.
@@ -617,6 +684,7 @@ impl Daemon {
                                 machine,
                                 envs,
                                 spec: template,
+                                ports: BTreeMap::new(),
                             },
                         );
                         self.save(&s, &id);
@@ -768,6 +836,7 @@ impl Daemon {
                             machine: Arc::from(m),
                             envs: saved.envs,
                             spec: saved.spec,
+                            ports: BTreeMap::new(),
                         },
                     );
                 }
@@ -896,6 +965,163 @@ impl Daemon {
         }
     }
 
+    /// Starts a command in the background; returns its guest pid. `stdin`
+    /// is written to it (its stdin stays open for more).
+    pub async fn spawn_process(
+        &self,
+        id: &SandboxId,
+        mut req: ExecRequest,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<u32, DaemonError> {
+        let (machine, envs) = {
+            let s = self.lock();
+            s.registry.check_usable(id)?;
+            let live = s
+                .machines
+                .get(id)
+                .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+            (live.machine.clone(), live.envs.clone())
+        };
+        for (k, v) in envs {
+            req.env.entry(k).or_insert(v);
+        }
+        self.inner.metrics.execs.fetch_add(1, ORD);
+        let m = machine.clone();
+        let spawned = blocking(move || {
+            let agent = m.agent();
+            let pid = agent.spawn(&req)?;
+            if let Some(bytes) = stdin {
+                agent.process_stdin(pid, false, &mut bytes.as_slice())?;
+            }
+            Ok(pid)
+        })
+        .await?;
+        spawned.map_err(|e| self.agent_failure(id, &machine, e))
+    }
+
+    /// Runs a blocking call about background processes against a running
+    /// sandbox's agent (list, wait, kill, stdin).
+    pub async fn process<T: Send + 'static>(
+        &self,
+        id: &SandboxId,
+        op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
+    ) -> Result<T, DaemonError> {
+        self.files(id, op).await
+    }
+
+    /// Reattaches to background process `pid`: its buffered output, with
+    /// `follow` then its output as it comes, then how it ended.
+    pub fn attach(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        follow: bool,
+    ) -> Result<mpsc::Receiver<AttachEvent>, DaemonError> {
+        let machine = self.machine(id)?;
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        let id = id.clone();
+        tokio::task::spawn_blocking(move || {
+            let out_tx = tx.clone();
+            let r = machine
+                .agent()
+                .attach_process(pid, follow, &mut |stream, bytes| {
+                    let _ = out_tx.blocking_send(AttachEvent::Output(stream, bytes.to_vec()));
+                });
+            let event = match r {
+                Ok((dropped, result)) => AttachEvent::End { dropped, result },
+                Err(e) => {
+                    let e = this.agent_failure(&id, &machine, e);
+                    this.count_error(&e);
+                    AttachEvent::Failed(e)
+                }
+            };
+            let _ = tx.blocking_send(event);
+        });
+        Ok(rx)
+    }
+
+    /// Opens (or returns the open) forward of guest `port`: a listener on
+    /// `127.0.0.1` of the host, each connection relayed to the guest port
+    /// through the agent. With `check`, first makes sure the guest port
+    /// accepts (one connection, closed at once), retrying for up to
+    /// `wait`; a port that refuses is a guest error `ConnectionRefused`.
+    pub async fn open_port(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        check: bool,
+        wait: Duration,
+    ) -> Result<PortForwardInfo, DaemonError> {
+        if port == 0 {
+            return Err(DaemonError::Invalid(
+                "guest port 0: expected 1-65535".into(),
+            ));
+        }
+        let machine = self.machine(id)?;
+        if let Some(host) = self.forward_of(id, port) {
+            return Ok(PortForwardInfo { port, host });
+        }
+        if check {
+            let agent = machine.agent();
+            let probed = blocking(move || probe_port(&agent, port, wait)).await?;
+            probed.map_err(|e| self.agent_failure(id, &machine, e))?;
+        }
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .map_err(|e| DaemonError::infra("binding a host port for a forward", e))?;
+        let host = listener
+            .local_addr()
+            .map_err(|e| DaemonError::infra("binding a host port for a forward", e))?;
+        let task = tokio::spawn(serve_forward(listener, machine.agent(), port)).abort_handle();
+        let forward = PortForward { host, task };
+        let mut s = self.lock();
+        // Gone meanwhile: dropping `forward` closes it.
+        let live = s
+            .machines
+            .get_mut(id)
+            .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+        // Opened concurrently: keep the first, drop ours.
+        let kept = live.ports.entry(port).or_insert(forward);
+        tracing::info!(%id, port, host = %kept.host, "port forward open");
+        Ok(PortForwardInfo {
+            port,
+            host: kept.host.to_string(),
+        })
+    }
+
+    fn forward_of(&self, id: &SandboxId, port: u16) -> Option<String> {
+        let s = self.lock();
+        let f = s.machines.get(id)?.ports.get(&port)?;
+        Some(f.host.to_string())
+    }
+
+    /// A sandbox's open forwards (none once it died).
+    pub fn ports(&self, id: &SandboxId) -> Result<Vec<PortForwardInfo>, DaemonError> {
+        let s = self.lock();
+        s.registry.get(id)?;
+        Ok(s.machines.get(id).map_or_else(Vec::new, |l| {
+            l.ports
+                .iter()
+                .map(|(port, f)| PortForwardInfo {
+                    port: *port,
+                    host: f.host.to_string(),
+                })
+                .collect()
+        }))
+    }
+
+    /// Closes the forward of guest `port` and its connections; `false`
+    /// if there was none.
+    pub fn close_port(&self, id: &SandboxId, port: u16) -> Result<bool, DaemonError> {
+        let mut s = self.lock();
+        s.registry.get(id)?;
+        Ok(s.machines
+            .get_mut(id)
+            .and_then(|l| l.ports.remove(&port))
+            .is_some())
+    }
+
     /// Forks a running (or paused) sandbox into `count` children that
     /// inherit its labels, time-to-live and environment. Children past the
     /// live cap, or that fail to come up, fail alone.
@@ -906,19 +1132,7 @@ impl Daemon {
     ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
         let (machine, envs, spec, adm) = {
             let s = self.lock();
-            let r = s.registry.get(&parent)?;
-            if !matches!(r.state, SandboxState::Running | SandboxState::Paused) {
-                return Err(DaemonError::State(CoreError::WrongState {
-                    id: parent.clone(),
-                    state: r.state,
-                    wanted: "fork",
-                    needs: "running or paused",
-                }));
-            }
-            let live = s
-                .machines
-                .get(&parent)
-                .ok_or_else(|| DaemonError::NoSandbox(parent.clone()))?;
+            let (r, live) = s.forkable(&parent, "fork")?;
             let adm = Admission {
                 template: r.template.clone(),
                 labels: r.labels.clone(),
@@ -1030,6 +1244,7 @@ impl Daemon {
                         machine,
                         envs: envs.clone(),
                         spec: spec.clone(),
+                        ports: BTreeMap::new(),
                     },
                 );
                 self.save(&s, id);
@@ -1049,19 +1264,7 @@ impl Daemon {
     ) -> Result<TemplateInfo, DaemonError> {
         let (machine, mut spec) = {
             let s = self.lock();
-            let r = s.registry.get(id)?;
-            if !matches!(r.state, SandboxState::Running | SandboxState::Paused) {
-                return Err(DaemonError::State(CoreError::WrongState {
-                    id: id.clone(),
-                    state: r.state,
-                    wanted: "snapshot",
-                    needs: "running or paused",
-                }));
-            }
-            let live = s
-                .machines
-                .get(id)
-                .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+            let (_, live) = s.forkable(id, "snapshot")?;
             let mut spec = live.spec.clone();
             spec.envs = live.envs.clone();
             (live.machine.clone(), spec)
@@ -1496,6 +1699,77 @@ fn reap(machine: Arc<dyn Machine>) {
         }
         Err(_) => drop(machine),
     }
+}
+
+/// Connects to guest `port` until it accepts or `wait` passed (then the
+/// last refusal is the answer); closes the probe connection at once.
+fn probe_port(agent: &AgentClient, port: u16, wait: Duration) -> Result<(), ClientError> {
+    let start = Instant::now();
+    loop {
+        match agent.connect_port(port) {
+            Ok(_probe) => return Ok(()),
+            Err(ClientError::Agent(a))
+                if a.kind == GuestKind::ConnectionRefused && start.elapsed() < wait =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Accepts connections forever, relaying each to guest `port`. Aborting
+/// the task drops the listener and the relays with it.
+async fn serve_forward(listener: tokio::net::TcpListener, agent: AgentClient, port: u16) {
+    let mut relays = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    relays.spawn(relay_connection(tcp, agent.clone(), port));
+                }
+                Err(e) => {
+                    // Out of descriptors, say: back off rather than spin.
+                    tracing::warn!(port, error = %e, "port forward: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = relays.join_next(), if !relays.is_empty() => {}
+        }
+    }
+}
+
+/// One forwarded connection: the agent connects to the guest port, then
+/// bytes flow both ways. If the guest refuses, the host connection is
+/// reset, so the client sees a failure rather than an empty answer.
+async fn relay_connection(mut tcp: tokio::net::TcpStream, agent: AgentClient, port: u16) {
+    let guest = tokio::task::spawn_blocking(move || agent.connect_port(port)).await;
+    let guest = match guest {
+        Ok(Ok(g)) => g,
+        Ok(Err(e)) => {
+            tracing::info!(port, error = %chain(&e), "port forward: guest connection failed; resetting the client's");
+            reset(tcp);
+            return;
+        }
+        Err(_) => return,
+    };
+    let guest = guest
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(guest));
+    match guest {
+        Ok(mut g) => {
+            let _ = tokio::io::copy_bidirectional(&mut tcp, &mut g).await;
+        }
+        Err(e) => {
+            tracing::warn!(port, error = %e, "port forward: cannot use the agent connection");
+            reset(tcp);
+        }
+    }
+}
+
+/// Closes with a reset (`SO_LINGER` 0) instead of an orderly close.
+fn reset(tcp: tokio::net::TcpStream) {
+    let _ = tcp.set_zero_linger();
 }
 
 /// Setup commands in order, then the readiness check until it passes or
