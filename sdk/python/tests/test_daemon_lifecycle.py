@@ -1,0 +1,112 @@
+"""The daemon's own life: a restart re-adopts live sandboxes; a client
+killed mid-stream leaks nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import List
+
+import httpx
+import pytest
+
+from conftest import REPO, SDK
+from forkbox import Sandbox
+
+
+def _start(sock: str, state: str, log_path: str) -> subprocess.Popen:
+    exe = os.environ.get("FORKBOXD") or str(REPO / "target" / "release" / "forkboxd")
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([exe, "--listen", f"unix://{sock}", "--state-dir", state],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
+                if c.get("http://forkboxd/health").status_code == 200:
+                    return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("forkboxd did not come up within 120 s")
+
+
+def test_daemon_killed_and_restarted_re_adopts_its_sandboxes() -> None:
+    d = tempfile.mkdtemp(prefix="forkboxd-restart-", dir="/tmp")
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    first = _start(sock, state, log)
+    try:
+        running = Sandbox.create("minimal", timeout=600, metadata={"t": "restart"}, url=url)
+        running.files.write("/tmp/mark", "before the crash")
+        paused = Sandbox.create("minimal", timeout=600, metadata={"t": "restart"}, url=url)
+        paused.pause()
+        # A crash: no shutdown, nothing stopped.
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        second = _start(sock, state, log)
+        try:
+            again = Sandbox.connect(running.sandbox_id, url=url)
+            assert again.get_info()["state"] == "running"
+            assert again.files.read("/tmp/mark") == "before the crash"
+            assert again.commands.run("echo alive").stdout == "alive\n"
+            still = Sandbox.connect(paused.sandbox_id, url=url)
+            assert still.get_info()["state"] == "paused"
+            still.resume()
+            assert still.commands.run("true").exit_code == 0
+            # The re-adopted zygote serves new creations without a new bake.
+            fresh = Sandbox.create("minimal", timeout=600, metadata={"t": "restart"}, url=url)
+            assert fresh.commands.run("true").exit_code == 0
+            killed = Sandbox.kill_by_metadata({"t": "restart"}, url=url)
+            assert len(killed) == 3
+        finally:
+            second.terminate()
+            second.wait(60)
+        # A clean stop leaves no state behind.
+        assert os.listdir(f"{state}/sandboxes") == []
+        assert os.listdir(f"{state}/templates") == []
+    finally:
+        if first.poll() is None:
+            first.kill()
+        sys.stderr.write("--- restart test daemon log ---\n" + Path(log).read_text()[-3000:])
+
+
+def _metric(url: str, name: str) -> float:
+    sock = url[len("unix://"):]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
+        for line in c.get("http://forkboxd/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_client_killed_mid_stream_leaks_nothing(daemon_url: str) -> None:
+    with Sandbox.create("minimal", timeout=600) as sb:
+        live = _metric(daemon_url, "forkbox_sandboxes_live")
+        client = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(SDK)!r})
+            from forkbox import Sandbox
+            sb = Sandbox.connect({sb.sandbox_id!r})
+            sb.commands.run("i=0; while [ $i -lt 300 ]; do echo line $i; i=$((i+1)); sleep 0.1; done",
+                            on_stdout=lambda s: print(s, end="", flush=True))
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", client], stdout=subprocess.PIPE,
+                                env={**os.environ, "FORKBOX_URL": daemon_url})
+        assert proc.stdout is not None
+        seen: List[bytes] = [proc.stdout.readline() for _ in range(3)]
+        assert all(line.startswith(b"line ") for line in seen), seen
+        proc.kill()
+        proc.wait(30)
+        # The daemon serves on, the sandbox is usable, and nothing was
+        # created or lost by the client's death.
+        assert sb.commands.run("echo still here").stdout == "still here\n"
+        assert _metric(daemon_url, "forkbox_sandboxes_live") == live
