@@ -26,12 +26,13 @@ Modules:
 
 from ._client import AsyncClient, Client, default_url
 from .async_sandbox import AsyncSandbox
+from .async_sandbox import AsyncCommandHandle
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
-                         InvalidRequestError, NotFoundError, TemplateError,
+                         InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
                          TemplateInfrastructureError, UnsupportedError)
-from .models import CommandResult, EntryInfo, TemplateInfo
-from .sandbox import Sandbox
+from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
+from .sandbox import CommandHandle, Sandbox
 from .template import AsyncTemplate, Template
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "TemplateInfo", "Client", "AsyncClient", "default_url", "ForkboxError",
     "InvalidRequestError", "NotFoundError", "ConflictError", "CapacityError",
     "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
-    "InfrastructureError", "DaemonUnavailableError",
+    "InfrastructureError", "DaemonUnavailableError", "CommandHandle", "AsyncCommandHandle",
+    "ProcessInfo", "ProcessOutput", "ProcessTimeoutError",
 ]

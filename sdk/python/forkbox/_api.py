@@ -17,7 +17,7 @@ import httpx
 
 from .exceptions import (ForkboxError, InfrastructureError, TemplateError, from_bake_failure,
                          from_response)
-from .models import CommandResult, EntryInfo, TemplateInfo
+from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 
 T = TypeVar("T")
 
@@ -198,6 +198,103 @@ class CommandStream:
     def ended() -> InfrastructureError:
         return InfrastructureError("the command's stream ended without a result",
                                    "infrastructure")
+
+
+# ------------------------------------------------------------ background processes
+
+def _procs(sandbox_id: str) -> str:
+    return _sb(sandbox_id) + "/processes"
+
+
+def run_background(sandbox_id: str, body: Json) -> "Call[int]":
+    """Starts the command in the background; answers its pid at once."""
+    return Call("POST", _sb(sandbox_id) + "/commands", {"json": dict(body, background=True)},
+                lambda r: int(r.json()["pid"]))
+
+
+def _opt_result(r: Optional[Json]) -> Optional[CommandResult]:
+    return None if r is None else _result(r, r.get("stdout", ""), r.get("stderr", ""))
+
+
+def list_processes(sandbox_id: str) -> "Call[List[ProcessInfo]]":
+    def parse(r: httpx.Response) -> List[ProcessInfo]:
+        return [ProcessInfo(pid=int(p["pid"]), cmd=p.get("cmd"), argv=p.get("argv"),
+                            background=bool(p.get("background")),
+                            running=bool(p.get("running")),
+                            duration=float(p.get("duration_ms", 0.0)) / 1000.0,
+                            result=_opt_result(p.get("result"))) for p in r.json()]
+    return Call("GET", _procs(sandbox_id), {}, parse)
+
+
+def wait_process(sandbox_id: str, pid: int, timeout: Optional[float]) -> "Call[CommandResult]":
+    """Its result with the output the guest kept; still running at
+    `timeout` raises `ProcessTimeoutError`."""
+    body: Json = {} if timeout is None else {"timeout_secs": timeout}
+    # The HTTP request lasts as long as the wait, plus room to answer.
+    http_timeout = httpx.Timeout(None if timeout is None else timeout + 60.0, connect=10.0)
+    return Call("POST", f"{_procs(sandbox_id)}/{pid}/wait",
+                {"json": body, "timeout": http_timeout},
+                lambda r: _opt_result(r.json()) or _result({}, "", ""))
+
+
+def kill_process(sandbox_id: str, pid: int, signal: int) -> "Call[bool]":
+    return Call("POST", f"{_procs(sandbox_id)}/{pid}/kill", {"json": {"signal": signal}}, _true)
+
+
+def kill_process_refused(e: ForkboxError) -> bool:
+    """A kill of a process that already ended (or never was)."""
+    return e.kind == "guest" and e.detail.get("guest_kind") == "not_found"
+
+
+def process_stdin(sandbox_id: str, pid: int, data: Union[str, bytes],
+                  close: bool) -> "Call[int]":
+    raw = data.encode() if isinstance(data, str) else data
+    return Call("POST", f"{_procs(sandbox_id)}/{pid}/stdin",
+                {"params": {"close": str(close).lower()}, "content": raw,
+                 "headers": {"Content-Type": "application/octet-stream"}},
+                lambda r: int(r.json()["bytes"]))
+
+
+def process_output(sandbox_id: str, pid: int) -> "Call[ProcessOutput]":
+    def parse(resp: httpx.Response) -> ProcessOutput:
+        r = resp.json()
+        return ProcessOutput(stdout=str(r.get("stdout", "")), stderr=str(r.get("stderr", "")),
+                             dropped_bytes=int(r.get("dropped_bytes", 0)),
+                             running=bool(r.get("running")),
+                             result=_opt_result(r.get("result")))
+    return Call("GET", f"{_procs(sandbox_id)}/{pid}/output", {}, parse)
+
+
+def follow_output_path(sandbox_id: str, pid: int) -> str:
+    """Streamed (NDJSON) with `params={"follow": "true"}`: the output so far,
+    then as it comes, then `exit`: read it with `CommandStream`."""
+    return f"{_procs(sandbox_id)}/{pid}/output"
+
+
+FOLLOW = {"params": {"follow": "true"}, "timeout": httpx.Timeout(None, connect=10.0)}
+
+
+# ------------------------------------------------------------ ports
+
+def open_port(sandbox_id: str, port: int, wait: Optional[float]) -> "Call[str]":
+    """Opens (or finds) the forward of guest `port`; answers the host
+    address `127.0.0.1:NNNNN`."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port}: expected 1-65535")
+    body: Json = {"port": port}
+    if wait is not None:
+        body["wait_secs"] = wait
+    return Call("POST", _sb(sandbox_id) + "/ports", {"json": body},
+                lambda r: str(r.json()["host"]))
+
+
+def list_ports(sandbox_id: str) -> "Call[Dict[int, str]]":
+    return Call("GET", _sb(sandbox_id) + "/ports", {},
+                lambda r: {int(f["port"]): str(f["host"]) for f in r.json()})
+
+
+def close_port(sandbox_id: str, port: int) -> "Call[None]":
+    return Call("DELETE", f"{_sb(sandbox_id)}/ports/{port}", {}, _none)
 
 
 # ------------------------------------------------------------ files

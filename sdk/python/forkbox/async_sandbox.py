@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import (Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar,
+                    Union, overload)
 
 from . import _api
 from ._api import Call
 from ._client import AsyncClient, shared_async_client
 from .exceptions import ForkboxError, NotFoundError
-from .models import CommandResult, EntryInfo, TemplateInfo
+from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 from .sandbox import SandboxBase
 
 T = TypeVar("T")
@@ -22,19 +23,87 @@ async def _do(client: AsyncClient, call: "Call[T]") -> T:
     return call.parse(await client.request(call.method, call.path, **call.kwargs))
 
 
+class AsyncCommandHandle:
+    """As `CommandHandle`, for asyncio."""
+
+    def __init__(self, sb: "AsyncSandbox", pid: int) -> None:
+        self._sb = sb
+        self.pid = pid
+
+    async def _do(self, call: "Call[T]") -> T:
+        return await _do(self._sb._client, call)
+
+    async def wait(self, timeout: Optional[float] = None,
+                   on_stdout: Optional[Callable[[str], None]] = None,
+                   on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
+        """As `CommandHandle.wait`."""
+        sid = self._sb.sandbox_id
+        if on_stdout is None and on_stderr is None:
+            return await self._do(_api.wait_process(sid, self.pid, timeout))
+        stream = _api.CommandStream(on_stdout, on_stderr)
+        async for ev in self._sb._client.stream_ndjson(
+                "GET", _api.follow_output_path(sid, self.pid), **_api.FOLLOW):
+            result = stream.feed(ev)
+            if result is not None:
+                return result
+        raise stream.ended()
+
+    async def kill(self, signal: int = 9) -> bool:
+        try:
+            return await self._do(_api.kill_process(self._sb.sandbox_id, self.pid, signal))
+        except ForkboxError as e:
+            if _api.kill_process_refused(e):
+                return False
+            raise
+
+    async def send_stdin(self, data: Union[str, bytes], close: bool = False) -> int:
+        return await self._do(_api.process_stdin(self._sb.sandbox_id, self.pid, data, close))
+
+    async def close_stdin(self) -> None:
+        await self.send_stdin(b"", close=True)
+
+    async def output(self) -> ProcessOutput:
+        return await self._do(_api.process_output(self._sb.sandbox_id, self.pid))
+
+    def __repr__(self) -> str:
+        return f"AsyncCommandHandle(pid={self.pid}, sandbox={self._sb.sandbox_id!r})"
+
+
 class AsyncCommands:
     def __init__(self, sb: "AsyncSandbox") -> None:
         self._sb = sb
+
+    @overload
+    async def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = ...,
+                  envs: Optional[Mapping[str, str]] = ...,
+                  user: Optional[Union[str, int]] = ..., timeout: Optional[float] = ...,
+                  stdin: Optional[str] = ...,
+                  on_stdout: Optional[Callable[[str], None]] = ...,
+                  on_stderr: Optional[Callable[[str], None]] = ...,
+                  background: Literal[False] = ...) -> CommandResult: ...
+
+    @overload
+    async def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = ...,
+                  envs: Optional[Mapping[str, str]] = ...,
+                  user: Optional[Union[str, int]] = ..., timeout: Optional[float] = ...,
+                  stdin: Optional[str] = ...,
+                  on_stdout: Optional[Callable[[str], None]] = ...,
+                  on_stderr: Optional[Callable[[str], None]] = ...,
+                  background: Literal[True]) -> AsyncCommandHandle: ...
 
     async def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = None,
                   envs: Optional[Mapping[str, str]] = None,
                   user: Optional[Union[str, int]] = None, timeout: Optional[float] = None,
                   stdin: Optional[str] = None,
                   on_stdout: Optional[Callable[[str], None]] = None,
-                  on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
+                  on_stderr: Optional[Callable[[str], None]] = None,
+                  background: bool = False) -> Union[CommandResult, AsyncCommandHandle]:
         """As `Sandbox.commands.run`."""
         body = _api.exec_body(cmd, cwd, envs, user, timeout, stdin)
         sid = self._sb.sandbox_id
+        if background:
+            pid = await _do(self._sb._client, _api.run_background(sid, body))
+            return AsyncCommandHandle(self._sb, pid)
         if on_stdout is None and on_stderr is None:
             return await _do(self._sb._client, _api.run(sid, body))
         stream = _api.CommandStream(on_stdout, on_stderr)
@@ -44,6 +113,20 @@ class AsyncCommands:
             if result is not None:
                 return result
         raise stream.ended()
+
+    async def list(self) -> List[ProcessInfo]:
+        return await _do(self._sb._client, _api.list_processes(self._sb.sandbox_id))
+
+    async def connect(self, pid: int) -> AsyncCommandHandle:
+        if not any(p.pid == pid and p.background for p in await self.list()):
+            raise NotFoundError(f"no background process {pid}", "not_found", 404)
+        return AsyncCommandHandle(self._sb, pid)
+
+    async def kill(self, pid: int, signal: int = 9) -> bool:
+        return await AsyncCommandHandle(self._sb, pid).kill(signal)
+
+    async def send_stdin(self, pid: int, data: Union[str, bytes], close: bool = False) -> int:
+        return await AsyncCommandHandle(self._sb, pid).send_stdin(data, close)
 
 
 class AsyncFiles:
@@ -158,6 +241,16 @@ class AsyncSandbox(SandboxBase):
 
     async def create_snapshot(self, name: str) -> TemplateInfo:
         return await _do(self._client, _api.snapshot(self.sandbox_id, name))
+
+    async def get_host(self, port: int, *, wait: Optional[float] = None) -> str:
+        """As `Sandbox.get_host`."""
+        return await _do(self._client, _api.open_port(self.sandbox_id, port, wait))
+
+    async def ports(self) -> Dict[int, str]:
+        return await _do(self._client, _api.list_ports(self.sandbox_id))
+
+    async def close_port(self, port: int) -> None:
+        await _do(self._client, _api.close_port(self.sandbox_id, port))
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self

@@ -59,6 +59,11 @@ class TemplateError(ForkboxError):
         return str(self.detail.get("output") or "")
 
 
+class ProcessTimeoutError(ForkboxError, TimeoutError):
+    """A wait for a background process ended before the process did (it
+    runs on). Also a builtin `TimeoutError`."""
+
+
 class InfrastructureError(ForkboxError):
     """The sandbox machinery failed (VM died, agent unreachable)."""
 
@@ -85,6 +90,7 @@ _BY_KIND = {
     "unauthorized": AuthenticationError,
     "template_failed": TemplateError,
     "infrastructure": InfrastructureError,
+    "timeout": ProcessTimeoutError,
 }
 
 
@@ -95,7 +101,9 @@ def from_response(status: int, body: Any) -> ForkboxError:
         return ForkboxError(f"HTTP {status}: {body!r}", "", status)
     kind = str(detail.get("kind", ""))
     if kind == "guest":
-        cls = NotFoundError if detail.get("guest_kind") == "not_found" else ForkboxError
+        cls = {"not_found": NotFoundError,
+               "connection_refused": ConflictError}.get(str(detail.get("guest_kind")),
+                                                        ForkboxError)
     else:
         cls = _BY_KIND.get(kind, ForkboxError)
     return cls(str(detail.get("message", "")), kind, status, detail)

@@ -19,6 +19,39 @@ class CommandResult:
 
 
 @dataclass
+class ProcessInfo:
+    """A process `sb.commands.list()` shows: a background process
+    (running, or among the last 64 that ended) or a command a client is
+    waiting on."""
+
+    pid: int
+    cmd: Optional[str]
+    """The shell command (`None` if it was started from an argv list)."""
+    argv: Optional[List[str]]
+    background: bool
+    running: bool
+    duration: float
+    """Seconds it has run (until it ended)."""
+    result: Optional[CommandResult]
+    """How it ended (no output here: see `CommandHandle.output()`);
+    `None` while it runs."""
+
+
+@dataclass
+class ProcessOutput:
+    """What a background process wrote so far (the guest keeps its last
+    1 MiB of output)."""
+
+    stdout: str
+    stderr: str
+    dropped_bytes: int
+    """Output the guest's buffer no longer held."""
+    running: bool
+    result: Optional[CommandResult]
+    """How it ended; `None` while it runs."""
+
+
+@dataclass
 class EntryInfo:
     name: str
     path: str

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import (Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar,
+                    Union, overload)
 
 from . import _api
 from ._api import Call
 from ._client import Client, shared_client
 from .exceptions import ForkboxError, NotFoundError, UnsupportedError
-from .models import CommandResult, EntryInfo, TemplateInfo
+from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 
 T = TypeVar("T")
 
@@ -18,21 +19,101 @@ def _do(client: Client, call: "Call[T]") -> T:
     return call.parse(client.request(call.method, call.path, **call.kwargs))
 
 
+class CommandHandle:
+    """A background process (`commands.run(..., background=True)` or
+    `commands.connect(pid)`). It runs on whether or not this handle is
+    kept."""
+
+    def __init__(self, sb: "Sandbox", pid: int) -> None:
+        self._sb = sb
+        self.pid = pid
+
+    def _do(self, call: "Call[T]") -> T:
+        return _do(self._sb._client, call)
+
+    def wait(self, timeout: Optional[float] = None,
+             on_stdout: Optional[Callable[[str], None]] = None,
+             on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
+        """Waits for it to end; its result with the output the guest kept
+        (the last 1 MiB). A non-zero exit is a result, not an exception.
+        Still running after `timeout` seconds: `ProcessTimeoutError` (it
+        runs on). With `on_stdout`/`on_stderr`: its output so far, then as
+        it comes, goes to them (and `timeout` is not applied)."""
+        sid = self._sb.sandbox_id
+        if on_stdout is None and on_stderr is None:
+            return self._do(_api.wait_process(sid, self.pid, timeout))
+        stream = _api.CommandStream(on_stdout, on_stderr)
+        for ev in self._sb._client.stream_ndjson("GET", _api.follow_output_path(sid, self.pid),
+                                                 **_api.FOLLOW):
+            result = stream.feed(ev)
+            if result is not None:
+                return result
+        raise stream.ended()
+
+    def kill(self, signal: int = 9) -> bool:
+        """Signals its process group (default SIGKILL); False if it had
+        already ended."""
+        try:
+            return self._do(_api.kill_process(self._sb.sandbox_id, self.pid, signal))
+        except ForkboxError as e:
+            if _api.kill_process_refused(e):
+                return False
+            raise
+
+    def send_stdin(self, data: Union[str, bytes], close: bool = False) -> int:
+        """Writes to its stdin (`close`: then close it, so it sees EOF);
+        returns the bytes written."""
+        return self._do(_api.process_stdin(self._sb.sandbox_id, self.pid, data, close))
+
+    def close_stdin(self) -> None:
+        self.send_stdin(b"", close=True)
+
+    def output(self) -> ProcessOutput:
+        """What it wrote so far, and its result if it ended."""
+        return self._do(_api.process_output(self._sb.sandbox_id, self.pid))
+
+    def __repr__(self) -> str:
+        return f"CommandHandle(pid={self.pid}, sandbox={self._sb.sandbox_id!r})"
+
+
 class Commands:
     def __init__(self, sb: "Sandbox") -> None:
         self._sb = sb
+
+    @overload
+    def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = ...,
+            envs: Optional[Mapping[str, str]] = ..., user: Optional[Union[str, int]] = ...,
+            timeout: Optional[float] = ..., stdin: Optional[str] = ...,
+            on_stdout: Optional[Callable[[str], None]] = ...,
+            on_stderr: Optional[Callable[[str], None]] = ...,
+            background: Literal[False] = ...) -> CommandResult: ...
+
+    @overload
+    def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = ...,
+            envs: Optional[Mapping[str, str]] = ..., user: Optional[Union[str, int]] = ...,
+            timeout: Optional[float] = ..., stdin: Optional[str] = ...,
+            on_stdout: Optional[Callable[[str], None]] = ...,
+            on_stderr: Optional[Callable[[str], None]] = ...,
+            background: Literal[True]) -> CommandHandle: ...
 
     def run(self, cmd: Union[str, Sequence[str]], *, cwd: Optional[str] = None,
             envs: Optional[Mapping[str, str]] = None, user: Optional[Union[str, int]] = None,
             timeout: Optional[float] = None, stdin: Optional[str] = None,
             on_stdout: Optional[Callable[[str], None]] = None,
-            on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
+            on_stderr: Optional[Callable[[str], None]] = None,
+            background: bool = False) -> Union[CommandResult, CommandHandle]:
         """Runs `cmd` (a shell string, or an argv list) and waits for it.
         A non-zero exit is a result, not an exception; infrastructure
         failures raise `InfrastructureError`. With `on_stdout`/`on_stderr`,
-        output is streamed to them as it is produced."""
+        output is streamed to them as it is produced.
+
+        With `background=True` it returns a `CommandHandle` at once (the
+        callbacks are not used: pass them to `handle.wait`); the process's
+        stdin (after `stdin`) stays open for `handle.send_stdin`."""
         body = _api.exec_body(cmd, cwd, envs, user, timeout, stdin)
         sid = self._sb.sandbox_id
+        if background:
+            return CommandHandle(self._sb, _do(self._sb._client, _api.run_background(sid, body)))
         if on_stdout is None and on_stderr is None:
             return _do(self._sb._client, _api.run(sid, body))
         stream = _api.CommandStream(on_stdout, on_stderr)
@@ -41,6 +122,23 @@ class Commands:
             if result is not None:
                 return result
         raise stream.ended()
+
+    def list(self) -> List[ProcessInfo]:
+        """Background processes (running, and the last 64 that ended) and
+        commands running with a client."""
+        return _do(self._sb._client, _api.list_processes(self._sb.sandbox_id))
+
+    def connect(self, pid: int) -> CommandHandle:
+        """A handle on background process `pid` (checks that it exists)."""
+        if not any(p.pid == pid and p.background for p in self.list()):
+            raise NotFoundError(f"no background process {pid}", "not_found", 404)
+        return CommandHandle(self._sb, pid)
+
+    def kill(self, pid: int, signal: int = 9) -> bool:
+        return CommandHandle(self._sb, pid).kill(signal)
+
+    def send_stdin(self, pid: int, data: Union[str, bytes], close: bool = False) -> int:
+        return CommandHandle(self._sb, pid).send_stdin(data, close)
 
 
 class Files:
@@ -194,6 +292,23 @@ class Sandbox(SandboxBase):
         sandboxes created from it fork that state. This one keeps running."""
         return _do(self._client, _api.snapshot(self.sandbox_id, name))
 
+    def get_host(self, port: int, *, wait: Optional[float] = None) -> str:
+        """`127.0.0.1:NNNNN`: a host address whose connections reach guest
+        TCP `port` (on the guest's loopback) through the daemon; opens the
+        forward if needed. The guest port must accept: a refusing one
+        raises `ConflictError` (`detail["guest_kind"]` is
+        `connection_refused`), after retrying for `wait` seconds if given
+        (a server still starting).
+        The forward closes when the sandbox dies, or with `close_port`."""
+        return _do(self._client, _api.open_port(self.sandbox_id, port, wait))
+
+    def ports(self) -> Dict[int, str]:
+        """Open forwards: guest port → host address."""
+        return _do(self._client, _api.list_ports(self.sandbox_id))
+
+    def close_port(self, port: int) -> None:
+        _do(self._client, _api.close_port(self.sandbox_id, port))
+
     def __enter__(self) -> "Sandbox":
         return self
 
@@ -201,4 +316,4 @@ class Sandbox(SandboxBase):
         self.kill()
 
 
-__all__ = ["Sandbox", "CommandResult", "EntryInfo", "UnsupportedError"]
+__all__ = ["Sandbox", "CommandHandle", "CommandResult", "EntryInfo", "UnsupportedError"]
