@@ -230,7 +230,8 @@ pub struct AfterForkReport {
     /// them here, once, with how they ended. In the parent they ran on.
     pub interrupted: Vec<ForkedExec>,
     /// Execs still running with a live client connection (none in a fork
-    /// child: every inherited connection is reset).
+    /// child: every inherited connection is reset), and background
+    /// processes (a fork does not cut them off: the child runs its copy).
     pub still_running: Vec<ForkedExec>,
 }
 
