@@ -83,6 +83,8 @@ pub trait Machine: Send + Sync {
     fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError>;
     /// Where another daemon run can find this VM again.
     fn handle(&self) -> Option<VmHandle>;
+    /// Stops the VM now (SIGKILL), even while others hold this machine.
+    fn kill(&self);
 }
 
 /// One child of [`Machine::fork`].
@@ -206,6 +208,10 @@ impl Machine for VmMachine {
         Some(self.handle.clone())
     }
 
+    fn kill(&self) {
+        self.vm.write().unwrap_or_else(|p| p.into_inner()).kill();
+    }
+
     fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
         let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
         let children = vm.fork(n).map_err(BackendError::Fork)?;
@@ -272,6 +278,7 @@ pub(crate) mod fake {
         pub fail_children: AtomicBool,
         /// Handles given out (each machine's pid is its index here).
         pub handed: AtomicUsize,
+        pub kills: AtomicUsize,
         /// Pids of VMs discarded; adopting a pid listed in `gone` fails.
         pub discarded: std::sync::Mutex<Vec<u32>>,
         pub gone: std::sync::Mutex<Vec<u32>>,
@@ -353,6 +360,9 @@ pub(crate) mod fake {
         }
         fn make_zygote(&self) -> Result<(), BackendError> {
             Ok(())
+        }
+        fn kill(&self) {
+            self.world.kills.fetch_add(1, ORD);
         }
         fn handle(&self) -> Option<VmHandle> {
             Some(VmHandle {

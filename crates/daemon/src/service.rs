@@ -882,6 +882,18 @@ impl Daemon {
         if let ClientError::Agent(a) = e {
             return DaemonError::Guest(a);
         }
+        // Killed (or expired) while the call ran: the caller's doing, not
+        // the machinery's.
+        if let Ok(r) = self.lock().registry.get(id) {
+            if r.state == SandboxState::Dead {
+                return DaemonError::State(CoreError::WrongState {
+                    id: id.clone(),
+                    state: r.state,
+                    wanted: "finish the call",
+                    needs: "running",
+                });
+            }
+        }
         if let Some(how) = machine.exited() {
             let _ = self.kill(
                 id,
@@ -1692,12 +1704,19 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// Stops a VM off the request path (teardown takes tens of ms).
+/// Stops a VM at once, whoever else still holds it (a command or file
+/// call in flight ends with its connection), and drops our hold off the
+/// request path (teardown takes tens of ms).
 fn reap(machine: Arc<dyn Machine>) {
+    let stop = move || {
+        machine.kill();
+        drop(machine);
+    };
     match tokio::runtime::Handle::try_current() {
         Ok(h) => {
-            h.spawn_blocking(move || drop(machine));
+            h.spawn_blocking(stop);
         }
-        Err(_) => drop(machine),
+        Err(_) => stop(),
     }
 }
 
@@ -2010,7 +2029,9 @@ mod tests {
 
     #[tokio::test]
     async fn kill_by_label_kills_only_matching_and_refuses_empty_filter() {
-        let d = daemon(Fake::default(), 8);
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
         let mk = |run: &str| {
             Command::Create(CreateSandbox {
                 template: "minimal".into(),
@@ -2039,6 +2060,16 @@ mod tests {
         };
         assert_eq!(killed.len(), 2);
         assert_eq!(d.lock().registry.live(), 1);
+        // Their VMs are stopped outright, not just dropped (a command in
+        // flight may still hold one).
+        for _ in 0..200 {
+            if world.kills.load(ORD) == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(world.kills.load(ORD), 2);
     }
 
     #[tokio::test]

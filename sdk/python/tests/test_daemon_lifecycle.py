@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import REPO, SDK
-from forkbox import Sandbox
+from forkbox import ConflictError, Sandbox
 
 
 def _start(sock: str, state: str, log_path: str) -> subprocess.Popen:
@@ -94,7 +95,7 @@ def test_client_killed_mid_stream_leaks_nothing(daemon_url: str) -> None:
         client = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(SDK)!r})
-            from forkbox import Sandbox
+            from forkbox import ConflictError, Sandbox
             sb = Sandbox.connect({sb.sandbox_id!r})
             sb.commands.run("i=0; while [ $i -lt 300 ]; do echo line $i; i=$((i+1)); sleep 0.1; done",
                             on_stdout=lambda s: print(s, end="", flush=True))
@@ -110,3 +111,23 @@ def test_client_killed_mid_stream_leaks_nothing(daemon_url: str) -> None:
         # created or lost by the client's death.
         assert sb.commands.run("echo still here").stdout == "still here\n"
         assert _metric(daemon_url, "forkbox_sandboxes_live") == live
+
+
+def test_kill_ends_a_command_that_is_still_running(daemon_url: str) -> None:
+    sb = Sandbox.create("minimal", timeout=600)
+    outcome: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            sb.commands.run("sleep 600")
+        except BaseException as e:  # noqa: BLE001 - what ended it is the point
+            outcome.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(2)
+    sb.kill()
+    t.join(60)
+    assert not t.is_alive(), "the command outlived its sandbox"
+    # The caller killed it: a conflict, not an infrastructure failure.
+    assert len(outcome) == 1 and isinstance(outcome[0], ConflictError), outcome
