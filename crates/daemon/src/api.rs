@@ -58,6 +58,7 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         sandbox_resume,
         sandbox_fork,
         sandbox_snapshot,
+        sandbox_logs,
         command_run,
         process_list,
         process_wait,
@@ -143,6 +144,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/resume", post(sandbox_resume))
         .route("/fork", post(sandbox_fork))
         .route("/snapshot", post(sandbox_snapshot))
+        .route("/logs", get(sandbox_logs))
         .route("/commands", post(command_run))
         .route("/processes", get(process_list))
         .route("/processes/{pid}/wait", post(process_wait))
@@ -604,6 +606,35 @@ async fn sandbox_kill_by_label(
         Reply::Killed(killed) => Ok(Json(Killed { killed })),
         other => Err(unexpected(other)),
     }
+}
+
+/// Query of `GET /sandboxes/{id}/logs`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct LogsQuery {
+    /// How many of the last lines (default 200, at most 10000).
+    lines: Option<usize>,
+}
+
+/// The sandbox's serial console, its last lines: kernel and agent
+/// messages since it started (a fork child's since its fork). Commands'
+/// output is not here; it goes to their callers.
+#[utoipa::path(get, path = "/sandboxes/{id}/logs", params(("id" = String, Path), LogsQuery),
+    responses((status = 200, description = "the console's last lines", content_type = "text/plain"),
+              (status = 404, body = ApiErrorBody)))]
+async fn sandbox_logs(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let q: LogsQuery = query(raw)?;
+    let lines = q.lines.unwrap_or(200).clamp(1, 10_000);
+    let text = counted(
+        &st.daemon,
+        st.daemon.console(&id, lines).await.map_err(ApiError::from),
+    )?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
 }
 
 /// State, metadata, TTL, lineage and VMM metrics of one sandbox (dead ones
@@ -1826,6 +1857,23 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{body}");
         assert_eq!(body[2]["error"]["kind"], "capacity", "{body}");
         assert_eq!(body[2]["error"]["infrastructure"], false);
+    }
+
+    #[tokio::test]
+    async fn logs_are_the_console_tail_as_text() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let req = Request::builder()
+            .uri(format!("/sandboxes/{id}/logs?lines=3"))
+            .body(Body::empty())
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("response");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(&body[..], b"line 0\nline 1\nline 2\n");
+        let (st, _) = call(&app, "GET", &format!("/sandboxes/{id}/logs?lines=x"), "").await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
     }
 
     #[tokio::test]

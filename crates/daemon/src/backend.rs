@@ -85,6 +85,9 @@ pub trait Machine: Send + Sync {
     fn handle(&self) -> Option<VmHandle>;
     /// Stops the VM now (SIGKILL), even while others hold this machine.
     fn kill(&self);
+    /// The last `lines` lines of its serial console (kernel and agent
+    /// messages since it started, or since it was forked).
+    fn console(&self, lines: usize) -> String;
 }
 
 /// One child of [`Machine::fork`].
@@ -210,6 +213,13 @@ impl Machine for VmMachine {
 
     fn kill(&self) {
         self.vm.write().unwrap_or_else(|p| p.into_inner()).kill();
+    }
+
+    fn console(&self, lines: usize) -> String {
+        self.vm
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .serial_tail(lines)
     }
 
     fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
@@ -363,6 +373,9 @@ pub(crate) mod fake {
         }
         fn kill(&self) {
             self.world.kills.fetch_add(1, ORD);
+        }
+        fn console(&self, lines: usize) -> String {
+            (0..lines).map(|i| format!("line {i}\n")).collect()
         }
         fn handle(&self) -> Option<VmHandle> {
             Some(VmHandle {

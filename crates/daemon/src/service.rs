@@ -861,6 +861,12 @@ impl Daemon {
             .clone())
     }
 
+    /// The last `lines` lines of a live sandbox's serial console.
+    pub async fn console(&self, id: &SandboxId, lines: usize) -> Result<String, DaemonError> {
+        let machine = self.machine_any(id)?;
+        blocking(move || machine.console(lines)).await
+    }
+
     fn machine_any(&self, id: &SandboxId) -> Result<Arc<dyn Machine>, DaemonError> {
         let s = self.lock();
         s.registry.get(id)?;

@@ -239,9 +239,10 @@ fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
         .collect()
 }
 
-/// A counter writing to an open file every 10 ms, and busybox httpd.
+/// A counter writing to an open file every 10 ms (and to /tmp/count by
+/// rename, so a reader never sees it empty), and busybox httpd.
 const BACKGROUND: &str = "mkdir -p /www && echo served > /www/index.html && httpd -p 8080 -h /www && \
-     (exec 3>/tmp/count.log; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; echo $i >&3; sleep 0.01; done) \
+     (exec 3>/tmp/count.log; i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; echo $i >&3; sleep 0.01; done) \
      </dev/null >/dev/null 2>&1 &";
 
 /// The counter advances and httpd answers in this VM.

@@ -133,9 +133,10 @@ def test_cli_template_list_and_logs(sb: str) -> None:
     names = [t["name"] for t in json.loads(forkbox("template", "list", "--json").stdout)]
     assert "minimal" in names
     assert forkbox("template", "list").stdout.splitlines()[0].startswith("NAME")
-    p = forkbox("logs", sb)
-    assert "no log" in p.stderr
-    assert sb in p.stdout
+    forkbox("exec", sb, "--", "sh", "-c", "echo cli-logs-marker > /dev/console")
+    assert "cli-logs-marker" in forkbox("logs", sb).stdout
+    logs = json.loads(forkbox("logs", sb, "--json").stdout)
+    assert logs["sandbox"] == sb and "cli-logs-marker" in logs["lines"]
 
 
 def test_cli_sandbox_kill_by_id_and_by_label(sb: str) -> None:

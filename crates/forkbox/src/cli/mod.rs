@@ -54,8 +54,8 @@ pub enum ClientCmd {
     /// Copy a file or a directory into or out of a sandbox; SANDBOX:PATH
     /// names the guest side (an absolute path).
     Cp(cp::CpArgs),
-    /// What the daemon can say about a sandbox's life (it keeps no log
-    /// stream yet: this prints its info).
+    /// The sandbox's serial console, its last 1000 lines (kernel and
+    /// agent messages).
     Logs {
         sandbox: SandboxId,
         #[command(flatten)]

@@ -320,17 +320,18 @@ fn details(info: &Value) {
     }
 }
 
-/// `forkbox logs`: forkboxd has no log endpoint (no serial or command log
-/// is kept), so this says so and prints what it has, the sandbox's info.
+/// `forkbox logs`: the sandbox's serial console, its last lines (kernel
+/// and agent messages; commands' output goes to their callers). `--json`
+/// wraps them as `{"sandbox", "lines"}`.
 pub fn logs(client: &Client, sandbox: &SandboxId, format: Format) -> anyhow::Result<i32> {
-    let info: Value = client.get(&sandbox_path(sandbox))?;
+    let path = format!("{}/logs?lines=1000", sandbox_path(sandbox));
+    let text = client.call(Method::GET, &path, Body::Empty)?.bytes()?;
+    let text = String::from_utf8_lossy(&text);
     if format == Format::Json {
-        print_json(&info)?;
+        let lines: Vec<&str> = text.lines().collect();
+        print_json(&serde_json::json!({ "sandbox": sandbox.as_str(), "lines": lines }))?;
     } else {
-        eprintln!(
-            "forkbox: forkboxd keeps no log for sandboxes yet; here is what it knows of {sandbox}:"
-        );
-        details(&info);
+        print!("{text}");
     }
     Ok(0)
 }
