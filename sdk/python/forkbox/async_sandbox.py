@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import (Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar,
                     Union, overload)
 
-from . import _api
+from . import _api, _tar
 from ._api import Call
 from ._client import AsyncClient, shared_async_client
 from .exceptions import ForkboxError, NotFoundError
@@ -166,6 +166,12 @@ class AsyncFiles:
 
     async def download_tar(self, path: str) -> bytes:
         return await self._do(_api.download_tar(self._sb.sandbox_id, path))
+
+    async def upload_dir(self, local_dir: str, path: str) -> int:
+        return await self.upload_tar(path, _tar.pack_dir(local_dir))
+
+    async def download_dir(self, path: str, local_dir: str) -> None:
+        _tar.unpack_to(await self.download_tar(path), local_dir)
 
 
 class AsyncSandbox(SandboxBase):

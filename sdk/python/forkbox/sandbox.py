@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import (Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar,
                     Union, overload)
 
-from . import _api
+from . import _api, _tar
 from ._api import Call
 from ._client import Client, shared_client
 from .exceptions import ForkboxError, NotFoundError, UnsupportedError
@@ -180,6 +180,16 @@ class Files:
 
     def download_tar(self, path: str) -> bytes:
         return self._do(_api.download_tar(self._sb.sandbox_id, path))
+
+    def upload_dir(self, local_dir: str, path: str) -> int:
+        """Copies the contents of `local_dir` into the guest directory
+        `path` (created if missing) as one tar stream; returns its bytes."""
+        return self.upload_tar(path, _tar.pack_dir(local_dir))
+
+    def download_dir(self, path: str, local_dir: str) -> None:
+        """Copies the guest directory `path` into `local_dir` (created if
+        missing) as one tar stream."""
+        _tar.unpack_to(self.download_tar(path), local_dir)
 
 
 class SandboxBase:
