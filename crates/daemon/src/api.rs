@@ -988,14 +988,7 @@ async fn command_run(
         let mut carry = [Vec::new(), Vec::new()];
         while let Some(ev) = rx.recv().await {
             let event = match ev {
-                ExecEvent::Output(s, bytes) => {
-                    let i = s as usize;
-                    let data = utf8_chunk(&mut carry[i], bytes);
-                    match s {
-                        forkbox_proto::OutputStream::Stdout => StreamEvent::Stdout { data },
-                        forkbox_proto::OutputStream::Stderr => StreamEvent::Stderr { data },
-                    }
-                }
+                ExecEvent::Output(s, bytes) => output_event(&mut carry, s, bytes),
                 ExecEvent::Exit(r) => StreamEvent::Exit(exit_output(&r, None, None)),
                 ExecEvent::Failed(e) => StreamEvent::Error {
                     error: ApiError::from(e).detail(),
@@ -1029,6 +1022,20 @@ fn unexpected_end() -> ApiError {
         what: "the command's event stream ended without a result".into(),
         cause: None,
     })
+}
+
+/// One chunk of a command's output as a stream event, decoded with the
+/// stream's own UTF-8 carry (`carry[0]` stdout, `carry[1]` stderr).
+fn output_event(
+    carry: &mut [Vec<u8>; 2],
+    s: forkbox_proto::OutputStream,
+    bytes: Vec<u8>,
+) -> StreamEvent {
+    let data = utf8_chunk(&mut carry[s as usize], bytes);
+    match s {
+        forkbox_proto::OutputStream::Stdout => StreamEvent::Stdout { data },
+        forkbox_proto::OutputStream::Stderr => StreamEvent::Stderr { data },
+    }
 }
 
 /// Decodes `bytes` after `carry` as UTF-8, keeping an incomplete trailing
@@ -1335,13 +1342,7 @@ async fn process_output(
         let mut carry = [Vec::new(), Vec::new()];
         while let Some(ev) = rx.recv().await {
             let event = match ev {
-                AttachEvent::Output(s, bytes) => {
-                    let data = utf8_chunk(&mut carry[s as usize], bytes);
-                    match s {
-                        forkbox_proto::OutputStream::Stdout => StreamEvent::Stdout { data },
-                        forkbox_proto::OutputStream::Stderr => StreamEvent::Stderr { data },
-                    }
-                }
+                AttachEvent::Output(s, bytes) => output_event(&mut carry, s, bytes),
                 AttachEvent::End {
                     result: Some(r), ..
                 } => StreamEvent::Exit(exit_output(&r, None, None)),

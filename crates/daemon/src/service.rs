@@ -851,6 +851,25 @@ impl Daemon {
         (adopted, cleared)
     }
 
+    /// The running sandbox a command goes to; the sandbox's environment
+    /// fills in what `req` does not set itself.
+    fn command_target(
+        &self,
+        id: &SandboxId,
+        req: &mut ExecRequest,
+    ) -> Result<Arc<dyn Machine>, DaemonError> {
+        let s = self.lock();
+        s.registry.check_usable(id)?;
+        let live = s
+            .machines
+            .get(id)
+            .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+        for (k, v) in &live.envs {
+            req.env.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        Ok(live.machine.clone())
+    }
+
     fn machine(&self, id: &SandboxId) -> Result<Arc<dyn Machine>, DaemonError> {
         let s = self.lock();
         s.registry.check_usable(id)?;
@@ -924,18 +943,7 @@ impl Daemon {
         mut req: ExecRequest,
         stdin: Option<Vec<u8>>,
     ) -> Result<mpsc::Receiver<ExecEvent>, DaemonError> {
-        let (machine, envs) = {
-            let s = self.lock();
-            s.registry.check_usable(id)?;
-            let live = s
-                .machines
-                .get(id)
-                .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
-            (live.machine.clone(), live.envs.clone())
-        };
-        for (k, v) in envs {
-            req.env.entry(k).or_insert(v);
-        }
+        let machine = self.command_target(id, &mut req)?;
         let (tx, rx) = mpsc::channel(64);
         let this = self.clone();
         let id = id.clone();
@@ -991,18 +999,7 @@ impl Daemon {
         mut req: ExecRequest,
         stdin: Option<Vec<u8>>,
     ) -> Result<u32, DaemonError> {
-        let (machine, envs) = {
-            let s = self.lock();
-            s.registry.check_usable(id)?;
-            let live = s
-                .machines
-                .get(id)
-                .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
-            (live.machine.clone(), live.envs.clone())
-        };
-        for (k, v) in envs {
-            req.env.entry(k).or_insert(v);
-        }
+        let machine = self.command_target(id, &mut req)?;
         self.inner.metrics.execs.fetch_add(1, ORD);
         let m = machine.clone();
         let spawned = blocking(move || {
