@@ -60,7 +60,7 @@ test: build lint
 # root is this machine's, read-only), so the image is built out here first.
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
-	$(FORKBOX) testbed run --if-needed --timeout 1800 -- env PYTHONDONTWRITEBYTECODE=1 \
+	$(FORKBOX) testbed run --if-needed --timeout 1800 --host-crash-retries 2 -- env PYTHONDONTWRITEBYTECODE=1 \
 		python3 -m pytest -p no:cacheprovider -q sdk/python/tests
 
 fmt:

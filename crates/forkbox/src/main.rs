@@ -149,6 +149,11 @@ enum TestbedCmd {
         /// where microVMs could not run otherwise.
         #[arg(long)]
         if_needed: bool,
+        /// Run CMD again, from the start, in a new emulated host when the
+        /// emulated host itself crashes (its kernel, not CMD), up to N
+        /// times. Only for commands that may safely run twice.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        host_crash_retries: u32,
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
@@ -408,6 +413,7 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
             memory,
             cpus,
             if_needed,
+            host_crash_retries,
             argv,
         } => {
             if if_needed && Environment::detect() != Environment::NeedsEmulatedHost {
@@ -427,8 +433,20 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
                 .and_then(|e| e.parent().map(Into::into))
                 .into_iter()
                 .collect();
-            let outcome = tb.run(&opts)?;
-            Ok(testbed::report(&argv, opts.timeout, outcome))
+            let mut retries = host_crash_retries;
+            loop {
+                let outcome = tb.run(&opts)?;
+                let host_died = matches!(outcome, testbed::Outcome::HostDied { .. });
+                let code = testbed::report(&argv, opts.timeout, outcome);
+                if !host_died || retries == 0 {
+                    return Ok(code);
+                }
+                retries -= 1;
+                eprintln!(
+                    "forkbox testbed: the emulated host itself crashed (its serial log is above); running `{}` again in a new one ({retries} more allowed)",
+                    argv.join(" ")
+                );
+            }
         }
     }
 }

@@ -110,6 +110,16 @@ pub const NOTICE: &str = "no hardware virtualization here: running inside an emu
 /// Runs this very program again, with `args`, inside the emulated host,
 /// streaming its output; returns its exit code, or explains what failed.
 pub fn rerun_inside(args: Vec<String>, timeout: Duration) -> Result<i32, TestbedError> {
+    rerun_inside_with(args, timeout, |_| {})
+}
+
+/// Like [`rerun_inside`], with `adjust` setting more [`RunOptions`] (a
+/// shared directory, environment) first.
+pub fn rerun_inside_with(
+    args: Vec<String>,
+    timeout: Duration,
+    adjust: impl FnOnce(&mut RunOptions),
+) -> Result<i32, TestbedError> {
     let exe = std::env::current_exe().map_err(|source| TestbedError::Io {
         path: "/proc/self/exe".into(),
         source,
@@ -121,6 +131,7 @@ pub fn rerun_inside(args: Vec<String>, timeout: Duration) -> Result<i32, Testbed
     let mut opts = RunOptions::new(argv.clone());
     opts.timeout = timeout;
     opts.path_prefix = exe.parent().map(Path::to_owned).into_iter().collect();
+    adjust(&mut opts);
     Ok(report(&argv, timeout, tb.run(&opts)?))
 }
 
@@ -160,6 +171,12 @@ pub struct RunOptions {
     pub cpus: u32,
     /// Directories put first on the command's PATH (forkbox's binaries).
     pub path_prefix: Vec<PathBuf>,
+    /// A directory of this machine the command may write to, at the same
+    /// path inside (everything else is read-only there). What is written
+    /// outlives the emulated host, even one that crashes.
+    pub share: Option<PathBuf>,
+    /// Variables set for the command, after this process's own.
+    pub env: Vec<(String, String)>,
 }
 
 impl RunOptions {
@@ -171,6 +188,8 @@ impl RunOptions {
             memory_mib: 6144,
             cpus: 2,
             path_prefix: Vec::new(),
+            share: None,
+            env: Vec::new(),
         }
     }
 }
@@ -271,10 +290,17 @@ impl Testbed {
         let mut cmd = Command::new("qemu-system-x86_64");
         // no_timer_check: a loaded machine can emulate so slowly that the
         // kernel's IO-APIC timer check fails and it panics at boot.
-        let cmdline = format!(
+        let mut cmdline = format!(
             "console=ttyS0 panic=-1 no_timer_check mitigations=off nokaslr quiet forkbox.run={}",
             run.display()
         );
+        if let Some(share) = &opts.share {
+            cmdline.push_str(&format!(" forkbox.share={}", share.display()));
+            cmd.arg("-virtfs").arg(format!(
+                "local,path={},mount_tag=share,security_model=none,multidevs=remap",
+                share.display()
+            ));
+        }
         cmd.args(["-accel", "tcg,thread=multi,tb-size=512"])
             .args(["-cpu", CPU])
             .args(["-smp", &opts.cpus.to_string()])
@@ -401,6 +427,9 @@ fn command_script(opts: &RunOptions) -> String {
     path.push(std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()));
     s.push_str(&format!("export PATH={}\n", quote(&path.join(":"))));
     s.push_str("export FORKBOX_IN_TESTBED=1\n");
+    for (k, v) in &opts.env {
+        s.push_str(&format!("export {k}={}\n", quote(v)));
+    }
     s.push_str(&format!(
         "export FORKBOX_CACHE={}\n",
         quote(&crate::cache::root().display().to_string())

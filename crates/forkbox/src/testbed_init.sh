@@ -27,6 +27,13 @@ mount -t tmpfs tmpfs /host/dev/shm
 mount -t tmpfs tmpfs /host/run
 mkdir -p "/host$run"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 rundir "/host$run" || fail "cannot mount the run directory"
+# A directory shared writable (RunOptions::share); uncached, so what the
+# command writes is on this machine's disk even if the emulated host dies.
+share=$(sed -n 's/.*forkbox\.share=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$share" ]; then
+    mkdir -p "/host$share"
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 share "/host$share" || fail "cannot mount the shared directory"
+fi
 [ -e /dev/kvm ] || echo "testbed: warning: no /dev/kvm (kvm_amd did not load)"
 # Loopback up: tests serve on 127.0.0.1 for their guests (host.forkbox.internal).
 ip link set lo up || echo "testbed: cannot bring lo up"

@@ -32,27 +32,10 @@ fn main() {
             std::process::exit(1);
         }
         let forwarded: Vec<String> = std::env::args().skip(1).collect();
-        // The emulated host's own kernel has crashed under load here (a
-        // fault inside its KVM_RUN, i.e. in QEMU's SVM emulation or its
-        // kvm_amd, which no user process may cause). That ends the run with
-        // 125 and the host's serial tail printed; run the suite once more
-        // then. Test failures (exit 101) are never retried.
-        for attempt in 1..=2 {
-            match testbed::rerun_inside(forwarded.clone(), Duration::from_secs(2400)) {
-                Ok(125) if attempt == 1 => eprintln!(
-                    "vm tests: the emulated host itself crashed (its serial log is above); running the suite once more"
-                ),
-                Ok(code) => std::process::exit(code),
-                Err(e) => {
-                    eprintln!("vm tests: cannot run inside the emulated host: {e}");
-                    std::process::exit(1);
-                }
-            }
-        }
-        std::process::exit(125);
+        std::process::exit(run_in_emulated_host(forwarded));
     }
     eprintln!("vm tests: environment: {}", Environment::detect().label());
-    let conclusion = libtest_mimic::run(&args, trials());
+    let conclusion = libtest_mimic::run(&args, resumed(trials()));
     // Statics are not dropped: stop the shared VM before exiting.
     if let Some(m) = SHARED.get() {
         if let Ok(mut vm) = m.lock() {
@@ -61,6 +44,162 @@ fn main() {
     }
     conclusion.exit();
 }
+
+/// The emulated host's own kernel has crashed under load here (a fault
+/// inside its KVM_RUN, i.e. in QEMU's SVM emulation or its kvm_amd, which no
+/// user process may cause; docs/SPEC.md, known problems). Such a crash is
+/// not a test result: each trial records how it ended in a file shared with
+/// this machine, and after a crash a new emulated host runs only the trials
+/// that had not ended. Trials that failed stay failed. Three crashes in one
+/// run end it with 125.
+fn run_in_emulated_host(args: Vec<String>) -> i32 {
+    const HOSTS: u32 = 3;
+    let share = match tempfile::Builder::new()
+        .prefix("forkbox-vm-tests-")
+        .tempdir()
+    {
+        Ok(dir) => dir,
+        Err(e) => {
+            eprintln!("vm tests: cannot make a directory for their progress: {e}");
+            return 1;
+        }
+    };
+    let progress = share.path().join("ended");
+    for host in 1..=HOSTS {
+        let run = testbed::rerun_inside_with(args.clone(), Duration::from_secs(2400), |opts| {
+            opts.share = Some(share.path().to_owned());
+            opts.env
+                .push((PROGRESS_ENV.into(), progress.display().to_string()));
+        });
+        match run {
+            Ok(125) if host < HOSTS => {
+                let ended = Ended::read(&progress);
+                eprintln!(
+                    "vm tests: the emulated host itself crashed (its serial log is above) after {} trials had ended; \
+                     a new one runs the rest ({} of {HOSTS})",
+                    ended.len(),
+                    host + 1
+                );
+            }
+            Ok(code) => return code,
+            Err(e) => {
+                eprintln!("vm tests: cannot run inside the emulated host: {e}");
+                return 1;
+            }
+        }
+    }
+    125
+}
+
+/// Names the file where trials record how they ended (set inside the
+/// emulated host only).
+const PROGRESS_ENV: &str = "FORKBOX_VM_TESTS_PROGRESS";
+
+/// How trials ended in earlier emulated hosts of this run: one line each,
+/// `ok NAME` or `FAILED NAME MESSAGE` (the message's newlines escaped).
+struct Ended(Vec<(String, Option<String>)>);
+
+impl Ended {
+    fn read(path: &std::path::Path) -> Self {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        Self(
+            text.lines()
+                .filter_map(|line| {
+                    let (verdict, rest) = line.split_once(' ')?;
+                    let (name, msg) = rest.split_once(' ').unwrap_or((rest, ""));
+                    let msg = msg.replace("\\n", "\n");
+                    match verdict {
+                        "ok" => Some((name.to_owned(), None)),
+                        "FAILED" => Some((name.to_owned(), Some(msg))),
+                        _ => None,
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, name: &str) -> Option<&Option<String>> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+
+    /// Appends one line, written whole so that a crash leaves whole lines.
+    fn record(path: &std::path::Path, name: &str, result: &TestResult) {
+        use std::io::Write;
+        let line = match result {
+            Ok(()) => format!("ok {name}\n"),
+            Err(e) => {
+                let msg = e.message().unwrap_or("failed").replace('\n', "\\n");
+                format!("FAILED {name} {msg}\n")
+            }
+        };
+        let appended = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = appended {
+            eprintln!(
+                "vm tests: cannot record that {name} ended in {}: {e}",
+                path.display()
+            );
+        }
+    }
+}
+
+/// Within a run resumed after the emulated host crashed: trials that passed
+/// before are left out (and named), trials that failed before fail again
+/// with their message, the rest run. Every trial records how it ends.
+fn resumed(trials: Vec<(&'static str, TrialFn)>) -> Vec<Trial> {
+    let Some(progress) = std::env::var_os(PROGRESS_ENV).map(std::path::PathBuf::from) else {
+        return trials
+            .into_iter()
+            .map(|(name, f)| Trial::test(name, f))
+            .collect();
+    };
+    let ended = Ended::read(&progress);
+    let mut passed = Vec::new();
+    let mut out = Vec::new();
+    for (name, f) in trials {
+        match ended.get(name) {
+            Some(None) => passed.push(name),
+            Some(Some(msg)) => {
+                let msg = format!(
+                    "failed in an earlier emulated host of this run (which then crashed): {msg}"
+                );
+                out.push(Trial::test(name, move || Err(msg.into())));
+            }
+            None => {
+                let progress = progress.clone();
+                out.push(Trial::test(name, move || {
+                    let result = std::panic::catch_unwind(f).unwrap_or_else(|panic| {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .map(String::as_str)
+                            .or_else(|| panic.downcast_ref::<&str>().copied())
+                            .unwrap_or("panicked");
+                        Err(format!("panicked: {msg}").into())
+                    });
+                    Ended::record(&progress, name, &result);
+                    result
+                }));
+            }
+        }
+    }
+    if !passed.is_empty() {
+        eprintln!(
+            "vm tests: {} trials passed in an earlier emulated host of this run and are not run again: {}",
+            passed.len(),
+            passed.join(", ")
+        );
+    }
+    out
+}
+
+type TrialFn = Box<dyn FnOnce() -> TestResult + Send + std::panic::UnwindSafe>;
 
 /// Taken shared by every VM test, whole by the one that must run alone.
 static LOAD: RwLock<()> = RwLock::new(());
@@ -74,7 +213,7 @@ const ALONE: &[&str] = &["vm_smp_vcpus_are_online"];
 
 type NamedTest = (&'static str, fn() -> TestResult);
 
-fn trials() -> Vec<Trial> {
+fn trials() -> Vec<(&'static str, TrialFn)> {
     let tests: &[NamedTest] = &[
         (
             "testbed_dev_kvm_runs_real_mode_guest",
@@ -164,7 +303,7 @@ fn trials() -> Vec<Trial> {
     tests
         .iter()
         .map(|&(name, test)| {
-            Trial::test(name, move || {
+            let run: TrialFn = Box::new(move || {
                 if ALONE.contains(&name) {
                     let _all = LOAD.write().unwrap_or_else(|p| p.into_inner());
                     test()
@@ -172,7 +311,8 @@ fn trials() -> Vec<Trial> {
                     let _some = LOAD.read().unwrap_or_else(|p| p.into_inner());
                     test()
                 }
-            })
+            });
+            (name, run)
         })
         .collect()
 }
