@@ -117,9 +117,10 @@ impl Net {
         self.counters
     }
 
-    fn process_tx(&mut self) {
+    /// Sends the guest's frames; true if it used buffers (an interrupt is owed).
+    fn process_tx(&mut self) -> bool {
         let Some(active) = self.active.as_mut() else {
-            return;
+            return false;
         };
         let mut used = false;
         let mut sent = false;
@@ -144,18 +145,17 @@ impl Net {
             }
             used = true;
         }
-        if used {
-            active.interrupt.signal_used_queue();
-        }
         if sent {
             self.backend.flush();
         }
+        used
     }
 
-    /// Moves frames from the backend into the guest's rx buffers.
-    fn process_rx(&mut self) {
+    /// Moves frames from the backend into the guest's rx buffers; true if
+    /// it used buffers (an interrupt is owed).
+    fn process_rx(&mut self) -> bool {
         let Some(active) = self.active.as_mut() else {
-            return;
+            return false;
         };
         let mut used = false;
         for _ in 0..RX_BUDGET {
@@ -186,7 +186,12 @@ impl Net {
             }
             used = true;
         }
-        if used {
+        used
+    }
+
+    /// One interrupt for whatever `used` says both queues returned.
+    fn signal(&self, used: bool) {
+        if let (true, Some(active)) = (used, self.active.as_ref()) {
             active.interrupt.signal_used_queue();
         }
     }
@@ -246,7 +251,8 @@ impl EventSource for Net {
 
     fn handle_events(&mut self) {
         self.backend.handle_events();
-        self.process_rx();
+        let used = self.process_rx();
+        self.signal(used);
     }
 }
 
@@ -300,16 +306,21 @@ impl VirtioDevice for Net {
             queues,
             interrupt,
         });
-        self.process_rx();
+        let used = self.process_rx();
+        self.signal(used);
         Ok(())
     }
 
     fn queue_notify(&mut self, index: u16) {
         match usize::from(index) {
-            RX => self.process_rx(),
+            RX => {
+                let used = self.process_rx();
+                self.signal(used);
+            }
             TX => {
-                self.process_tx();
-                self.process_rx();
+                // The tx buffers and the replies they caused, one interrupt.
+                let used = self.process_tx() | self.process_rx();
+                self.signal(used);
             }
             _ => tracing::debug!(index, "virtio-net: notify for no queue"),
         }
@@ -359,8 +370,8 @@ impl VirtioDevice for Net {
             None => None,
         };
         // Kicks sent just before the capture went to the old process.
-        self.process_tx();
-        self.process_rx();
+        let used = self.process_tx() | self.process_rx();
+        self.signal(used);
         Ok(())
     }
 }
@@ -480,6 +491,25 @@ mod tests {
         assert_eq!(tx.used().len(), 2);
         assert_eq!(backend.wire().from_guest, vec![a, b]);
         assert_eq!(backend.wire().flushes, 1);
+        assert_eq!(irq.read().expect("interrupt"), 1);
+    }
+
+    #[test]
+    fn net_tx_and_the_replies_it_causes_raise_one_interrupt() {
+        let mem = memory(0x40_0000);
+        let (mut net, backend, mut rx, mut tx, irq) = setup(&mem);
+        // The backend's answer to the frame (an ACK, say) is ready by the
+        // time the tx buffers are returned.
+        backend.wire().to_guest.push_back(frame(60, 3));
+        rx.add(&[wo(BUF + 0x1000, 1526)]);
+        mem.write_slice(&frame(HDR_LEN + 60, 0), GuestAddress(BUF))
+            .expect("f");
+        tx.add(&[ro(BUF, (HDR_LEN + 60) as u32)]);
+        net.queue_notify(1);
+        assert_eq!(tx.used().len(), 1);
+        assert_eq!(rx.used(), vec![(0, (HDR_LEN + 60) as u32)]);
+        // Two would cost the guest a second, empty interrupt per frame (an
+        // exit to read the status, another to acknowledge it).
         assert_eq!(irq.read().expect("interrupt"), 1);
     }
 
