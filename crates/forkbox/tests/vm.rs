@@ -1155,7 +1155,9 @@ fn net_fork_child_connections_are_its_own() -> TestResult {
     ]);
     let mut vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
         .map_err(|e| format!("boot: {e:#}"))?;
-    // Throughput guest → host loopback, for docs/SPEC.md (printed only).
+    // Throughput guest → host loopback, for docs/SPEC.md (printed only; the
+    // time limit is ten times what the slowest run here needed: a
+    // behaviour check, not a timing one).
     let counted = std::thread::spawn(move || -> std::io::Result<(u64, Duration)> {
         use std::io::{Read, Write};
         let (mut c, _) = sink.accept()?;
@@ -1175,7 +1177,7 @@ fn net_fork_child_connections_are_its_own() -> TestResult {
     let out = net_sh(
         &vm,
         &format!(
-            "dd if=/dev/zero bs=64k count=1024 2>/dev/null | timeout 120 nc 10.0.2.2 {sink_port}"
+            "dd if=/dev/zero bs=64k count=256 2>/dev/null | timeout 300 nc 10.0.2.2 {sink_port}"
         ),
     )?;
     match counted.join() {
