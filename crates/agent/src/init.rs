@@ -303,8 +303,11 @@ fn network_up() -> io::Result<()> {
     // /etc/resolv.conf may be a symlink into /run (systemd-resolved).
     let _ = fs::remove_file("/etc/resolv.conf");
     fs::write("/etc/resolv.conf", format!("nameserver {GATEWAY_IP}\n"))?;
+    // The MTU is the device's (virtio-net offers 65520): left alone here.
+    let mtu = fs::read_to_string("/sys/class/net/eth0/mtu").unwrap_or_default();
     crate::log(&format!(
-        "network: eth0 {GUEST_IP}/{PREFIX_LEN}, gateway and DNS {GATEWAY_IP}"
+        "network: eth0 {GUEST_IP}/{PREFIX_LEN} mtu {}, gateway and DNS {GATEWAY_IP}",
+        mtu.trim()
     ));
     Ok(())
 }

@@ -51,6 +51,13 @@ use vmm_sys_util::timerfd::TimerFd;
 /// no two VMs share a network).
 pub const GUEST_MAC: [u8; 6] = [0x02, 0x46, 0x42, 0x00, 0x00, 0x0f];
 
+// The guest's eth0 takes the device's MTU; the gateway's smoltcp must
+// send and accept frames of the same size.
+const _: () = assert!(
+    forkbox_devices::virtio::net::MTU as usize == forkbox_net::gateway::MTU,
+    "virtio-net and the gateway disagree on the MTU"
+);
+
 const TOKEN_TIMER: u64 = 1;
 const TOKEN_BROKER: u64 = 2;
 const TOKEN_STREAM: u64 = 3;

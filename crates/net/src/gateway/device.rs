@@ -8,32 +8,75 @@ use std::collections::VecDeque;
 use smoltcp::phy::{self, Device, DeviceCapabilities, Medium};
 use smoltcp::time::Instant;
 
-/// Largest Ethernet frame either way: a 1500-byte MTU plus the 14-byte
-/// header (no VLAN tags, no offloads).
-pub const MAX_FRAME: usize = 1514;
+/// The link's IP MTU: the guest's virtio-net is offered the same
+/// (`VIRTIO_NET_F_MTU`). The link is virtual, so a large MTU stands in for
+/// segmentation offloads: a ~64 KiB TCP segment is one frame, one pass
+/// through the VMM and smoltcp, one ACK.
+pub const MTU: usize = 65520;
+
+/// Largest Ethernet frame either way: [`MTU`] plus the 14-byte header
+/// (no VLAN tags, no offloads).
+pub const MAX_FRAME: usize = MTU + 14;
+
+/// Frames in order, and their total size.
+#[derive(Default)]
+pub(super) struct FrameQueue {
+    frames: VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+impl FrameQueue {
+    pub fn push_back(&mut self, frame: Vec<u8>) {
+        self.bytes += frame.len();
+        self.frames.push_back(frame);
+    }
+
+    pub fn push_front(&mut self, frame: Vec<u8>) {
+        self.bytes += frame.len();
+        self.frames.push_front(frame);
+    }
+
+    pub fn pop_front(&mut self) -> Option<Vec<u8>> {
+        let frame = self.frames.pop_front()?;
+        self.bytes -= frame.len();
+        Some(frame)
+    }
+
+    pub fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    /// Bytes of all queued frames.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
 
 pub(super) struct QueueDevice {
-    pub rx: VecDeque<Vec<u8>>,
-    pub tx: VecDeque<Vec<u8>>,
-    /// Frames `tx` may hold; past that smoltcp is told "not now" and keeps
-    /// its data (TCP retransmits), so a guest that stops reading costs a
-    /// bounded amount of memory.
+    pub rx: FrameQueue,
+    pub tx: FrameQueue,
+    /// Frames and bytes `tx` may hold; past either smoltcp is told "not
+    /// now" and keeps its data (TCP retransmits), so a guest that stops
+    /// reading costs a bounded amount of memory (the byte limit plus one
+    /// frame).
     pub tx_limit: usize,
+    pub tx_limit_bytes: usize,
 }
 
 impl QueueDevice {
-    pub fn new(tx_limit: usize) -> Self {
+    pub fn new(tx_limit: usize, tx_limit_bytes: usize) -> Self {
         Self {
-            rx: VecDeque::new(),
-            tx: VecDeque::new(),
+            rx: FrameQueue::default(),
+            tx: FrameQueue::default(),
             tx_limit,
+            tx_limit_bytes,
         }
     }
 }
 
 pub(super) struct RxToken(Vec<u8>);
 
-pub(super) struct TxToken<'a>(&'a mut VecDeque<Vec<u8>>);
+pub(super) struct TxToken<'a>(&'a mut FrameQueue);
 
 impl phy::RxToken for RxToken {
     fn consume<R, F>(self, f: F) -> R
@@ -70,7 +113,7 @@ impl Device for QueueDevice {
     }
 
     fn transmit(&mut self, _now: Instant) -> Option<TxToken<'_>> {
-        if self.tx.len() < self.tx_limit {
+        if self.tx.len() < self.tx_limit && self.tx.bytes() < self.tx_limit_bytes {
             Some(TxToken(&mut self.tx))
         } else {
             None

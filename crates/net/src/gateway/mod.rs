@@ -52,7 +52,7 @@ use smoltcp::time::Instant;
 use smoltcp::wire::{EthernetAddress, IpAddress, IpCidr, IpListenEndpoint};
 
 pub use conn::HostStream;
-pub use device::MAX_FRAME;
+pub use device::{MAX_FRAME, MTU};
 
 use crate::dns::{self, Resolver};
 use crate::log::{EgressLog, EgressRecord, LogReason};
@@ -96,13 +96,20 @@ pub struct GatewayConfig {
     pub max_pending: usize,
     /// An attempt the connector has not answered by then is refused.
     pub connect_timeout: Duration,
-    /// Receive and send buffer of each connection's socket, bytes.
+    /// Receive and send buffer of each connection's socket, bytes (each;
+    /// allocated when the connection opens). 256 KiB: four of the guest's
+    /// ~64 KiB segments in flight, with TCP window scaling (smoltcp scales
+    /// its window to fit the buffer). At 256 connections the sockets hold
+    /// at most 128 MiB.
     pub tcp_buffer: usize,
     /// A connection whose guest leaves sent data (or our SYN-ACK)
     /// unacknowledged this long is dropped: half-open floods expire.
     pub tcp_timeout: Duration,
     /// Frames queued from the guest, and for the guest.
     pub max_queued_frames: usize,
+    /// Bytes queued from the guest, and for the guest (frames are up to
+    /// [`MAX_FRAME`], 64 KiB: the frame count alone would allow 64 MiB).
+    pub max_queued_bytes: usize,
     /// Addresses whose looked-up name is remembered.
     pub max_names: usize,
     /// Records kept until taken.
@@ -117,9 +124,10 @@ impl Default for GatewayConfig {
             max_connections: 256,
             max_pending: 64,
             connect_timeout: Duration::from_secs(30),
-            tcp_buffer: 64 * 1024,
+            tcp_buffer: 256 * 1024,
             tcp_timeout: Duration::from_secs(60),
             max_queued_frames: 1024,
+            max_queued_bytes: 4 * 1024 * 1024,
             max_names: 4096,
             log_capacity: 4096,
         }
@@ -225,7 +233,7 @@ pub struct Gateway<R, C> {
 impl<R: Resolver, C: Connector> Gateway<R, C> {
     pub fn new(config: GatewayConfig, policy: Policy, resolver: R, connector: C, now: Now) -> Self {
         let mac = EthernetAddress(GATEWAY_MAC);
-        let mut device = QueueDevice::new(config.max_queued_frames);
+        let mut device = QueueDevice::new(config.max_queued_frames, config.max_queued_bytes);
         let mut iface_config = Config::new(mac.into());
         iface_config.random_seed = config.random_seed;
         let mut iface = Interface::new(iface_config, &mut device, now.instant());
@@ -340,7 +348,10 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
 
     /// A frame the guest sent. Call [`Gateway::poll`] after a batch.
     pub fn receive_frame(&mut self, frame: &[u8], now: Now) {
-        if frame.len() > MAX_FRAME || self.device.rx.len() >= self.config.max_queued_frames {
+        if frame.len() > MAX_FRAME
+            || self.device.rx.len() >= self.config.max_queued_frames
+            || self.device.rx.bytes() + frame.len() > self.config.max_queued_bytes
+        {
             return;
         }
         let pass = match frames::classify(frame) {

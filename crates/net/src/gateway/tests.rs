@@ -12,7 +12,7 @@ use smoltcp::socket::tcp::State;
 use super::*;
 use crate::log::LogReason;
 use crate::policy::Verdict;
-use harness::{syn_frame, Behavior, Net};
+use harness::{arp_request, syn_frame, Behavior, Net};
 
 const SERVER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 
@@ -74,6 +74,42 @@ fn gateway_large_transfer_both_ways_is_complete() {
     });
     assert!(ok, "received {} of {}", net.received(s).len(), data.len());
     assert_eq!(net.received(s), data);
+}
+
+#[test]
+fn gateway_bulk_transfer_uses_frames_of_the_full_mtu_both_ways() {
+    let mut net = Net::new(r#"{"allow_out": ["*:7"]}"#, Behavior::Echo);
+    let s = net.connect(dst(SERVER, 7));
+    assert!(net.run_until(200, |n| n.state(s) == State::Established));
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 13 % 251) as u8).collect();
+    let mut sent = 0;
+    let ok = net.run_until(20_000, |n| {
+        sent += n.send(s, &data[sent..]);
+        n.received(s).len() == data.len()
+    });
+    assert!(ok, "received {} of {}", net.received(s).len(), data.len());
+    assert_eq!(net.received(s), data);
+    // One ~64 KiB segment per frame, within the link's MTU: both stacks
+    // took the MSS from it.
+    let (out, back) = net.largest;
+    assert!(out > 60_000 && out <= MAX_FRAME, "guest -> gateway {out}");
+    assert!(
+        back > 60_000 && back <= MAX_FRAME,
+        "gateway -> guest {back}"
+    );
+    assert_eq!(MAX_FRAME, MTU + 14);
+}
+
+#[test]
+fn gateway_frame_over_the_mtu_is_dropped() {
+    let mut net = Net::new(r#"{"allow_out": ["*"]}"#, Behavior::Echo);
+    let mut frame = arp_request(GATEWAY_IP);
+    frame.resize(MAX_FRAME + 1, 0);
+    net.gw.receive_frame(&frame, net.now());
+    assert_eq!(net.gw.stats().frames_from_guest, 0);
+    frame.truncate(MAX_FRAME);
+    net.gw.receive_frame(&frame, net.now());
+    assert_eq!(net.gw.stats().frames_from_guest, 1);
 }
 
 #[test]

@@ -159,6 +159,8 @@ pub struct Net {
     udp: SocketHandle,
     next_port: u16,
     clock: Duration,
+    /// The largest frame seen each way: (guest → gateway, gateway → guest).
+    pub largest: (usize, usize),
 }
 
 impl Net {
@@ -180,7 +182,7 @@ impl Net {
         };
         let gw = Gateway::new(config, policy, Table::default(), connector, now);
 
-        let mut device = QueueDevice::new(usize::MAX);
+        let mut device = QueueDevice::new(usize::MAX, usize::MAX);
         let mut cfg = Config::new(GUEST_MAC.into());
         cfg.random_seed = 7;
         let mut iface = Interface::new(cfg, &mut device, now.instant());
@@ -208,6 +210,7 @@ impl Net {
             udp,
             next_port: 49_152,
             clock,
+            largest: (0, 0),
         }
     }
 
@@ -229,10 +232,12 @@ impl Net {
         self.iface
             .poll(now.instant(), &mut self.device, &mut self.sockets);
         while let Some(f) = self.device.tx.pop_front() {
+            self.largest.0 = self.largest.0.max(f.len());
             self.gw.receive_frame(&f, now);
         }
         self.gw.poll(now);
         while let Some(f) = self.gw.take_frame() {
+            self.largest.1 = self.largest.1.max(f.len());
             self.device.rx.push_back(f);
         }
         self.iface
