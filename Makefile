@@ -31,9 +31,10 @@ deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-# The emulated KVM host wants QEMU 10: its SVM emulation runs forkbox's VM
-# suite twice as fast as 7.2, whose emulated host also crashed under load
-# (docs/SPEC.md, known problems). Debian 12 ships 7.2 and has 10 in
+# The emulated KVM host wants QEMU 10: with 7.2's SVM emulation the
+# emulated host's kernel crashed under load, and in CI twice in a row
+# (docs/SPEC.md, known problems); 10 carries three years of fixes to x86
+# TCG and runs at the same speed here. Debian 12 ships 7.2 and has 10 in
 # bookworm-backports: add that suite (apt pins it below the release, so
 # nothing else is taken from it) and take QEMU from it. Newer Debian and
 # Ubuntu releases ship a new enough QEMU themselves.
