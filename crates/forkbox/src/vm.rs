@@ -314,10 +314,12 @@ impl Vm {
 
     /// Boots `image` (an ext4 root image) and waits for the agent.
     ///
-    /// A guest that resets before its agent is ready is booted once more,
-    /// with a warning: under heavy load in the emulated host an early,
-    /// silent reset happens now and then (cause not yet found; see
-    /// docs/SPEC.md). Any other failure, or a second reset, is returned.
+    /// A guest that resets, or stays silent past the boot timeout, before
+    /// its agent is ready is booted once more (a fresh VMM; the first is
+    /// killed), with a warning and the serial tail: in the emulated host an
+    /// early silent reset or hang happens now and then (cause not yet
+    /// found; see docs/SPEC.md). Any other failure, or a second one, is
+    /// returned.
     pub fn boot_image(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
         Self::boot_image_net(assets, image, spec, None)
     }
@@ -328,19 +330,22 @@ impl Vm {
         spec: &VmSpec,
         network: Option<&Policy>,
     ) -> Result<Self, VmError> {
-        match Self::boot_image_once(assets, image, spec, network) {
+        let (what, serial_tail) = match Self::boot_image_once(assets, image, spec, network) {
             Err(VmError::DiedDuringBoot {
                 how,
                 serial_tail,
                 code: Some(vmm_exit::REBOOTED),
-            }) => {
-                eprintln!(
-                    "forkbox: warning: {how} during boot; booting once more. Serial log tail:\n{serial_tail}"
-                );
-                Self::boot_image_once(assets, image, spec, network)
-            }
-            other => other,
-        }
+            }) => (how, serial_tail),
+            Err(VmError::NeverReady { secs, serial_tail }) => (
+                format!("the guest agent did not become ready within {secs} s"),
+                serial_tail,
+            ),
+            other => return other,
+        };
+        eprintln!(
+            "forkbox: warning: {what} during boot; booting once more. Serial log tail:\n{serial_tail}"
+        );
+        Self::boot_image_once(assets, image, spec, network)
     }
 
     fn boot_image_once(
