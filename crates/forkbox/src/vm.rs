@@ -330,22 +330,20 @@ impl Vm {
         spec: &VmSpec,
         network: Option<&Policy>,
     ) -> Result<Self, VmError> {
-        let (what, serial_tail) = match Self::boot_image_once(assets, image, spec, network) {
-            Err(VmError::DiedDuringBoot {
-                how,
-                serial_tail,
-                code: Some(vmm_exit::REBOOTED),
-            }) => (how, serial_tail),
-            Err(VmError::NeverReady { secs, serial_tail }) => (
-                format!("the guest agent did not become ready within {secs} s"),
-                serial_tail,
-            ),
-            other => return other,
-        };
-        eprintln!(
-            "forkbox: warning: {what} during boot; booting once more. Serial log tail:\n{serial_tail}"
-        );
-        Self::boot_image_once(assets, image, spec, network)
+        match Self::boot_image_once(assets, image, spec, network) {
+            Err(
+                e @ (VmError::DiedDuringBoot {
+                    code: Some(vmm_exit::REBOOTED),
+                    ..
+                }
+                | VmError::NeverReady { .. }),
+            ) => {
+                // The error's text carries the serial tail.
+                eprintln!("forkbox: warning: {e}; booting once more");
+                Self::boot_image_once(assets, image, spec, network)
+            }
+            other => other,
+        }
     }
 
     fn boot_image_once(

@@ -61,12 +61,14 @@ fn gateway_allowed_connect_relays_echo_and_logs_bytes() {
     assert_eq!(net.gw.stats().sockets, 1, "only the DNS socket is left");
 }
 
-#[test]
-fn gateway_large_transfer_both_ways_is_complete() {
+/// Sends `len` patterned bytes (`i * step % 251`) through an echo
+/// connection and asserts they all come back in order; returns the network
+/// for further checks.
+fn echoed_whole(len: u32, step: u32) -> Net {
     let mut net = Net::new(r#"{"allow_out": ["*:7"]}"#, Behavior::Echo);
     let s = net.connect(dst(SERVER, 7));
     assert!(net.run_until(200, |n| n.state(s) == State::Established));
-    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let data: Vec<u8> = (0..len).map(|i| (i * step % 251) as u8).collect();
     let mut sent = 0;
     let ok = net.run_until(20_000, |n| {
         sent += n.send(s, &data[sent..]);
@@ -74,21 +76,17 @@ fn gateway_large_transfer_both_ways_is_complete() {
     });
     assert!(ok, "received {} of {}", net.received(s).len(), data.len());
     assert_eq!(net.received(s), data);
+    net
+}
+
+#[test]
+fn gateway_large_transfer_both_ways_is_complete() {
+    echoed_whole(300_000, 7);
 }
 
 #[test]
 fn gateway_bulk_transfer_uses_frames_of_the_full_mtu_both_ways() {
-    let mut net = Net::new(r#"{"allow_out": ["*:7"]}"#, Behavior::Echo);
-    let s = net.connect(dst(SERVER, 7));
-    assert!(net.run_until(200, |n| n.state(s) == State::Established));
-    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 13 % 251) as u8).collect();
-    let mut sent = 0;
-    let ok = net.run_until(20_000, |n| {
-        sent += n.send(s, &data[sent..]);
-        n.received(s).len() == data.len()
-    });
-    assert!(ok, "received {} of {}", net.received(s).len(), data.len());
-    assert_eq!(net.received(s), data);
+    let net = echoed_whole(1_000_000, 13);
     // One ~64 KiB segment per frame, within the link's MTU: both stacks
     // took the MSS from it.
     let (out, back) = net.largest;
