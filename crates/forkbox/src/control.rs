@@ -46,6 +46,9 @@ pub struct ChildPaths {
     /// The child's own egress log (a VM with a network only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub net_log: Option<PathBuf>,
+    /// The child's own network broker (a VM with a network only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_broker: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -264,6 +267,7 @@ mod tests {
             vsock_uds: "/v".into(),
             serial_log: "/s".into(),
             net_log: None,
+            net_broker: None,
         }];
         let req = Request::Fork {
             children: &children,

@@ -9,12 +9,18 @@
 //! with `SCM_RIGHTS`. `host.forkbox.internal` (the gateway address) is the
 //! host's loopback.
 //!
+//! The policy can be replaced while the VM runs ([`NetBroker::set_policy`]):
+//! every later request is decided by the new one, and the new policy is
+//! pushed to every connected VMM (as it is sent first on each new
+//! connection), so the gateway answers DNS and logs with the same rules.
+//!
 //! One thread accepts; each VMM connection gets a thread that reads
 //! requests, and each connect runs on a thread of its own (bounded per
 //! VMM connection) so a slow destination holds up nothing else.
 //!
-//! Today `forkbox::vm` runs a broker per networked VM in its own process;
-//! the daemon is meant to own this role (issue 6).
+//! `forkbox::vm` runs one broker per networked VM (a fork child gets its
+//! own, so its policy can change alone) in the process that started the
+//! VM: the daemon, for sandboxes.
 
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
@@ -22,10 +28,12 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
-use forkbox_net::broker::{plan_connect, BrokerReply, BrokerRequest, ConnectPlan, MAX_MESSAGE};
+use forkbox_net::broker::{
+    plan_connect, BrokerMessage, BrokerReply, BrokerRequest, ConnectPlan, MAX_MESSAGE,
+};
 use forkbox_net::dns::MAX_ANSWERS;
 use forkbox_net::policy::Policy;
 use rustix::net::{
@@ -49,6 +57,37 @@ pub enum NetBrokerError {
     },
     #[error("cannot start the broker thread")]
     Thread(#[source] io::Error),
+    #[error("the policy is too large: {bytes} bytes as JSON, at most {MAX_MESSAGE}")]
+    PolicyTooLarge { bytes: usize },
+}
+
+/// The policy, and the VMM connections it is pushed to.
+struct Shared {
+    policy: RwLock<Policy>,
+    /// Held while the policy changes and while a new connection is sent
+    /// its first policy, so that no connection misses a change.
+    conns: Mutex<Vec<Weak<OwnedFd>>>,
+}
+
+impl Shared {
+    fn policy(&self) -> Policy {
+        self.policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The message that tells a VMM its policy.
+fn policy_message(policy: &Policy) -> Result<Vec<u8>, NetBrokerError> {
+    let msg = serde_json::to_vec(&BrokerMessage::Policy {
+        policy: policy.clone(),
+    })
+    .map_err(|e| NetBrokerError::Thread(io::Error::other(e)))?;
+    match msg.len() {
+        bytes if bytes > MAX_MESSAGE => Err(NetBrokerError::PolicyTooLarge { bytes }),
+        _ => Ok(msg),
+    }
 }
 
 /// A running broker; dropping it stops accepting (connections already
@@ -57,6 +96,7 @@ pub struct NetBroker {
     path: PathBuf,
     listener: Arc<OwnedFd>,
     stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for NetBroker {
@@ -70,6 +110,7 @@ impl std::fmt::Debug for NetBroker {
 impl NetBroker {
     /// Listens at `path` and serves `policy`.
     pub fn start(path: &Path, policy: Policy) -> Result<Self, NetBrokerError> {
+        policy_message(&policy)?;
         let err = |source: io::Error| NetBrokerError::Listen {
             path: path.to_path_buf(),
             source,
@@ -86,17 +127,52 @@ impl NetBroker {
         rustix::net::listen(&fd, 64).map_err(|e| err(e.into()))?;
         let listener = Arc::new(fd);
         let stop = Arc::new(AtomicBool::new(false));
-        let policy = Arc::new(policy);
-        let (l, s) = (Arc::clone(&listener), Arc::clone(&stop));
+        let shared = Arc::new(Shared {
+            policy: RwLock::new(policy),
+            conns: Mutex::new(Vec::new()),
+        });
+        let (l, s, sh) = (
+            Arc::clone(&listener),
+            Arc::clone(&stop),
+            Arc::clone(&shared),
+        );
         std::thread::Builder::new()
             .name("net-broker".into())
-            .spawn(move || accept_loop(&l, &s, &policy))
+            .spawn(move || accept_loop(&l, &s, &sh))
             .map_err(NetBrokerError::Thread)?;
         Ok(Self {
             path: path.to_path_buf(),
             listener,
             stop,
+            shared,
         })
+    }
+
+    /// The policy requests are decided by now.
+    pub fn policy(&self) -> Policy {
+        self.shared.policy()
+    }
+
+    /// Decides every later request by `policy`, and tells every connected
+    /// VMM. Connections already open stay open.
+    pub fn set_policy(&self, policy: Policy) -> Result<(), NetBrokerError> {
+        let msg = policy_message(&policy)?;
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        *self
+            .shared
+            .policy
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = policy;
+        conns.retain(|c| match c.upgrade() {
+            Some(conn) => {
+                if let Err(e) = rustix::net::send(&*conn, &msg, SendFlags::NOSIGNAL) {
+                    eprintln!("forkbox: net broker: cannot send the new policy: {e}");
+                }
+                true
+            }
+            None => false,
+        });
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -113,14 +189,26 @@ impl Drop for NetBroker {
     }
 }
 
-fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, policy: &Arc<Policy>) {
+fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
     while !stop.load(Ordering::SeqCst) {
         match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
             Ok(conn) => {
-                let policy = Arc::clone(policy);
+                let conn = Arc::new(conn);
+                {
+                    let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+                    // Checked at start and at every change: it fits.
+                    if let Ok(msg) = policy_message(&shared.policy()) {
+                        if let Err(e) = rustix::net::send(&*conn, &msg, SendFlags::NOSIGNAL) {
+                            eprintln!("forkbox: net broker: cannot send the policy: {e}");
+                        }
+                    }
+                    conns.retain(|c| c.strong_count() > 0);
+                    conns.push(Arc::downgrade(&conn));
+                }
+                let shared = Arc::clone(shared);
                 let spawned = std::thread::Builder::new()
                     .name("net-broker-conn".into())
-                    .spawn(move || serve(Arc::new(conn), &policy));
+                    .spawn(move || serve(conn, &shared));
                 if let Err(e) = spawned {
                     eprintln!("forkbox: net broker: cannot start a thread: {e}");
                 }
@@ -132,7 +220,7 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, policy: &Arc<Policy>) {
 }
 
 /// Serves one VMM connection until it hangs up.
-fn serve(conn: Arc<OwnedFd>, policy: &Arc<Policy>) {
+fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
     let in_flight = Arc::new(AtomicUsize::new(0));
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
@@ -150,9 +238,10 @@ fn serve(conn: Arc<OwnedFd>, policy: &Arc<Policy>) {
                 return;
             }
         };
+        let policy = shared.policy();
         match request {
             BrokerRequest::Resolve { id, name } => {
-                let reply = resolve(policy, id, &name);
+                let reply = resolve(&policy, id, &name);
                 let _ = send(&*conn, &reply, None);
             }
             BrokerRequest::Connect {
@@ -161,7 +250,7 @@ fn serve(conn: Arc<OwnedFd>, policy: &Arc<Policy>) {
                 address,
                 port,
             } => {
-                let plan = plan_connect(policy, name.as_deref(), address, port);
+                let plan = plan_connect(&policy, name.as_deref(), address, port);
                 if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTS {
                     in_flight.fetch_sub(1, Ordering::SeqCst);
                     let _ = send(&*conn, &BrokerReply::failed(id, "too many connects"), None);
@@ -253,7 +342,7 @@ fn send(
     reply: &BrokerReply,
     fd: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<()> {
-    let msg = serde_json::to_vec(reply).map_err(io::Error::other)?;
+    let msg = serde_json::to_vec(&BrokerMessage::Reply(reply.clone())).map_err(io::Error::other)?;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let fds;
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -279,7 +368,8 @@ mod tests {
 
     use super::*;
 
-    fn client(path: &Path) -> OwnedFd {
+    /// Connects, and takes the policy the broker sends first.
+    fn client(path: &Path) -> (OwnedFd, Policy) {
         let fd = rustix::net::socket_with(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
@@ -288,13 +378,12 @@ mod tests {
         )
         .expect("socket");
         rustix::net::connect(&fd, &SocketAddrUnix::new(path).expect("addr")).expect("connect");
-        fd
+        let policy = pushed_policy(&fd);
+        (fd, policy)
     }
 
-    fn ask(fd: &OwnedFd, req: &BrokerRequest) -> (BrokerReply, Option<OwnedFd>) {
-        let msg = serde_json::to_vec(req).expect("json");
-        rustix::net::send(fd, &msg, SendFlags::empty()).expect("send");
-        let mut buf = [0u8; MAX_MESSAGE];
+    fn receive(fd: &OwnedFd) -> (BrokerMessage, Option<OwnedFd>) {
+        let mut buf = vec![0u8; MAX_MESSAGE];
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = rustix::net::recvmsg(
@@ -312,8 +401,78 @@ mod tests {
                 }
             }
         }
-        let reply = serde_json::from_slice(&buf[..got.bytes]).expect("reply");
-        (reply, passed)
+        let msg = serde_json::from_slice(&buf[..got.bytes]).expect("message");
+        (msg, passed)
+    }
+
+    fn pushed_policy(fd: &OwnedFd) -> Policy {
+        match receive(fd) {
+            (BrokerMessage::Policy { policy }, None) => policy,
+            other => panic!("expected a policy, got {other:?}"),
+        }
+    }
+
+    fn ask(fd: &OwnedFd, req: &BrokerRequest) -> (BrokerReply, Option<OwnedFd>) {
+        let msg = serde_json::to_vec(req).expect("json");
+        rustix::net::send(fd, &msg, SendFlags::empty()).expect("send");
+        match receive(fd) {
+            (BrokerMessage::Reply(reply), passed) => (reply, passed),
+            other => panic!("expected a reply, got {other:?}"),
+        }
+    }
+
+    fn host_connect(id: u64, port: u16) -> BrokerRequest {
+        BrokerRequest::Connect {
+            id,
+            name: Some("host.forkbox.internal".into()),
+            address: forkbox_net::gateway::GATEWAY_IP,
+            port,
+        }
+    }
+
+    #[test]
+    fn netbroker_policy_change_reaches_open_connections_and_decides_later_requests() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = server.local_addr().expect("addr").port();
+        let broker =
+            NetBroker::start(&dir.path().join("b.sock"), Policy::deny_all()).expect("broker");
+        let (fd, first) = client(broker.path());
+        assert_eq!(first, Policy::deny_all());
+        let (reply, _) = ask(&fd, &host_connect(1, port));
+        assert!(!reply.ok, "{reply:?}");
+
+        let open = Policy::from_json(&format!(
+            r#"{{"allow_out":["host.forkbox.internal:{port}"]}}"#
+        ))
+        .expect("policy");
+        broker.set_policy(open.clone()).expect("set");
+        assert_eq!(pushed_policy(&fd), open);
+        assert_eq!(broker.policy(), open);
+        let (reply, passed) = ask(&fd, &host_connect(2, port));
+        assert!(reply.ok && passed.is_some(), "{reply:?}");
+        // A new connection starts with the policy of now.
+        let (_fd2, now) = client(broker.path());
+        assert_eq!(now, open);
+
+        broker.set_policy(Policy::deny_all()).expect("set");
+        assert_eq!(pushed_policy(&fd), Policy::deny_all());
+        let (reply, _) = ask(&fd, &host_connect(3, port));
+        assert!(!reply.ok, "{reply:?}");
+
+        let huge = Policy::from_json(&format!(
+            r#"{{"allow_out":[{}]}}"#,
+            (0..5000)
+                .map(|i| format!(r#""h{i}.example.org:443""#))
+                .collect::<Vec<_>>()
+                .join(",")
+        ))
+        .expect("policy");
+        assert!(matches!(
+            broker.set_policy(huge),
+            Err(NetBrokerError::PolicyTooLarge { .. })
+        ));
+        assert_eq!(broker.policy(), Policy::deny_all());
     }
 
     #[test]
@@ -327,16 +486,8 @@ mod tests {
             Policy::from_json(&json).expect("policy"),
         )
         .expect("broker");
-        let fd = client(broker.path());
-        let (reply, passed) = ask(
-            &fd,
-            &BrokerRequest::Connect {
-                id: 7,
-                name: Some("host.forkbox.internal".into()),
-                address: forkbox_net::gateway::GATEWAY_IP,
-                port,
-            },
-        );
+        let (fd, _) = client(broker.path());
+        let (reply, passed) = ask(&fd, &host_connect(7, port));
         assert!(reply.ok, "{reply:?}");
         assert_eq!(reply.id, 7);
         let mut stream = TcpStream::from(passed.expect("a socket"));

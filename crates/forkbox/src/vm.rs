@@ -14,7 +14,6 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Arc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -241,8 +240,46 @@ pub struct Vm {
     /// child's control socket listening); `boot_time` minus this is the
     /// after-fork hook, connection retries included.
     pub vmm_answered: Option<Duration>,
-    /// The network broker this VM's VMM (and its fork children's) uses.
-    net: Option<Arc<NetBroker>>,
+    /// Its network, if it has one.
+    net: Option<VmNet>,
+}
+
+/// A VM's network as this process holds it: the broker its VMM asks (its
+/// own: a fork child's policy can change alone) and its egress log.
+struct VmNet {
+    broker: NetBroker,
+    egress_log: PathBuf,
+}
+
+impl VmNet {
+    /// Starts the broker of a VM whose directory is `dir`.
+    fn start(dir: &Path, policy: Policy, egress_log: Option<PathBuf>) -> Result<Self, VmError> {
+        Ok(Self {
+            broker: NetBroker::start(&dir.join("net-broker.sock"), policy)?,
+            egress_log: egress_log.unwrap_or_else(|| dir.join(EGRESS_LOG)),
+        })
+    }
+}
+
+/// A VM's network: virtio-net behind the VMM's userspace gateway, egress
+/// decided by `policy`.
+#[derive(Debug, Clone, Default)]
+pub struct NetworkSpec {
+    pub policy: Policy,
+    /// Append the egress log (JSON lines) here; `None`: a file in the VM's
+    /// own directory, removed with it.
+    pub egress_log: Option<PathBuf>,
+}
+
+/// How fork children's networks differ from their parent's (a parent
+/// without a network ignores them).
+#[derive(Debug, Clone, Default)]
+pub struct ForkOptions {
+    /// Every child's egress policy; `None`: the parent's at the fork.
+    pub policy: Option<Policy>,
+    /// Child `i`'s egress log is `egress_logs[i]` when given, else a file
+    /// in its own directory.
+    pub egress_logs: Vec<PathBuf>,
 }
 
 /// Makes this process a child subreaper, once: VMMs forked from VMMs we
@@ -287,6 +324,7 @@ fn paths_in(dir: &Path) -> ChildPaths {
         vsock_uds: dir.join("vsock.sock"),
         serial_log: dir.join("serial.log"),
         net_log: None,
+        net_broker: None,
     }
 }
 
@@ -300,13 +338,25 @@ impl Vm {
     /// (checked again by a broker in this process, which opens the allowed
     /// connections), the guest at 10.0.2.15/24 with 10.0.2.2 as gateway
     /// and DNS server, and the egress log in [`Vm::egress_log_path`].
-    /// Fork children share the policy and broker, and log on their own.
-    /// (A parameter, not a `VmSpec` field: `VmSpec` is built field by
-    /// field elsewhere.)
     pub fn boot_with_network(
         assets: &Assets,
         spec: &VmSpec,
         network: Option<&Policy>,
+    ) -> Result<Self, VmError> {
+        let network = network.map(|policy| NetworkSpec {
+            policy: policy.clone(),
+            egress_log: None,
+        });
+        Self::boot_networked(assets, spec, network.as_ref())
+    }
+
+    /// [`boot_with_network`](Self::boot_with_network), choosing where the
+    /// egress log goes. (A parameter, not a `VmSpec` field: `VmSpec` is
+    /// built field by field elsewhere.)
+    pub fn boot_networked(
+        assets: &Assets,
+        spec: &VmSpec,
+        network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
         let image = image::ensure(spec.image)?;
         Self::boot_image_net(assets, &image, spec, network)
@@ -328,7 +378,7 @@ impl Vm {
         assets: &Assets,
         image: &Path,
         spec: &VmSpec,
-        network: Option<&Policy>,
+        network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
         match Self::boot_image_once(assets, image, spec, network) {
             Err(
@@ -350,7 +400,7 @@ impl Vm {
         assets: &Assets,
         image: &Path,
         spec: &VmSpec,
-        network: Option<&Policy>,
+        network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
         become_subreaper()?;
         let dir = vm_dir("forkbox-vm-")?;
@@ -359,20 +409,24 @@ impl Vm {
         let mut cmd = Command::new(&assets.vmm);
         let mut cmdline = GUEST_CMDLINE.to_owned();
         let net = match network {
-            Some(policy) => {
+            Some(network) => {
                 let policy_path = dir.path().join("net-policy.json");
-                let json = serde_json::to_string(policy)
+                let json = serde_json::to_string(&network.policy)
                     .map_err(|e| VmError::Io(std::io::Error::other(e)))?;
                 std::fs::write(&policy_path, json).map_err(VmError::Io)?;
-                let broker = NetBroker::start(&dir.path().join("net-broker.sock"), policy.clone())?;
+                let net = VmNet::start(
+                    dir.path(),
+                    network.policy.clone(),
+                    network.egress_log.clone(),
+                )?;
                 cmd.arg("--net-policy")
                     .arg(&policy_path)
                     .arg("--net-broker")
-                    .arg(broker.path())
+                    .arg(net.broker.path())
                     .arg("--net-log")
-                    .arg(dir.path().join(EGRESS_LOG));
+                    .arg(&net.egress_log);
                 cmdline.push_str(NET_CMDLINE);
-                Some(Arc::new(broker))
+                Some(net)
             }
             None => None,
         };
@@ -444,7 +498,20 @@ impl Vm {
 
     /// Where this VM's egress log is (JSON lines), if it has a network.
     pub fn egress_log_path(&self) -> Option<PathBuf> {
-        self.net.as_ref().map(|_| self.dir.path().join(EGRESS_LOG))
+        self.net.as_ref().map(|n| n.egress_log.clone())
+    }
+
+    /// The egress policy this VM's connections and lookups are decided by
+    /// (`None`: no network).
+    pub fn network_policy(&self) -> Option<Policy> {
+        self.net.as_ref().map(|n| n.broker.policy())
+    }
+
+    /// Decides this VM's new connections and DNS lookups by `policy` from
+    /// now on (its broker's and its gateway's copy); open connections stay.
+    pub fn set_network_policy(&self, policy: &Policy) -> Result<(), VmError> {
+        let net = self.net.as_ref().ok_or(VmError::NoNetwork)?;
+        Ok(net.broker.set_policy(policy.clone())?)
     }
 
     /// The last `limit` egress records of this VM (its own: a fork
@@ -558,18 +625,45 @@ impl Vm {
     /// whose after-fork hook has run. More than [`MAX_CHILDREN_PER_FORK`]
     /// children take several requests.
     pub fn fork(&self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
+        self.fork_with(n, &ForkOptions::default())
+    }
+
+    /// [`fork`](Self::fork), each child with its own broker and egress
+    /// log, its policy `opts.policy` or the parent's.
+    pub fn fork_with(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+    ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         let start = Instant::now();
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-"))
             .collect::<Result<Vec<_>, _>>()?;
+        let nets: Vec<Option<VmNet>> = match &self.net {
+            None => dirs.iter().map(|_| None).collect(),
+            Some(parent) => {
+                let policy = opts
+                    .policy
+                    .clone()
+                    .unwrap_or_else(|| parent.broker.policy());
+                dirs.iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        let log = opts.egress_logs.get(i).cloned();
+                        VmNet::start(d.path(), policy.clone(), log).map(Some)
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+        };
         let paths: Vec<ChildPaths> = dirs
             .iter()
-            .map(|d| ChildPaths {
-                net_log: self.net.as_ref().map(|_| d.path().join(EGRESS_LOG)),
+            .zip(&nets)
+            .map(|(d, net)| ChildPaths {
+                net_log: net.as_ref().map(|n| n.egress_log.clone()),
+                net_broker: net.as_ref().map(|n| n.broker.path().to_owned()),
                 ..paths_in(d.path())
             })
             .collect();
-        let net = &self.net;
         let then = match self.state {
             RunState::Running => Then::Resume,
             RunState::Paused | RunState::Zygote => Then::Pause,
@@ -595,7 +689,8 @@ impl Vm {
                 .into_iter()
                 .zip(dirs)
                 .zip(paths)
-                .map(|((held, dir), paths)| {
+                .zip(nets)
+                .map(|(((held, dir), paths), net)| {
                     scope.spawn(move || {
                         let (pid, pidfd) = held?;
                         let mut vm = Vm {
@@ -607,7 +702,7 @@ impl Vm {
                             boot_time: Duration::ZERO,
                             after_fork: None,
                             vmm_answered: Some(answered),
-                            net: net.clone(),
+                            net,
                         };
                         vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
                         vm.boot_time = start.elapsed();

@@ -5,7 +5,9 @@
 //! to open allowed TCP connections, and receives each connected socket as
 //! a file descriptor (`SCM_RIGHTS`). One JSON message per `SOCK_SEQPACKET`
 //! datagram each way; every reply names the request it answers, so
-//! connects can be answered out of order.
+//! connects can be answered out of order. The broker also sends the
+//! sandbox's policy, first on every connection and again whenever it
+//! changes, so the VMM's gateway decides (and logs) with the same rules.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
@@ -14,8 +16,8 @@ use serde::{Deserialize, Serialize};
 use crate::gateway::GATEWAY_IP;
 use crate::policy::{Destination, Policy, Protocol, HOST_INTERNAL};
 
-/// Longest message either way.
-pub const MAX_MESSAGE: usize = 4096;
+/// Longest message either way (a policy of a few hundred rules fits).
+pub const MAX_MESSAGE: usize = 64 * 1024;
 
 /// What a VMM asks its broker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +61,17 @@ impl BrokerReply {
             error: Some(error.into()),
         }
     }
+}
+
+/// What a broker sends a VMM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum BrokerMessage {
+    /// The sandbox's policy from now on.
+    Policy {
+        policy: Policy,
+    },
+    Reply(BrokerReply),
 }
 
 /// Where the broker connects for an allowed request, or why it will not.
@@ -140,6 +153,25 @@ mod tests {
 
     fn policy(json: &str) -> Policy {
         Policy::from_json(json).expect("policy")
+    }
+
+    #[test]
+    fn broker_messages_tell_policies_from_replies() {
+        let p = policy(r#"{"allow_out":["*.example.org:443"]}"#);
+        let pushed =
+            serde_json::to_string(&BrokerMessage::Policy { policy: p.clone() }).expect("json");
+        let reply = serde_json::to_string(&BrokerReply::failed(3, "no")).expect("json");
+        let parse = |s: &str| serde_json::from_str::<BrokerMessage>(s).expect("message");
+        assert_eq!(parse(&pushed), BrokerMessage::Policy { policy: p });
+        assert_eq!(
+            parse(&reply),
+            BrokerMessage::Reply(BrokerReply::failed(3, "no"))
+        );
+        // A policy with a bad rule is no message at all.
+        assert!(serde_json::from_str::<BrokerMessage>(
+            r#"{"policy":{"allow_out":["bad name!:99999"]}}"#
+        )
+        .is_err());
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! Requests (see the VMM's `--control` option):
 //! - `{"op":"status"}`
 //! - `{"op":"pause"}`, `{"op":"resume"}`
-//! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P}, ...],"then":"resume"|"pause"}`
-//!   (`net_log`: the child's own egress log; without it the child has none)
+//! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P,"net_broker":P}, ...],"then":"resume"|"pause"}`
+//!   (`net_log`: the child's own egress log, without it the child has none;
+//!   `net_broker`: the child's own broker, without it the parent's)
 //! - `{"op":"zygote"}`
 //! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
 
@@ -38,6 +39,8 @@ pub struct ChildSpec {
     pub serial_log: Option<PathBuf>,
     #[serde(default)]
     pub net_log: Option<PathBuf>,
+    #[serde(default)]
+    pub net_broker: Option<PathBuf>,
 }
 
 /// A parsed control request.
@@ -192,7 +195,7 @@ mod tests {
     #[test]
     fn parse_fork_children_and_then() {
         let r = parse(
-            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n"},{"control":"/c2"}],"then":"pause"}"#,
+            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n","net_broker":"/b"},{"control":"/c2"}],"then":"pause"}"#,
         )
         .expect("valid");
         assert_eq!(
@@ -203,13 +206,15 @@ mod tests {
                         control: "/c".into(),
                         vsock_uds: Some("/v".into()),
                         serial_log: Some("/s".into()),
-                        net_log: Some("/n".into())
+                        net_log: Some("/n".into()),
+                        net_broker: Some("/b".into()),
                     },
                     ChildSpec {
                         control: "/c2".into(),
                         vsock_uds: None,
                         serial_log: None,
-                        net_log: None
+                        net_log: None,
+                        net_broker: None,
                     }
                 ],
                 then: Then::Pause

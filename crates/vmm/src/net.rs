@@ -14,13 +14,16 @@
 //!   started this VMM and holds the policy) does both: connects are asked
 //!   over a `SOCK_SEQPACKET` socket and answered later with the connected
 //!   socket's fd (`SCM_RIGHTS`); names are resolved with a short blocking
-//!   request on a second connection;
+//!   request on a second connection. The broker holds the policy: it sends
+//!   it first on each connection (the gateway starts with that, not the
+//!   command line's) and again whenever it changes;
 //! - without one, this process connects itself, and only to the host's
 //!   loopback for `host.forkbox.internal`; names resolve through the host's
 //!   resolver (blocking the main loop for as long as that takes).
 //!
 //! A fork child or restored VM builds a new backend: a fresh gateway (no
-//! TCP state, a fresh ISN seed, its own log), new broker connections. The
+//! TCP state, a fresh ISN seed, its own log), new broker connections (to
+//! its own broker when the fork request names one). The
 //! guest's old connections are answered with RST by the new gateway.
 
 use std::fs::{File, OpenOptions};
@@ -33,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox_devices::virtio::net::FrameBackend;
-use forkbox_net::broker::{BrokerReply, BrokerRequest, MAX_MESSAGE};
+use forkbox_net::broker::{BrokerMessage, BrokerRequest, MAX_MESSAGE};
 use forkbox_net::dns::{ResolveError, Resolver};
 use forkbox_net::gateway::{
     ConnId, ConnectOutcome, ConnectRequest, Connector, Gateway, GatewayConfig, Now, GATEWAY_IP,
@@ -115,10 +118,10 @@ fn send_request(fd: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
     Ok(())
 }
 
-/// Receives one reply and the fd it carries, if any. `Ok(None)`: the
+/// Receives one message and the fd it carries, if any. `Ok(None)`: the
 /// broker hung up.
-fn recv_reply(fd: impl AsFd) -> io::Result<Option<(BrokerReply, Option<OwnedFd>)>> {
-    let mut buf = [0u8; MAX_MESSAGE];
+fn recv_message(fd: impl AsFd) -> io::Result<Option<(BrokerMessage, Option<OwnedFd>)>> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = rustix::net::recvmsg(
@@ -139,8 +142,25 @@ fn recv_reply(fd: impl AsFd) -> io::Result<Option<(BrokerReply, Option<OwnedFd>)
     if got.bytes == 0 {
         return Ok(None);
     }
-    let reply = serde_json::from_slice(&buf[..got.bytes]).map_err(io::Error::other)?;
-    Ok(Some((reply, passed)))
+    let msg = serde_json::from_slice(&buf[..got.bytes]).map_err(io::Error::other)?;
+    Ok(Some((msg, passed)))
+}
+
+/// Waits (up to [`BLOCKING_LIMIT`]) for the policy a broker sends first
+/// on a new connection.
+fn first_policy(conn: &OwnedFd) -> io::Result<Policy> {
+    use rustix::net::sockopt::{set_socket_timeout, Timeout};
+    set_socket_timeout(conn, Timeout::Recv, Some(BLOCKING_LIMIT))?;
+    let first = recv_message(conn);
+    set_socket_timeout(conn, Timeout::Recv, None)?;
+    match first? {
+        Some((BrokerMessage::Policy { policy }, _)) => Ok(policy),
+        Some((BrokerMessage::Reply(r), _)) => Err(io::Error::other(format!(
+            "expected the policy first, got a reply to {}",
+            r.id
+        ))),
+        None => Err(io::Error::other("the broker hung up")),
+    }
 }
 
 /// Makes `stream` non-blocking and watches it (edge-triggered).
@@ -167,15 +187,18 @@ pub enum AnyConnector {
 }
 
 impl AnyConnector {
-    /// The broker's answers so far, with their streams watched.
-    fn take_replies(&mut self) -> Vec<(ConnId, ConnectOutcome)> {
+    /// The broker's answers so far, with their streams watched, and the
+    /// newest policy it sent, if any.
+    fn take_messages(&mut self) -> (Vec<(ConnId, ConnectOutcome)>, Option<Policy>) {
         let AnyConnector::Broker { sock, epoll, alive } = self else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let mut out = Vec::new();
+        let mut policy = None;
         while *alive {
-            match recv_reply(&*sock) {
-                Ok(Some((reply, fd))) => {
+            match recv_message(&*sock) {
+                Ok(Some((BrokerMessage::Policy { policy: p }, _))) => policy = Some(p),
+                Ok(Some((BrokerMessage::Reply(reply), fd))) => {
                     let outcome = match (reply.ok, fd) {
                         (true, Some(fd)) => {
                             let stream = TcpStream::from(fd);
@@ -210,7 +233,7 @@ impl AnyConnector {
                 }
             }
         }
-        out
+        (out, policy)
     }
 }
 
@@ -289,8 +312,8 @@ impl Resolver for AnyResolver {
                 };
                 send_request(&*sock, &req).map_err(|e| ResolveError::Failed(e.to_string()))?;
                 loop {
-                    match recv_reply(&*sock) {
-                        Ok(Some((r, _))) if r.id == id => {
+                    match recv_message(&*sock) {
+                        Ok(Some((BrokerMessage::Reply(r), _))) if r.id == id => {
                             return match (r.ok, r.not_found) {
                                 (true, _) => Ok(r.addresses),
                                 (false, true) => Err(ResolveError::NotFound),
@@ -299,7 +322,8 @@ impl Resolver for AnyResolver {
                                 )),
                             };
                         }
-                        // A late answer to an earlier, timed-out question.
+                        // A late answer to an earlier, timed-out question,
+                        // or a policy (the connector's copy is the one used).
                         Ok(Some(_)) => {}
                         Ok(None) => return Err(ResolveError::Failed("broker hung up".into())),
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -323,7 +347,7 @@ pub struct GatewayBackend {
 
 impl GatewayBackend {
     pub fn new(cfg: &NetConfig) -> Result<Self, NetError> {
-        let policy = Policy::from_json(&cfg.policy_json).map_err(NetError::Policy)?;
+        let mut policy = Policy::from_json(&cfg.policy_json).map_err(NetError::Policy)?;
         let epoll = Arc::new(Epoll::new().map_err(NetError::Setup)?);
         let timer = TimerFd::new().map_err(|e| NetError::Setup(e.into()))?;
         epoll
@@ -340,6 +364,9 @@ impl GatewayBackend {
                     source,
                 };
                 let conn = seqpacket_connect(path).map_err(err)?;
+                // The broker's policy is the sandbox's now (it may have
+                // changed since boot, or differ in a fork child).
+                policy = first_policy(&conn).map_err(err)?;
                 rustix::io::ioctl_fionbio(&conn, true).map_err(|e| err(e.into()))?;
                 epoll
                     .ctl(
@@ -493,7 +520,12 @@ impl FrameBackend for GatewayBackend {
         }
         if broker {
             let now = self.now();
-            for (id, outcome) in self.gateway.connector_mut().take_replies() {
+            let (replies, policy) = self.gateway.connector_mut().take_messages();
+            if let Some(policy) = policy {
+                tracing::info!("network policy replaced by the broker");
+                self.gateway.set_policy(policy);
+            }
+            for (id, outcome) in replies {
                 self.gateway.connect_done(id, outcome, now);
             }
         }

@@ -991,9 +991,11 @@ fn chain(e: VmError) -> String {
 fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     let ram = Arc::clone(&parent.ram);
     let echo = parent.endpoints.echo;
-    // The same policy and broker; the child's own log (or none).
+    // Its own log (or none), its own broker if named (the broker sends
+    // the child's policy); otherwise the parent's.
     let net = parent.endpoints.net.clone().map(|n| crate::net::NetConfig {
         log: plan.spec.net_log.clone(),
+        broker: plan.spec.net_broker.clone().or(n.broker),
         ..n
     });
     // No Drop may run on the parent's objects: KVM fds, eventfds, epolls,
