@@ -13,6 +13,7 @@ use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
 mod bench_fork;
+mod bench_net;
 mod cli;
 
 #[derive(Parser)]
@@ -97,6 +98,9 @@ enum BenchCmd {
     /// Fork: zygote forks at several memory sizes against restore and cold
     /// boot baselines, fan-out, memory per child, dirty fork, snapshot.
     Fork(bench_fork::Options),
+    /// Network: guest ↔ host-loopback TCP throughput and connect latency
+    /// (allowed and denied) in one `debian` microVM.
+    Net(bench_net::Options),
     /// Cold boot: VMM start to the agent's handshake.
     Boot {
         #[arg(long, value_enum, default_value = "minimal")]
@@ -472,6 +476,18 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
             }
             let report = bench_fork::run(&opts)?;
             print_report(opts.json, report);
+            Ok(0)
+        }
+        BenchCmd::Net(opts) => {
+            if let Some(code) = delegate(ImageName::Debian)? {
+                return Ok(code);
+            }
+            let report = bench_net::run(&opts)?;
+            if opts.json {
+                println!("{report}");
+            } else {
+                bench_net::print(&report);
+            }
             Ok(0)
         }
         BenchCmd::Service(opts) => {
