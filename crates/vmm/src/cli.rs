@@ -87,6 +87,20 @@ pub enum Command {
     Restore { dir: PathBuf, endpoints: Endpoints },
 }
 
+impl Command {
+    /// Whether the VMM opens connections itself: a network without a
+    /// broker (it connects to the host's loopback). Every other VMM talks
+    /// only over unix sockets named by path, which work from any network
+    /// namespace.
+    pub fn needs_host_network(&self) -> bool {
+        let net = match self {
+            Command::Boot(c) => &c.net,
+            Command::Restore { endpoints, .. } => &endpoints.net,
+        };
+        net.as_ref().is_some_and(|n| n.broker.is_none())
+    }
+}
+
 impl Args {
     pub fn into_command(self) -> Result<Command, CliError> {
         let net = match &self.net_policy {

@@ -32,6 +32,15 @@ fn main() {
             std::process::exit(forkbox_vmm::EXIT_VMM_ERROR);
         }
     };
+    if !command.needs_host_network() {
+        match forkbox_vmm::net::leave_host_network() {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                tracing::info!("not privileged: the VMM keeps the host's network namespace");
+            }
+            Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
+        }
+    }
     let result = match command {
         forkbox_vmm::cli::Command::Boot(config) => forkbox_vmm::run(&config),
         forkbox_vmm::cli::Command::Restore { dir, endpoints } => {
