@@ -305,6 +305,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             "net_connect_flood_keeps_vmm_memory_bounded",
             net_connect_flood_keeps_vmm_memory_bounded,
         ),
+        (
+            "net_policy_changed_at_runtime_takes_effect",
+            net_policy_changed_at_runtime_takes_effect,
+        ),
     ];
     tests
         .iter()
@@ -1547,4 +1551,192 @@ print(s.makefile().readline().strip())
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// A server on the test process's loopback that echoes every line of every
+/// connection (each on its own thread) and reports the lines.
+fn lines_echo_server() -> (u16, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let port = listener.local_addr().expect("local addr").port();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let Ok(read) = conn.try_clone() else { return };
+                for line in BufReader::new(read).lines() {
+                    let Ok(line) = line else { return };
+                    if conn.write_all(format!("{line}\n").as_bytes()).is_err()
+                        || tx.send(line).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, rx)
+}
+
+/// Connects (retrying up to 10 s while the new policy reaches the VMM),
+/// echoes `held-1`, says `ready` in /tmp/holder.state, waits for /tmp/go,
+/// echoes `held-2` on the same connection, says `done`.
+const NET_HOLDER: &str = "
+import os, socket, sys, time
+port = int(sys.argv[1])
+end = time.monotonic() + 10
+while True:
+    try:
+        s = socket.create_connection(('10.0.2.2', port), timeout=20)
+        break
+    except OSError:
+        if time.monotonic() > end:
+            raise
+        time.sleep(0.2)
+f = s.makefile('rw')
+def echo(word):
+    f.write(word + '\\n')
+    f.flush()
+    return f.readline().strip()
+def state(text):
+    open('/tmp/holder.new', 'w').write(text + '\\n')
+    os.rename('/tmp/holder.new', '/tmp/holder.state')
+state('ready ' + echo('held-1'))
+while not os.path.exists('/tmp/go'):
+    time.sleep(0.1)
+state('done ' + echo('held-2'))
+";
+
+/// A VM's policy replaced while it runs: new connections follow the new
+/// one at once, in both directions, each attempt on the record; a
+/// connection opened while allowed stays open after the deny.
+fn net_policy_changed_at_runtime_takes_effect() -> TestResult {
+    use forkbox_net::policy::{Protocol, Verdict};
+    let (port, lines) = lines_echo_server();
+    let deny_all = net_policy(&[]);
+    let allow = net_policy(&[format!("host.forkbox.internal:{port}")]);
+    let spec = VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    };
+    let vm = Vm::boot_with_network(assets(), &spec, Some(&deny_all))
+        .map_err(|e| format!("boot: {e:#}"))?;
+    let attempt = |what: &str| -> Result<serde_json::Value, Failed> {
+        let out = net_python(
+            &vm,
+            NET_ATTEMPTS,
+            &[port.to_string(), "1".into()],
+            &mut |_| {},
+        )?;
+        let v: serde_json::Value =
+            serde_json::from_str(out.trim()).map_err(|e| format!("{what}: {out:?}: {e}"))?;
+        Ok(v[port.to_string()].clone())
+    };
+    let tcp_records = || -> Result<Vec<forkbox_net::log::EgressRecord>, Failed> {
+        Ok(vm
+            .egress_log(1000)
+            .map_err(|e| format!("{e:#}"))?
+            .into_iter()
+            .filter(|r| r.protocol == Protocol::Tcp && r.port == port)
+            .collect())
+    };
+
+    // Deny-all at boot: refused, on the record as denied.
+    let got = attempt("under deny-all")?;
+    check(
+        got["ECONNREFUSED"] == 1,
+        format!("connect under deny-all: {got}"),
+    )?;
+    let r = logged(&vm, "the denied attempt", |r| {
+        r.protocol == Protocol::Tcp && r.port == port
+    })?;
+    check(r.verdict == Verdict::Deny, format!("first record: {r:?}"))?;
+
+    // Allowed: a connection that stays open, and a fresh one.
+    vm.set_network_policy(&allow)
+        .map_err(|e| format!("allowing: {e:#}"))?;
+    let holder = format!(
+        "rm -f /tmp/go /tmp/holder.state; \
+         (python3 -c \"$HOLDER\" {port} >/tmp/holder.log 2>&1 &) </dev/null; \
+         i=0; while [ $i -lt 300 ] && ! [ -e /tmp/holder.state ]; do sleep 0.1; i=$((i+1)); done; \
+         cat /tmp/holder.state /tmp/holder.log"
+    );
+    let out = {
+        let (res, out, err) = exec(
+            vm.agent(),
+            &ExecRequest::shell(holder).env("HOLDER", NET_HOLDER),
+        );
+        check(
+            res.success(),
+            format!("holder: {res:?} {}", String::from_utf8_lossy(&err)),
+        )?;
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    check(
+        out.starts_with("ready held-1"),
+        format!(
+            "the connection opened after allowing: {out:?}\nlog: {:#?}",
+            tcp_records()?
+        ),
+    )?;
+    let got = attempt("allowed")?;
+    check(
+        got["connected"] == 1,
+        format!("connect once allowed: {got}"),
+    )?;
+    let n_allowed = tcp_records()?
+        .iter()
+        .filter(|r| r.verdict == Verdict::Allow)
+        .count();
+    check(
+        n_allowed >= 1,
+        format!("no allowed record: {:#?}", tcp_records()?),
+    )?;
+
+    // Denied again: a new connection is refused at once and logged…
+    vm.set_network_policy(&deny_all)
+        .map_err(|e| format!("denying: {e:#}"))?;
+    let before = tcp_records()?.len();
+    let got = attempt("denied again")?;
+    check(
+        got["ECONNREFUSED"] == 1,
+        format!("connect after denying again: {got}"),
+    )?;
+    let start = std::time::Instant::now();
+    let newest = loop {
+        let records = tcp_records()?;
+        if records.len() > before {
+            break records.last().cloned();
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    check(
+        newest
+            .as_ref()
+            .is_some_and(|r| r.verdict == Verdict::Deny && r.bytes_out == 0),
+        format!("the attempt after denying again: {newest:?}"),
+    )?;
+    // …while the connection opened under the allow keeps working.
+    let out = sh(
+        vm.agent(),
+        "touch /tmp/go; i=0; while [ $i -lt 300 ] && ! grep -q done /tmp/holder.state; do sleep 0.1; i=$((i+1)); done; \
+         cat /tmp/holder.state /tmp/holder.log",
+    )?;
+    check(
+        out.starts_with("done held-2"),
+        format!("the open connection after denying: {out:?}"),
+    )?;
+    let mut heard = Vec::new();
+    while let Ok(l) = lines.recv_timeout(Duration::from_secs(2)) {
+        heard.push(l);
+    }
+    check(
+        heard == ["held-1", "held-2"],
+        format!("the server heard {heard:?}"),
+    )
 }
