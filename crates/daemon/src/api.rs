@@ -25,9 +25,10 @@ use tokio::sync::mpsc;
 use utoipa::{IntoParams, OpenApi, ToSchema};
 
 use crate::core::{DeathCause, ExpiryAction, Labels, SandboxId, SandboxState};
+use crate::network::NetworkPolicy;
 use crate::service::{
     chain, AttachEvent, BakeEvent, BakeFailure, Command, CreateSandbox, Daemon, DaemonError,
-    ExecEvent, PortForwardInfo, Reply, SandboxInfo, SandboxMetrics,
+    ExecEvent, NetworkInfo, PortForwardInfo, Reply, SandboxInfo, SandboxMetrics,
 };
 use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -59,6 +60,9 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         sandbox_fork,
         sandbox_snapshot,
         sandbox_logs,
+        network_get,
+        network_set,
+        egress_log,
         command_run,
         process_list,
         process_wait,
@@ -112,7 +116,11 @@ pub const MAX_UPLOAD: usize = 1 << 30;
         FileStatJson,
         DirEntryJson,
         Written,
-        SandboxId
+        SandboxId,
+        NetworkPolicy,
+        NetworkInfo,
+        EgressLog,
+        EgressRecordDoc
     ))
 )]
 pub struct ApiDoc;
@@ -145,6 +153,8 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/fork", post(sandbox_fork))
         .route("/snapshot", post(sandbox_snapshot))
         .route("/logs", get(sandbox_logs))
+        .route("/network", get(network_get).post(network_set))
+        .route("/egress", get(egress_log))
         .route("/commands", post(command_run))
         .route("/processes", get(process_list))
         .route("/processes/{pid}/wait", post(process_wait))
@@ -256,9 +266,10 @@ impl ApiError {
             Self::Daemon(e) => match e {
                 DaemonError::Invalid(_) | DaemonError::BadTemplate(_) => StatusCode::BAD_REQUEST,
                 DaemonError::NoSandbox(_) | DaemonError::NoTemplate(_) => StatusCode::NOT_FOUND,
-                DaemonError::TemplateExists(_) | DaemonError::State(_) | DaemonError::Busy(_) => {
-                    StatusCode::CONFLICT
-                }
+                DaemonError::TemplateExists(_)
+                | DaemonError::State(_)
+                | DaemonError::Busy(_)
+                | DaemonError::NoNetwork(_) => StatusCode::CONFLICT,
                 DaemonError::Capacity { .. } => StatusCode::TOO_MANY_REQUESTS,
                 DaemonError::Unsupported(_) => StatusCode::NOT_IMPLEMENTED,
                 DaemonError::Guest(g) => match g.kind {
@@ -489,6 +500,15 @@ pub struct CreateBody {
     /// daemon's `--create-wait`; 0: fail at once).
     #[serde(default)]
     pub wait_secs: Option<f64>,
+    /// What the sandbox may reach; absent: nothing (egress denied). Never
+    /// the template's bake policy.
+    #[serde(default)]
+    pub network: Option<NetworkPolicy>,
+}
+
+/// Checks every rule of a policy: a bad one is a 400 naming it.
+fn policy(p: NetworkPolicy) -> ApiResult<forkbox_net::policy::Policy> {
+    p.parse().map_err(|e| ApiError::BadRequest(chain(&e)))
 }
 
 fn secs(v: Option<f64>, what: &str) -> ApiResult<Option<Duration>> {
@@ -511,6 +531,7 @@ async fn sandbox_create(
     State(st): State<AppState>,
     JsonBody(b): JsonBody<CreateBody>,
 ) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
+    let network = b.network.map(policy).transpose()?;
     let cmd = Command::Create(CreateSandbox {
         template: b.template,
         ttl: secs(b.timeout_secs, "timeout_secs")?,
@@ -518,6 +539,7 @@ async fn sandbox_create(
         labels: b.metadata,
         envs: b.envs,
         wait: secs(b.wait_secs, "wait_secs")?,
+        network,
     });
     let info = one(counted(
         &st.daemon,
@@ -635,6 +657,119 @@ async fn sandbox_logs(
         st.daemon.console(&id, lines).await.map_err(ApiError::from),
     )?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+/// The egress policy of a running or paused sandbox. `active: false`: a
+/// sandbox re-adopted after a daemon restart, which opens no new
+/// connection (its network broker died with the earlier daemon).
+#[utoipa::path(get, path = "/sandboxes/{id}/network", params(("id" = String, Path)),
+    responses((status = 200, body = NetworkInfo), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody)))]
+async fn network_get(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<NetworkInfo>> {
+    let id = sandbox_id(&id)?;
+    let r = st.daemon.execute(Command::Network { id }).await;
+    network_reply(counted(&st.daemon, r.map_err(ApiError::from))?)
+}
+
+/// Replaces a running or paused sandbox's egress policy: new connections
+/// and DNS lookups follow it, open connections stay. Answers the policy
+/// in force, rules in normal form. A bad rule is a 400 naming it.
+#[utoipa::path(post, path = "/sandboxes/{id}/network", params(("id" = String, Path)), request_body = NetworkPolicy,
+    responses((status = 200, body = NetworkInfo), (status = 400, body = ApiErrorBody),
+              (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody),
+              (status = 502, body = ApiErrorBody)))]
+async fn network_set(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<NetworkPolicy>,
+) -> ApiResult<Json<NetworkInfo>> {
+    let id = sandbox_id(&id)?;
+    let policy = policy(b)?;
+    let r = st.daemon.execute(Command::SetNetwork { id, policy }).await;
+    network_reply(counted(&st.daemon, r.map_err(ApiError::from))?)
+}
+
+fn network_reply(r: Reply) -> ApiResult<Json<NetworkInfo>> {
+    match r {
+        Reply::Network(n) => Ok(Json(n)),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Query of `GET /sandboxes/{id}/egress`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct EgressQuery {
+    /// How many of the last records (default 1000, at most 100000).
+    limit: Option<usize>,
+}
+
+/// The last records of a sandbox's egress log.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EgressLog {
+    /// Oldest first.
+    #[schema(value_type = Vec<EgressRecordDoc>)]
+    pub records: Vec<forkbox_net::log::EgressRecord>,
+}
+
+/// One attempt of a sandbox to reach out, allowed or not. For DNS, `name`
+/// is the name asked, `port` 53 and `answers` the addresses given; for
+/// TCP, `address:port` is where the guest connected and `name` the name
+/// it had looked up for it, if any.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = EgressRecord)]
+#[allow(dead_code)] // documents `forkbox_net::log::EgressRecord`'s JSON
+pub struct EgressRecordDoc {
+    /// When the attempt began, milliseconds since the Unix epoch.
+    time_ms: u64,
+    sandbox: SandboxId,
+    /// `tcp`, `udp` or `dns`.
+    protocol: String,
+    name: Option<String>,
+    address: Option<String>,
+    port: u16,
+    /// `allow` or `deny`.
+    verdict: String,
+    /// `rule` (see `rule`), `no_rule` (default deny), `special_address`
+    /// (loopback, link-local, multicast…), `udp_not_allowed`, `limit`
+    /// (too many at once), `connect_failed` (allowed, but the connection
+    /// failed: see `error`), `not_found` (allowed, but the name did not
+    /// resolve).
+    reason: String,
+    /// The rule that decided, in normal form.
+    rule: Option<String>,
+    answers: Option<Vec<String>>,
+    /// Bytes from the guest to the destination, and back.
+    bytes_out: u64,
+    bytes_in: u64,
+    /// From the attempt to the close of the connection (0 for refusals).
+    duration_ms: u64,
+    error: Option<String>,
+}
+
+/// What the sandbox tried to reach: the last records of its egress log,
+/// oldest first (DNS lookups and TCP connections, allowed or denied, with
+/// the rule that decided and the bytes moved). Dead sandboxes' logs stay
+/// readable until the daemon's `--egress-log-ttl` after their death.
+#[utoipa::path(get, path = "/sandboxes/{id}/egress", params(("id" = String, Path), EgressQuery),
+    responses((status = 200, body = EgressLog), (status = 400, body = ApiErrorBody),
+              (status = 404, body = ApiErrorBody)))]
+async fn egress_log(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<EgressLog>> {
+    let id = sandbox_id(&id)?;
+    let q: EgressQuery = query(raw)?;
+    let limit = q.limit.unwrap_or(1000).clamp(1, 100_000);
+    let records = counted(
+        &st.daemon,
+        st.daemon.egress(&id, limit).await.map_err(ApiError::from),
+    )?;
+    Ok(Json(EgressLog { records }))
 }
 
 /// State, metadata, TTL, lineage and VMM metrics of one sandbox (dead ones
@@ -1706,7 +1841,7 @@ mod tests {
     fn app(token: Option<&str>) -> Router {
         let mut config = Config::default();
         config.limits.max_live = 4;
-        let d = Daemon::new(Arc::new(Fake::default()), config);
+        let d = Daemon::new(Arc::new(Fake::default()), config).expect("daemon");
         router(d, token.map(str::to_owned))
     }
 
@@ -1861,6 +1996,93 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn create_with_a_bad_rule_is_400_and_creates_nothing() {
+        let app = app(None);
+        let (st, err) = call(
+            &app,
+            "POST",
+            "/sandboxes",
+            r#"{"template":"minimal","network":{"allow_out":["pypi.org","x:99999"]}}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        assert_eq!(err["error"]["kind"], "invalid_request");
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.starts_with(r#"allow_out[1] "x:99999" is not a valid rule"#),
+            "{msg}"
+        );
+        let (_, list) = call(&app, "GET", "/sandboxes?all=true", "").await;
+        assert_eq!(list.as_array().map(Vec::len), Some(0));
+        let (_, t) = call(&app, "GET", "/templates/minimal", "").await;
+        assert_eq!(t["state"], "not_baked", "not even a bake");
+    }
+
+    #[tokio::test]
+    async fn network_is_set_read_and_inherited_over_http() {
+        let app = app(None);
+        let (st, info) = call(
+            &app,
+            "POST",
+            "/sandboxes",
+            r#"{"template":"minimal","network":{"allow_out":["PyPI.org:443"]}}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::CREATED, "{info}");
+        let id = info["id"].as_str().expect("id").to_owned();
+        let uri = format!("/sandboxes/{id}/network");
+        let (st, n) = call(&app, "GET", &uri, "").await;
+        assert_eq!(st, StatusCode::OK, "{n}");
+        assert_eq!(
+            n,
+            serde_json::json!({"allow_out": ["pypi.org:443"], "deny_out": [], "active": true})
+        );
+        let (st, err) = call(&app, "POST", &uri, r#"{"deny_out":["10.0.0.0/33"]}"#).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        assert!(err["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("deny_out[0]")));
+        let (st, n) = call(
+            &app,
+            "POST",
+            &uri,
+            r#"{"allow_out":["*.Debian.org"],"deny_out":["security.debian.org"]}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{n}");
+        assert_eq!(n["allow_out"], serde_json::json!(["*.debian.org"]));
+        assert_eq!(n["deny_out"], serde_json::json!(["security.debian.org"]));
+        let (_, kids) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            r#"{"count":1}"#,
+        )
+        .await;
+        let kid = kids[0]["sandbox"]["id"].as_str().expect("child").to_owned();
+        let (_, kn) = call(&app, "GET", &format!("/sandboxes/{kid}/network"), "").await;
+        assert_eq!(kn, n, "the child inherits the parent's current policy");
+        call(&app, "DELETE", &format!("/sandboxes/{id}"), "").await;
+        let (st, err) = call(&app, "GET", &uri, "").await;
+        assert_eq!(st, StatusCode::CONFLICT, "{err}");
+    }
+
+    #[tokio::test]
+    async fn egress_answers_records_for_known_sandboxes_only() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        call(&app, "DELETE", &format!("/sandboxes/{id}"), "").await;
+        let (st, body) = call(&app, "GET", &format!("/sandboxes/{id}/egress?limit=5"), "").await;
+        assert_eq!(st, StatusCode::OK, "{body}");
+        assert_eq!(body, serde_json::json!({"records": []}));
+        let (st, _) = call(&app, "GET", &format!("/sandboxes/{id}/egress?limit=x"), "").await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        let (st, err) = call(&app, "GET", "/sandboxes/sb-0000000000000000/egress", "").await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{err}");
+    }
+
+    #[tokio::test]
     async fn logs_are_the_console_tail_as_text() {
         let app = app(None);
         let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
@@ -1995,7 +2217,8 @@ mod tests {
     fn app_with_agent(sock: std::path::PathBuf) -> Router {
         let fake = Fake::default();
         *fake.world.agent_sock.lock().expect("agent_sock") = Some(sock);
-        router(Daemon::new(Arc::new(fake), Config::default()), None)
+        let d = Daemon::new(Arc::new(fake), Config::default()).expect("daemon");
+        router(d, None)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

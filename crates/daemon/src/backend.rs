@@ -10,15 +10,20 @@ use std::time::Duration;
 
 use forkbox::image::ImageName;
 use forkbox::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
+pub use forkbox::vm::{ForkOptions, NetworkSpec};
+use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
 
-/// What a VM boots: the part of a template the backend needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a VM boots: the part of a template the backend needs. Every VM
+/// has a network device; `network` says what it may reach while it runs
+/// as booted (a template's bake) and where its egress log goes.
+#[derive(Debug, Clone)]
 pub struct MachineSpec {
     pub image: ImageName,
     pub vcpus: u8,
     pub memory_mib: u32,
     pub boot_timeout: Duration,
+    pub network: NetworkSpec,
 }
 
 /// Why the backend failed: always the infrastructure's fault, never the
@@ -80,7 +85,16 @@ pub trait Machine: Send + Sync {
     /// `n` copy-on-write children, running, each with its after-fork hook
     /// done (clock, entropy). The parent keeps its run state. `Err` when
     /// the request as a whole failed; otherwise one entry per child.
-    fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError>;
+    /// Children get `opts.policy` (default: the parent's current one) and
+    /// log their egress to `opts.egress_logs[i]` when given.
+    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ForkedMachine>, BackendError>;
+    /// Replaces the egress policy: new connections and DNS lookups follow
+    /// it, open connections stay.
+    fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError>;
+    /// The egress policy in force; `None` for a VM without a network (one
+    /// re-adopted after a daemon restart: its broker died with the
+    /// earlier daemon).
+    fn network_policy(&self) -> Option<Policy>;
     /// Where another daemon run can find this VM again.
     fn handle(&self) -> Option<VmHandle>;
     /// Stops the VM now (SIGKILL), even while others hold this machine.
@@ -116,7 +130,8 @@ impl Backend for VmBackend {
             serial_to_stderr: false,
             boot_timeout: spec.boot_timeout,
         };
-        let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
+        let vm = Vm::boot_networked(&self.assets, &vm_spec, Some(&spec.network))
+            .map_err(BackendError::Boot)?;
         Ok(VmMachine::boxed(vm))
     }
 
@@ -222,9 +237,27 @@ impl Machine for VmMachine {
             .serial_tail(lines)
     }
 
-    fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
+    fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
+        self.vm
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_network_policy(policy)
+            .map_err(|source| BackendError::Control {
+                what: "changing the network policy",
+                source,
+            })
+    }
+
+    fn network_policy(&self) -> Option<Policy> {
+        self.vm
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .network_policy()
+    }
+
+    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ForkedMachine>, BackendError> {
         let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
-        let children = vm.fork(n).map_err(BackendError::Fork)?;
+        let children = vm.fork_with(n, opts).map_err(BackendError::Fork)?;
         Ok(children
             .into_iter()
             .enumerate()
@@ -261,13 +294,17 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
+    use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed as ORD};
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
+    use forkbox_net::policy::Policy;
     use forkbox_proto::client::AgentClient;
 
-    use super::{Backend, BackendError, ForkedMachine, Machine, MachineSpec, VmHandle};
+    use super::{
+        Backend, BackendError, ForkOptions, ForkedMachine, Machine, MachineSpec, VmHandle,
+    };
 
     /// VMs that boot and fork instantly (or fail to), with no agent
     /// behind them.
@@ -294,35 +331,54 @@ pub(crate) mod fake {
         pub gone: std::sync::Mutex<Vec<u32>>,
         /// Where the machines' agent listens (default: nowhere).
         pub agent_sock: std::sync::Mutex<Option<std::path::PathBuf>>,
+        /// The policy of every boot, in order.
+        pub boot_policies: Mutex<Vec<Policy>>,
+        /// The policy each zygote had when it became one.
+        pub zygote_policies: Mutex<Vec<Option<Policy>>>,
+        /// The egress log given to each fork child (none: `None`).
+        pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
     }
 
     struct FakeMachine {
         world: Arc<World>,
         pid: u32,
+        /// `None`: no network (re-adopted).
+        policy: Mutex<Option<Policy>>,
     }
 
     impl FakeMachine {
-        fn boxed(world: &Arc<World>) -> Box<dyn Machine> {
+        fn boxed(world: &Arc<World>, policy: Option<Policy>) -> Box<dyn Machine> {
             let pid = world.handed.fetch_add(1, ORD) as u32 + 1000;
-            Self::with_pid(world, pid)
+            Self::with_pid(world, pid, policy)
         }
 
-        fn with_pid(world: &Arc<World>, pid: u32) -> Box<dyn Machine> {
+        fn with_pid(world: &Arc<World>, pid: u32, policy: Option<Policy>) -> Box<dyn Machine> {
             world.alive.fetch_add(1, ORD);
             Box::new(Self {
                 world: world.clone(),
                 pid,
+                policy: Mutex::new(policy),
             })
+        }
+
+        fn policy(&self) -> std::sync::MutexGuard<'_, Option<Policy>> {
+            self.policy.lock().expect("policy")
         }
     }
 
     impl Backend for Fake {
-        fn boot(&self, _: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
+        fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
             if self.fail {
                 return Err(BackendError::Unsupported("booting in this test"));
             }
             self.world.boots.fetch_add(1, ORD);
-            Ok(FakeMachine::boxed(&self.world))
+            let policy = spec.network.policy.clone();
+            self.world
+                .boot_policies
+                .lock()
+                .expect("boot_policies")
+                .push(policy.clone());
+            Ok(FakeMachine::boxed(&self.world, Some(policy)))
         }
 
         fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError> {
@@ -330,7 +386,8 @@ pub(crate) mod fake {
             if gone {
                 return Err(BackendError::Unsupported("adopting a VM that is gone"));
             }
-            Ok(FakeMachine::with_pid(&self.world, handle.pid))
+            // As a real re-adopted VM: its broker is gone.
+            Ok(FakeMachine::with_pid(&self.world, handle.pid, None))
         }
 
         fn discard(&self, handle: &VmHandle) {
@@ -369,6 +426,12 @@ pub(crate) mod fake {
             Ok(())
         }
         fn make_zygote(&self) -> Result<(), BackendError> {
+            let policy = self.policy().clone();
+            self.world
+                .zygote_policies
+                .lock()
+                .expect("zygote_policies")
+                .push(policy);
             Ok(())
         }
         fn kill(&self) {
@@ -383,8 +446,28 @@ pub(crate) mod fake {
                 pid: self.pid,
             })
         }
-        fn fork(&self, n: usize) -> Result<Vec<ForkedMachine>, BackendError> {
+        fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
+            match &mut *self.policy() {
+                Some(p) => {
+                    *p = policy.clone();
+                    Ok(())
+                }
+                None => Err(BackendError::Unsupported("a network on a re-adopted VM")),
+            }
+        }
+        fn network_policy(&self) -> Option<Policy> {
+            self.policy().clone()
+        }
+        fn fork_with(
+            &self,
+            n: usize,
+            opts: &ForkOptions,
+        ) -> Result<Vec<ForkedMachine>, BackendError> {
             self.world.forks.fetch_add(1, ORD);
+            let policy = opts.policy.clone().or_else(|| self.policy().clone());
+            let mut logs = self.world.egress_logs.lock().expect("egress_logs");
+            logs.extend((0..n).map(|i| opts.egress_logs.get(i).cloned()));
+            drop(logs);
             let failing = self
                 .world
                 .fail_children
@@ -395,7 +478,7 @@ pub(crate) mod fake {
                     if failing == Some(i) {
                         Err(BackendError::Unsupported("this fork child in this test"))
                     } else {
-                        Ok(FakeMachine::boxed(&self.world))
+                        Ok(FakeMachine::boxed(&self.world, policy.clone()))
                     }
                 })
                 .collect())

@@ -11,6 +11,8 @@
 //! - [`metrics`]: counters and histograms in Prometheus' text format.
 //! - [`persist`]: the state directory a restarted daemon re-adopts its
 //!   VMs from.
+//! - [`network`]: the egress policy's API spelling and the sandboxes'
+//!   egress logs, which outlive them until a TTL.
 //! - [`api`]: the HTTP+JSON edge (axum) and its OpenAPI document.
 //! - [`listen`]: where the daemon listens (unix socket or TCP).
 //!
@@ -23,6 +25,7 @@ pub mod backend;
 pub mod core;
 pub mod listen;
 pub mod metrics;
+pub mod network;
 pub mod persist;
 pub mod service;
 pub mod template;

@@ -11,6 +11,7 @@ use forkbox::testbed::Environment;
 use forkboxd::backend::VmBackend;
 use forkboxd::core::Limits;
 use forkboxd::listen::{default_socket, Listen};
+use forkboxd::network::EgressLogs;
 use forkboxd::persist::Store;
 use forkboxd::service::{Config, Daemon};
 
@@ -48,6 +49,10 @@ struct Args {
     /// Seconds a VM may take to boot.
     #[arg(long, default_value_t = 120)]
     boot_timeout: u64,
+    /// Seconds a sandbox's egress log is kept after it died (in the state
+    /// directory's `egress/`, or a temporary directory with --no-state).
+    #[arg(long, default_value_t = 86400)]
+    egress_log_ttl: u64,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -110,6 +115,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         create_wait: Duration::try_from_secs_f64(args.create_wait)
             .context("--create-wait must be a non-negative number")?,
         boot_timeout: Duration::from_secs(args.boot_timeout),
+        egress_log_ttl: Duration::from_secs(args.egress_log_ttl),
     };
     if let Listen::Unix(path) = &listen {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -126,7 +132,16 @@ fn run(args: Args) -> anyhow::Result<()> {
             )
         }
     };
-    let daemon = Daemon::with_store(Arc::new(backend), config, store.clone());
+    let egress = match &store {
+        Some(store) => {
+            let dir = store.egress_dir();
+            EgressLogs::open(&dir, config.egress_log_ttl)
+                .with_context(|| format!("opening the egress log directory {}", dir.display()))?
+        }
+        None => EgressLogs::temporary(config.egress_log_ttl)
+            .context("making a temporary egress log directory")?,
+    };
+    let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();
         if adopted + cleared > 0 {

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox::vm::VmHandle;
+use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
 
 use crate::core::{ExpiryAction, Labels, Record, SandboxId, SandboxState};
@@ -32,6 +33,12 @@ pub struct SavedSandbox {
     pub envs: BTreeMap<String, String>,
     pub spec: TemplateSpec,
     pub vm: VmHandle,
+    /// Its egress policy when last written. Only a record: the network
+    /// broker of a sandbox lives in the daemon that started it, so a
+    /// re-adopted sandbox opens no new connection (see
+    /// `Machine::network_policy`).
+    #[serde(default)]
+    pub network: Option<Policy>,
 }
 
 /// A baked template (its zygote) as written down.
@@ -106,6 +113,11 @@ impl Store {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Where the sandboxes' egress logs are kept (`crate::network`).
+    pub fn egress_dir(&self) -> PathBuf {
+        self.dir.join("egress")
     }
 
     fn sandbox_path(&self, id: &SandboxId) -> PathBuf {
@@ -201,6 +213,7 @@ mod tests {
                 dir: "/tmp/forkbox-vm-x".into(),
                 pid: 42,
             },
+            network: Some(Policy::deny_all()),
         }
     }
 

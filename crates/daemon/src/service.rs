@@ -10,24 +10,35 @@
 //! and port forwards ([`Daemon::open_port`]: a host listener whose
 //! connections are relayed to a guest port through the agent; every
 //! forward of a sandbox closes when it dies).
+//!
+//! Every sandbox has a network, egress denied unless its policy allows: a
+//! creation brings its own policy (none: deny all), fork children inherit
+//! their parent's current one, and [`Command::SetNetwork`] replaces it.
+//! A template's policy holds only while it bakes; its zygote is set to
+//! deny all before it becomes one. Egress logs ([`Daemon::egress`]) are
+//! files the daemon owns (`crate::network`), kept past a sandbox's death
+//! until [`Config::egress_log_ttl`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
+use forkbox_net::log::EgressRecord;
+use forkbox_net::policy::Policy;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AgentError, ErrorKind as GuestKind, ExecRequest, ExecResult, OutputStream};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use utoipa::ToSchema;
 
-use crate::backend::{self, Backend, BackendError, Machine};
+use crate::backend::{self, Backend, BackendError, ForkOptions, Machine};
 use crate::core::{
     Admission, CoreError, DeathCause, ExpiryAction, Labels, Limits, Record, Registry, SandboxId,
     SandboxState,
 };
 use crate::metrics::Metrics;
+use crate::network::{EgressLogs, NetworkPolicy};
 use crate::persist::{SavedSandbox, SavedTemplate, Store};
 use crate::template::{TemplateError, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -38,6 +49,8 @@ pub struct Config {
     /// Longest a creation waits for room under the caps before failing.
     pub create_wait: Duration,
     pub boot_timeout: Duration,
+    /// How long a sandbox's egress log is kept after it died.
+    pub egress_log_ttl: Duration,
 }
 
 impl Default for Config {
@@ -46,6 +59,7 @@ impl Default for Config {
             limits: Limits::default(),
             create_wait: Duration::from_secs(30),
             boot_timeout: Duration::from_secs(120),
+            egress_log_ttl: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -61,6 +75,9 @@ pub struct CreateSandbox {
     pub envs: BTreeMap<String, String>,
     /// Overrides [`Config::create_wait`] (zero: fail at once when full).
     pub wait: Option<Duration>,
+    /// Its egress policy; `None`: deny all. Never the template's (that
+    /// one holds only while the template bakes).
+    pub network: Option<Policy>,
 }
 
 /// Every lifecycle request.
@@ -95,6 +112,16 @@ pub enum Command {
         id: SandboxId,
         count: u32,
     },
+    /// The egress policy of a running or paused sandbox.
+    Network {
+        id: SandboxId,
+    },
+    /// Replaces it: new connections and DNS lookups follow the new
+    /// policy, open connections stay.
+    SetNetwork {
+        id: SandboxId,
+        policy: Policy,
+    },
 }
 
 /// What a [`Command`] returns.
@@ -105,6 +132,7 @@ pub enum Reply {
     Killed(Vec<SandboxId>),
     /// One entry per fork child, in order.
     Forked(Vec<Result<SandboxInfo, DaemonError>>),
+    Network(NetworkInfo),
 }
 
 /// Why a request failed. [`DaemonError::is_infrastructure`] separates the
@@ -134,6 +162,10 @@ pub enum DaemonError {
     Busy(String),
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
+    /// Its VM has no network to change: re-adopted after a daemon
+    /// restart, its network broker died with the earlier daemon.
+    #[error("sandbox {0} has no network broker (re-adopted after a daemon restart); its policy cannot change")]
+    NoNetwork(SandboxId),
     /// The guest refused a file operation (missing path, permissions…).
     #[error("the guest refused")]
     Guest(#[source] AgentError),
@@ -160,7 +192,9 @@ impl DaemonError {
         match self {
             Self::Invalid(_) | Self::BadTemplate(_) => "invalid_request",
             Self::NoSandbox(_) | Self::NoTemplate(_) => "not_found",
-            Self::TemplateExists(_) | Self::State(_) | Self::Busy(_) => "conflict",
+            Self::TemplateExists(_) | Self::State(_) | Self::Busy(_) | Self::NoNetwork(_) => {
+                "conflict"
+            }
             Self::Capacity { .. } => "capacity",
             Self::Unsupported(_) => "unsupported",
             Self::Guest(_) => "guest",
@@ -237,6 +271,19 @@ pub struct SandboxInfo {
     pub death: Option<DeathCause>,
 }
 
+/// A sandbox's egress policy as the API shows it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct NetworkInfo {
+    #[serde(flatten)]
+    pub policy: NetworkPolicy,
+    /// Whether the policy is in force. False for a sandbox re-adopted
+    /// after a daemon restart: the network broker that opens its
+    /// connections lived in the earlier daemon, so it opens no new
+    /// connection whatever the policy says (the policy shown is the one
+    /// recorded).
+    pub active: bool,
+}
+
 /// What the host sees of a live sandbox's VMM process.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct SandboxMetrics {
@@ -272,7 +319,7 @@ pub enum BakeEvent {
     },
     /// The zygote is up: sandboxes from the template fork it.
     Done {
-        template: TemplateInfo,
+        template: Box<TemplateInfo>,
         /// The bake's boot, and the whole bake (0 and 0 when it was baked
         /// before this request).
         boot_ms: u64,
@@ -325,6 +372,9 @@ impl BakeFailure {
 
 struct Live {
     machine: Arc<dyn Machine>,
+    /// Its egress policy as last set (what is written down; the machine
+    /// says what is in force).
+    policy: Policy,
     envs: BTreeMap<String, String>,
     /// Its template's recipe and resources (a snapshot copies them).
     spec: TemplateSpec,
@@ -434,13 +484,15 @@ struct Inner {
     config: Config,
     /// Where live VMs are written down, when the daemon keeps state.
     store: Option<Store>,
+    egress: EgressLogs,
     shared: Mutex<Shared>,
     room: Notify,
     metrics: Metrics,
 }
 
 impl Shared {
-    /// A sandbox that can be forked (or snapshot): running or paused.
+    /// A sandbox that can be forked (or snapshot, or have its network
+    /// read or changed): running or paused.
     fn forkable(
         &self,
         id: &SandboxId,
@@ -470,14 +522,22 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// A daemon that keeps no state: its VMs die with it.
-    pub fn new(backend: Arc<dyn Backend>, config: Config) -> Self {
-        Self::with_store(backend, config, None)
+    /// A daemon that keeps no state: its VMs die with it, and its egress
+    /// logs are in a temporary directory removed with it.
+    pub fn new(backend: Arc<dyn Backend>, config: Config) -> std::io::Result<Self> {
+        let egress = EgressLogs::temporary(config.egress_log_ttl)?;
+        Ok(Self::with_store(backend, config, None, egress))
     }
 
     /// A daemon that writes its live VMs down in `store`, so that its next
-    /// run can [`recover`](Self::recover) them.
-    pub fn with_store(backend: Arc<dyn Backend>, config: Config, store: Option<Store>) -> Self {
+    /// run can [`recover`](Self::recover) them, and keeps the sandboxes'
+    /// egress logs in `egress`.
+    pub fn with_store(
+        backend: Arc<dyn Backend>,
+        config: Config,
+        store: Option<Store>,
+        egress: EgressLogs,
+    ) -> Self {
         let salt = std::process::id()
             ^ (SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
@@ -503,6 +563,7 @@ impl Daemon {
                 backend,
                 config,
                 store,
+                egress,
                 shared: Mutex::new(Shared {
                     registry: Registry::new(config.limits, salt),
                     machines: HashMap::new(),
@@ -625,6 +686,65 @@ impl Daemon {
                     .map_err(|e| DaemonError::infra("the fork task failed", e))?
                     .map(Reply::Forked)
             }
+            Command::Network { id } => {
+                let (machine, recorded) = {
+                    let s = self.lock();
+                    let (_, live) = s.forkable(&id, "read its network policy")?;
+                    (live.machine.clone(), live.policy.clone())
+                };
+                let in_force = blocking(move || machine.network_policy()).await?;
+                Ok(Reply::Network(network_info(in_force, &recorded)))
+            }
+            Command::SetNetwork { id, policy } => {
+                let machine = {
+                    let s = self.lock();
+                    s.forkable(&id, "change its network policy")?
+                        .1
+                        .machine
+                        .clone()
+                };
+                let p = policy.clone();
+                let in_force = blocking(move || {
+                    if machine.network_policy().is_none() {
+                        return Ok(None);
+                    }
+                    machine.set_network_policy(&p)?;
+                    Ok::<_, BackendError>(machine.network_policy())
+                })
+                .await??
+                .ok_or_else(|| DaemonError::NoNetwork(id.clone()))?;
+                let mut s = self.lock();
+                // Killed meanwhile: nothing left to record.
+                if let Some(live) = s.machines.get_mut(&id) {
+                    live.policy = policy.clone();
+                }
+                self.save(&s, &id);
+                Ok(Reply::Network(network_info(Some(in_force), &policy)))
+            }
+        }
+    }
+
+    /// The last `limit` records of a sandbox's egress log, live or dead
+    /// (until its log TTL), oldest first. A known sandbox without a log
+    /// file (nothing logged yet, or deleted after the TTL) has an empty
+    /// one; an unknown id is `NoSandbox` unless a log of it is left (its
+    /// record forgotten, or from an earlier daemon run).
+    pub async fn egress(
+        &self,
+        id: &SandboxId,
+        limit: usize,
+    ) -> Result<Vec<EgressRecord>, DaemonError> {
+        let known = self.lock().registry.get(id).is_ok();
+        let this = self.clone();
+        let target = id.clone();
+        match blocking(move || this.inner.egress.read(&target, limit)).await? {
+            Ok(Some(records)) => Ok(records),
+            Ok(None) if known => Ok(Vec::new()),
+            Ok(None) => Err(DaemonError::NoSandbox(id.clone())),
+            Err(e) => Err(DaemonError::infra(
+                format!("reading the egress log of {id}"),
+                e,
+            )),
         }
     }
 
@@ -655,13 +775,22 @@ impl Daemon {
         let started = Instant::now();
         let mut envs = template.envs.clone();
         envs.extend(req.envs);
+        let policy = req.network.unwrap_or_else(Policy::deny_all);
+        let opts = ForkOptions {
+            policy: Some(policy.clone()),
+            egress_logs: vec![self.inner.egress.path(&id)],
+        };
         let forked = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
-            let child = zygote.fork(1)?.into_iter().next().ok_or_else(|| {
-                DaemonError::infra(
-                    "forking the template's zygote",
-                    std::io::Error::other("the VMM answered with no child"),
-                )
-            })?;
+            let child = zygote
+                .fork_with(1, &opts)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| {
+                    DaemonError::infra(
+                        "forking the template's zygote",
+                        std::io::Error::other("the VMM answered with no child"),
+                    )
+                })?;
             Ok(child?)
         })
         .await
@@ -670,6 +799,7 @@ impl Daemon {
         let result = match forked {
             Err(e) => {
                 let _ = self.lock().registry.creation_failed(&id, now, chain(&e));
+                self.inner.egress.retire(&id, now);
                 self.inner.metrics.creations_failed.fetch_add(1, ORD);
                 Err(e)
             }
@@ -682,6 +812,7 @@ impl Daemon {
                             id.clone(),
                             Live {
                                 machine,
+                                policy,
                                 envs,
                                 spec: template,
                                 ports: BTreeMap::new(),
@@ -745,6 +876,7 @@ impl Daemon {
         if let Some(store) = &self.inner.store {
             store.forget_sandbox(id);
         }
+        self.inner.egress.retire(id, Instant::now());
         if expired {
             self.inner.metrics.expiries.fetch_add(1, ORD);
         } else {
@@ -781,6 +913,7 @@ impl Daemon {
             envs: live.envs.clone(),
             spec: live.spec.clone(),
             vm,
+            network: Some(live.policy.clone()),
         });
     }
 
@@ -789,6 +922,12 @@ impl Daemon {
     /// A VM that cannot be adopted (its VMM died, or its pid is another
     /// process now) is cleared away and forgotten. Blocking; call it before
     /// serving. Returns (adopted, cleared away).
+    ///
+    /// A re-adopted sandbox keeps its recorded egress policy, but only as
+    /// a record: its network broker lived in the earlier daemon, so it
+    /// opens no new connection (its `network` says `active: false`) and
+    /// its policy cannot change. Egress logs of sandboxes not re-adopted
+    /// are kept until the log TTL from their last write.
     pub fn recover(&self) -> (usize, usize) {
         let Some(store) = self.inner.store.clone() else {
             return (0, 0);
@@ -834,6 +973,7 @@ impl Daemon {
                         saved.id.clone(),
                         Live {
                             machine: Arc::from(m),
+                            policy: saved.network.unwrap_or_else(Policy::deny_all),
                             envs: saved.envs,
                             spec: saved.spec,
                             ports: BTreeMap::new(),
@@ -848,6 +988,10 @@ impl Daemon {
                 }
             }
         }
+        let s = self.lock();
+        self.inner
+            .egress
+            .retire_leftovers(&|id| s.machines.contains_key(id), Instant::now());
         (adopted, cleared)
     }
 
@@ -1138,14 +1282,15 @@ impl Daemon {
     }
 
     /// Forks a running (or paused) sandbox into `count` children that
-    /// inherit its labels, time-to-live and environment. Children past the
-    /// live cap, or that fail to come up, fail alone.
+    /// inherit its labels, time-to-live, environment and current egress
+    /// policy. Children past the live cap, or that fail to come up, fail
+    /// alone.
     async fn fork(
         &self,
         parent: SandboxId,
         count: usize,
     ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
-        let (machine, envs, spec, adm) = {
+        let (machine, envs, spec, policy, adm) = {
             let s = self.lock();
             let (r, live) = s.forkable(&parent, "fork")?;
             let adm = Admission {
@@ -1159,6 +1304,7 @@ impl Daemon {
                 live.machine.clone(),
                 live.envs.clone(),
                 live.spec.clone(),
+                live.policy.clone(),
                 adm,
             )
         };
@@ -1185,21 +1331,33 @@ impl Daemon {
             .collect();
         self.inner.metrics.forks.fetch_add(1, ORD);
         let n = admitted.len();
+        // The parent's current policy (`None`); each child its own log.
+        let opts = ForkOptions {
+            policy: None,
+            egress_logs: admitted
+                .iter()
+                .map(|id| self.inner.egress.path(id))
+                .collect(),
+        };
         let children = if n == 0 {
-            Ok(Vec::new())
+            Ok((Vec::new(), None))
         } else {
-            blocking(move || machine.fork(n))
-                .await
-                .and_then(|r| r.map_err(DaemonError::from))
+            blocking(move || {
+                let children = machine.fork_with(n, &opts)?;
+                Ok((children, machine.network_policy()))
+            })
+            .await
+            .and_then(|r| r.map_err(|e: BackendError| DaemonError::from(e)))
         };
         let now = Instant::now();
-        let mut made = match children {
-            Ok(c) => c.into_iter(),
+        let (mut made, policy) = match children {
+            Ok((c, in_force)) => (c.into_iter(), in_force.unwrap_or(policy)),
             Err(e) => {
                 // The request as a whole failed: no child exists.
                 let mut s = self.lock();
                 for id in &admitted {
                     let _ = s.registry.creation_failed(id, now, chain(&e));
+                    self.inner.egress.retire(id, now);
                 }
                 drop(s);
                 self.inner.room.notify_waiters();
@@ -1220,7 +1378,8 @@ impl Daemon {
                     "a fork that answered with fewer children",
                 ))
             });
-            out.push(self.adopt(&id, child.map_err(DaemonError::from), &envs, &spec, now));
+            let child = child.map_err(DaemonError::from);
+            out.push(self.adopt(&id, child, &envs, &spec, &policy, now));
         }
         let ok = out.iter().filter(|r| r.is_ok()).count();
         self.inner.metrics.fork_children.fetch_add(ok as u64, ORD);
@@ -1236,12 +1395,14 @@ impl Daemon {
         child: Result<Box<dyn Machine>, DaemonError>,
         envs: &BTreeMap<String, String>,
         spec: &TemplateSpec,
+        policy: &Policy,
         now: Instant,
     ) -> Result<SandboxInfo, DaemonError> {
         let mut s = self.lock();
         match child {
             Err(e) => {
                 let _ = s.registry.creation_failed(id, now, chain(&e));
+                self.inner.egress.retire(id, now);
                 self.inner.metrics.creations_failed.fetch_add(1, ORD);
                 Err(e)
             }
@@ -1257,6 +1418,7 @@ impl Daemon {
                     id.clone(),
                     Live {
                         machine,
+                        policy: policy.clone(),
                         envs: envs.clone(),
                         spec: spec.clone(),
                         ports: BTreeMap::new(),
@@ -1284,10 +1446,11 @@ impl Daemon {
             spec.envs = live.envs.clone();
             (live.machine.clone(), spec)
         };
-        // Its state holds what the recipe did.
+        // Its state holds what the recipe did; it is never baked.
         spec.name = name.clone();
         spec.setup.clear();
         spec.ready = None;
+        spec.network = None;
         spec.validate().map_err(DaemonError::BadTemplate)?;
         let (tx, rx) = watch::channel(None);
         self.register(
@@ -1300,13 +1463,23 @@ impl Daemon {
             false,
         )?;
         let start = Instant::now();
+        // A zygote denies all egress: each sandbox forked from it gets the
+        // policy of its own creation.
+        let opts = ForkOptions {
+            policy: Some(Policy::deny_all()),
+            egress_logs: Vec::new(),
+        };
         let made = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
-            let child = machine.fork(1)?.into_iter().next().ok_or_else(|| {
-                DaemonError::infra(
-                    "forking the sandbox",
-                    std::io::Error::other("the VMM answered with no child"),
-                )
-            })??;
+            let child = machine
+                .fork_with(1, &opts)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| {
+                    DaemonError::infra(
+                        "forking the sandbox",
+                        std::io::Error::other("the VMM answered with no child"),
+                    )
+                })??;
             // A fork child's memory is already a copy-on-write view of
             // its parent's: it stays as it is, paused, and forks of it
             // share it the same way.
@@ -1410,7 +1583,7 @@ impl Daemon {
             }
             let event = match this.template(&name) {
                 Ok(template) => BakeEvent::Done {
-                    template,
+                    template: Box::new(template),
                     boot_ms: 0,
                     total_ms: 0,
                 },
@@ -1509,12 +1682,16 @@ impl Daemon {
                     .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
                 send2(BakeEvent::Step {
                     step: "zygote".into(),
-                    detail: "pausing the VM; its memory becomes copy-on-write for every fork"
+                    detail: "denying all egress (each sandbox gets its own policy), pausing \
+                             the VM; its memory becomes copy-on-write for every fork"
                         .into(),
                 });
+                let zygote_failed =
+                    |e: BackendError| BakeFailure::of("zygote".into(), &DaemonError::from(e));
                 machine
-                    .make_zygote()
-                    .map_err(|e| BakeFailure::of("zygote".into(), &DaemonError::from(e)))?;
+                    .set_network_policy(&Policy::deny_all())
+                    .map_err(zygote_failed)?;
+                machine.make_zygote().map_err(zygote_failed)?;
                 Ok((machine, boot_ms))
             })
             .await;
@@ -1526,7 +1703,7 @@ impl Daemon {
             let name = spec.name.clone();
             let event = match this.bake_ended(&name, outcome, start.elapsed(), &tx) {
                 Ok(template) => BakeEvent::Done {
-                    template,
+                    template: Box::new(template),
                     boot_ms,
                     total_ms: start.elapsed().as_millis() as u64,
                 },
@@ -1594,8 +1771,9 @@ impl Daemon {
         result
     }
 
-    /// Kills expired sandboxes and notices VMs that ended by themselves.
-    /// The reaper task calls it; tests call it with their own `now`.
+    /// Kills expired sandboxes, notices VMs that ended by themselves and
+    /// deletes egress logs past their TTL. The reaper task calls it; tests
+    /// call it with their own `now`.
     pub fn tick(&self, now: Instant) {
         let expired = self.lock().registry.expired(now);
         for (id, action) in expired {
@@ -1617,6 +1795,7 @@ impl Daemon {
             tracing::warn!(%id, %reason, "sandbox VM ended by itself");
             let _ = self.kill(&id, DeathCause::VmLost { reason });
         }
+        self.inner.egress.sweep(now);
     }
 
     /// Pauses a sandbox whose time ran out; one that cannot be paused is
@@ -1870,6 +2049,15 @@ fn tail(out: &[u8]) -> String {
     String::from_utf8_lossy(&out[out.len().saturating_sub(4096)..]).into_owned()
 }
 
+/// The policy in force (`None`: the VM has no network) or else the one
+/// recorded.
+fn network_info(in_force: Option<Policy>, recorded: &Policy) -> NetworkInfo {
+    NetworkInfo {
+        policy: NetworkPolicy::of(in_force.as_ref().unwrap_or(recorded)),
+        active: in_force.is_some(),
+    }
+}
+
 fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
     let now = Instant::now();
     let metrics = live.map(|l| {
@@ -1926,8 +2114,10 @@ mod tests {
                 },
                 create_wait: Duration::ZERO,
                 boot_timeout: Duration::from_secs(1),
+                egress_log_ttl: Duration::from_secs(3600),
             },
         )
+        .expect("daemon")
     }
 
     fn create(template: &str, ttl: Option<Duration>) -> Command {
@@ -1986,7 +2176,7 @@ mod tests {
     async fn create_fork_failure_frees_the_slot_and_counts() {
         let fake = Fake::default();
         fake.world.fail_children.store(true, ORD);
-        let d = Daemon::new(Arc::new(fake), Config::default());
+        let d = Daemon::new(Arc::new(fake), Config::default()).expect("daemon");
         let err = d
             .execute(create("minimal", None))
             .await
@@ -2303,11 +2493,17 @@ mod tests {
     async fn a_restarted_daemon_re_adopts_what_it_wrote_down_and_clears_the_rest() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = || Some(Store::open(dir.path()).expect("store"));
+        let egress = || {
+            EgressLogs::open(&dir.path().join("egress"), Duration::from_secs(60)).expect("egress")
+        };
         let first_world = {
             let fake = Fake::default();
             let world = fake.world.clone();
-            let d = Daemon::with_store(Arc::new(fake), Config::default(), store());
+            let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
             let a = created(&d, Some(Duration::from_secs(600))).await;
+            set_network(&d, &a.id, policy(&["pypi.org"]))
+                .await
+                .expect("set");
             let b = created(&d, None).await;
             d.execute(Command::Pause { id: b.id.clone() })
                 .await
@@ -2315,21 +2511,22 @@ mod tests {
             let kids = forked(&d, &a.id, 1).await;
             let c = kids[0].as_ref().expect("child").clone();
             let gone = created(&d, None).await;
+            crate::network::tests::append(&d.inner.egress.path(&gone.id), &["x.org"]);
             d.execute(Command::Kill {
                 id: gone.id.clone(),
             })
             .await
             .expect("kill");
             // The daemon "crashes": no shutdown; its state stays written.
-            (world, a, b, c)
+            (world, a, b, c, gone)
         };
-        let (old, a, b, c) = first_world;
+        let (old, a, b, c, gone) = first_world;
         let fake = Fake::default();
         let world = fake.world.clone();
         // Sandbox c's VMM died while no daemon ran.
         let c_pid = old.handed.load(ORD) as u32 + 1000 - 1 - 1;
         world.gone.lock().expect("gone").push(c_pid);
-        let d = Daemon::with_store(Arc::new(fake), Config::default(), store());
+        let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
         let (adopted, cleared) = d.recover();
         assert_eq!(
             (adopted, cleared),
@@ -2342,6 +2539,17 @@ mod tests {
         assert!(info(&a.id).expires_in_ms.is_some_and(|ms| ms > 590_000));
         assert_eq!(info(&b.id).state, SandboxState::Paused);
         assert!(d.execute_sync_info(&c.id).is_none(), "cleared away");
+        // Its policy is remembered, but its broker died with the first
+        // daemon: no new connections, and no changes.
+        let n = network(&d, &a.id).await.expect("network");
+        assert!(!n.active);
+        assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
+        let e = set_network(&d, &a.id, Policy::deny_all())
+            .await
+            .expect_err("no broker");
+        assert_eq!(e.kind(), "conflict");
+        // A dead sandbox's log outlives the daemon (until its TTL).
+        assert_eq!(d.egress(&gone.id, 10).await.expect("log").len(), 1);
         assert_eq!(
             d.template("minimal").expect("t").state,
             TemplateState::Ready
@@ -2351,8 +2559,188 @@ mod tests {
         created(&d, None).await;
         assert_eq!(world.boots.load(ORD), 0, "the zygote was re-adopted");
         // What was cleared is forgotten: a third run finds 4 live VMs.
-        let d3 = Daemon::with_store(Arc::new(Fake::default()), Config::default(), store());
+        let d3 = Daemon::with_store(
+            Arc::new(Fake::default()),
+            Config::default(),
+            store(),
+            egress(),
+        );
         assert_eq!(d3.recover(), (5, 0));
+    }
+
+    fn policy(allow: &[&str]) -> Policy {
+        NetworkPolicy {
+            allow_out: allow.iter().map(|r| r.to_string()).collect(),
+            deny_out: vec![],
+        }
+        .parse()
+        .expect("valid policy")
+    }
+
+    async fn network(d: &Daemon, id: &SandboxId) -> Result<NetworkInfo, DaemonError> {
+        match d.execute(Command::Network { id: id.clone() }).await? {
+            Reply::Network(n) => Ok(n),
+            other => panic!("network: {other:?}"),
+        }
+    }
+
+    async fn set_network(
+        d: &Daemon,
+        id: &SandboxId,
+        p: Policy,
+    ) -> Result<NetworkInfo, DaemonError> {
+        match d
+            .execute(Command::SetNetwork {
+                id: id.clone(),
+                policy: p,
+            })
+            .await?
+        {
+            Reply::Network(n) => Ok(n),
+            other => panic!("set network: {other:?}"),
+        }
+    }
+
+    async fn created_with(d: &Daemon, template: &str, network: Option<Policy>) -> SandboxInfo {
+        match d
+            .execute(Command::Create(CreateSandbox {
+                template: template.into(),
+                network,
+                ..CreateSandbox::default()
+            }))
+            .await
+        {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("create: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn create_with_a_policy_gives_it_to_the_machine_and_none_denies_all() {
+        let d = daemon(Fake::default(), 4);
+        let open = created_with(&d, "minimal", Some(policy(&["PyPI.org:443"]))).await;
+        let n = network(&d, &open.id).await.expect("network");
+        assert!(n.active);
+        assert_eq!(n.policy.allow_out, vec!["pypi.org:443".to_owned()]);
+        let closed = created(&d, None).await;
+        let n = network(&d, &closed.id).await.expect("network");
+        assert!(n.active);
+        assert_eq!(n.policy, NetworkPolicy::default(), "deny all");
+    }
+
+    #[tokio::test]
+    async fn set_network_replaces_the_policy_and_forks_inherit_the_current_one() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        let n = set_network(&d, &a.id, policy(&["*.debian.org"]))
+            .await
+            .expect("set");
+        assert_eq!(n.policy.allow_out, vec!["*.debian.org".to_owned()]);
+        assert_eq!(network(&d, &a.id).await.expect("get").policy, n.policy);
+        let kids = forked(&d, &a.id, 2).await;
+        for k in &kids {
+            let k = k.as_ref().expect("child");
+            assert_eq!(network(&d, &k.id).await.expect("child").policy, n.policy);
+        }
+        // Each child logs to its own file, named for it.
+        let logs = world.egress_logs.lock().expect("logs").clone();
+        let kid_logs: Vec<_> = kids
+            .iter()
+            .map(|k| Some(d.inner.egress.path(&k.as_ref().expect("child").id)))
+            .collect();
+        assert_eq!(logs[logs.len() - 2..], kid_logs[..]);
+    }
+
+    #[tokio::test]
+    async fn network_of_a_dead_or_unknown_sandbox_is_refused() {
+        let d = daemon(Fake::default(), 4);
+        let a = created(&d, None).await;
+        d.execute(Command::Kill { id: a.id.clone() })
+            .await
+            .expect("kill");
+        let e = network(&d, &a.id).await.expect_err("dead");
+        assert_eq!(e.kind(), "conflict");
+        let e = set_network(&d, &a.id, Policy::deny_all())
+            .await
+            .expect_err("dead");
+        assert_eq!(e.kind(), "conflict");
+        let unknown = SandboxId::parse("sb-00000000deadbeef").expect("id");
+        assert_eq!(
+            network(&d, &unknown).await.expect_err("?").kind(),
+            "not_found"
+        );
+    }
+
+    #[tokio::test]
+    async fn egress_log_outlives_the_sandbox_until_its_ttl() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        let path = d.inner.egress.path(&a.id);
+        assert_eq!(
+            world.egress_logs.lock().expect("logs").last(),
+            Some(&Some(path.clone())),
+            "the VM logs where the daemon said"
+        );
+        assert!(d.egress(&a.id, 10).await.expect("empty").is_empty());
+        crate::network::tests::append(&path, &["a.org", "b.org", "c.org"]);
+        let got = d.egress(&a.id, 2).await.expect("records");
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1].name.as_deref(), Some("c.org"));
+        assert_eq!(got[0].sandbox, a.id.as_str());
+        d.execute(Command::Kill { id: a.id.clone() })
+            .await
+            .expect("kill");
+        d.tick(Instant::now() + Duration::from_secs(3500));
+        assert_eq!(d.egress(&a.id, 10).await.expect("kept").len(), 3);
+        d.tick(Instant::now() + Duration::from_secs(3601));
+        assert!(!path.exists(), "deleted after the TTL");
+        assert!(d.egress(&a.id, 10).await.expect("known").is_empty());
+        let unknown = SandboxId::parse("sb-00000000deadbeef").expect("id");
+        assert_eq!(
+            d.egress(&unknown, 10).await.expect_err("?").kind(),
+            "not_found"
+        );
+    }
+
+    #[tokio::test]
+    async fn bake_policy_holds_while_baking_only_and_the_zygote_denies_all() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let mut spec = TemplateSpec::builtin(forkbox::image::ImageName::Minimal);
+        spec.name = "mirrored".into();
+        spec.network = Some(policy(&["mirror.local:80"]));
+        let mut rx = d.bake(spec).expect("bake");
+        let mut last = None;
+        while let Some(e) = rx.recv().await {
+            last = Some(e);
+        }
+        assert!(matches!(last, Some(BakeEvent::Done { .. })), "{last:?}");
+        assert_eq!(
+            *world.boot_policies.lock().expect("boots"),
+            vec![policy(&["mirror.local:80"])]
+        );
+        assert_eq!(
+            *world.zygote_policies.lock().expect("zygotes"),
+            vec![Some(Policy::deny_all())]
+        );
+        let plain = created_with(&d, "mirrored", None).await;
+        let n = network(&d, &plain.id).await.expect("network");
+        assert_eq!(n.policy, NetworkPolicy::default(), "not the bake's");
+        let own = created_with(&d, "mirrored", Some(policy(&["pypi.org"]))).await;
+        let n = network(&d, &own.id).await.expect("network");
+        assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
+        // A snapshot's zygote denies all too.
+        d.snapshot(&own.id, "snap".into()).await.expect("snapshot");
+        let zygote_policy = match &d.lock().templates["snap"].zygote {
+            Zygote::Ready { machine, .. } => machine.network_policy(),
+            _ => panic!("snapshot not ready"),
+        };
+        assert_eq!(zygote_policy, Some(Policy::deny_all()));
     }
 
     impl Daemon {

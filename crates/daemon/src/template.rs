@@ -11,10 +11,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use forkbox::image::ImageName;
+use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::backend::MachineSpec;
+use crate::backend::{MachineSpec, NetworkSpec};
 
 /// When a booted template counts as ready.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -76,6 +77,13 @@ pub struct TemplateSpec {
     /// Environment for the setup commands and every later command.
     #[serde(default)]
     pub envs: BTreeMap<String, String>,
+    /// What the setup commands may reach (a local package mirror, say);
+    /// default: nothing. It holds only while the template bakes: the
+    /// zygote is set to deny all egress, and each sandbox gets the policy
+    /// of its own creation.
+    #[serde(default)]
+    #[schema(value_type = Option<crate::network::NetworkPolicy>)]
+    pub network: Option<Policy>,
 }
 
 fn default_vcpus() -> u8 {
@@ -142,6 +150,7 @@ impl TemplateSpec {
             ready: None,
             ready_timeout_secs: default_ready_timeout(),
             envs: BTreeMap::new(),
+            network: None,
         }
     }
 
@@ -175,6 +184,11 @@ impl TemplateSpec {
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             boot_timeout,
+            network: NetworkSpec {
+                policy: self.network.clone().unwrap_or_else(Policy::deny_all),
+                // In the VM's own directory: the bake's log is nobody's.
+                egress_log: None,
+            },
         })
     }
 
@@ -245,5 +259,27 @@ mod tests {
         assert_eq!((t.vcpus, t.memory_mib, t.ready_timeout_secs), (1, 512, 60));
         assert!(t.has_recipe());
         assert_eq!(t.ready, Some(Readiness::File("/tmp".into())));
+        assert_eq!(t.network, None);
+    }
+
+    #[test]
+    fn template_network_is_the_bake_policy_default_deny() {
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        let boot = Duration::from_secs(1);
+        assert_eq!(
+            t.machine(boot).expect("machine").network.policy,
+            Policy::deny_all()
+        );
+        t = serde_json::from_str(
+            r#"{"name":"py","image":"minimal","network":{"allow_out":["mirror.local:80"]}}"#,
+        )
+        .expect("parse");
+        let policy = t.machine(boot).expect("machine").network.policy;
+        assert_eq!(policy.allow_rules().len(), 1);
+        let bad = serde_json::from_str::<TemplateSpec>(
+            r#"{"name":"py","image":"minimal","network":{"allow_out":["x:99999"]}}"#,
+        )
+        .expect_err("bad rule");
+        assert!(bad.to_string().contains("allow_out[0]"), "{bad}");
     }
 }
