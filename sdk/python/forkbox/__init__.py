@@ -9,8 +9,8 @@ The daemon is found through `FORKBOX_URL` (`unix:///path` or
 `http://host:port`), else its default socket.
 
 Modules:
-- `sandbox`: `Sandbox` (blocking): create, commands, files, fork, pause,
-  snapshots.
+- `sandbox`: `Sandbox` (blocking): create, commands, files, network
+  (egress policy and log), fork, pause, snapshots.
 - `async_sandbox`: `AsyncSandbox`, the same for asyncio.
 - `template`: `Template` / `AsyncTemplate`: build (bake) a template from a
   recipe, streaming its progress; list, delete.
@@ -26,13 +26,13 @@ Modules:
 
 from ._client import AsyncClient, Client, default_url
 from .async_sandbox import AsyncSandbox
-from .async_sandbox import AsyncCommandHandle
+from .async_sandbox import AsyncCommandHandle, AsyncNetwork
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
                          InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
                          TemplateInfrastructureError, UnsupportedError)
 from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
-from .sandbox import CommandHandle, Sandbox
+from .sandbox import CommandHandle, Network, Sandbox
 from .template import AsyncTemplate, Template
 
 __all__ = [
@@ -41,5 +41,5 @@ __all__ = [
     "InvalidRequestError", "NotFoundError", "ConflictError", "CapacityError",
     "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
     "InfrastructureError", "DaemonUnavailableError", "CommandHandle", "AsyncCommandHandle",
-    "ProcessInfo", "ProcessOutput", "ProcessTimeoutError",
+    "ProcessInfo", "ProcessOutput", "ProcessTimeoutError", "Network", "AsyncNetwork",
 ]

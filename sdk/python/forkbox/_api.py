@@ -23,6 +23,8 @@ T = TypeVar("T")
 
 Json = Dict[str, Any]
 Ready = Union[str, Mapping[str, Any], None]
+NetworkArg = Mapping[str, Sequence[str]]
+"""An egress policy: `{"allow_out": [rule, …], "deny_out": [rule, …]}`."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,13 @@ def _sb(sandbox_id: str) -> str:
 
 def create(template: str, timeout: Optional[float], on_timeout: str,
            metadata: Optional[Mapping[str, str]], envs: Optional[Mapping[str, str]],
-           wait: Optional[float]) -> "Call[Json]":
+           wait: Optional[float], network: Optional[NetworkArg] = None) -> "Call[Json]":
     body: Json = {"template": template, "timeout_secs": timeout, "on_timeout": on_timeout,
                   "metadata": dict(metadata or {}), "envs": dict(envs or {})}
     if wait is not None:
         body["wait_secs"] = wait
+    if network is not None:
+        body["network"] = network_policy(network)
     return Call("POST", "/sandboxes", {"json": body}, _json)
 
 
@@ -131,6 +135,72 @@ def fork(sandbox_id: str, count: int) -> "Call[List[ForkEntry]]":
 def snapshot(sandbox_id: str, name: str) -> "Call[TemplateInfo]":
     return Call("POST", _sb(sandbox_id) + "/snapshot", {"json": {"name": name}},
                 lambda r: TemplateInfo.from_json(r.json(), "ready"))
+
+
+# ------------------------------------------------------------ network
+
+_POLICY_KEYS = ("allow_out", "deny_out")
+
+
+def _rules(key: str, rules: Any) -> List[str]:
+    if rules is None:
+        return []
+    if isinstance(rules, (str, bytes)):
+        raise TypeError(f"{key} is a list of rules, not one string")
+    out = list(rules)
+    for r in out:
+        if not isinstance(r, str):
+            raise TypeError(f"{key}: a rule is a string, not {r!r}")
+    return out
+
+
+def network_policy(network: Optional[NetworkArg] = None, *,
+                   allow_out: Optional[Sequence[str]] = None,
+                   deny_out: Optional[Sequence[str]] = None) -> Json:
+    """A policy body `{"allow_out": […], "deny_out": […]}` from a dict
+    and/or the two lists (the keywords win; a list left out is empty).
+    `active` (in what `get_network` answers) is dropped, so an answer can
+    be sent back. Only the types are checked here: the daemon checks the
+    rules, and refuses any other key (`InvalidRequestError`)."""
+    if network is not None and not isinstance(network, Mapping):
+        raise TypeError(f"network: expected a dict with allow_out/deny_out, not {network!r}")
+    body: Json = {k: v for k, v in (network or {}).items() if k != "active"}
+    if allow_out is not None:
+        body["allow_out"] = allow_out
+    if deny_out is not None:
+        body["deny_out"] = deny_out
+    for k in _POLICY_KEYS:
+        body[k] = _rules(k, body.get(k))
+    return body
+
+
+def _policy(r: httpx.Response) -> Json:
+    """`{"allow_out", "deny_out", "active"}` (and any field the daemon adds)."""
+    d = dict(r.json())
+    for k in _POLICY_KEYS:
+        d[k] = list(d.get(k) or [])
+    return d
+
+
+def get_network(sandbox_id: str) -> "Call[Json]":
+    return Call("GET", _sb(sandbox_id) + "/network", {}, _policy)
+
+
+def set_network(sandbox_id: str, policy: Json) -> "Call[Json]":
+    """Replaces the policy; answers it in normal form."""
+    return Call("POST", _sb(sandbox_id) + "/network", {"json": policy}, _policy)
+
+
+def egress_log(sandbox_id: str, limit: Optional[int]) -> "Call[List[Json]]":
+    """The last `limit` records (the daemon's default without one), oldest
+    first."""
+    params: Json = {}
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit {limit}: expected at least 1")
+        params["limit"] = int(limit)
+    return Call("GET", _sb(sandbox_id) + "/egress", {"params": params},
+                lambda r: [dict(rec) for rec in r.json().get("records", [])])
 
 
 # ------------------------------------------------------------ commands
@@ -354,10 +424,11 @@ def download_tar(sandbox_id: str, path: str) -> "Call[bytes]":
 
 def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
                   setup: Optional[Sequence[str]], ready: Ready, ready_timeout: Optional[float],
-                  envs: Optional[Mapping[str, str]]) -> Json:
+                  envs: Optional[Mapping[str, str]],
+                  network: Optional[NetworkArg] = None) -> Json:
     """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
     one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
-    `{"http_url": url}`."""
+    `{"http_url": url}`. `network`: the egress policy while it bakes."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
     spec: Json = {"name": name, "image": image, "vcpus": vcpus, "memory_mib": memory_mib,
@@ -366,6 +437,8 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
         spec["ready"] = {"command": ready} if isinstance(ready, str) else dict(ready)
     if ready_timeout is not None:
         spec["ready_timeout_secs"] = int(ready_timeout)
+    if network is not None:
+        spec["network"] = network_policy(network)
     return spec
 
 

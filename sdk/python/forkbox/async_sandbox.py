@@ -174,6 +174,30 @@ class AsyncFiles:
         _tar.unpack_to(await self.download_tar(path), local_dir)
 
 
+class AsyncNetwork:
+    """As `Network` (`sb.network`), for asyncio."""
+
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def _do(self, call: "Call[T]") -> T:
+        return await _do(self._sb._client, call)
+
+    async def get(self) -> Dict[str, Any]:
+        return await self._do(_api.get_network(self._sb.sandbox_id))
+
+    async def update(self, network: Optional[_api.NetworkArg] = None, *,
+                     allow_out: Optional[Sequence[str]] = None,
+                     deny_out: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        """As `Network.update`: replaces the whole policy."""
+        policy = _api.network_policy(network, allow_out=allow_out, deny_out=deny_out)
+        return await self._do(_api.set_network(self._sb.sandbox_id, policy))
+
+    async def egress_log(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """As `Network.egress_log`."""
+        return await self._do(_api.egress_log(self._sb.sandbox_id, limit))
+
+
 class AsyncSandbox(SandboxBase):
     """A sandbox on forkboxd, for asyncio. `async with` kills it on exit."""
 
@@ -182,16 +206,19 @@ class AsyncSandbox(SandboxBase):
         self._client = client
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.network = AsyncNetwork(self)
 
     @classmethod
     async def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,
                      metadata: Optional[Mapping[str, str]] = None,
                      envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
-                     wait: Optional[float] = None, url: Optional[str] = None) -> "AsyncSandbox":
+                     wait: Optional[float] = None,
+                     network: Optional[_api.NetworkArg] = None,
+                     url: Optional[str] = None) -> "AsyncSandbox":
         """As `Sandbox.create`."""
         c = shared_async_client(url)
         return cls(await _do(c, _api.create(template, timeout, on_timeout, metadata, envs,
-                                            wait)), c)
+                                            wait, network)), c)
 
     @classmethod
     async def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "AsyncSandbox":

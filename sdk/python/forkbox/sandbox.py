@@ -192,6 +192,58 @@ class Files:
         _tar.unpack_to(self.download_tar(path), local_dir)
 
 
+class Network:
+    """A sandbox's egress policy and log (`sb.network`). A new sandbox
+    reaches nothing outside itself unless its policy allows; a fork
+    starts with its parent's policy.
+
+    A rule is a DNS name (`pypi.org`), a suffix (`*.debian.org`: names
+    strictly below it), an address or CIDR (`10.1.0.0/16`,
+    `[2001:db8::/32]:443`) or `*`, each with an optional `:port`, port
+    range (`:8000-8999`) or `:*`. `host.forkbox.internal[:port]` is the
+    host's own loopback, reached only by a rule naming it. Deny rules win
+    over allow rules."""
+
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def _do(self, call: "Call[T]") -> T:
+        return _do(self._sb._client, call)
+
+    def get(self) -> Dict[str, Any]:
+        """The policy now, rules in normal form: `{"allow_out": [...],
+        "deny_out": [...], "active": True}`. `active` is False only for a
+        sandbox re-adopted after a daemon restart: it opens no new
+        connection, whatever the policy says."""
+        return self._do(_api.get_network(self._sb.sandbox_id))
+
+    def update(self, network: Optional[_api.NetworkArg] = None, *,
+               allow_out: Optional[Sequence[str]] = None,
+               deny_out: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        """Replaces the whole policy (a list not given is empty: `update()`
+        denies everything) and answers the new one, as `get`. New
+        connections and DNS lookups follow it at once; open connections
+        are left alone. Takes a dict like `get`'s answer (its `active` is
+        ignored), or the lists as keywords (which win over the dict's). A
+        bad rule raises `InvalidRequestError` naming it; the policy is then
+        unchanged."""
+        policy = _api.network_policy(network, allow_out=allow_out, deny_out=deny_out)
+        return self._do(_api.set_network(self._sb.sandbox_id, policy))
+
+    def egress_log(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """What the sandbox tried to reach, oldest first (the last `limit`
+        records; without it, the daemon's default). Each record is a dict:
+        `time_ms` (since the epoch), `sandbox`, `protocol` (`tcp`, `dns`
+        or `udp`), `name` (the DNS name asked, or looked up for the
+        address), `address`, `port`, `verdict` (`allow` or `deny`),
+        `reason` (`rule`, `no_rule`, `special_address`, `connect_failed`,
+        …), `rule` (the rule that decided), `answers` (a DNS answer's
+        addresses), `bytes_out`, `bytes_in`, `duration_ms`, `error`; the
+        optional ones are absent when empty. Readable after the sandbox
+        is killed, until the daemon's log TTL."""
+        return self._do(_api.egress_log(self._sb.sandbox_id, limit))
+
+
 class SandboxBase:
     """What the blocking and async sandboxes share: identity and the last
     info the daemon gave."""
@@ -226,6 +278,7 @@ class Sandbox(SandboxBase):
         self._client = client
         self.commands = Commands(self)
         self.files = Files(self)
+        self.network = Network(self)
 
     # -- creation and lookup
 
@@ -233,13 +286,19 @@ class Sandbox(SandboxBase):
     def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,
                metadata: Optional[Mapping[str, str]] = None,
                envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
-               wait: Optional[float] = None, url: Optional[str] = None) -> "Sandbox":
+               wait: Optional[float] = None, network: Optional[_api.NetworkArg] = None,
+               url: Optional[str] = None) -> "Sandbox":
         """Creates a sandbox from `template` (a fork of its zygote; the first
         create of a template not baked yet bakes it, which takes a while)
         and waits until it is ready. `timeout`: its time-to-live in seconds
-        (`None`: until killed); `on_timeout`: `kill` or `pause`."""
+        (`None`: until killed); `on_timeout`: `kill` or `pause`.
+        `network`: its egress policy, `{"allow_out": [rule, …],
+        "deny_out": [rule, …]}` (see `Network`); without it the sandbox
+        reaches nothing outside itself (a template's bake-time policy is
+        not inherited). A bad rule raises `InvalidRequestError`."""
         c = shared_client(url)
-        return cls(_do(c, _api.create(template, timeout, on_timeout, metadata, envs, wait)), c)
+        return cls(_do(c, _api.create(template, timeout, on_timeout, metadata, envs, wait,
+                                      network)), c)
 
     @classmethod
     def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "Sandbox":
@@ -326,4 +385,5 @@ class Sandbox(SandboxBase):
         self.kill()
 
 
-__all__ = ["Sandbox", "CommandHandle", "CommandResult", "EntryInfo", "UnsupportedError"]
+__all__ = ["Sandbox", "CommandHandle", "Network", "CommandResult", "EntryInfo",
+           "UnsupportedError"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import _api
-from ._api import Ready
+from ._api import NetworkArg, Ready
 from ._client import shared_async_client, shared_client
 from .models import TemplateInfo
 from .sandbox import _do
@@ -27,6 +27,7 @@ class Template:
     def build(name: str, *, image: str = "minimal", vcpus: int = 1, memory_mib: int = 512,
               setup: Optional[Sequence[str]] = None, ready: Ready = None,
               ready_timeout: Optional[float] = None, envs: Optional[Mapping[str, str]] = None,
+              network: Optional[NetworkArg] = None,
               on_progress: Optional[ProgressCallback] = None,
               url: Optional[str] = None) -> TemplateInfo:
         """Registers and bakes a template: boot `image`, run each `setup`
@@ -35,13 +36,19 @@ class Template:
         when ready, or `{"file": path}`, `{"tcp_port": n}`,
         `{"http_url": url}`), then keep the VM as the template's zygote.
 
+        `network`: the egress policy while it bakes (`{"allow_out": […],
+        "deny_out": […]}`, as `Sandbox.create`'s), e.g. the package
+        mirrors `setup` needs. It holds only for the bake: sandboxes
+        created from the template start with their own (default: deny
+        all).
+
         `on_progress` gets every event of the bake as a dict: `{"type":
         "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,
         and the last one, `done` (with `boot_ms`, `total_ms`) or `failed`.
         A failed bake raises `TemplateError` (`.step`, `.output`);
         `TemplateInfrastructureError` when the VM failed, not the recipe."""
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs)
+                                  envs, network)
         return _bake(shared_client(url).stream_ndjson("POST", "/templates", json=spec),
                      on_progress)
 
@@ -93,10 +100,11 @@ class AsyncTemplate:
                     memory_mib: int = 512, setup: Optional[Sequence[str]] = None,
                     ready: Ready = None, ready_timeout: Optional[float] = None,
                     envs: Optional[Mapping[str, str]] = None,
+                    network: Optional[NetworkArg] = None,
                     on_progress: Optional[ProgressCallback] = None,
                     url: Optional[str] = None) -> TemplateInfo:
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs)
+                                  envs, network)
         return await _abake(shared_async_client(url).stream_ndjson("POST", "/templates",
                                                                    json=spec), on_progress)
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -28,26 +28,39 @@ SMALL_MAX_LIVE = 2
 
 
 @contextlib.contextmanager
-def _forkboxd(max_live: int) -> Iterator[str]:
-    """A forkboxd on a fresh unix socket; its URL. The log tail goes to
-    stderr at the end."""
+def _forkboxd(max_live: int, tcp_port: Optional[int] = None,
+              token: Optional[str] = None) -> Iterator[str]:
+    """A forkboxd on a fresh unix socket (or on 127.0.0.1:`tcp_port`,
+    which needs `token`); its URL. The log tail goes to stderr at the
+    end."""
     # /tmp: the emulated host mounts everything else read-only.
     d = tempfile.mkdtemp(prefix="forkboxd-test-", dir="/tmp")
     sock = os.path.join(d, "forkbox.sock")
     exe = os.environ.get("FORKBOXD") or str(REPO / "target" / "release" / "forkboxd")
     log = open(os.path.join(d, "forkboxd.log"), "w+b")
+    if tcp_port is None:
+        listen = [f"unix://{sock}"]
+    else:
+        listen = [f"tcp://127.0.0.1:{tcp_port}", "--state-dir", os.path.join(d, "state")]
     proc = subprocess.Popen(
-        [exe, "--listen", f"unix://{sock}", "--max-live", str(max_live), "--create-wait", "0"],
+        [exe, "--listen", *listen, "--max-live", str(max_live), "--create-wait", "0",
+         *(["--token", token] if token else [])],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
             log.seek(0)
             pytest.fail(f"forkboxd exited with {proc.returncode}:\n{log.read().decode()}")
-        if os.path.exists(sock):
+        if tcp_port is not None or os.path.exists(sock):
             try:
-                with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
-                    if c.get("http://forkboxd/health").status_code == 200:
+                if tcp_port is None:
+                    transport = httpx.HTTPTransport(uds=sock)
+                    health = "http://forkboxd/health"
+                else:
+                    transport = httpx.HTTPTransport()
+                    health = f"http://127.0.0.1:{tcp_port}/health"
+                with httpx.Client(transport=transport, trust_env=False) as c:
+                    if c.get(health).status_code == 200:
                         break
             except httpx.TransportError:
                 pass
@@ -56,7 +69,7 @@ def _forkboxd(max_live: int) -> Iterator[str]:
             pytest.fail("forkboxd did not come up within 120 s")
         time.sleep(0.05)
     try:
-        yield f"unix://{sock}"
+        yield f"unix://{sock}" if tcp_port is None else f"http://127.0.0.1:{tcp_port}"
     finally:
         proc.terminate()
         try:

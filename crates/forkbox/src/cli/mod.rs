@@ -5,6 +5,8 @@
 //!
 //! - `template`: bake (with progress), list, rm; template TOML files.
 //! - `sandbox`: create, fork, ls, kill, snapshot, pause, resume, info; `logs`.
+//! - `network`: `sandbox network` (the egress policy) and `sandbox egress`
+//!   (the egress log); `--allow-out`/`--deny-out` on `sandbox create`.
 //! - `exec`: a command with streamed output and its exit code passed through.
 //! - `cp`: files and directories in and out, `SANDBOX:PATH` on the guest side.
 
@@ -17,6 +19,7 @@ use forkbox::client::Client;
 
 mod cp;
 mod exec;
+mod network;
 mod sandbox;
 mod template;
 
@@ -41,7 +44,8 @@ pub enum ClientCmd {
         #[command(flatten)]
         out: Out,
     },
-    /// Sandboxes: create, fork, list, kill, snapshot, pause, resume, info.
+    /// Sandboxes: create, fork, list, kill, snapshot, pause, resume, info,
+    /// network (egress policy), egress (what they tried to reach).
     Sandbox {
         #[command(subcommand)]
         command: sandbox::SandboxCmd,

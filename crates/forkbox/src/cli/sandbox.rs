@@ -4,15 +4,18 @@ use std::collections::BTreeMap;
 
 use clap::Subcommand;
 use forkbox::client::{segment, with_query, Body, Client};
+use forkbox_net::policy::PolicySpec;
 use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::network::{self, PolicyArgs};
 use super::{cell, duration_ms, key_value, print_json, print_table, Format, SandboxId};
 
 #[derive(Subcommand)]
 pub enum SandboxCmd {
-    /// Create a sandbox from a template and wait until it is ready.
+    /// Create a sandbox from a template and wait until it is ready. It
+    /// reaches nothing outside itself but what --allow-out allows.
     Create {
         template: String,
         /// Seconds it lives (from ready); default: until killed.
@@ -24,6 +27,8 @@ pub enum SandboxCmd {
         /// KEY=VALUE environment for every command in it (repeat for more).
         #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
         envs: Vec<(String, String)>,
+        #[command(flatten)]
+        network: PolicyArgs,
     },
     /// Fork a sandbox into COUNT children.
     Fork {
@@ -56,6 +61,27 @@ pub enum SandboxCmd {
     Resume { sandbox: SandboxId },
     /// Everything the daemon knows about one sandbox.
     Info { sandbox: SandboxId },
+    /// Show a sandbox's egress policy; with --allow-out/--deny-out (or
+    /// --deny-all), replace it. New connections and DNS lookups follow a
+    /// new policy at once.
+    Network {
+        sandbox: SandboxId,
+        #[command(flatten)]
+        rules: PolicyArgs,
+        /// Replace the policy with one that allows nothing.
+        #[arg(long, conflicts_with_all = ["allow_out", "deny_out"])]
+        deny_all: bool,
+    },
+    /// What a sandbox tried to reach, oldest first: time (UTC), protocol,
+    /// destination, verdict, the rule or reason, bytes out/in, duration.
+    /// --json prints one JSON object per line. A killed sandbox's log
+    /// stays readable for a while.
+    Egress {
+        sandbox: SandboxId,
+        /// Only the last N records (default: the daemon's).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        limit: Option<u32>,
+    },
 }
 
 /// `POST /sandboxes`.
@@ -66,6 +92,9 @@ struct CreateBody {
     timeout_secs: Option<f64>,
     metadata: BTreeMap<String, String>,
     envs: BTreeMap<String, String>,
+    /// Absent: the daemon's default, deny all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    network: Option<PolicySpec>,
 }
 
 /// The fields of forkboxd's `SandboxInfo` that tables show.
@@ -81,7 +110,7 @@ struct SandboxView {
     parent: Option<String>,
 }
 
-fn sandbox_path(id: &SandboxId) -> String {
+pub(super) fn sandbox_path(id: &SandboxId) -> String {
     format!("/sandboxes/{}", segment(id.as_str()))
 }
 
@@ -92,12 +121,14 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
             timeout,
             labels,
             envs,
+            network,
         } => {
             let body = CreateBody {
                 template,
                 timeout_secs: timeout,
                 metadata: labels.into_iter().collect(),
                 envs: envs.into_iter().collect(),
+                network: (!network.is_empty()).then(|| network.into_spec()),
             };
             let info: Value = client
                 .call(Method::POST, "/sandboxes", Body::json(&body))?
@@ -199,6 +230,19 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
             }
             Ok(0)
         }
+        SandboxCmd::Network {
+            sandbox,
+            rules,
+            deny_all,
+        } => {
+            let replace = if deny_all {
+                Some(PolicySpec::default())
+            } else {
+                (!rules.is_empty()).then(|| rules.into_spec())
+            };
+            network::network(client, &sandbox, replace, format)
+        }
+        SandboxCmd::Egress { sandbox, limit } => network::egress(client, &sandbox, limit, format),
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Subcommand;
 use forkbox::client::{segment, Body, Client};
+use forkbox_net::policy::PolicySpec;
 use hyper::Method;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -24,7 +25,9 @@ pub enum TemplateCmd {
     Bake {
         name: String,
         /// A template file (TOML: image, vcpus, memory_mib, setup, ready,
-        /// ready_timeout_secs, envs); the template is created as NAME.
+        /// ready_timeout_secs, envs, network); the template is created as
+        /// NAME. `[network]` (allow_out, deny_out: lists of rules as in
+        /// `sandbox create --allow-out`) holds only while it bakes.
         #[arg(long, short)]
         file: Option<PathBuf>,
     },
@@ -288,6 +291,9 @@ impl Progress {
 /// ready_timeout_secs = 60
 /// [envs]
 /// PYTHONUNBUFFERED = "1"
+/// [network]                 # egress while it bakes only; default: none
+/// allow_out = ["deb.debian.org:80", "*.pythonhosted.org:443"]
+/// deny_out = []
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -308,6 +314,9 @@ pub struct TemplateFile {
     pub ready_timeout_secs: Option<u64>,
     #[serde(default, alias = "env")]
     pub envs: BTreeMap<String, String>,
+    /// The egress policy while it bakes (sandboxes do not inherit it).
+    #[serde(default)]
+    pub network: Option<PolicySpec>,
 }
 
 /// When a baked template counts as ready (forkboxd's `Readiness`).
@@ -335,6 +344,8 @@ pub struct TemplateSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ready_timeout_secs: Option<u64>,
     pub envs: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<PolicySpec>,
 }
 
 impl TemplateFile {
@@ -364,6 +375,7 @@ impl TemplateFile {
             ready: self.ready,
             ready_timeout_secs: self.ready_timeout_secs,
             envs: self.envs,
+            network: self.network,
         })
     }
 }
@@ -384,6 +396,8 @@ ready = { tcp_port = 8000 }
 ready_timeout_secs = 30
 [envs]
 A = "1"
+[network]
+allow_out = ["deb.debian.org:80"]
 "#,
         )
         .expect("parse");
@@ -394,7 +408,8 @@ A = "1"
                 "name": "py", "image": "debian", "vcpus": 2, "memory_mib": 1024,
                 "setup": ["apt-get install -y python3", "mkdir /work"],
                 "ready": {"tcp_port": 8000}, "ready_timeout_secs": 30,
-                "envs": {"A": "1"}
+                "envs": {"A": "1"},
+                "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []}
             })
         );
     }
@@ -440,6 +455,8 @@ A = "1"
             "image = \"debian\"\nready = { port = 1 }\n",
             "image = \"debian\"\nready = { tcp_port = 70000 }\n",
             "image = \"debian\"\nsetup = \"one\"\n",
+            "image = \"debian\"\n[network]\nallow = [\"a.org\"]\n",
+            "image = \"debian\"\n[network]\nallow_out = \"a.org\"\n",
         ] {
             assert!(TemplateFile::parse(bad).is_err(), "{bad}");
         }
