@@ -90,8 +90,7 @@ fn policy_message(policy: &Policy) -> Result<Vec<u8>, NetBrokerError> {
     }
 }
 
-/// A running broker; dropping it stops accepting (connections already
-/// made keep being served until their VMM hangs up).
+/// A running broker; dropping it stops it and hangs up on its VMMs.
 pub struct NetBroker {
     path: PathBuf,
     listener: Arc<OwnedFd>,
@@ -186,6 +185,12 @@ impl Drop for NetBroker {
         // Wakes the blocked accept (it fails with EINVAL).
         let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
         let _ = std::fs::remove_file(&self.path);
+        // Hangs up on every VMM, as a broker whose process died would:
+        // their serving threads end.
+        let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        for conn in conns.iter().filter_map(Weak::upgrade) {
+            let _ = rustix::net::shutdown(&*conn, rustix::net::Shutdown::Both);
+        }
     }
 }
 
@@ -473,6 +478,19 @@ mod tests {
             Err(NetBrokerError::PolicyTooLarge { .. })
         ));
         assert_eq!(broker.policy(), Policy::deny_all());
+    }
+
+    #[test]
+    fn netbroker_dropped_hangs_up_on_its_vmms() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let broker =
+            NetBroker::start(&dir.path().join("b.sock"), Policy::deny_all()).expect("broker");
+        let (fd, _) = client(broker.path());
+        drop(broker);
+        let mut buf = [0u8; 16];
+        let got = rustix::net::recv(&fd, &mut buf, RecvFlags::empty()).expect("recv");
+        assert_eq!(got.0, 0, "hung up");
+        assert!(!dir.path().join("b.sock").exists());
     }
 
     #[test]

@@ -252,10 +252,14 @@ struct VmNet {
 }
 
 impl VmNet {
+    fn broker_path(dir: &Path) -> PathBuf {
+        dir.join("net-broker.sock")
+    }
+
     /// Starts the broker of a VM whose directory is `dir`.
     fn start(dir: &Path, policy: Policy, egress_log: Option<PathBuf>) -> Result<Self, VmError> {
         Ok(Self {
-            broker: NetBroker::start(&dir.join("net-broker.sock"), policy)?,
+            broker: NetBroker::start(&Self::broker_path(dir), policy)?,
             egress_log: egress_log.unwrap_or_else(|| dir.join(EGRESS_LOG)),
         })
     }
@@ -304,9 +308,18 @@ impl VmDir {
     }
 }
 
+impl VmDir {
+    /// Leaves the directory in place; its path.
+    fn keep(&mut self) -> PathBuf {
+        std::mem::take(&mut self.0)
+    }
+}
+
 impl Drop for VmDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
 
@@ -541,6 +554,14 @@ impl Vm {
     /// its VMM must answer on the control socket in `h.dir` with the
     /// recorded pid. The VM keeps its run state.
     pub fn adopt(h: &VmHandle) -> Result<Vm, VmError> {
+        Self::adopt_with_network(h, None)
+    }
+
+    /// [`adopt`](Self::adopt) a VM that has a network, serving it a broker
+    /// again (at the path its VMM knows; the VMM reaches it on the guest's
+    /// next connection or lookup) with `network`'s policy and log. The
+    /// broker of the process that died is gone with it.
+    pub fn adopt_with_network(h: &VmHandle, network: Option<&NetworkSpec>) -> Result<Vm, VmError> {
         let not = |why: String| VmError::NotAdoptable {
             dir: h.dir.clone(),
             why,
@@ -558,6 +579,18 @@ impl Vm {
             other => return Err(not(format!("unknown state {other:?}"))),
         };
         let pidfd = pidfd_of(h.pid)?;
+        let net = match network {
+            Some(n) => {
+                // The dead broker's socket file.
+                let _ = std::fs::remove_file(VmNet::broker_path(&h.dir));
+                Some(VmNet::start(
+                    &h.dir,
+                    n.policy.clone(),
+                    n.egress_log.clone(),
+                )?)
+            }
+            None => None,
+        };
         Ok(Vm {
             vmm: Some(Vmm::Forked { pid: h.pid, pidfd }),
             dir: VmDir(h.dir.clone()),
@@ -567,8 +600,21 @@ impl Vm {
             boot_time: Duration::ZERO,
             after_fork: None,
             vmm_answered: None,
-            net: None,
+            net,
         })
+    }
+
+    /// Lets the VM run on without this process, as when the process dies:
+    /// its VMM and directory stay, its broker stops (the guest's new
+    /// connections fail until a process adopts it with a network). What
+    /// [`adopt`](Self::adopt) needs is returned.
+    pub fn detach(mut self) -> VmHandle {
+        let handle = self.handle();
+        self.net = None;
+        // Neither killed nor waited for: dropping a `Child` does neither.
+        self.vmm = None;
+        self.dir.keep();
+        handle
     }
 
     /// Clears away a VM that cannot be adopted: kills its VMM if `h.pid`

@@ -190,13 +190,45 @@ fn watch_stream(epoll: &Epoll, stream: &TcpStream) -> io::Result<()> {
     epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), ev)
 }
 
+/// Opens a connector's link to the broker at `path`: its first message
+/// (the policy) read, then non-blocking and watched by `epoll`.
+fn open_connect_link(path: &Path, epoll: &Epoll) -> io::Result<(OwnedFd, Policy)> {
+    let conn = seqpacket_connect(path)?;
+    let policy = first_policy(&conn)?;
+    rustix::io::ioctl_fionbio(&conn, true)?;
+    epoll.ctl(
+        ControlOperation::Add,
+        conn.as_raw_fd(),
+        EpollEvent::new(EventSet::IN, TOKEN_BROKER),
+    )?;
+    Ok((conn, policy))
+}
+
+/// Opens a resolver's link to the broker at `path`: blocking, each answer
+/// awaited at most [`BLOCKING_LIMIT`]. (Its first message, the policy, is
+/// skipped like any message that answers nothing asked.)
+fn open_resolve_link(path: &Path) -> io::Result<OwnedFd> {
+    let conn = seqpacket_connect(path)?;
+    rustix::net::sockopt::set_socket_timeout(
+        &conn,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(BLOCKING_LIMIT),
+    )?;
+    Ok(conn)
+}
+
 /// Opens the gateway's allowed connections.
 pub enum AnyConnector {
-    /// Asks the broker; answers arrive later.
+    /// Asks the broker at `path`; answers arrive later. `sock` is `None`
+    /// once the broker hung up (the process that held it died): the next
+    /// connect tries `path` again, where a restarted daemon serves the
+    /// VMs it re-adopts.
     Broker {
-        sock: OwnedFd,
+        path: PathBuf,
+        sock: Option<OwnedFd>,
         epoll: Arc<Epoll>,
-        alive: bool,
+        /// The policy a new link started with, not yet given the gateway.
+        pending_policy: Option<Policy>,
     },
     /// Connects to the host's loopback for `host.forkbox.internal` only.
     Loopback { epoll: Arc<Epoll> },
@@ -206,12 +238,18 @@ impl AnyConnector {
     /// The broker's answers so far, with their streams watched, and the
     /// newest policy it sent, if any.
     fn take_messages(&mut self) -> (Vec<(ConnId, ConnectOutcome)>, Option<Policy>) {
-        let AnyConnector::Broker { sock, epoll, alive } = self else {
+        let AnyConnector::Broker {
+            sock: link,
+            epoll,
+            pending_policy,
+            ..
+        } = self
+        else {
             return (Vec::new(), None);
         };
         let mut out = Vec::new();
-        let mut policy = None;
-        while *alive {
+        let mut policy = pending_policy.take();
+        while let Some(sock) = link {
             match recv_message(&*sock) {
                 Ok(Some((BrokerMessage::Policy { policy: p }, _))) => policy = Some(p),
                 Ok(Some((BrokerMessage::Reply(reply), fd))) => {
@@ -233,13 +271,16 @@ impl AnyConnector {
                     out.push((ConnId(reply.id), outcome));
                 }
                 Ok(None) => {
-                    tracing::warn!("network broker hung up: new connections will time out");
+                    tracing::warn!(
+                        "network broker hung up: connections in progress will time out, \
+                         new ones try to reach a broker again"
+                    );
                     let _ = epoll.ctl(
                         ControlOperation::Delete,
                         sock.as_raw_fd(),
                         EpollEvent::default(),
                     );
-                    *alive = false;
+                    *link = None;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -256,17 +297,35 @@ impl AnyConnector {
 impl Connector for AnyConnector {
     fn connect(&mut self, request: &ConnectRequest) -> Option<ConnectOutcome> {
         match self {
-            AnyConnector::Broker { sock, alive, .. } => {
-                if !*alive {
-                    return Some(ConnectOutcome::Refused("the broker is gone".into()));
+            AnyConnector::Broker {
+                path,
+                sock,
+                epoll,
+                pending_policy,
+            } => {
+                if sock.is_none() {
+                    match open_connect_link(path, epoll) {
+                        Ok((s, policy)) => {
+                            tracing::info!("network broker reached again");
+                            *sock = Some(s);
+                            *pending_policy = Some(policy);
+                        }
+                        Err(e) => {
+                            return Some(ConnectOutcome::Refused(format!(
+                                "the broker is gone ({}: {e})",
+                                path.display()
+                            )))
+                        }
+                    }
                 }
+                let sock = sock.as_ref()?;
                 let req = BrokerRequest::Connect {
                     id: request.id.0,
                     name: request.name.clone(),
                     address: request.address,
                     port: request.port,
                 };
-                match send_request(&*sock, &req) {
+                match send_request(sock, &req) {
                     Ok(()) => None,
                     Err(e) => Some(ConnectOutcome::Refused(format!("broker: {e}"))),
                 }
@@ -294,8 +353,14 @@ fn loopback_connect(epoll: &Epoll, request: &ConnectRequest) -> ConnectOutcome {
 
 /// Resolves the names the policy allows.
 pub enum AnyResolver {
-    /// Asks the broker (blocking, bounded by a receive timeout).
-    Broker { sock: OwnedFd, next_id: u64 },
+    /// Asks the broker at `path` (blocking, bounded by a receive
+    /// timeout); `sock` is `None` after it hung up, until the next lookup
+    /// reaches one again.
+    Broker {
+        path: PathBuf,
+        sock: Option<OwnedFd>,
+        next_id: u64,
+    },
     /// The host's resolver.
     Host,
 }
@@ -319,34 +384,64 @@ impl Resolver for AnyResolver {
                 }
                 Err(_) => Err(ResolveError::NotFound),
             },
-            AnyResolver::Broker { sock, next_id } => {
+            AnyResolver::Broker {
+                path,
+                sock,
+                next_id,
+            } => {
                 *next_id += 1;
-                let id = *next_id;
                 let req = BrokerRequest::Resolve {
-                    id,
+                    id: *next_id,
                     name: name.to_owned(),
                 };
-                send_request(&*sock, &req).map_err(|e| ResolveError::Failed(e.to_string()))?;
-                loop {
-                    match recv_message(&*sock) {
-                        Ok(Some((BrokerMessage::Reply(r), _))) if r.id == id => {
-                            return match (r.ok, r.not_found) {
-                                (true, _) => Ok(r.addresses),
-                                (false, true) => Err(ResolveError::NotFound),
-                                (false, false) => Err(ResolveError::Failed(
-                                    r.error.unwrap_or_else(|| "resolve failed".into()),
-                                )),
-                            };
-                        }
-                        // A late answer to an earlier, timed-out question,
-                        // or a policy (the connector's copy is the one used).
-                        Ok(Some(_)) => {}
-                        Ok(None) => return Err(ResolveError::Failed("broker hung up".into())),
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(ResolveError::Failed(e.to_string())),
+                // A broker that hung up may have been replaced: one more try.
+                for _ in 0..2 {
+                    let link = match sock {
+                        Some(link) => link,
+                        None => sock.insert(open_resolve_link(path).map_err(|e| {
+                            ResolveError::Failed(format!("the broker is gone: {e}"))
+                        })?),
+                    };
+                    match ask_resolve(link, &req, *next_id) {
+                        Some(answer) => return answer,
+                        None => *sock = None,
                     }
                 }
+                Err(ResolveError::Failed("the broker hung up".into()))
             }
+        }
+    }
+}
+
+/// One resolve question and its answer; `None`: the broker hung up.
+fn ask_resolve(
+    sock: &OwnedFd,
+    req: &BrokerRequest,
+    id: u64,
+) -> Option<Result<Vec<Ipv4Addr>, ResolveError>> {
+    if let Err(e) = send_request(sock, req) {
+        return match e.raw_os_error() {
+            Some(libc::EPIPE | libc::ECONNRESET | libc::ENOTCONN) => None,
+            _ => Some(Err(ResolveError::Failed(e.to_string()))),
+        };
+    }
+    loop {
+        match recv_message(sock) {
+            Ok(Some((BrokerMessage::Reply(r), _))) if r.id == id => {
+                return Some(match (r.ok, r.not_found) {
+                    (true, _) => Ok(r.addresses),
+                    (false, true) => Err(ResolveError::NotFound),
+                    (false, false) => Err(ResolveError::Failed(
+                        r.error.unwrap_or_else(|| "resolve failed".into()),
+                    )),
+                });
+            }
+            // A late answer to an earlier, timed-out question, or a policy
+            // (the connector's copy is the one used).
+            Ok(Some(_)) => {}
+            Ok(None) => return None,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Some(Err(ResolveError::Failed(e.to_string()))),
         }
     }
 }
@@ -379,34 +474,22 @@ impl GatewayBackend {
                     path: path.clone(),
                     source,
                 };
-                let conn = seqpacket_connect(path).map_err(err)?;
                 // The broker's policy is the sandbox's now (it may have
                 // changed since boot, or differ in a fork child).
-                policy = first_policy(&conn).map_err(err)?;
-                rustix::io::ioctl_fionbio(&conn, true).map_err(|e| err(e.into()))?;
-                epoll
-                    .ctl(
-                        ControlOperation::Add,
-                        conn.as_raw_fd(),
-                        EpollEvent::new(EventSet::IN, TOKEN_BROKER),
-                    )
-                    .map_err(NetError::Setup)?;
-                let res = seqpacket_connect(path).map_err(err)?;
-                rustix::net::sockopt::set_socket_timeout(
-                    &res,
-                    rustix::net::sockopt::Timeout::Recv,
-                    Some(BLOCKING_LIMIT),
-                )
-                .map_err(|e| err(e.into()))?;
+                let (conn, broker_policy) = open_connect_link(path, &epoll).map_err(err)?;
+                policy = broker_policy;
+                let res = open_resolve_link(path).map_err(err)?;
                 (
                     AnyResolver::Broker {
-                        sock: res,
+                        path: path.clone(),
+                        sock: Some(res),
                         next_id: 0,
                     },
                     AnyConnector::Broker {
-                        sock: conn,
+                        path: path.clone(),
+                        sock: Some(conn),
                         epoll: Arc::clone(&epoll),
-                        alive: true,
+                        pending_policy: None,
                     },
                 )
             }
