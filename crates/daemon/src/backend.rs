@@ -464,7 +464,12 @@ pub(crate) mod fake {
             opts: &ForkOptions,
         ) -> Result<Vec<ForkedMachine>, BackendError> {
             self.world.forks.fetch_add(1, ORD);
-            let policy = opts.policy.clone().or_else(|| self.policy().clone());
+            // As `Vm::fork_with`: a parent without a network ignores
+            // `opts`, and its children have none either.
+            let policy = self
+                .policy()
+                .clone()
+                .map(|p| opts.policy.clone().unwrap_or(p));
             let mut logs = self.world.egress_logs.lock().expect("egress_logs");
             logs.extend((0..n).map(|i| opts.egress_logs.get(i).cloned()));
             drop(logs);

@@ -926,8 +926,11 @@ impl Daemon {
     /// A re-adopted sandbox keeps its recorded egress policy, but only as
     /// a record: its network broker lived in the earlier daemon, so it
     /// opens no new connection (its `network` says `active: false`) and
-    /// its policy cannot change. Egress logs of sandboxes not re-adopted
-    /// are kept until the log TTL from their last write.
+    /// its policy cannot change. The same holds for sandboxes forked from
+    /// a re-adopted zygote, until the template is deleted and baked
+    /// again. Reconnecting a VMM to a new broker is not built. Egress logs
+    /// of sandboxes not re-adopted are kept until the log TTL from their
+    /// last write.
     pub fn recover(&self) -> (usize, usize) {
         let Some(store) = self.inner.store.clone() else {
             return (0, 0);
@@ -940,6 +943,7 @@ impl Daemon {
                 Ok(m) => {
                     adopted += 1;
                     let name = t.spec.name.clone();
+                    tracing::info!(template = %name, "re-adopted a zygote: sandboxes forked from it have no egress until the template is deleted and baked again");
                     self.lock().templates.insert(
                         name,
                         Template {
@@ -2550,6 +2554,9 @@ mod tests {
         assert_eq!(e.kind(), "conflict");
         // A dead sandbox's log outlives the daemon (until its TTL).
         assert_eq!(d.egress(&gone.id, 10).await.expect("log").len(), 1);
+        // Forks of the re-adopted zygote have no broker either.
+        let fresh = created(&d, None).await;
+        assert!(!network(&d, &fresh.id).await.expect("network").active);
         assert_eq!(
             d.template("minimal").expect("t").state,
             TemplateState::Ready
@@ -2558,14 +2565,15 @@ mod tests {
         assert!(forked(&d, &a.id, 1).await[0].is_ok());
         created(&d, None).await;
         assert_eq!(world.boots.load(ORD), 0, "the zygote was re-adopted");
-        // What was cleared is forgotten: a third run finds 4 live VMs.
+        // What was cleared is forgotten: a third run finds the zygote and
+        // 5 sandboxes.
         let d3 = Daemon::with_store(
             Arc::new(Fake::default()),
             Config::default(),
             store(),
             egress(),
         );
-        assert_eq!(d3.recover(), (5, 0));
+        assert_eq!(d3.recover(), (6, 0));
     }
 
     fn policy(allow: &[&str]) -> Policy {
