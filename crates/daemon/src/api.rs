@@ -522,7 +522,9 @@ fn secs(v: Option<f64>, what: &str) -> ApiResult<Option<Duration>> {
 
 /// Creates a sandbox and waits until it is ready: a copy-on-write fork of
 /// the template's zygote. A template not baked yet is baked first (the
-/// first creation from `debian` takes its boot; later ones a fork).
+/// first creation from `debian` takes its boot; later ones a fork). Its
+/// egress is `network`, or nothing; a bad rule is a 400 and nothing is
+/// made.
 #[utoipa::path(post, path = "/sandboxes", request_body = CreateBody,
     responses((status = 201, body = SandboxInfo), (status = 400, body = ApiErrorBody),
               (status = 404, body = ApiErrorBody), (status = 429, body = ApiErrorBody),
@@ -880,9 +882,10 @@ pub enum ForkChild {
 }
 
 /// Forks a running or paused sandbox into `count` copy-on-write children,
-/// which inherit its labels, time-to-live and environment and run at once;
-/// the parent keeps its state. One entry per child, in order. The request
-/// as a whole fails (an error status) only when no child could be made.
+/// which inherit its labels, time-to-live, environment and current egress
+/// policy (each logs its egress on its own) and run at once; the parent
+/// keeps its state. One entry per child, in order. The request as a whole
+/// fails (an error status) only when no child could be made.
 #[utoipa::path(post, path = "/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = ForkBody,
     responses((status = 200, body = [ForkChild]), (status = 404, body = ApiErrorBody),
               (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
