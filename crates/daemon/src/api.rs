@@ -662,8 +662,8 @@ async fn sandbox_logs(
 }
 
 /// The egress policy of a running or paused sandbox. `active: false`: a
-/// sandbox re-adopted after a daemon restart, which opens no new
-/// connection (its network broker died with the earlier daemon).
+/// sandbox without a network broker (re-adopted from state an older
+/// daemon wrote), which opens no new connection.
 #[utoipa::path(get, path = "/sandboxes/{id}/network", params(("id" = String, Path)),
     responses((status = 200, body = NetworkInfo), (status = 404, body = ApiErrorBody),
               (status = 409, body = ApiErrorBody)))]

@@ -58,8 +58,14 @@ pub enum BackendError {
 pub trait Backend: Send + Sync + 'static {
     /// Boots a fresh VM and waits for its agent. Blocking.
     fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError>;
-    /// Takes back a VM an earlier daemon run started.
-    fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError>;
+    /// Takes back a VM an earlier daemon run started; with `network`, one
+    /// that has a network is served a broker again (the earlier run's
+    /// died with it) with that policy and egress log.
+    fn adopt(
+        &self,
+        handle: &VmHandle,
+        network: Option<&NetworkSpec>,
+    ) -> Result<Box<dyn Machine>, BackendError>;
     /// Clears away what is left of a VM that cannot be adopted.
     fn discard(&self, handle: &VmHandle);
 }
@@ -92,8 +98,7 @@ pub trait Machine: Send + Sync {
     /// it, open connections stay.
     fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError>;
     /// The egress policy in force; `None` for a VM without a network (one
-    /// re-adopted after a daemon restart: its broker died with the
-    /// earlier daemon).
+    /// re-adopted without one: its broker died with the earlier daemon).
     fn network_policy(&self) -> Option<Policy>;
     /// Where another daemon run can find this VM again.
     fn handle(&self) -> Option<VmHandle>;
@@ -135,8 +140,12 @@ impl Backend for VmBackend {
         Ok(VmMachine::boxed(vm))
     }
 
-    fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError> {
-        let vm = Vm::adopt(handle).map_err(BackendError::Adopt)?;
+    fn adopt(
+        &self,
+        handle: &VmHandle,
+        network: Option<&NetworkSpec>,
+    ) -> Result<Box<dyn Machine>, BackendError> {
+        let vm = Vm::adopt_with_network(handle, network).map_err(BackendError::Adopt)?;
         Ok(VmMachine::boxed(vm))
     }
 
@@ -303,7 +312,8 @@ pub(crate) mod fake {
     use forkbox_proto::client::AgentClient;
 
     use super::{
-        Backend, BackendError, ForkOptions, ForkedMachine, Machine, MachineSpec, VmHandle,
+        Backend, BackendError, ForkOptions, ForkedMachine, Machine, MachineSpec, NetworkSpec,
+        VmHandle,
     };
 
     /// VMs that boot and fork instantly (or fail to), with no agent
@@ -342,7 +352,7 @@ pub(crate) mod fake {
     struct FakeMachine {
         world: Arc<World>,
         pid: u32,
-        /// `None`: no network (re-adopted).
+        /// `None`: no network (re-adopted without one).
         policy: Mutex<Option<Policy>>,
     }
 
@@ -381,13 +391,17 @@ pub(crate) mod fake {
             Ok(FakeMachine::boxed(&self.world, Some(policy)))
         }
 
-        fn adopt(&self, handle: &VmHandle) -> Result<Box<dyn Machine>, BackendError> {
+        fn adopt(
+            &self,
+            handle: &VmHandle,
+            network: Option<&NetworkSpec>,
+        ) -> Result<Box<dyn Machine>, BackendError> {
             let gone = self.world.gone.lock().expect("gone").contains(&handle.pid);
             if gone {
                 return Err(BackendError::Unsupported("adopting a VM that is gone"));
             }
-            // As a real re-adopted VM: its broker is gone.
-            Ok(FakeMachine::with_pid(&self.world, handle.pid, None))
+            let policy = network.map(|n| n.policy.clone());
+            Ok(FakeMachine::with_pid(&self.world, handle.pid, policy))
         }
 
         fn discard(&self, handle: &VmHandle) {
@@ -452,7 +466,9 @@ pub(crate) mod fake {
                     *p = policy.clone();
                     Ok(())
                 }
-                None => Err(BackendError::Unsupported("a network on a re-adopted VM")),
+                None => Err(BackendError::Unsupported(
+                    "a network policy on a VM without a network",
+                )),
             }
         }
         fn network_policy(&self) -> Option<Policy> {

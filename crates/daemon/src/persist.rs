@@ -33,10 +33,9 @@ pub struct SavedSandbox {
     pub envs: BTreeMap<String, String>,
     pub spec: TemplateSpec,
     pub vm: VmHandle,
-    /// Its egress policy when last written. Only a record: the network
-    /// broker of a sandbox lives in the daemon that started it, so a
-    /// re-adopted sandbox opens no new connection (see
-    /// `Machine::network_policy`).
+    /// Its egress policy when last written: a re-adopted sandbox is
+    /// served a new broker with it. `None` (state written before
+    /// sandboxes had networks): adopted without a network.
     #[serde(default)]
     pub network: Option<Policy>,
 }
@@ -50,6 +49,9 @@ pub struct SavedTemplate {
     pub drop_on_failure: bool,
     pub bake_ms: u64,
     pub vm: VmHandle,
+    /// The zygote's egress policy (deny all), as for [`SavedSandbox`].
+    #[serde(default)]
+    pub network: Option<Policy>,
 }
 
 impl SavedSandbox {

@@ -32,7 +32,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use utoipa::ToSchema;
 
-use crate::backend::{self, Backend, BackendError, ForkOptions, Machine};
+use crate::backend::{self, Backend, BackendError, ForkOptions, Machine, NetworkSpec};
 use crate::core::{
     Admission, CoreError, DeathCause, ExpiryAction, Labels, Limits, Record, Registry, SandboxId,
     SandboxState,
@@ -162,9 +162,11 @@ pub enum DaemonError {
     Busy(String),
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
-    /// Its VM has no network to change: re-adopted after a daemon
-    /// restart, its network broker died with the earlier daemon.
-    #[error("sandbox {0} has no network broker (re-adopted after a daemon restart); its policy cannot change")]
+    /// Its VM has no network to change: re-adopted from state an older
+    /// daemon wrote, without a policy to serve it.
+    #[error(
+        "sandbox {0} has no network broker (re-adopted without one); its policy cannot change"
+    )]
     NoNetwork(SandboxId),
     /// The guest refused a file operation (missing path, permissions…).
     #[error("the guest refused")]
@@ -276,11 +278,10 @@ pub struct SandboxInfo {
 pub struct NetworkInfo {
     #[serde(flatten)]
     pub policy: NetworkPolicy,
-    /// Whether the policy is in force. False for a sandbox re-adopted
-    /// after a daemon restart: the network broker that opens its
-    /// connections lived in the earlier daemon, so it opens no new
-    /// connection whatever the policy says (the policy shown is the one
-    /// recorded).
+    /// Whether the policy is in force. False only for a sandbox without
+    /// a network broker (re-adopted from state an older daemon wrote, or
+    /// forked from such a zygote): it opens no new connection whatever
+    /// the policy says (the policy shown is the one recorded).
     pub active: bool,
 }
 
@@ -923,13 +924,13 @@ impl Daemon {
     /// process now) is cleared away and forgotten. Blocking; call it before
     /// serving. Returns (adopted, cleared away).
     ///
-    /// A re-adopted sandbox keeps its recorded egress policy, but only as
-    /// a record: its network broker lived in the earlier daemon, so it
-    /// opens no new connection (its `network` says `active: false`) and
-    /// its policy cannot change. The same holds for sandboxes forked from
-    /// a re-adopted zygote, until the template is deleted and baked
-    /// again. Reconnecting a VMM to a new broker is not built. Egress logs
-    /// of sandboxes not re-adopted are kept until the log TTL from their
+    /// The network brokers of the earlier run died with it: each VM
+    /// re-adopted is served a new one with its recorded policy (a zygote:
+    /// deny all) and egress log; its VMM reconnects on the guest's next
+    /// connection or lookup. A VM recorded without a policy (state an
+    /// older daemon wrote) is adopted without a network: it opens no new
+    /// connection, and its `network` says `active: false`. Egress logs of
+    /// sandboxes not re-adopted are kept until the log TTL from their
     /// last write.
     pub fn recover(&self) -> (usize, usize) {
         let Some(store) = self.inner.store.clone() else {
@@ -939,11 +940,14 @@ impl Daemon {
         let (templates, mut sandboxes) = store.load();
         let (mut adopted, mut cleared) = (0, 0);
         for t in templates {
-            match backend.adopt(&t.vm) {
+            let network = t.network.map(|policy| NetworkSpec {
+                policy,
+                egress_log: None,
+            });
+            match backend.adopt(&t.vm, network.as_ref()) {
                 Ok(m) => {
                     adopted += 1;
                     let name = t.spec.name.clone();
-                    tracing::info!(template = %name, "re-adopted a zygote: sandboxes forked from it have no egress until the template is deleted and baked again");
                     self.lock().templates.insert(
                         name,
                         Template {
@@ -967,7 +971,11 @@ impl Daemon {
         }
         sandboxes.sort_by_key(|s| (s.created_unix, s.parent.is_some()));
         for saved in sandboxes {
-            match backend.adopt(&saved.vm) {
+            let network = saved.network.clone().map(|policy| NetworkSpec {
+                policy,
+                egress_log: Some(self.inner.egress.path(&saved.id)),
+            });
+            match backend.adopt(&saved.vm, network.as_ref()) {
                 Ok(m) => {
                     adopted += 1;
                     let mut s = self.lock();
@@ -1726,6 +1734,7 @@ impl Daemon {
         took: Duration,
         done: &watch::Sender<Option<Result<(), BakeFailure>>>,
     ) -> Result<TemplateInfo, BakeFailure> {
+        let zygote_policy = outcome.as_ref().ok().and_then(|m| m.network_policy());
         let mut s = self.lock();
         let result = match (outcome, s.templates.get_mut(name)) {
             (Ok(machine), Some(t)) => {
@@ -1736,6 +1745,7 @@ impl Daemon {
                         drop_on_failure: t.drop_on_failure,
                         bake_ms: took.as_millis() as u64,
                         vm,
+                        network: zygote_policy,
                     });
                 }
                 t.zygote = Zygote::Ready {
@@ -2530,6 +2540,12 @@ mod tests {
         // Sandbox c's VMM died while no daemon ran.
         let c_pid = old.handed.load(ORD) as u32 + 1000 - 1 - 1;
         world.gone.lock().expect("gone").push(c_pid);
+        // Sandbox b's state is as an older daemon wrote it: no policy.
+        let b_file = dir.path().join(format!("sandboxes/{}.json", b.id));
+        let mut b_state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&b_file).expect("read")).expect("json");
+        b_state.as_object_mut().expect("object").remove("network");
+        std::fs::write(&b_file, b_state.to_string()).expect("write");
         let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
         let (adopted, cleared) = d.recover();
         assert_eq!(
@@ -2543,20 +2559,26 @@ mod tests {
         assert!(info(&a.id).expires_in_ms.is_some_and(|ms| ms > 590_000));
         assert_eq!(info(&b.id).state, SandboxState::Paused);
         assert!(d.execute_sync_info(&c.id).is_none(), "cleared away");
-        // Its policy is remembered, but its broker died with the first
-        // daemon: no new connections, and no changes.
+        // A new broker serves its recorded policy, which can change.
         let n = network(&d, &a.id).await.expect("network");
-        assert!(!n.active);
+        assert!(n.active);
         assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
-        let e = set_network(&d, &a.id, Policy::deny_all())
+        set_network(&d, &a.id, Policy::deny_all())
+            .await
+            .expect("set");
+        // Without a recorded policy: no broker, said so, no changes.
+        let n = network(&d, &b.id).await.expect("network");
+        assert!(!n.active);
+        assert_eq!(n.policy, NetworkPolicy::default());
+        let e = set_network(&d, &b.id, Policy::deny_all())
             .await
             .expect_err("no broker");
         assert_eq!(e.kind(), "conflict");
         // A dead sandbox's log outlives the daemon (until its TTL).
         assert_eq!(d.egress(&gone.id, 10).await.expect("log").len(), 1);
-        // Forks of the re-adopted zygote have no broker either.
+        // The re-adopted zygote has a broker: its forks have networks.
         let fresh = created(&d, None).await;
-        assert!(!network(&d, &fresh.id).await.expect("network").active);
+        assert!(network(&d, &fresh.id).await.expect("network").active);
         assert_eq!(
             d.template("minimal").expect("t").state,
             TemplateState::Ready
