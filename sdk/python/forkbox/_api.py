@@ -192,8 +192,8 @@ def set_network(sandbox_id: str, policy: Json) -> "Call[Json]":
 
 
 def egress_log(sandbox_id: str, limit: Optional[int]) -> "Call[List[Json]]":
-    """The last `limit` records (the daemon's default without one), oldest
-    first."""
+    """The last `limit` records (without one, the daemon's default: 1000),
+    oldest first."""
     params: Json = {}
     if limit is not None:
         if limit < 1:

@@ -231,8 +231,8 @@ class Network:
         return self._do(_api.set_network(self._sb.sandbox_id, policy))
 
     def egress_log(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
-        """What the sandbox tried to reach, oldest first (the last `limit`
-        records; without it, the daemon's default). Each record is a dict:
+        """What the sandbox tried to reach, oldest first: the last `limit`
+        records (default 1000, the daemon's). Each record is a dict:
         `time_ms` (since the epoch), `sandbox`, `protocol` (`tcp`, `dns`
         or `udp`), `name` (the DNS name asked, or looked up for the
         address), `address`, `port`, `verdict` (`allow` or `deny`),
