@@ -559,8 +559,9 @@ impl Vm {
 
     /// [`adopt`](Self::adopt) a VM that has a network, serving it a broker
     /// again (at the path its VMM knows; the VMM reaches it on the guest's
-    /// next connection or lookup) with `network`'s policy and log. The
-    /// broker of the process that died is gone with it.
+    /// next connection or lookup) with `network`'s policy. The broker of
+    /// the process that died is gone with it. `network.egress_log` must be
+    /// where the VMM was started to write it (`None`: its directory's).
     pub fn adopt_with_network(h: &VmHandle, network: Option<&NetworkSpec>) -> Result<Vm, VmError> {
         let not = |why: String| VmError::NotAdoptable {
             dir: h.dir.clone(),

@@ -309,6 +309,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             "net_policy_changed_at_runtime_takes_effect",
             net_policy_changed_at_runtime_takes_effect,
         ),
+        (
+            "net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker",
+            net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker,
+        ),
     ];
     tests
         .iter()
@@ -1152,6 +1156,76 @@ fn net_allowed_connects_denied_refused_and_both_logged() -> TestResult {
         r.protocol == Protocol::Dns && r.name.as_deref() == Some("denied.forkbox.test")
     })?;
     check(r.verdict == Verdict::Deny, format!("dns record: {r:?}"))
+}
+
+fn net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker() -> TestResult {
+    use forkbox::vm::NetworkSpec;
+    let (port, lines) = line_echo_server();
+    let policy = net_policy(&[format!("host.forkbox.internal:{port}")]);
+    let vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
+        .map_err(|e| format!("boot: {e:#}"))?;
+
+    // The VMM sits in a network namespace of its own, with nothing up.
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/net"));
+    let (vmm_ns, own_ns) = (ns(&vm.pid().to_string()), ns("self"));
+    check(
+        matches!((&vmm_ns, &own_ns), (Ok(a), Ok(b)) if a != b),
+        format!("the VMM's network namespace {vmm_ns:?}, ours {own_ns:?}"),
+    )?;
+    let dev = std::fs::read_to_string(format!("/proc/{}/net/dev", vm.pid()))
+        .map_err(|e| format!("the VMM's /proc/net/dev: {e}"))?;
+    let ifaces: Vec<&str> = dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .collect();
+    check(
+        ifaces.iter().map(|i| i.trim()).eq(["lo"]),
+        format!("the VMM's interfaces: {ifaces:?}"),
+    )?;
+
+    let echo = |vm: &Vm, text: &str| -> TestResult {
+        let out = net_sh(
+            vm,
+            &format!("echo {text} | timeout 20 nc host.forkbox.internal {port}"),
+        )?;
+        check(out.contains(text), format!("echo of {text}: {out:?}"))?;
+        let got = lines
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|e| format!("server, for {text}: {e}"))?;
+        check(got == format!("{text}\n"), format!("server got {got:?}"))
+    };
+    echo(&vm, "before")?;
+
+    // As if this process died: the VMM runs on, its broker is gone.
+    let handle = vm.detach();
+    let vm = Vm::adopt(&handle).map_err(|e| format!("adopt: {e:#}"))?;
+    let (res, _, _) = exec(
+        vm.agent(),
+        &ExecRequest::shell(format!(
+            "echo orphan | timeout 20 nc host.forkbox.internal {port}"
+        )),
+    );
+    check(
+        !res.success() && lines.try_recv().is_err(),
+        format!("a connection without a broker: {res:?}"),
+    )?;
+    // Adopted again with a network: the VMM reaches the new broker, and
+    // goes on appending to the log it was started with.
+    let handle = vm.detach();
+    let network = NetworkSpec {
+        policy,
+        egress_log: None,
+    };
+    let vm =
+        Vm::adopt_with_network(&handle, Some(&network)).map_err(|e| format!("adopt: {e:#}"))?;
+    echo(&vm, "after")?;
+    let log = vm.egress_log(1000).map_err(|e| format!("{e:#}"))?;
+    let to_port = log.iter().filter(|r| r.port == port).count();
+    check(
+        to_port == 3,
+        format!("before, orphan and after on the record: {log:#?}"),
+    )
 }
 
 fn net_fork_child_connections_are_its_own() -> TestResult {
