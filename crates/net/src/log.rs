@@ -129,20 +129,46 @@ impl EgressLog {
     }
 }
 
-/// Writes records as JSON lines (one object per line).
+/// Writes records as JSON lines (one object per line), up to a byte
+/// budget: past it records are counted, not written, so that a guest
+/// flooding attempts cannot fill the disk either.
 #[derive(Debug)]
 pub struct JsonLinesWriter<W: Write> {
     out: W,
+    room: u64,
+    dropped: u64,
 }
 
 impl<W: Write> JsonLinesWriter<W> {
     pub fn new(out: W) -> Self {
-        Self { out }
+        Self::with_room(out, u64::MAX)
+    }
+
+    /// Writes at most `room` more bytes.
+    pub fn with_room(out: W, room: u64) -> Self {
+        Self {
+            out,
+            room,
+            dropped: 0,
+        }
     }
 
     pub fn write(&mut self, record: &EgressRecord) -> io::Result<()> {
-        serde_json::to_writer(&mut self.out, record)?;
-        self.out.write_all(b"\n")
+        let mut line = serde_json::to_vec(record)?;
+        line.push(b'\n');
+        match self.room.checked_sub(line.len() as u64) {
+            Some(left) => {
+                self.out.write_all(&line)?;
+                self.room = left;
+            }
+            None => self.dropped += 1,
+        }
+        Ok(())
+    }
+
+    /// Records not written for want of room.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
@@ -213,6 +239,24 @@ mod tests {
             duration_ms: 12,
             error: None,
         }
+    }
+
+    #[test]
+    fn json_lines_writer_stops_at_its_room_and_counts_the_rest() {
+        let one = {
+            let mut w = JsonLinesWriter::new(Vec::new());
+            w.write(&record(0)).expect("write");
+            w.into_inner().len() as u64
+        };
+        // Room for two records and a bit.
+        let mut w = JsonLinesWriter::with_room(Vec::new(), 2 * one + one / 2);
+        for i in 0..5 {
+            w.write(&record(i)).expect("write");
+        }
+        assert_eq!(w.dropped(), 3);
+        let out = w.into_inner();
+        let back = read_json_lines(&out[..], 10).expect("read");
+        assert_eq!(back, vec![record(0), record(1)]);
     }
 
     #[test]

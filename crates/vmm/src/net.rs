@@ -66,6 +66,9 @@ const TOKEN_BROKER: u64 = 2;
 const TOKEN_STREAM: u64 = 3;
 /// How long a loopback connect or a broker resolve may block the loop.
 const BLOCKING_LIMIT: Duration = Duration::from_secs(5);
+/// Most an egress log grows to (about 250 000 records); later records are
+/// dropped (and counted) so a flooding guest cannot fill the disk.
+pub const EGRESS_LOG_MAX_BYTES: u64 = 64 << 20;
 /// The timer's shortest wait (a zero wait would disarm it).
 const MIN_WAIT: Duration = Duration::from_micros(50);
 
@@ -510,7 +513,9 @@ impl GatewayBackend {
                         path: path.clone(),
                         source,
                     })?;
-                Some((path.clone(), JsonLinesWriter::new(f)))
+                let used = f.metadata().map_or(0, |m| m.len());
+                let room = EGRESS_LOG_MAX_BYTES.saturating_sub(used);
+                Some((path.clone(), JsonLinesWriter::with_room(f, room)))
             }
             None => None,
         };
@@ -547,12 +552,19 @@ impl GatewayBackend {
         let records = self.gateway.take_log();
         if let Some((path, w)) = &mut self.log {
             if !records.is_empty() {
+                let full = w.dropped() > 0;
                 let r = records
                     .iter()
                     .try_for_each(|r| w.write(r))
                     .and_then(|_| w.flush());
                 if let Err(e) = r {
                     tracing::warn!("egress log {}: {e}", path.display());
+                }
+                if !full && w.dropped() > 0 {
+                    tracing::warn!(
+                        "egress log {} is full ({EGRESS_LOG_MAX_BYTES} bytes): later records are dropped",
+                        path.display()
+                    );
                 }
             }
         }
