@@ -127,13 +127,15 @@ class SandboxEnv(gymnasium.Env[str, str]):
                  cwd: Optional[str] = None, envs: Optional[Mapping[str, str]] = None,
                  sandbox_metadata: Optional[Mapping[str, str]] = None,
                  sandbox_timeout: Optional[float] = 3600.0, render_mode: Optional[str] = None,
-                 url: Optional[str] = None) -> None:
+                 network: Optional[Mapping[str, Any]] = None, url: Optional[str] = None) -> None:
         """`reset_command`: run after each reset, its output is the first
         observation (default: none, the first observation is `""`).
         `step_timeout`/`grader_timeout`: seconds per action / grading (an
         action that runs out is killed and reported with
         `info["timed_out"]`). `sandbox_timeout`: each sandbox's
-        time-to-live, a safety net should `close()` never be called."""
+        time-to-live, a safety net should `close()` never be called.
+        `network`: each episode's egress policy (`{"allow_out": [...],
+        "deny_out": [...]}`; default: nothing reachable)."""
         if max_steps < 1:
             raise ValueError("max_steps must be 1 or more")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
@@ -150,6 +152,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         self.sandbox_metadata = dict(sandbox_metadata or {})
         self.sandbox_timeout = sandbox_timeout
         self.render_mode = render_mode
+        self.network = dict(network) if network is not None else None
         self.url = url
         self._output_space = ShellOutput(max_output_chars)
         self.observation_space = self._output_space
@@ -173,7 +176,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         self._steps = 0
         self.sandbox = self._infra(lambda: Sandbox.create(
             template, timeout=self.sandbox_timeout, metadata=self.sandbox_metadata,
-            envs=self.envs, url=self.url))
+            envs=self.envs, network=self.network, url=self.url))
         obs = ""
         if self.reset_command is not None:
             obs = self._observe(self._run(self.reset_command, self.step_timeout))

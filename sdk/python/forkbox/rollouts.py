@@ -36,7 +36,8 @@ def _timed_out(timeout: Optional[float]) -> TimeoutError:
 
 def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
           timeout: Optional[float] = None, metadata: Optional[Mapping[str, str]] = None,
-          sandbox_timeout: Optional[float] = 3600, url: Optional[str] = None) -> List[Outcome[T]]:
+          sandbox_timeout: Optional[float] = 3600, network: Optional[Mapping[str, Any]] = None,
+          url: Optional[str] = None) -> List[Outcome[T]]:
     """Forks `n` sandboxes from one state and runs `fn(child)` in each,
     each in its own thread.
 
@@ -44,8 +45,10 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
     `n` ways; it is killed at the end too) or a running `Sandbox` (forked
     as it is now; left running). `timeout`: seconds for all the `fn`s
     together, counted once the children exist; `None` waits for all.
-    `metadata` and `sandbox_timeout` (a time-to-live, the safety net if
-    this process dies) apply to the sandbox created from a template.
+    `metadata`, `sandbox_timeout` (a time-to-live, the safety net if
+    this process dies) and `network` (its egress policy, which every child
+    inherits; default: nothing reachable) apply to the sandbox created from
+    a template.
 
     Every child is killed before this returns, on error or time-out too;
     a `fn` still running then sees its next calls to its sandbox fail (a
@@ -53,7 +56,8 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
     when the group could not start (create or the fork request failed)."""
     parent: Sandbox
     if isinstance(source, str):
-        parent = Sandbox.create(source, timeout=sandbox_timeout, metadata=metadata, url=url)
+        parent = Sandbox.create(source, timeout=sandbox_timeout, metadata=metadata,
+                                network=network, url=url)
         owned = True
     else:
         parent, owned = source, False
@@ -119,13 +123,14 @@ async def agroup(source: Union[str, AsyncSandbox], n: int,
                  fn: Callable[[AsyncSandbox], Awaitable[T]], *, timeout: Optional[float] = None,
                  metadata: Optional[Mapping[str, str]] = None,
                  sandbox_timeout: Optional[float] = 3600,
+                 network: Optional[Mapping[str, Any]] = None,
                  url: Optional[str] = None) -> List[Outcome[T]]:
     """`group` for asyncio: `fn` is a coroutine function, run as one task
     per child; tasks still running at the time limit are cancelled."""
     parent: AsyncSandbox
     if isinstance(source, str):
         parent = await AsyncSandbox.create(source, timeout=sandbox_timeout, metadata=metadata,
-                                           url=url)
+                                           network=network, url=url)
         owned = True
     else:
         parent, owned = source, False

@@ -320,6 +320,29 @@ def test_network_fork_inherits_the_policy_then_has_its_own(sb: Sandbox,
         kid.kill()
 
 
+def test_network_rollout_group_and_gym_env_take_a_policy(daemon_url: str,
+                                                         echo: LineEcho) -> None:
+    from forkbox import rollouts
+    from forkbox.gym import SandboxEnv
+    policy = {"allow_out": [f"{HOST}:{echo.port}"]}
+
+    def reach(child: Sandbox) -> Any:
+        return send_line(child, HOST, echo.port, "from-group").stdout
+
+    assert rollouts.group("minimal", 2, reach, network=policy) == ["from-group\n"] * 2
+    env = SandboxEnv("minimal", network=policy)
+    try:
+        env.reset()
+        assert env.sandbox is not None
+        assert env.sandbox.network.get()["allow_out"] == policy["allow_out"]
+        # The default stays nothing reachable.
+        env.network = None
+        env.reset()
+        assert env.sandbox.network.get()["allow_out"] == []
+    finally:
+        env.close()
+
+
 def test_network_template_policy_holds_only_while_it_bakes(daemon_url: str,
                                                            echo: LineEcho) -> None:
     name = f"net-{uuid.uuid4().hex[:8]}"
