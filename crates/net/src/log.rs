@@ -91,7 +91,7 @@ pub struct EgressLog {
 impl EgressLog {
     pub fn new(capacity: usize) -> Self {
         Self {
-            records: VecDeque::with_capacity(capacity.min(1024)),
+            records: VecDeque::new(),
             capacity: capacity.max(1),
             dropped: 0,
         }
