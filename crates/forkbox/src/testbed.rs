@@ -110,16 +110,19 @@ pub const NOTICE: &str = "no hardware virtualization here: running inside an emu
 /// Runs this very program again, with `args`, inside the emulated host,
 /// streaming its output; returns its exit code, or explains what failed.
 pub fn rerun_inside(args: Vec<String>, timeout: Duration) -> Result<i32, TestbedError> {
-    rerun_inside_with(args, timeout, |_| {})
+    let (argv, outcome) = rerun_inside_with(args, timeout, |_| {})?;
+    Ok(report(&argv, timeout, outcome))
 }
 
 /// Like [`rerun_inside`], with `adjust` setting more [`RunOptions`] (a
-/// shared directory, environment) first.
+/// shared directory, environment) first; returns the command line and how
+/// it ended, so that a caller can tell a dead host from an exit code (see
+/// [`report`]).
 pub fn rerun_inside_with(
     args: Vec<String>,
     timeout: Duration,
     adjust: impl FnOnce(&mut RunOptions),
-) -> Result<i32, TestbedError> {
+) -> Result<(Vec<String>, Outcome), TestbedError> {
     let exe = std::env::current_exe().map_err(|source| TestbedError::Io {
         path: "/proc/self/exe".into(),
         source,
@@ -132,7 +135,8 @@ pub fn rerun_inside_with(
     opts.timeout = timeout;
     opts.path_prefix = exe.parent().map(Path::to_owned).into_iter().collect();
     adjust(&mut opts);
-    Ok(report(&argv, timeout, tb.run(&opts)?))
+    let outcome = tb.run(&opts)?;
+    Ok((argv, outcome))
 }
 
 /// Turns an outcome into an exit code, printing what went wrong if the

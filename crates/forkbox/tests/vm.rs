@@ -53,7 +53,8 @@ fn main() {
 /// not a test result: each trial records how it ended in a file shared with
 /// this machine, and after a crash a new emulated host runs only the trials
 /// that had not ended. Trials that failed stay failed. Three crashes in one
-/// run end it with 125.
+/// run end it with 125. (A crash is told apart from an exit code by the
+/// run's outcome: the suite's own exit 125 is just a failure.)
 fn run_in_emulated_host(args: Vec<String>) -> i32 {
     const HOSTS: u32 = 3;
     let share = match tempfile::Builder::new()
@@ -67,14 +68,20 @@ fn run_in_emulated_host(args: Vec<String>) -> i32 {
         }
     };
     let progress = share.path().join("ended");
+    const TIMEOUT: Duration = Duration::from_secs(2400);
     for host in 1..=HOSTS {
-        let run = testbed::rerun_inside_with(args.clone(), Duration::from_secs(2400), |opts| {
+        let run = testbed::rerun_inside_with(args.clone(), TIMEOUT, |opts| {
             opts.share = Some(share.path().to_owned());
             opts.env
                 .push((PROGRESS_ENV.into(), progress.display().to_string()));
         });
         match run {
-            Ok(125) if host < HOSTS => {
+            Ok((argv, outcome @ testbed::Outcome::HostDied { .. })) => {
+                // Prints the host's serial log and QEMU's stderr.
+                testbed::report(&argv, TIMEOUT, outcome);
+                if host == HOSTS {
+                    break;
+                }
                 let ended = Ended::read(&progress);
                 eprintln!(
                     "vm tests: the emulated host itself crashed (its serial log is above) after {} trials had ended; \
@@ -83,13 +90,14 @@ fn run_in_emulated_host(args: Vec<String>) -> i32 {
                     host + 1
                 );
             }
-            Ok(code) => return code,
+            Ok((argv, outcome)) => return testbed::report(&argv, TIMEOUT, outcome),
             Err(e) => {
                 eprintln!("vm tests: cannot run inside the emulated host: {e}");
                 return 1;
             }
         }
     }
+    eprintln!("vm tests: the emulated host crashed {HOSTS} times; giving up");
     125
 }
 
