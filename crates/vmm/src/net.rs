@@ -139,8 +139,18 @@ fn send_request(fd: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
 
 /// Receives one message and the fd it carries, if any. `Ok(None)`: the
 /// broker hung up.
+///
+/// The buffer is the message's own size (peeked first), not
+/// [`MAX_MESSAGE`]: a zeroed 64 KiB allocation per call wrote 16 heap
+/// pages in every fork child (its first message is the policy) and in every
+/// poll of the link that found nothing.
 fn recv_message(fd: impl AsFd) -> io::Result<Option<(BrokerMessage, Option<OwnedFd>)>> {
-    let mut buf = vec![0u8; MAX_MESSAGE];
+    let fd = fd.as_fd();
+    // Only this thread reads the link, so the peeked message is the one
+    // `recvmsg` takes; a longer one is cut at MAX_MESSAGE, as before.
+    let mut nothing: [u8; 0] = [];
+    let (_, len) = rustix::net::recv(fd, &mut nothing[..], RecvFlags::PEEK | RecvFlags::TRUNC)?;
+    let mut buf = vec![0u8; len.min(MAX_MESSAGE)];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = rustix::net::recvmsg(
@@ -641,5 +651,72 @@ impl FrameBackend for GatewayBackend {
             }
         }
         self.poll();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use forkbox_net::broker::BrokerReply;
+    use rustix::net::{socketpair, SendAncillaryBuffer, SendAncillaryMessage};
+
+    fn pair() -> (OwnedFd, OwnedFd) {
+        socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .expect("socketpair")
+    }
+
+    fn send_with_fd(sock: &OwnedFd, msg: &[u8], fd: Option<&OwnedFd>) {
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Some(fd) = fd {
+            fds = [fd.as_fd()];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        }
+        rustix::net::sendmsg(
+            sock,
+            &[std::io::IoSlice::new(msg)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )
+        .expect("sendmsg");
+    }
+
+    #[test]
+    fn recv_message_sized_messages_arrive_whole_with_their_fd() {
+        let (a, b) = pair();
+        let reply = BrokerReply {
+            id: 7,
+            ok: false,
+            addresses: Vec::new(),
+            not_found: false,
+            // Longer than a page, shorter than MAX_MESSAGE.
+            error: Some("x".repeat(10_000)),
+        };
+        let bytes = serde_json::to_vec(&BrokerMessage::Reply(reply.clone())).expect("json");
+        let (passed, _keep) = pair();
+        send_with_fd(&a, &bytes, Some(&passed));
+        send_with_fd(&a, br#"{"id":8,"ok":true}"#, None);
+        let (first, fd) = recv_message(&b).expect("recv").expect("a message");
+        assert_eq!(first, BrokerMessage::Reply(reply));
+        assert!(fd.is_some(), "the fd comes with its message");
+        let (second, fd) = recv_message(&b).expect("recv").expect("a message");
+        assert!(matches!(second, BrokerMessage::Reply(r) if r.id == 8 && r.ok));
+        assert!(fd.is_none());
+    }
+
+    #[test]
+    fn recv_message_hang_up_is_none_and_empty_link_would_block() {
+        let (a, b) = pair();
+        rustix::io::ioctl_fionbio(&b, true).expect("non-blocking");
+        let err = recv_message(&b).expect_err("nothing to read");
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        drop(a);
+        assert!(recv_message(&b).expect("recv").is_none());
     }
 }
