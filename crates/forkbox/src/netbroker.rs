@@ -59,6 +59,8 @@ pub enum NetBrokerError {
     Thread(#[source] io::Error),
     #[error("the policy is too large: {bytes} bytes as JSON, at most {MAX_MESSAGE}")]
     PolicyTooLarge { bytes: usize },
+    #[error("cannot encode the policy")]
+    Encode(#[source] serde_json::Error),
 }
 
 /// The policy, and the VMM connections it is pushed to.
@@ -66,7 +68,14 @@ struct Shared {
     policy: RwLock<Policy>,
     /// Held while the policy changes and while a new connection is sent
     /// its first policy, so that no connection misses a change.
-    conns: Mutex<Vec<Weak<OwnedFd>>>,
+    pushed: Mutex<Pushed>,
+}
+
+/// What every VMM connection is told, and the connections.
+struct Pushed {
+    /// The policy as its message (encoded once per change).
+    message: Vec<u8>,
+    conns: Vec<Weak<OwnedFd>>,
 }
 
 impl Shared {
@@ -83,7 +92,7 @@ fn policy_message(policy: &Policy) -> Result<Vec<u8>, NetBrokerError> {
     let msg = serde_json::to_vec(&BrokerMessage::Policy {
         policy: policy.clone(),
     })
-    .map_err(|e| NetBrokerError::Thread(io::Error::other(e)))?;
+    .map_err(NetBrokerError::Encode)?;
     match msg.len() {
         bytes if bytes > MAX_MESSAGE => Err(NetBrokerError::PolicyTooLarge { bytes }),
         _ => Ok(msg),
@@ -109,7 +118,7 @@ impl std::fmt::Debug for NetBroker {
 impl NetBroker {
     /// Listens at `path` and serves `policy`.
     pub fn start(path: &Path, policy: Policy) -> Result<Self, NetBrokerError> {
-        policy_message(&policy)?;
+        let message = policy_message(&policy)?;
         let err = |source: io::Error| NetBrokerError::Listen {
             path: path.to_path_buf(),
             source,
@@ -128,7 +137,10 @@ impl NetBroker {
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             policy: RwLock::new(policy),
-            conns: Mutex::new(Vec::new()),
+            pushed: Mutex::new(Pushed {
+                message,
+                conns: Vec::new(),
+            }),
         });
         let (l, s, sh) = (
             Arc::clone(&listener),
@@ -156,15 +168,17 @@ impl NetBroker {
     /// VMM. Connections already open stay open.
     pub fn set_policy(&self, policy: Policy) -> Result<(), NetBrokerError> {
         let msg = policy_message(&policy)?;
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pushed = self.shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
         *self
             .shared
             .policy
             .write()
             .unwrap_or_else(|p| p.into_inner()) = policy;
+        pushed.message = msg;
+        let Pushed { message, conns } = &mut *pushed;
         conns.retain(|c| match c.upgrade() {
             Some(conn) => {
-                if let Err(e) = rustix::net::send(&*conn, &msg, SendFlags::NOSIGNAL) {
+                if let Err(e) = rustix::net::send(&*conn, message, SendFlags::NOSIGNAL) {
                     eprintln!("forkbox: net broker: cannot send the new policy: {e}");
                 }
                 true
@@ -187,8 +201,8 @@ impl Drop for NetBroker {
         let _ = std::fs::remove_file(&self.path);
         // Hangs up on every VMM, as a broker whose process died would:
         // their serving threads end.
-        let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        for conn in conns.iter().filter_map(Weak::upgrade) {
+        let pushed = self.shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
+        for conn in pushed.conns.iter().filter_map(Weak::upgrade) {
             let _ = rustix::net::shutdown(&*conn, rustix::net::Shutdown::Both);
         }
     }
@@ -200,15 +214,13 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
             Ok(conn) => {
                 let conn = Arc::new(conn);
                 {
-                    let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-                    // Checked at start and at every change: it fits.
-                    if let Ok(msg) = policy_message(&shared.policy()) {
-                        if let Err(e) = rustix::net::send(&*conn, &msg, SendFlags::NOSIGNAL) {
-                            eprintln!("forkbox: net broker: cannot send the policy: {e}");
-                        }
+                    let mut pushed = shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Err(e) = rustix::net::send(&*conn, &pushed.message, SendFlags::NOSIGNAL)
+                    {
+                        eprintln!("forkbox: net broker: cannot send the policy: {e}");
                     }
-                    conns.retain(|c| c.strong_count() > 0);
-                    conns.push(Arc::downgrade(&conn));
+                    pushed.conns.retain(|c| c.strong_count() > 0);
+                    pushed.conns.push(Arc::downgrade(&conn));
                 }
                 let shared = Arc::clone(shared);
                 let spawned = std::thread::Builder::new()
@@ -247,7 +259,7 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
         match request {
             BrokerRequest::Resolve { id, name } => {
                 let reply = resolve(&policy, id, &name);
-                let _ = send(&*conn, &reply, None);
+                let _ = send(&*conn, reply, None);
             }
             BrokerRequest::Connect {
                 id,
@@ -258,7 +270,7 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
                 let plan = plan_connect(&policy, name.as_deref(), address, port);
                 if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTS {
                     in_flight.fetch_sub(1, Ordering::SeqCst);
-                    let _ = send(&*conn, &BrokerReply::failed(id, "too many connects"), None);
+                    let _ = send(&*conn, BrokerReply::failed(id, "too many connects"), None);
                     continue;
                 }
                 let (conn, in_flight) = (Arc::clone(&conn), Arc::clone(&in_flight));
@@ -274,9 +286,9 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
                                     not_found: false,
                                     error: None,
                                 };
-                                send(&*conn, &ok, Some(stream.as_fd()))
+                                send(&*conn, ok, Some(stream.as_fd()))
                             }
-                            Err(e) => send(&*conn, &BrokerReply::failed(id, e), None),
+                            Err(e) => send(&*conn, BrokerReply::failed(id, e), None),
                         };
                         if let Err(e) = reply {
                             eprintln!("forkbox: net broker: cannot answer: {e}");
@@ -344,10 +356,10 @@ fn connect(plan: ConnectPlan) -> Result<TcpStream, String> {
 
 fn send(
     conn: impl AsFd,
-    reply: &BrokerReply,
+    reply: BrokerReply,
     fd: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<()> {
-    let msg = serde_json::to_vec(&BrokerMessage::Reply(reply.clone())).map_err(io::Error::other)?;
+    let msg = serde_json::to_vec(&BrokerMessage::Reply(reply)).map_err(io::Error::other)?;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let fds;
     let mut control = SendAncillaryBuffer::new(&mut space);
