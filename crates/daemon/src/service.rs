@@ -781,21 +781,9 @@ impl Daemon {
             policy: Some(policy.clone()),
             egress_logs: vec![self.inner.egress.path(&id)],
         };
-        let forked = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
-            let child = zygote
-                .fork_with(1, &opts)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    DaemonError::infra(
-                        "forking the template's zygote",
-                        std::io::Error::other("the VMM answered with no child"),
-                    )
-                })?;
-            Ok(child?)
-        })
-        .await
-        .and_then(|r| r);
+        let forked = blocking(move || fork_one(&*zygote, &opts, "forking the template's zygote"))
+            .await
+            .and_then(|r| r);
         let now = Instant::now();
         let result = match forked {
             Err(e) => {
@@ -1482,16 +1470,7 @@ impl Daemon {
             egress_logs: Vec::new(),
         };
         let made = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
-            let child = machine
-                .fork_with(1, &opts)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    DaemonError::infra(
-                        "forking the sandbox",
-                        std::io::Error::other("the VMM answered with no child"),
-                    )
-                })??;
+            let child = fork_one(&*machine, &opts, "forking the sandbox")?;
             // A fork child's memory is already a copy-on-write view of
             // its parent's: it stays as it is, paused, and forks of it
             // share it the same way.
@@ -1903,6 +1882,26 @@ async fn blocking<T: Send + 'static>(
 /// Stops a VM at once, whoever else still holds it (a command or file
 /// call in flight ends with its connection), and drops our hold off the
 /// request path (teardown takes tens of ms).
+/// The one child of `machine.fork_with(1, opts)`; `what` names the step
+/// in the error when the VMM answered with none.
+fn fork_one(
+    machine: &dyn Machine,
+    opts: &ForkOptions,
+    what: &'static str,
+) -> Result<Box<dyn Machine>, DaemonError> {
+    let child = machine
+        .fork_with(1, opts)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| {
+            DaemonError::infra(
+                what,
+                std::io::Error::other("the VMM answered with no child"),
+            )
+        })?;
+    Ok(child?)
+}
+
 fn reap(machine: Arc<dyn Machine>) {
     let stop = move || {
         machine.kill();
