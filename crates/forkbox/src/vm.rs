@@ -309,9 +309,9 @@ impl VmDir {
 }
 
 impl VmDir {
-    /// Leaves the directory in place; its path.
-    fn keep(&mut self) -> PathBuf {
-        std::mem::take(&mut self.0)
+    /// Leaves the directory in place.
+    fn keep(&mut self) {
+        self.0 = PathBuf::new();
     }
 }
 

@@ -1067,6 +1067,15 @@ fn net_sh(vm: &Vm, script: &str) -> Result<String, Failed> {
     })
 }
 
+/// A `debian` guest (it has python3) with a network under `policy`.
+fn boot_python_net(policy: &forkbox_net::policy::Policy) -> Result<Vm, Failed> {
+    let spec = VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    };
+    Vm::boot_with_network(assets(), &spec, Some(policy)).map_err(|e| format!("boot: {e:#}").into())
+}
+
 fn net_policy(rules: &[String]) -> forkbox_net::policy::Policy {
     let json = serde_json::json!({ "allow_out": rules }).to_string();
     forkbox_net::policy::Policy::from_json(&json).expect("policy")
@@ -1244,12 +1253,7 @@ fn net_git_clone_from_a_loopback_server() -> TestResult {
         .map(Server)
         .map_err(|e| format!("python3 -m http.server: {e}"))?;
     let policy = net_policy(&[format!("host.forkbox.internal:{port}")]);
-    let spec = VmSpec {
-        image: ImageName::Debian,
-        ..VmSpec::default()
-    };
-    let vm = Vm::boot_with_network(assets(), &spec, Some(&policy))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let vm = boot_python_net(&policy)?;
     let start = std::time::Instant::now();
     let out = net_sh(
         &vm,
@@ -1581,12 +1585,7 @@ fn net_connect_flood_keeps_vmm_memory_bounded() -> TestResult {
         format!("host.forkbox.internal:{closed_port}"),
         format!("host.forkbox.internal:{stuck_port}"),
     ]);
-    let spec = VmSpec {
-        image: ImageName::Debian,
-        ..VmSpec::default()
-    };
-    let vm = Vm::boot_with_network(assets(), &spec, Some(&policy))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let vm = boot_python_net(&policy)?;
     let attempts = |pairs: &[(u16, usize)]| -> Result<serde_json::Value, Failed> {
         let args: Vec<String> = pairs
             .iter()
@@ -1804,12 +1803,7 @@ fn net_policy_changed_at_runtime_takes_effect() -> TestResult {
     let (port, lines) = lines_echo_server();
     let deny_all = net_policy(&[]);
     let allow = net_policy(&[format!("host.forkbox.internal:{port}")]);
-    let spec = VmSpec {
-        image: ImageName::Debian,
-        ..VmSpec::default()
-    };
-    let vm = Vm::boot_with_network(assets(), &spec, Some(&deny_all))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let vm = boot_python_net(&deny_all)?;
     let attempt = |what: &str| -> Result<serde_json::Value, Failed> {
         let out = net_python(
             &vm,
