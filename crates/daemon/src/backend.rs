@@ -154,9 +154,6 @@ impl Backend for VmBackend {
     }
 }
 
-/// Bound on an agent's hello for sandboxes the daemon owns.
-const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
-
 /// A `Vm` behind a lock: forks share it (`read`), run-state changes take
 /// it whole (`write`).
 struct VmMachine {
@@ -170,11 +167,8 @@ struct VmMachine {
 impl VmMachine {
     fn boxed(vm: Vm) -> Box<dyn Machine> {
         Box::new(Self {
-            // A dead VMM refuses the connection at once; only a guest too
-            // busy to answer makes the handshake wait, and a loaded host
-            // (64 sandboxes on 2 emulated CPUs) takes more than the
-            // client's default 5 s.
-            agent: vm.agent().clone().with_handshake_timeout(AGENT_HANDSHAKE),
+            // Its handshake bound suits a loaded host (`forkbox::vm`).
+            agent: vm.agent().clone(),
             pid: vm.pid(),
             boot_time: vm.boot_time,
             handle: vm.handle(),

@@ -372,7 +372,7 @@ fn run_forked(
                             ExitStatus::Signal(s) => 128 + s,
                         },
                         Err(e) => {
-                            eprintln!("[{i}] forkbox: {e:#}");
+                            eprintln!("[{i}] forkbox: {}", forkbox_proto::error_chain(&e));
                             1
                         }
                     }

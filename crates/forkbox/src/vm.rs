@@ -499,7 +499,7 @@ impl Vm {
         Ok(Self {
             vmm: Some(Vmm::Spawned(child)),
             dir,
-            agent,
+            agent: agent.with_handshake_timeout(AGENT_HANDSHAKE),
             control: Control::new(paths.control),
             state: RunState::Running,
             boot_time: start.elapsed(),
@@ -595,7 +595,7 @@ impl Vm {
         Ok(Vm {
             vmm: Some(Vmm::Forked { pid: h.pid, pidfd }),
             dir: VmDir(h.dir.clone()),
-            agent: AgentClient::hybrid_vsock(&paths.vsock_uds, AGENT_PORT),
+            agent: agent_client(&paths.vsock_uds),
             control,
             state,
             boot_time: Duration::ZERO,
@@ -742,7 +742,7 @@ impl Vm {
                         let (pid, pidfd) = held?;
                         let mut vm = Vm {
                             vmm: Some(Vmm::Forked { pid, pidfd }),
-                            agent: AgentClient::hybrid_vsock(&paths.vsock_uds, AGENT_PORT),
+                            agent: agent_client(&paths.vsock_uds),
                             control: Control::new(paths.control),
                             dir,
                             state: RunState::Running,
@@ -798,7 +798,7 @@ impl Vm {
             .map_err(VmError::Spawn)?;
         let mut vm = Vm {
             vmm: Some(Vmm::Spawned(child)),
-            agent: AgentClient::hybrid_vsock(&paths.vsock_uds, AGENT_PORT),
+            agent: agent_client(&paths.vsock_uds),
             control: Control::new(paths.control),
             dir,
             state: RunState::Running,
@@ -933,6 +933,17 @@ impl Vm {
             None => Ok(None),
         }
     }
+}
+
+/// Bound on an agent's hello once the VM is up. An agent too busy to
+/// answer makes the handshake wait, and a loaded host (100 fork children
+/// exec'ing at once on 2 emulated CPUs) takes more than the client's
+/// default 5 s; a dead VMM still fails the call at once.
+const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
+
+/// The client of the agent behind a VMM's hybrid vsock socket.
+fn agent_client(vsock_uds: &Path) -> AgentClient {
+    AgentClient::hybrid_vsock(vsock_uds, AGENT_PORT).with_handshake_timeout(AGENT_HANDSHAKE)
 }
 
 /// Children per fork request the VMM accepts (it refuses more).

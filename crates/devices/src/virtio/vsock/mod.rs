@@ -293,6 +293,7 @@ impl Backend {
         let Some(mut hc) = self.conns.remove(&port) else {
             return;
         };
+        tracing::debug!(port, rst, "vsock: closing a host stream");
         if let Err(e) = self.epoll.ctl(
             ControlOperation::Delete,
             hc.stream.as_raw_fd(),
@@ -581,7 +582,10 @@ impl Backend {
                     hc.shut_write = true;
                 }
             }
-            Action::Close { reply } => return self.close(port, reply),
+            Action::Close { reply } => {
+                tracing::debug!(port, op = ?hdr.op(), "vsock: the guest ends a connection");
+                return self.close(port, reply);
+            }
         }
         self.finish_if_done(port);
         self.schedule(port);
