@@ -286,6 +286,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             fork_zygote_16_children_answer_with_distinct_randomness,
         ),
         (
+            "fork_64_children_of_a_running_parent_all_answer_an_exec",
+            fork_64_children_of_a_running_parent_all_answer_an_exec,
+        ),
+        (
             "fork_of_fork_of_fork_inherits_and_answers",
             fork_of_fork_of_fork_inherits_and_answers,
         ),
@@ -847,7 +851,11 @@ fn fork_children_diverge_from_each_other_and_parent() -> TestResult {
 }
 
 fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
-    let mut zygote = boot(VmSpec::default());
+    // `debian` has python3, so the children's `uuid.uuid4()` is checked too.
+    let mut zygote = boot(VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    });
     // The parent's RNG is initialised and has produced output already.
     sh(zygote.agent(), "head -c 16 /dev/urandom >/dev/null")?;
     zygote.make_zygote().map_err(|e| format!("{e:#}"))?;
@@ -861,23 +869,57 @@ fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
         )?;
         let out = sh(
             c.agent(),
-            &format!("echo {i}; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; cat /proc/sys/kernel/random/uuid"),
+            &format!(
+                "echo {i}; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \
+                 cat /proc/sys/kernel/random/uuid; python3 -c 'import uuid; print(uuid.uuid4())'"
+            ),
         )?;
         let lines: Vec<&str> = out.lines().collect();
         check(
-            lines.len() == 3 && lines[0] == i.to_string(),
+            lines.len() == 4 && lines[0] == i.to_string(),
             format!("child {i}: {out:?}"),
         )?;
-        check(
-            seen.insert(lines[1].to_string()),
-            format!("child {i} repeats urandom {}", lines[1]),
-        )?;
-        check(
-            seen.insert(lines[2].to_string()),
-            format!("child {i} repeats uuid {}", lines[2]),
-        )?;
+        for (what, value) in ["urandom", "kernel uuid", "uuid4()"]
+            .iter()
+            .zip(&lines[1..])
+        {
+            check(
+                seen.insert(value.to_string()),
+                format!("child {i} repeats its {what} {value}"),
+            )?;
+        }
     }
     Ok(())
+}
+
+fn fork_64_children_of_a_running_parent_all_answer_an_exec() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), "echo before > /tmp/mark")?;
+    let children = fork(&mut parent, 64)?;
+    // All 64 exec at once, as a rollout group's first step does.
+    let answers: Vec<Result<String, Failed>> = std::thread::scope(|s| {
+        let running: Vec<_> = children
+            .iter()
+            .enumerate()
+            .map(|(i, c)| s.spawn(move || sh(c.agent(), &format!("cat /tmp/mark; echo {i}"))))
+            .collect();
+        running
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("exec thread panicked".into()))
+            })
+            .collect()
+    });
+    for (i, answer) in answers.into_iter().enumerate() {
+        let out = answer.map_err(|e| format!("child {i}: {}", e.message().unwrap_or_default()))?;
+        check(
+            out == format!("before\n{i}\n"),
+            format!("child {i} answered {out:?}"),
+        )?;
+    }
+    let out = sh(parent.agent(), "cat /tmp/mark")?;
+    check(out == "before\n", format!("the parent answered {out:?}"))
 }
 
 fn fork_of_fork_of_fork_inherits_and_answers() -> TestResult {
