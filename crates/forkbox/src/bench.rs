@@ -55,6 +55,21 @@ impl Stats {
     }
 }
 
+/// Reports step `i` of `n` of a long phase on stderr, with `--json` too
+/// (the report goes to stdout). A terminal sees one line redrawn; a log
+/// gets a line about every tenth of the phase and at its end.
+pub fn progress(bench: &str, what: &str, i: usize, n: usize) {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        eprint!("\rforkbox bench {bench}: {what} {i}/{n}   ");
+        if i == n {
+            eprintln!();
+        }
+    } else if i == n || i % n.div_ceil(10).max(1) == 0 {
+        eprintln!("forkbox bench {bench}: {what} {i}/{n}");
+    }
+}
+
 /// How fast this environment is at the two things that dominate forkbox's
 /// own overheads: plain computation and process creation.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]

@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use forkbox::bench::{calibrate, Stats};
+use forkbox::bench::{calibrate, progress, Stats};
 use forkbox::image::ImageName;
 use forkbox::testbed::Environment;
 use forkbox::vm::{Assets, Vm, VmSpec};
@@ -102,15 +102,6 @@ for _ in range(dk):
     s.close()
 print(json.dumps({'ok': ok, 'denied': denied, 'errors': errors}))
 ";
-
-fn progress(json: bool, what: &str, i: usize, n: usize) {
-    if !json {
-        eprint!("\rforkbox bench net: {what} {i}/{n}   ");
-        if i == n {
-            eprintln!();
-        }
-    }
-}
 
 /// Runs `python3 -c script args…` in the guest; its stdout.
 fn python(vm: &Vm, script: &str, args: &[String]) -> anyhow::Result<String> {
@@ -261,9 +252,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         image: ImageName::Debian,
         ..VmSpec::default()
     };
-    if !o.json {
-        eprintln!("forkbox bench net: booting a `debian` microVM with a network");
-    }
+    eprintln!("forkbox bench net: booting a `debian` microVM with a network");
     let vm = Vm::boot_with_network(&assets, &spec, Some(&policy))
         .context("booting the microVM with a network")?;
 
@@ -281,7 +270,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             out.trim()
         );
         up_rates.push(mbit_s(n, took));
-        progress(o.json, "guest → host", i + 1, o.runs);
+        progress("net", "guest → host", i + 1, o.runs);
     }
 
     // Host → guest, timed by the guest.
@@ -297,16 +286,14 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             out.trim()
         );
         down_rates.push(mbit_s(n, Duration::from_secs_f64(secs)));
-        progress(o.json, "host → guest", i + 1, o.runs);
+        progress("net", "host → guest", i + 1, o.runs);
     }
 
     // Connect latency, allowed and denied, timed in the guest.
-    if !o.json {
-        eprintln!(
-            "forkbox bench net: {} connects, {} denied attempts",
-            o.connects, o.denied_connects
-        );
-    }
+    eprintln!(
+        "forkbox bench net: {} connects, {} denied attempts",
+        o.connects, o.denied_connects
+    );
     let out = python(
         &vm,
         CONNECT,

@@ -317,7 +317,12 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
             Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
             Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
             Ok(VcpuExit::Shutdown) => {
-                return VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault))
+                tracing::warn!(
+                    vcpu = ctx.id,
+                    "triple fault; the vCPU then: {}",
+                    where_it_stopped(&ctx.vcpu)
+                );
+                return VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault));
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 return match kind {
@@ -342,4 +347,34 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
             Err(e) => return VcpuOutcome::Failed(VcpuError::Run(e)),
         }
     }
+}
+
+/// The registers that say where a vCPU stopped and in what mode, for the
+/// log of a triple fault (which the guest cannot report itself).
+fn where_it_stopped(vcpu: &kvm_ioctls::VcpuFd) -> String {
+    let regs = match vcpu.get_regs() {
+        Ok(r) => format!(
+            "rip {:#x} rsp {:#x} rflags {:#x} rax {:#x}",
+            r.rip, r.rsp, r.rflags, r.rax
+        ),
+        Err(e) => format!("registers unreadable: {e}"),
+    };
+    let sregs = match vcpu.get_sregs() {
+        Ok(s) => format!(
+            "cs {:#x} ss {:#x} cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} idt {:#x}+{:#x} gdt {:#x}+{:#x} tr {:#x}",
+            s.cs.selector, s.ss.selector, s.cr0, s.cr2, s.cr3, s.cr4, s.efer,
+            s.idt.base, s.idt.limit, s.gdt.base, s.gdt.limit, s.tr.base
+        ),
+        Err(e) => format!("system registers unreadable: {e}"),
+    };
+    let events =
+        match vcpu.get_vcpu_events() {
+            Ok(e) => format!(
+            "exception injected {} nr {} error {:#x}, interrupt injected {} nr {}, nmi pending {}",
+            e.exception.injected, e.exception.nr, e.exception.error_code,
+            e.interrupt.injected, e.interrupt.nr, e.nmi.pending
+        ),
+            Err(e) => format!("events unreadable: {e}"),
+        };
+    format!("{regs}; {sregs}; {events}")
 }
