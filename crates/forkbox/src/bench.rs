@@ -65,7 +65,7 @@ pub fn progress(bench: &str, what: &str, i: usize, n: usize) {
         if i == n {
             eprintln!();
         }
-    } else if i == n || i % n.div_ceil(10).max(1) == 0 {
+    } else if i == n || i.is_multiple_of(n.div_ceil(10).max(1)) {
         eprintln!("forkbox bench {bench}: {what} {i}/{n}");
     }
 }

@@ -323,12 +323,15 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         first_exec(restored.agent())?;
         let restore_ms = t.elapsed().as_secs_f64() * 1000.0;
         let host_before = unix_now();
-        // Whole seconds (busybox `date` has no %N): ±1 s resolution.
-        let guest: f64 = sh(restored.agent(), "date +%s")?
-            .trim()
-            .parse()
-            .unwrap_or(f64::NAN);
+        let guest = guest_clock(restored.agent())?;
         let host_after = unix_now();
+        // The guest read its clock somewhere in the host's interval: only
+        // a reading outside it is an offset.
+        let off_after = if guest < host_before {
+            guest - host_before
+        } else {
+            (guest - host_after).max(0.0)
+        };
         let offset_before_hook = restored
             .after_fork
             .as_ref()
@@ -342,7 +345,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 "age_s": o.snapshot_age,
                 "restore_to_first_exec_ms": restore_ms,
                 "guest_clock_off_before_hook_s": offset_before_hook,
-                "guest_clock_off_after_restore_s": guest - (host_before + host_after) / 2.0,
+                "guest_clock_off_after_restore_s": off_after,
+                "guest_clock_read_window_s": host_after - host_before,
                 "dirty_file_bytes_after_restore": still_there.trim().parse::<u64>().unwrap_or(0),
             }),
         );
@@ -356,6 +360,23 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         json!(fork_p50 * 1000.0 / c.fork_exec_us),
     );
     Ok(Value::Object(report))
+}
+
+/// The guest's CLOCK_REALTIME to the microsecond (busybox `date` has no
+/// `%N`; its `adjtimex` prints `time.tv_sec` and `time.tv_usec`).
+fn guest_clock(agent: &AgentClient) -> anyhow::Result<f64> {
+    let out = sh(
+        agent,
+        "busybox adjtimex | sed -n 's/^ *time.tv_sec: *//p; s/^ *time.tv_usec: *//p'",
+    )?;
+    let nums: Vec<f64> = out
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    match nums[..] {
+        [sec, usec] => Ok(sec + usec / 1e6),
+        _ => anyhow::bail!("the guest's adjtimex said {out:?}"),
+    }
 }
 
 fn unix_now() -> f64 {
