@@ -145,9 +145,9 @@ enum TestbedCmd {
         /// Memory of the emulated host, in MiB.
         #[arg(long, default_value_t = 6144)]
         memory: u32,
-        /// vCPUs of the emulated host.
-        #[arg(long, default_value_t = 2)]
-        cpus: u32,
+        /// vCPUs of the emulated host [default: 2, or $FORKBOX_TESTBED_CPUS].
+        #[arg(long)]
+        cpus: Option<u32>,
         /// Run CMD directly where this machine has hardware virtualization
         /// (or is the emulated host already); boot the emulated host only
         /// where microVMs could not run otherwise.
@@ -431,7 +431,9 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
             let mut opts = RunOptions::new(argv.clone());
             opts.timeout = Duration::from_secs(timeout);
             opts.memory_mib = memory;
-            opts.cpus = cpus;
+            if let Some(cpus) = cpus {
+                opts.cpus = cpus;
+            }
             opts.path_prefix = std::env::current_exe()
                 .ok()
                 .and_then(|e| e.parent().map(Into::into))

@@ -190,7 +190,13 @@ impl RunOptions {
             cwd: std::env::current_dir().unwrap_or_else(|_| "/".into()),
             timeout: Duration::from_secs(3600),
             memory_mib: 6144,
-            cpus: 2,
+            // FORKBOX_TESTBED_CPUS: a different count, to tell load and
+            // cross-CPU effects of the emulation apart (docs/SPEC.md).
+            cpus: std::env::var("FORKBOX_TESTBED_CPUS")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .filter(|&c| c > 0)
+                .unwrap_or(2),
             path_prefix: Vec::new(),
             share: None,
             env: Vec::new(),

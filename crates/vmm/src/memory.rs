@@ -192,7 +192,7 @@ impl GuestRam {
         // SAFETY: forwarded from this function's contract.
         for (bytes, offset) in unsafe { self.ranges()? } {
             let resident = match self.backing {
-                Backing::Memfd => Some(resident_pages(bytes)),
+                Backing::Memfd => Some(possibly_written(bytes, &self.file, offset)),
                 Backing::File => None,
             };
             written += write_sparse(file, offset, bytes, resident.as_deref())
@@ -275,36 +275,85 @@ fn map(layout: &MemoryLayout, file: &File) -> Result<GuestMemory, MemoryError> {
     GuestMemory::from_regions(regions).map_err(MemoryError::Assemble)
 }
 
-/// Which pages of `bytes` (page aligned) are resident; a memfd-backed page
-/// that is not resident has never been written and reads as zero.
-fn resident_pages(bytes: &[u8]) -> Vec<u8> {
+/// Which pages of `bytes` (page aligned, mapped `MAP_PRIVATE` from the
+/// memfd `file` at `offset`) may hold data; the others have never been
+/// written and read as zero. A page may hold data if the memfd has data
+/// there (`SEEK_DATA` counts pages swapped out as data) or the mapping has
+/// a page of its own there, present or swapped out (`/proc/self/pagemap`).
+/// `mincore` is not enough: it reports swapped-out pages as absent. When
+/// either source cannot be read, every page is taken to hold data.
+fn possibly_written(bytes: &[u8], file: &File, offset: u64) -> Vec<bool> {
     let pages = bytes.len().div_ceil(PAGE);
-    let mut vec = vec![1u8; pages];
-    // SAFETY: `bytes` is a page-aligned mapping of `bytes.len()` bytes and
-    // `vec` has one byte per page, as mincore requires.
-    let rc = unsafe { libc::mincore(bytes.as_ptr() as *mut _, bytes.len(), vec.as_mut_ptr()) };
-    if rc < 0 {
-        // Unknown: treat every page as possibly non-zero.
-        vec.fill(1);
+    let mut out = vec![false; pages];
+    if file_data_pages(file, offset, &mut out).is_err()
+        || mapped_pages(bytes.as_ptr() as usize, &mut out).is_err()
+    {
+        out.fill(true);
     }
-    vec
+    out
+}
+
+/// Marks the pages of `file` from `offset` on (one per entry of `out`)
+/// that lie in its data ranges.
+fn file_data_pages(file: &File, offset: u64, out: &mut [bool]) -> io::Result<()> {
+    let end = offset + (out.len() * PAGE) as u64;
+    let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
+        // SAFETY: lseek on a file we hold open; no memory is involved.
+        let r = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, whence) };
+        match r {
+            r if r >= 0 => Ok(Some(r as u64)),
+            // No data at or after `pos`.
+            _ if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => Ok(None),
+            _ => Err(io::Error::last_os_error()),
+        }
+    };
+    let mut pos = offset;
+    while pos < end {
+        let Some(data) = seek(pos, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+            break;
+        };
+        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let first = ((data - offset) / PAGE as u64) as usize;
+        let last = (hole - offset).div_ceil(PAGE as u64) as usize;
+        out[first..last].fill(true);
+        pos = hole;
+    }
+    Ok(())
+}
+
+/// Marks the pages from `addr` on (one per entry of `out`) that this
+/// process maps: present (bit 63 of a pagemap entry) or swapped (bit 62).
+fn mapped_pages(addr: usize, out: &mut [bool]) -> io::Result<()> {
+    const PRESENT_OR_SWAPPED: u64 = 0b11 << 62;
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let mut buf = vec![0u8; 8 * 8192];
+    for (chunk_index, chunk) in out.chunks_mut(8192).enumerate() {
+        let first_page = addr / PAGE + chunk_index * 8192;
+        let bytes = &mut buf[..chunk.len() * 8];
+        pagemap.read_exact_at(bytes, (first_page * 8) as u64)?;
+        for (mark, entry) in chunk.iter_mut().zip(bytes.chunks_exact(8)) {
+            let entry = u64::from_ne_bytes(entry.try_into().unwrap_or_default());
+            *mark |= entry & PRESENT_OR_SWAPPED != 0;
+        }
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `file` at `offset`, skipping all-zero pages (they stay
-/// holes) and pages `resident` marks absent; runs of data pages go out in
+/// holes) and pages `resident` marks as never written; runs of data pages go out in
 /// one `pwrite`. Returns the bytes written.
 pub fn write_sparse(
     file: &File,
     offset: u64,
     bytes: &[u8],
-    resident: Option<&[u8]>,
+    resident: Option<&[bool]>,
 ) -> io::Result<u64> {
     let mut written = 0u64;
     let mut run: Option<usize> = None;
     let pages = bytes.len().div_ceil(PAGE);
     for i in 0..=pages {
         let data = i < pages && {
-            let present = resident.is_none_or(|r| r.get(i).is_none_or(|b| b & 1 == 1));
+            let present = resident.is_none_or(|r| r.get(i).copied().unwrap_or(true));
             let page = &bytes[i * PAGE..((i + 1) * PAGE).min(bytes.len())];
             present && !is_zero(page)
         };
@@ -442,7 +491,7 @@ mod tests {
         let (file, path) = temp_file("absent");
         let bytes = vec![7u8; 4 * PAGE];
         file.set_len(bytes.len() as u64).expect("size");
-        let n = write_sparse(&file, 0, &bytes, Some(&[1, 0, 0, 1])).expect("write");
+        let n = write_sparse(&file, 0, &bytes, Some(&[true, false, false, true])).expect("write");
         assert_eq!(n, 2 * PAGE as u64);
         assert_eq!(
             data_ranges(&file, bytes.len() as u64),
@@ -503,6 +552,37 @@ mod tests {
             .read_exact_at(&mut probe, 0x30_0000)
             .expect("read memfd");
         assert_eq!(u64::from_le_bytes(probe), 0x1234, "sealed file unchanged");
+    }
+
+    #[test]
+    fn possibly_written_counts_the_memfds_data_and_the_mappings_own_pages() {
+        let layout = MemoryLayout::new(128 * MIB);
+        let mut ram = GuestRam::new(&layout).expect("memfd");
+        ram.memory()
+            .write_obj(0x1234_u64, GuestAddress(0x30_0000))
+            .expect("write");
+        // SAFETY: no vCPU or device exists in this test.
+        unsafe { ram.rebase_to_sealed_memfd() }.expect("rebase");
+        // Page 0x30_0000 now lives in the memfd only: this process has not
+        // touched it since the rebase. Page 0x50_0000 is a private page.
+        ram.memory()
+            .write_obj(9u64, GuestAddress(0x50_0000))
+            .expect("private write");
+        // SAFETY: as above.
+        let (bytes, offset) = unsafe { ram.ranges() }.expect("ranges")[0];
+        let marked: Vec<usize> = possibly_written(bytes, &ram.file, offset)
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &m)| m.then_some(i))
+            .collect();
+        assert_eq!(marked, vec![0x300, 0x500]);
+        // A snapshot of the rebased RAM keeps both.
+        let (file, path) = temp_file("rebased");
+        file.set_len(layout.total()).expect("size");
+        // SAFETY: as above.
+        let n = unsafe { ram.write_sparse_to(&file) }.expect("snapshot");
+        assert_eq!(n, 2 * PAGE as u64);
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]
