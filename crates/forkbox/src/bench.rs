@@ -70,6 +70,29 @@ pub fn progress(bench: &str, what: &str, i: usize, n: usize) {
     }
 }
 
+/// The guest's CLOCK_REALTIME in seconds, to the microsecond: busybox
+/// `date` has no `%N`, its `adjtimex` prints `time.tv_sec` and
+/// `time.tv_usec`. For the `minimal` image (busybox).
+pub fn guest_clock(agent: &forkbox_proto::AgentClient) -> anyhow::Result<f64> {
+    let script = "busybox adjtimex | sed -n 's/^ *time.tv_sec: *//p; s/^ *time.tv_usec: *//p'";
+    let mut out = Vec::new();
+    let r = agent.exec(
+        &forkbox_proto::ExecRequest::shell(script),
+        None,
+        &mut |_, b| out.extend_from_slice(b),
+    )?;
+    let out = String::from_utf8_lossy(&out);
+    anyhow::ensure!(r.success(), "`{script}` failed in the guest: {r:?}");
+    let nums: Vec<f64> = out
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    match nums[..] {
+        [sec, usec] => Ok(sec + usec / 1e6),
+        _ => anyhow::bail!("the guest's adjtimex said {out:?}"),
+    }
+}
+
 /// How fast this environment is at the two things that dominate forkbox's
 /// own overheads: plain computation and process creation.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use forkbox::bench::{calibrate, progress, Stats};
+use forkbox::bench::{calibrate, guest_clock, progress, Stats};
 use forkbox::testbed::Environment;
 use forkbox::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{AgentClient, ExecRequest};
@@ -360,23 +360,6 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         json!(fork_p50 * 1000.0 / c.fork_exec_us),
     );
     Ok(Value::Object(report))
-}
-
-/// The guest's CLOCK_REALTIME to the microsecond (busybox `date` has no
-/// `%N`; its `adjtimex` prints `time.tv_sec` and `time.tv_usec`).
-fn guest_clock(agent: &AgentClient) -> anyhow::Result<f64> {
-    let out = sh(
-        agent,
-        "busybox adjtimex | sed -n 's/^ *time.tv_sec: *//p; s/^ *time.tv_usec: *//p'",
-    )?;
-    let nums: Vec<f64> = out
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    match nums[..] {
-        [sec, usec] => Ok(sec + usec / 1e6),
-        _ => anyhow::bail!("the guest's adjtimex said {out:?}"),
-    }
 }
 
 fn unix_now() -> f64 {

@@ -350,7 +350,9 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
 }
 
 /// The registers that say where a vCPU stopped and in what mode, for the
-/// log of a triple fault (which the guest cannot report itself).
+/// log of a triple fault (which the guest cannot report itself). On AMD
+/// (SVM) KVM resets the vCPU before it reports the fault, so there the
+/// registers show the reset state and only the events say anything.
 fn where_it_stopped(vcpu: &kvm_ioctls::VcpuFd) -> String {
     let regs = match vcpu.get_regs() {
         Ok(r) => format!(
