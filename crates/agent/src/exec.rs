@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -380,28 +380,28 @@ fn kill(pgid: u32) {
 }
 
 /// A pipe we can read and raise the capacity of.
-trait ReadPipe: Read + Send {
+trait ReadPipe: Send {
     fn as_fd_ref(&self) -> std::os::fd::BorrowedFd<'_>;
 }
 
-impl<T: Read + Send + std::os::fd::AsFd> ReadPipe for T {
+impl<T: Send + std::os::fd::AsFd> ReadPipe for T {
     fn as_fd_ref(&self) -> std::os::fd::BorrowedFd<'_> {
         self.as_fd()
     }
 }
 
 fn pump(
-    mut pipe: Box<dyn ReadPipe>,
+    pipe: Box<dyn ReadPipe>,
     stream: OutputStream,
     cap: Option<u64>,
     sink: &dyn OutputSink,
     events: &Sender<Event>,
 ) {
-    let mut buf = vec![0u8; DATA_CHUNK];
+    let mut buf = Vec::with_capacity(DATA_CHUNK);
     let (mut total, mut sent) = (0u64, 0u64);
     let mut client_ok = true;
     loop {
-        let n = match pipe.read(&mut buf) {
+        let n = match sys::read_into(pipe.as_fd_ref(), &mut buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

@@ -11,6 +11,7 @@
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
@@ -22,6 +23,7 @@ use forkbox_proto::{
 };
 
 use crate::server::send;
+use crate::sys;
 
 /// Directory entries per `Entries` frame: ~300 bytes of JSON each keeps a
 /// batch far below the frame limit.
@@ -49,7 +51,7 @@ fn gone(e: &io::Error) -> AgentError {
 
 pub fn read_file(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
     let p = absolute(path)?;
-    let mut file = File::open(p).map_err(|e| io_err("open", path, &e))?;
+    let file = File::open(p).map_err(|e| io_err("open", path, &e))?;
     let meta = file.metadata().map_err(|e| io_err("stat", path, &e))?;
     if meta.is_dir() {
         return Err(AgentError::new(
@@ -57,11 +59,11 @@ pub fn read_file(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
             format!("{path} is a directory"),
         ));
     }
-    let mut buf = vec![0u8; DATA_CHUNK];
+    let mut buf = Vec::with_capacity(DATA_CHUNK);
     let mut bytes = 0u64;
     let mut w = conn;
     loop {
-        let n = match file.read(&mut buf) {
+        let n = match sys::read_into(file.as_fd(), &mut buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
