@@ -125,8 +125,6 @@ pub fn calibrate() -> Calibration {
     }
 }
 
-/// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
-/// every mapping in `/proc/PID/smaps` except the guest-RAM memfd.
 /// A `Key:   N kB` field of `/proc/meminfo` or a `smaps_rollup`, in KiB.
 pub fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
     text.lines()
@@ -150,6 +148,66 @@ pub fn pss_kib(pid: u32) -> Option<u64> {
     meminfo_kib(&text, "Pss:")
 }
 
+/// The whole of `/proc/meminfo`, in KiB by field name (`HugePages_*`
+/// counts are left out).
+pub fn meminfo() -> std::io::Result<std::collections::BTreeMap<String, u64>> {
+    Ok(std::fs::read_to_string("/proc/meminfo")?
+        .lines()
+        .filter(|l| l.ends_with(" kB"))
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            Some((
+                k.to_owned(),
+                v.trim().trim_end_matches("kB").trim().parse().ok()?,
+            ))
+        })
+        .collect())
+}
+
+/// Guest RAM a VMM process holds privately, in KiB: the pages of its
+/// guest-RAM mappings that are present and not backed by the memory
+/// file (`/proc/PID/pagemap`). For a booted VM, every guest page ever
+/// written; for a fork child of a zygote, the pages the guest wrote since
+/// the fork (copy-on-write copies of the zygote's memory file).
+pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
+    let mut pages = 0;
+    let ranges = maps
+        .lines()
+        .filter(|l| l.contains("memfd:forkbox-guest-ram") || l.contains("memfd:forkbox-zygote-ram"))
+        .filter_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        });
+    let mut buf = vec![0u8; 8 * 4096];
+    for (start, end) in ranges {
+        let mut page = start / 4096;
+        while page < end / 4096 {
+            let n = ((end / 4096 - page) as usize).min(4096);
+            pagemap.seek(SeekFrom::Start(page * 8))?;
+            pagemap.read_exact(&mut buf[..n * 8])?;
+            pages += buf[..n * 8]
+                .chunks_exact(8)
+                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")))
+                .filter(|e| e & PM_PRESENT != 0 && e & PM_FILE == 0)
+                .count() as u64;
+            page += n as u64;
+        }
+    }
+    Ok(pages * 4)
+}
+
+/// `/proc/PID/pagemap` entry bits (Documentation/admin-guide/mm/pagemap.rst).
+const PM_PRESENT: u64 = 1 << 63;
+const PM_FILE: u64 = 1 << 61;
+
+/// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
+/// every mapping in `/proc/PID/smaps` except the guest-RAM memfd.
 pub fn vmm_overhead_kib(pid: u32) -> std::io::Result<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
     Ok(overhead_from_smaps(&smaps))
@@ -186,6 +244,9 @@ mod tests {
         assert_eq!(meminfo_kib(text, "Pss:"), None);
         assert!(mem_available_kib().is_some_and(|k| k > 0));
         assert!(pss_kib(std::process::id()).is_some_and(|k| k > 0));
+        let m = meminfo().expect("/proc/meminfo");
+        assert_eq!(m.get("MemAvailable").copied(), mem_available_kib());
+        assert!(!m.contains_key("HugePages_Total"));
     }
 
     #[test]
@@ -197,6 +258,29 @@ mod tests {
         assert_eq!(s.min_ms, 1.0);
         assert_eq!(s.max_ms, 100.0);
         assert_eq!(s.runs, 100);
+    }
+
+    /// Guest RAM as the VMM maps it (a private mapping of a memfd): the
+    /// pages written count, pages only read (backed by the file) do not.
+    #[test]
+    fn guest_pages_written_counts_private_copies_only() {
+        use vm_memory::{Bytes, GuestAddress};
+        let layout = forkbox_vmm::layout::MemoryLayout::new(16 << 20);
+        let ram = forkbox_vmm::memory::GuestRam::new(&layout).expect("guest RAM");
+        for page in [0u64, 5, 9] {
+            ram.memory()
+                .write_obj(1u8, GuestAddress(page * 4096))
+                .expect("write");
+        }
+        for page in [2u64, 3] {
+            let b: u8 = ram
+                .memory()
+                .read_obj(GuestAddress(page * 4096))
+                .expect("read");
+            assert_eq!(b, 0);
+        }
+        let kib = guest_pages_written_kib(std::process::id()).expect("pagemap");
+        assert_eq!(kib, 12);
     }
 
     #[test]

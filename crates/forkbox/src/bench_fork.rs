@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use forkbox::bench::{calibrate, guest_clock, progress, Stats};
+use forkbox::bench::{calibrate, guest_clock, guest_pages_written_kib, progress, Stats};
 use forkbox::testbed::Environment;
 use forkbox::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{AgentClient, ExecRequest};
@@ -62,6 +62,27 @@ fn sh(agent: &AgentClient, script: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// Kills a VM and waits until its VMM is gone, so that its teardown (tens
+/// of ms) does not overlap the next sample. Taking the zygote sizes in
+/// turns without this made each size pay for the teardown of the size
+/// before it.
+fn retire(mut vm: Vm) {
+    vm.kill();
+    let _ = vm.wait_exit(Duration::from_secs(30));
+}
+
+/// Boots a zygote-to-be and makes it a zygote after one exec, as a
+/// template's readiness check does: the exec reads its binary from the
+/// image into the guest's page cache, where every child shares it.
+/// Without it, each child's first exec reads it on its own (about 380
+/// guest pages, 1.5 MiB, of the `minimal` image's busybox per child).
+fn zygote(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
+    let mut vm = boot(assets, memory_mib)?;
+    first_exec(vm.agent()).context("the zygote's warm-up exec")?;
+    vm.make_zygote().context("making the zygote")?;
+    Ok(vm)
+}
+
 fn boot(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
     let spec = VmSpec {
         memory_mib,
@@ -112,9 +133,23 @@ fn stats_json(s: &Stats) -> Value {
     json!({"runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms})
 }
 
-fn mem_available_kib() -> anyhow::Result<u64> {
-    forkbox::bench::mem_available_kib().context("no MemAvailable in /proc/meminfo")
+fn meminfo() -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+    forkbox::bench::meminfo().context("reading /proc/meminfo")
 }
+
+/// `/proc/meminfo` counters reported per fan-out child: the children's
+/// private pages (guest copies and VMM heap), the host page tables of
+/// their guest-RAM mappings, KVM's nested page tables, kernel objects, and
+/// the vmalloc'd memory behind each VM and vCPU (kernel stacks included).
+const HOST_COUNTERS: &[&str] = &[
+    "AnonPages",
+    "PageTables",
+    "SecPageTables",
+    "Slab",
+    "KernelStack",
+    "VmallocUsed",
+    "Shmem",
+];
 
 /// Writes `mib` MiB of incompressible, non-zero data into guest RAM
 /// (tmpfs), from 1 MiB of urandom copied over.
@@ -131,6 +166,14 @@ fn dirty(agent: &AgentClient, mib: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Puts one result in the report and echoes it on stderr at once, so a
+/// run cut short (a crashed host, an interrupt) still leaves its finished
+/// phases behind.
+fn record(report: &mut serde_json::Map<String, Value>, key: &str, value: Value) {
+    eprintln!("forkbox bench fork: {key} = {value}");
+    report.insert(key.into(), value);
+}
+
 pub fn run(o: &Options) -> anyhow::Result<Value> {
     let env = Environment::detect();
     let assets = Assets::prepare()?;
@@ -138,26 +181,27 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     report.insert("bench".into(), json!("fork"));
     report.insert("environment".into(), json!(env.label()));
 
-    // 1. Zygote forks at each memory size.
+    // 1. Zygote forks at each memory size, taken in turns (one fork per
+    // size per round) so that drift in the host over the run (page cache,
+    // an emulated host's load) weighs on every size alike.
+    let snap_root = tempfile::tempdir()?;
+    let mut zygotes = Vec::new();
+    for &mib in &o.memory {
+        let zygote = zygote(&assets, mib)?;
+        zygotes.push((mib, zygote, Vec::with_capacity(o.forks)));
+    }
+    for i in 0..o.forks {
+        for (_, zygote, samples) in &mut zygotes {
+            let (took, child) = fork_one(zygote)?;
+            samples.push(took);
+            retire(child);
+        }
+        progress("fork", "zygote forks (every size in turn)", i + 1, o.forks);
+    }
     let mut per_size = Vec::new();
     let mut first_p50 = None;
     let mut baseline_zygote_dir = None;
-    let snap_root = tempfile::tempdir()?;
-    for (k, &mib) in o.memory.iter().enumerate() {
-        let mut zygote = boot(&assets, mib)?;
-        zygote.make_zygote().context("making the zygote")?;
-        let mut samples = Vec::with_capacity(o.forks);
-        for i in 0..o.forks {
-            let (took, child) = fork_one(&mut zygote)?;
-            samples.push(took);
-            drop(child);
-            progress(
-                "fork",
-                &format!("zygote forks at {mib} MiB"),
-                i + 1,
-                o.forks,
-            );
-        }
+    for (k, (mib, mut zygote, samples)) in zygotes.into_iter().enumerate() {
         let (s, v) = fork_stats_json(&samples);
         if k == 0 {
             first_p50 = Some(s.p50_ms);
@@ -171,8 +215,9 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     let p50s: Vec<f64> = per_size.iter().map(|(_, s, _)| s.p50_ms).collect();
     let flat = p50s.iter().copied().fold(f64::MIN, f64::max)
         / p50s.iter().copied().fold(f64::MAX, f64::min);
-    report.insert(
-        "zygote_fork_to_first_exec".into(),
+    record(
+        &mut report,
+        "zygote_fork_to_first_exec",
         Value::Array(
             per_size
                 .iter()
@@ -184,7 +229,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 .collect(),
         ),
     );
-    report.insert("zygote_fork_p50_max_over_min".into(), json!(flat));
+    record(&mut report, "zygote_fork_p50_max_over_min", json!(flat));
 
     // 2. Baselines serving the same request.
     let fork_p50 = first_p50.unwrap_or(f64::NAN);
@@ -195,28 +240,36 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             let vm = Vm::restore(&assets, dir).context("restoring the baseline snapshot")?;
             first_exec(vm.agent())?;
             samples.push(t.elapsed());
-            drop(vm);
+            retire(vm);
             progress("fork", "restore baseline", i + 1, o.restore_runs);
         }
         let s = Stats::from_durations(&samples);
         let mut v = stats_json(&s);
         v["memory_mib"] = json!(mib);
-        report.insert("restore_per_rollout".into(), v);
-        report.insert("restore_over_fork_p50".into(), json!(s.p50_ms / fork_p50));
+        record(&mut report, "restore_per_rollout", v);
+        record(
+            &mut report,
+            "restore_over_fork_p50",
+            json!(s.p50_ms / fork_p50),
+        );
         let mut samples = Vec::new();
         for i in 0..o.boot_runs {
             let t = Instant::now();
             let vm = boot(&assets, *mib)?;
             first_exec(vm.agent())?;
             samples.push(t.elapsed());
-            drop(vm);
+            retire(vm);
             progress("fork", "cold boot baseline", i + 1, o.boot_runs);
         }
         let s = Stats::from_durations(&samples);
         let mut v = stats_json(&s);
         v["memory_mib"] = json!(mib);
-        report.insert("cold_boot_per_rollout".into(), v);
-        report.insert("boot_over_fork_p50".into(), json!(s.p50_ms / fork_p50));
+        record(&mut report, "cold_boot_per_rollout", v);
+        record(
+            &mut report,
+            "boot_over_fork_p50",
+            json!(s.p50_ms / fork_p50),
+        );
     }
 
     // 3. Fan-out: N children of one zygote all answering an exec; host
@@ -224,10 +277,9 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     if o.children > 0 {
         let mib = o.memory.first().copied().unwrap_or(512);
         eprintln!("forkbox bench fork: fan-out of {} children", o.children);
-        let mut zygote = boot(&assets, mib)?;
-        zygote.make_zygote()?;
+        let zygote = zygote(&assets, mib)?;
         std::thread::sleep(Duration::from_secs(1));
-        let avail_before = mem_available_kib()?;
+        let before = meminfo()?;
         let t = Instant::now();
         // A child that fails (to come up or to answer) is counted and named,
         // not fatal: the report says how many of the N answered.
@@ -264,16 +316,39 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         }
         anyhow::ensure!(!children.is_empty(), "no fan-out child answered");
         std::thread::sleep(Duration::from_secs(2));
-        let avail_after = mem_available_kib()?;
-        let per_child_kib = avail_before.saturating_sub(avail_after) as f64 / children.len() as f64;
-        report.insert(
-            "fanout".into(),
+        let after = meminfo()?;
+        let n = children.len() as f64;
+        let added = |key: &str| {
+            let (b, a) = (before.get(key), after.get(key));
+            a.zip(b).map(|(a, b)| (*a as f64 - *b as f64) / n)
+        };
+        let per_child_kib = -added("MemAvailable").unwrap_or(f64::NAN);
+        // Where it goes: the guest pages each child wrote since the fork
+        // (its copy-on-write copies), and the host's own counters.
+        let written: Vec<u64> = children
+            .iter()
+            .filter_map(|c| guest_pages_written_kib(c.pid()).ok())
+            .collect();
+        let mut where_kib = serde_json::Map::new();
+        where_kib.insert(
+            "guest_pages_written".into(),
+            json!(written.iter().sum::<u64>() as f64 / written.len().max(1) as f64),
+        );
+        for key in HOST_COUNTERS {
+            if let Some(d) = added(key) {
+                where_kib.insert((*key).into(), json!(d));
+            }
+        }
+        record(
+            &mut report,
+            "fanout",
             json!({
                 "children": o.children, "answered": children.len(), "failures": failures,
                 "memory_mib": mib,
                 "wall_ms": wall.as_secs_f64() * 1000.0,
                 "vmm_answer_ms": children.first().and_then(|c| c.vmm_answered).map(|d| d.as_secs_f64() * 1000.0),
                 "host_mem_per_idle_child_mib": per_child_kib / 1024.0,
+                "per_idle_child_kib": where_kib,
             }),
         );
         drop(children);
@@ -288,13 +363,13 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         for i in 0..o.dirty_forks {
             let (took, child) = fork_one(&mut vm)?;
             samples.push(took);
-            drop(child);
+            retire(child);
             progress("fork", "dirty running forks", i + 1, o.dirty_forks);
         }
         let (_, mut v) = fork_stats_json(&samples);
         v["dirty_mib"] = json!(o.dirty_mib);
         v["memory_mib"] = json!(mib);
-        report.insert("running_dirty_fork_to_first_exec".into(), v);
+        record(&mut report, "running_dirty_fork_to_first_exec", v);
     }
 
     // 5. Snapshot of a big guest with some memory in use; restore.
@@ -337,8 +412,9 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             .as_ref()
             .map_or(f64::NAN, |r| r.clock_offset_ns as f64 / 1e9);
         let still_there = sh(restored.agent(), "wc -c < /dev/shm/dirty")?;
-        report.insert(
-            "snapshot".into(),
+        record(
+            &mut report,
+            "snapshot",
             json!({
                 "memory_mib": o.snapshot_memory, "used_mib": o.snapshot_used,
                 "snapshot_ms": snapshot_ms, "bytes_written": bytes, "bytes_on_disk": on_disk,

@@ -1,0 +1,248 @@
+//! Where an idle fork child's memory goes. Forks N children of a zygote,
+//! runs one exec in each and prints what the host's `/proc/meminfo` gained
+//! per child; then forks one more and follows the guest pages it writes
+//! (its copy-on-write copies of the zygote's memory file, read from the
+//! VMM's `/proc/PID/pagemap`) through the after-fork hook and a few execs,
+//! naming them by the guest kernel's page flags (`/proc/kpageflags`).
+//!
+//! Inside the test bed (or directly on a host with VMX/SVM):
+//! `forkbox testbed run -- target/release/examples/fork_pages [MiB] [N]`
+//! (`COLD=1`: no exec in the zygote before it is made).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::time::Duration;
+
+use anyhow::Context;
+use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_proto::ExecRequest;
+
+/// `/proc/kpageflags` bits worth naming (Documentation/admin-guide/mm/pagemap.rst).
+const FLAGS: &[(u32, &str)] = &[
+    (5, "lru"),
+    (7, "slab"),
+    (10, "buddy"),
+    (11, "mmap"),
+    (12, "anon"),
+    (15, "compound"),
+    (16, "compound"),
+    (26, "pgtable"),
+    (32, "reserved"),
+];
+
+fn class(flags: u64) -> String {
+    let mut names: Vec<&str> = FLAGS
+        .iter()
+        .filter(|(bit, _)| flags & (1 << bit) != 0)
+        .map(|(_, n)| *n)
+        .collect();
+    names.dedup();
+    if names.is_empty() {
+        "no flags (kernel stacks, vmalloc, page frags, per-CPU free lists)".into()
+    } else {
+        names.join(",")
+    }
+}
+
+/// Guest page frame numbers the VMM `pid` holds privately: present in its
+/// guest-RAM mapping and not backed by the zygote's memory file.
+fn written_pfns(pid: u32) -> anyhow::Result<BTreeSet<u64>> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut pagemap = fs::File::open(format!("/proc/{pid}/pagemap"))?;
+    let mut pfns = BTreeSet::new();
+    for line in maps.lines().filter(|l| l.contains("forkbox-zygote-ram")) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (a, b) = fields[0].split_once('-').context("maps range")?;
+        let (start, end) = (u64::from_str_radix(a, 16)?, u64::from_str_radix(b, 16)?);
+        // The file offset is the guest-physical address below 3 GiB.
+        let offset = u64::from_str_radix(fields[2], 16)?;
+        let mut buf = vec![0u8; ((end - start) / 4096 * 8) as usize];
+        pagemap.seek(SeekFrom::Start(start / 4096 * 8))?;
+        pagemap.read_exact(&mut buf)?;
+        for (i, e) in buf.chunks_exact(8).enumerate() {
+            let e = u64::from_le_bytes(e.try_into()?);
+            if e & (1 << 63) != 0 && e & (1 << 61) == 0 {
+                pfns.insert(offset / 4096 + i as u64);
+            }
+        }
+    }
+    Ok(pfns)
+}
+
+fn meminfo() -> anyhow::Result<BTreeMap<String, u64>> {
+    Ok(forkbox::bench::meminfo()?)
+}
+
+fn exec_true(vm: &Vm) -> anyhow::Result<()> {
+    let r = vm
+        .agent()
+        .exec(&ExecRequest::argv(["true"]), None, &mut |_, _| {})?;
+    anyhow::ensure!(r.success(), "true failed: {r:?}");
+    Ok(())
+}
+
+/// The guest-physical range of an `/proc/iomem` entry such as "Kernel data".
+fn iomem_range(iomem: &str, name: &str) -> Option<(u64, u64)> {
+    let line = iomem.lines().find(|l| l.trim_end().ends_with(name))?;
+    let (a, b) = line.trim().split(' ').next()?.split_once('-')?;
+    Some((
+        u64::from_str_radix(a, 16).ok()?,
+        u64::from_str_radix(b, 16).ok()?,
+    ))
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mib: u32 = args.next().map_or(Ok(512), |s| s.parse())?;
+    let n: usize = args.next().map_or(Ok(20), |s| s.parse())?;
+    forkbox::vm::become_subreaper()?;
+    let assets = Assets::prepare()?;
+    let spec = VmSpec {
+        memory_mib: mib,
+        ..VmSpec::default()
+    };
+    let mut zygote = Vm::boot(&assets, &spec)?;
+    let mut iomem = Vec::new();
+    zygote.agent().read_file("/proc/iomem", &mut iomem)?;
+    let iomem = String::from_utf8_lossy(&iomem).into_owned();
+    let image = iomem_range(&iomem, ": Kernel data")
+        .zip(iomem_range(&iomem, ": Kernel bss"))
+        .map(|((data, _), (_, bss_end))| (data / 4096, bss_end / 4096));
+    // One exec before the zygote is made, as a template's readiness check
+    // does: without it every child reads busybox from the image on its
+    // first exec (about 380 guest pages of page cache each).
+    if std::env::var_os("COLD").is_none() {
+        exec_true(&zygote)?;
+    }
+    zygote.make_zygote()?;
+    std::thread::sleep(Duration::from_secs(1));
+
+    let before = meminfo()?;
+    // Every child execs at once, as `forkbox bench fork`'s fan-out does.
+    let children: Vec<Vm> = std::thread::scope(|s| {
+        let hs: Vec<_> = zygote
+            .fork(n)?
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let c = c?;
+                    exec_true(&c)?;
+                    anyhow::Ok(c)
+                })
+            })
+            .collect();
+        // A child that fails is reported and left out.
+        let children = hs
+            .into_iter()
+            .filter_map(|h| match h.join() {
+                Ok(Ok(c)) => Some(c),
+                Ok(Err(e)) => {
+                    eprintln!("a child failed: {e:#}");
+                    None
+                }
+                Err(_) => None,
+            })
+            .collect();
+        anyhow::Ok(children)
+    })?;
+    let n = children.len();
+    std::thread::sleep(Duration::from_secs(2));
+    let after = meminfo()?;
+    println!("{n} children of a {mib} MiB zygote, one exec each; /proc/meminfo per child, KiB:");
+    for (k, b) in &before {
+        let d = (after[k] as f64 - *b as f64) / n as f64;
+        if d.abs() >= 4.0 {
+            println!("{d:10.0}  {k}");
+        }
+    }
+    let written: Vec<usize> = children
+        .iter()
+        .map(|c| written_pfns(c.pid()).map(|p| p.len()))
+        .collect::<anyhow::Result<_>>()?;
+    println!(
+        "guest pages written per child: {:.0} (min {}, max {})",
+        written.iter().sum::<usize>() as f64 / n as f64,
+        written.iter().min().unwrap_or(&0),
+        written.iter().max().unwrap_or(&0)
+    );
+    if let Some((most, _)) = written.iter().enumerate().max_by_key(|(_, w)| **w) {
+        println!(
+            "serial log of the child that wrote the most:\n{}",
+            children[most].serial_tail(25)
+        );
+    }
+    drop(children);
+
+    println!("\none more child, step by step (guest pages written since the fork):");
+    let c = zygote.fork(1)?.pop().context("no child")??;
+    let forked = written_pfns(c.pid())?;
+    println!("  fork + AfterFork      {:5}", forked.len());
+    std::thread::sleep(Duration::from_secs(2));
+    println!("  + 2 s idle            {:5}", written_pfns(c.pid())?.len());
+    let guest_meminfo = |c: &Vm| -> anyhow::Result<BTreeMap<String, i64>> {
+        let mut m = Vec::new();
+        c.agent().read_file("/proc/meminfo", &mut m)?;
+        Ok(String::from_utf8_lossy(&m)
+            .lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                Some((k.to_owned(), v.split_whitespace().next()?.parse().ok()?))
+            })
+            .collect())
+    };
+    let g0 = guest_meminfo(&c)?;
+    let before_exec = written_pfns(c.pid())?.len();
+    exec_true(&c)?;
+    let first_exec = written_pfns(c.pid())?;
+    let g1 = guest_meminfo(&c)?;
+    println!(
+        "  (guest /proc/meminfo over the first exec, {} pages:",
+        first_exec.len() - before_exec
+    );
+    for (k, v) in &g0 {
+        if (g1[k] - v).abs() >= 16 {
+            println!("      {:+8} kB {k}", g1[k] - v);
+        }
+    }
+    println!("  + exec true           {:5}", first_exec.len());
+    exec_true(&c)?;
+    println!("  + exec true           {:5}", written_pfns(c.pid())?.len());
+    for _ in 0..10 {
+        exec_true(&c)?;
+    }
+    println!("  + 10 x exec true      {:5}", written_pfns(c.pid())?.len());
+
+    // The flags as they are now; a page may have changed use since.
+    let mut flags = Vec::new();
+    c.agent().read_file("/proc/kpageflags", &mut flags)?;
+    let flags_of = |pfn: u64| {
+        let i = pfn as usize * 8;
+        flags
+            .get(i..i + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    };
+    let exec_only: BTreeSet<u64> = first_exec.difference(&forked).copied().collect();
+    for (what, set) in [("fork + AfterFork", &forked), ("first exec", &exec_only)] {
+        let mut by: BTreeMap<String, usize> = BTreeMap::new();
+        for &pfn in set {
+            let mut name = class(flags_of(pfn));
+            if name == "reserved" {
+                let in_image = image.is_some_and(|(a, b)| (a..=b).contains(&pfn));
+                name += if in_image {
+                    " (kernel .data/.bss)"
+                } else {
+                    " (early boot allocations: struct pages, per-CPU areas)"
+                };
+            }
+            *by.entry(name).or_default() += 1;
+        }
+        let mut by: Vec<_> = by.into_iter().collect();
+        by.sort_by_key(|(_, k)| std::cmp::Reverse(*k));
+        println!("\npages written by the {what}, by guest page flags:");
+        for (name, k) in by {
+            println!("{k:6}  {name}");
+        }
+    }
+    Ok(())
+}
