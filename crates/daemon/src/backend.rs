@@ -13,6 +13,7 @@ use forkbox::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
 pub use forkbox::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
+use forkbox_proto::ExecRequest;
 
 /// What a VM boots: the part of a template the backend needs. Every VM
 /// has a network device; `network` says what it may reach while it runs
@@ -52,6 +53,8 @@ pub enum BackendError {
     },
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
+    #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
+    WarmUp(String),
 }
 
 /// Makes VMs.
@@ -86,7 +89,11 @@ pub trait Machine: Send + Sync {
     fn pause(&self) -> Result<(), BackendError>;
     fn resume(&self) -> Result<(), BackendError>;
     /// Pause for good and move the memory to a copy-on-write file: the VM
-    /// becomes a zygote, forked O(1) in its memory size.
+    /// becomes a zygote, forked O(1) in its memory size. A warm-up command
+    /// runs first (`sh -c true`), so that the shell and what it loads are
+    /// in the page cache every fork shares; otherwise each sandbox's first
+    /// command reads them from the image into its own guest memory (about
+    /// 380 pages, 1.5 MiB, per sandbox for the `minimal` image's busybox).
     fn make_zygote(&self) -> Result<(), BackendError>;
     /// `n` copy-on-write children, running, each with its after-fork hook
     /// done (clock, entropy). The parent keeps its run state. `Err` when
@@ -222,6 +229,16 @@ impl Machine for VmMachine {
     }
 
     fn make_zygote(&self) -> Result<(), BackendError> {
+        let warm = self
+            .agent
+            .exec(&ExecRequest::shell("true"), None, &mut |_, _| {})
+            .map_err(|e| BackendError::WarmUp(e.to_string()))?;
+        if !warm.success() {
+            return Err(BackendError::WarmUp(format!(
+                "it ended with {:?}",
+                warm.status
+            )));
+        }
         self.with_vm("making the VM a zygote", Vm::make_zygote)
     }
 

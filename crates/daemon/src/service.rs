@@ -1673,8 +1673,10 @@ impl Daemon {
                     .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
                 send2(BakeEvent::Step {
                     step: "zygote".into(),
-                    detail: "denying all egress (each sandbox gets its own policy), pausing \
-                             the VM; its memory becomes copy-on-write for every fork"
+                    detail: "denying all egress (each sandbox gets its own policy), a warm-up \
+                             `sh -c true` (the shell into the page cache every fork \
+                             shares), pausing the VM; its memory becomes copy-on-write \
+                             for every fork"
                         .into(),
                 });
                 let zygote_failed =
