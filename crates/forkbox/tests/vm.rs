@@ -308,6 +308,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             fork_during_commands_parent_finishes_children_report_interrupted,
         ),
         (
+            "fork_cli_runs_the_command_in_every_child",
+            fork_cli_runs_the_command_in_every_child,
+        ),
+        (
             "snapshot_restore_resumes_processes_with_current_clock",
             snapshot_restore_resumes_processes_with_current_clock,
         ),
@@ -495,6 +499,37 @@ fn exec_exit_code_is_returned() -> TestResult {
         out == b"hello\n",
         format!("stdout {:?}", String::from_utf8_lossy(&out)),
     )
+}
+
+/// `forkbox run --fork 3`, the CLI's whole path (boot, warm-up, zygote,
+/// fork, the command in every child at once): each child's output comes
+/// prefixed with its index, each child is its own machine (its own kernel
+/// UUID), and the exit code is the failing children's.
+fn fork_cli_runs_the_command_in_every_child() -> TestResult {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_forkbox"))
+        .args(["run", "--fork", "3", "--", "sh", "-c"])
+        .arg("echo hello $(cat /proc/sys/kernel/random/uuid); exit 3")
+        .output()
+        .map_err(|e| format!("starting forkbox: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let what = format!(
+        "{:?}; stdout {stdout:?}; stderr {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines: Vec<(&str, &str)> = stdout
+        .lines()
+        .filter_map(|l| l.split_once(" hello "))
+        .collect();
+    lines.sort();
+    let indices: Vec<&str> = lines.iter().map(|(i, _)| *i).collect();
+    check(indices == ["[0]", "[1]", "[2]"], what.clone())?;
+    let uuids: std::collections::BTreeSet<&str> = lines.iter().map(|(_, u)| *u).collect();
+    check(
+        uuids.len() == 3,
+        format!("kernel UUIDs not distinct: {what}"),
+    )?;
+    check(out.status.code() == Some(3), what)
 }
 
 fn exec_signal_is_reported() -> TestResult {
