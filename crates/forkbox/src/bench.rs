@@ -176,7 +176,7 @@ pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
     let mut pages = 0;
     let ranges = maps
         .lines()
-        .filter(|l| l.contains("memfd:forkbox-guest-ram") || l.contains("memfd:forkbox-zygote-ram"))
+        .filter(|l| GUEST_RAM_MEMFDS.iter().any(|m| l.contains(m)))
         .filter_map(|l| {
             let (a, b) = l.split_whitespace().next()?.split_once('-')?;
             Some((
@@ -202,12 +202,16 @@ pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
     Ok(pages * 4)
 }
 
+/// The memfds a VMM maps guest RAM from: a booted VM's, and a zygote's
+/// (which its fork children inherit).
+const GUEST_RAM_MEMFDS: [&str; 2] = ["memfd:forkbox-guest-ram", "memfd:forkbox-zygote-ram"];
+
 /// `/proc/PID/pagemap` entry bits (Documentation/admin-guide/mm/pagemap.rst).
 const PM_PRESENT: u64 = 1 << 63;
 const PM_FILE: u64 = 1 << 61;
 
 /// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
-/// every mapping in `/proc/PID/smaps` except the guest-RAM memfd.
+/// every mapping in `/proc/PID/smaps` except the guest-RAM memfds.
 pub fn vmm_overhead_kib(pid: u32) -> std::io::Result<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
     Ok(overhead_from_smaps(&smaps))
@@ -219,7 +223,7 @@ fn overhead_from_smaps(smaps: &str) -> u64 {
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-            guest_ram = line.contains("memfd:forkbox-guest-ram");
+            guest_ram = GUEST_RAM_MEMFDS.iter().any(|m| line.contains(m));
         } else if let Some(rest) = line.strip_prefix("Rss:") {
             if !guest_ram {
                 total += rest
@@ -292,6 +296,9 @@ Rss:                 800 kB
 7f0000000000-7f0020000000 rw-s 00000000 00:01 5 /memfd:forkbox-guest-ram (deleted)
 Size:             524288 kB
 Rss:              131072 kB
+7f1000000000-7f1020000000 rw-p 00000000 00:01 6 /memfd:forkbox-zygote-ram (deleted)
+Size:             524288 kB
+Rss:               20480 kB
 7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
 Size:                132 kB
 Rss:                  24 kB
