@@ -151,8 +151,11 @@ pub fn pss_kib(pid: u32) -> Option<u64> {
 /// The whole of `/proc/meminfo`, in KiB by field name (`HugePages_*`
 /// counts are left out).
 pub fn meminfo() -> std::io::Result<std::collections::BTreeMap<String, u64>> {
-    Ok(std::fs::read_to_string("/proc/meminfo")?
-        .lines()
+    Ok(parse_meminfo(&std::fs::read_to_string("/proc/meminfo")?))
+}
+
+fn parse_meminfo(text: &str) -> std::collections::BTreeMap<String, u64> {
+    text.lines()
         .filter(|l| l.ends_with(" kB"))
         .filter_map(|l| {
             let (k, v) = l.split_once(':')?;
@@ -161,7 +164,7 @@ pub fn meminfo() -> std::io::Result<std::collections::BTreeMap<String, u64>> {
                 v.trim().trim_end_matches("kB").trim().parse().ok()?,
             ))
         })
-        .collect())
+        .collect()
 }
 
 /// Guest RAM a VMM process holds privately, in KiB: the pages of its
@@ -248,9 +251,12 @@ mod tests {
         assert_eq!(meminfo_kib(text, "Pss:"), None);
         assert!(mem_available_kib().is_some_and(|k| k > 0));
         assert!(pss_kib(std::process::id()).is_some_and(|k| k > 0));
-        let m = meminfo().expect("/proc/meminfo");
-        assert_eq!(m.get("MemAvailable").copied(), mem_available_kib());
+        let m = parse_meminfo(&format!("{text}HugePages_Total:       0\nHugetlb:  0 kB\n"));
+        assert_eq!(m.get("MemAvailable"), Some(&12345));
+        assert_eq!(m.get("MemTotal"), Some(&24_000_000));
+        assert_eq!(m.get("Hugetlb"), Some(&0));
         assert!(!m.contains_key("HugePages_Total"));
+        assert!(meminfo().is_ok_and(|m| m.contains_key("MemAvailable")));
     }
 
     #[test]
