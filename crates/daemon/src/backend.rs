@@ -13,7 +13,6 @@ use forkbox::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
 pub use forkbox::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
-use forkbox_proto::ExecRequest;
 
 /// What a VM boots: the part of a template the backend needs. Every VM
 /// has a network device; `network` says what it may reach while it runs
@@ -53,8 +52,6 @@ pub enum BackendError {
     },
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
-    #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
-    WarmUp(String),
 }
 
 /// Makes VMs.
@@ -229,17 +226,7 @@ impl Machine for VmMachine {
     }
 
     fn make_zygote(&self) -> Result<(), BackendError> {
-        let warm = self
-            .agent
-            .exec(&ExecRequest::shell("true"), None, &mut |_, _| {})
-            .map_err(|e| BackendError::WarmUp(e.to_string()))?;
-        if !warm.success() {
-            return Err(BackendError::WarmUp(format!(
-                "it ended with {:?}",
-                warm.status
-            )));
-        }
-        self.with_vm("making the VM a zygote", Vm::make_zygote)
+        self.with_vm("making the VM a zygote", Vm::make_warm_zygote)
     }
 
     fn handle(&self) -> Option<VmHandle> {

@@ -10,8 +10,6 @@
 //! (`COLD=1`: no exec in the zygote before it is made).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs;
-use std::io::{Read, Seek, SeekFrom};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -45,29 +43,10 @@ fn class(flags: u64) -> String {
     }
 }
 
-/// Guest page frame numbers the VMM `pid` holds privately: present in its
-/// guest-RAM mapping and not backed by the zygote's memory file.
+/// Guest page frame numbers the VMM `pid` holds privately: its
+/// copy-on-write copies of the zygote's memory file.
 fn written_pfns(pid: u32) -> anyhow::Result<BTreeSet<u64>> {
-    let maps = fs::read_to_string(format!("/proc/{pid}/maps"))?;
-    let mut pagemap = fs::File::open(format!("/proc/{pid}/pagemap"))?;
-    let mut pfns = BTreeSet::new();
-    for line in maps.lines().filter(|l| l.contains("forkbox-zygote-ram")) {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (a, b) = fields[0].split_once('-').context("maps range")?;
-        let (start, end) = (u64::from_str_radix(a, 16)?, u64::from_str_radix(b, 16)?);
-        // The file offset is the guest-physical address below 3 GiB.
-        let offset = u64::from_str_radix(fields[2], 16)?;
-        let mut buf = vec![0u8; ((end - start) / 4096 * 8) as usize];
-        pagemap.seek(SeekFrom::Start(start / 4096 * 8))?;
-        pagemap.read_exact(&mut buf)?;
-        for (i, e) in buf.chunks_exact(8).enumerate() {
-            let e = u64::from_le_bytes(e.try_into()?);
-            if e & (1 << 63) != 0 && e & (1 << 61) == 0 {
-                pfns.insert(offset / 4096 + i as u64);
-            }
-        }
-    }
-    Ok(pfns)
+    Ok(forkbox::bench::guest_pages_written(pid)?)
 }
 
 fn meminfo() -> anyhow::Result<BTreeMap<String, u64>> {
@@ -109,13 +88,14 @@ fn main() -> anyhow::Result<()> {
     let image = iomem_range(&iomem, ": Kernel data")
         .zip(iomem_range(&iomem, ": Kernel bss"))
         .map(|((data, _), (_, bss_end))| (data / 4096, bss_end / 4096));
-    // One exec before the zygote is made, as a template's readiness check
+    // The warm-up exec before the zygote is made, as the daemon's bake
     // does: without it every child reads busybox from the image on its
     // first exec (about 380 guest pages of page cache each).
     if std::env::var_os("COLD").is_none() {
-        exec_true(&zygote)?;
+        zygote.make_warm_zygote()?;
+    } else {
+        zygote.make_zygote()?;
     }
-    zygote.make_zygote()?;
     std::thread::sleep(Duration::from_secs(1));
 
     let before = meminfo()?;
@@ -180,16 +160,10 @@ fn main() -> anyhow::Result<()> {
     println!("  fork + AfterFork      {:5}", forked.len());
     std::thread::sleep(Duration::from_secs(2));
     println!("  + 2 s idle            {:5}", written_pfns(c.pid())?.len());
-    let guest_meminfo = |c: &Vm| -> anyhow::Result<BTreeMap<String, i64>> {
+    let guest_meminfo = |c: &Vm| -> anyhow::Result<BTreeMap<String, u64>> {
         let mut m = Vec::new();
         c.agent().read_file("/proc/meminfo", &mut m)?;
-        Ok(String::from_utf8_lossy(&m)
-            .lines()
-            .filter_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                Some((k.to_owned(), v.split_whitespace().next()?.parse().ok()?))
-            })
-            .collect())
+        Ok(forkbox::bench::parse_meminfo(&String::from_utf8_lossy(&m)))
     };
     let g0 = guest_meminfo(&c)?;
     let before_exec = written_pfns(c.pid())?.len();
@@ -201,8 +175,9 @@ fn main() -> anyhow::Result<()> {
         first_exec.len() - before_exec
     );
     for (k, v) in &g0 {
-        if (g1[k] - v).abs() >= 16 {
-            println!("      {:+8} kB {k}", g1[k] - v);
+        let d = g1[k] as i64 - *v as i64;
+        if d.abs() >= 16 {
+            println!("      {d:+8} kB {k}");
         }
     }
     println!("  + exec true           {:5}", first_exec.len());

@@ -154,7 +154,8 @@ pub fn meminfo() -> std::io::Result<std::collections::BTreeMap<String, u64>> {
     Ok(parse_meminfo(&std::fs::read_to_string("/proc/meminfo")?))
 }
 
-fn parse_meminfo(text: &str) -> std::collections::BTreeMap<String, u64> {
+/// `/proc/meminfo`'s text (the host's or a guest's), in KiB by field name.
+pub fn parse_meminfo(text: &str) -> std::collections::BTreeMap<String, u64> {
     text.lines()
         .filter(|l| l.ends_with(" kB"))
         .filter_map(|l| {
@@ -173,36 +174,47 @@ fn parse_meminfo(text: &str) -> std::collections::BTreeMap<String, u64> {
 /// written; for a fork child of a zygote, the pages the guest wrote since
 /// the fork (copy-on-write copies of the zygote's memory file).
 pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
+    Ok(guest_pages_written(pid)?.len() as u64 * 4)
+}
+
+/// The pages [`guest_pages_written_kib`] counts, as page numbers in the
+/// memory file (below 3 GiB, the guest-physical page frame numbers).
+pub fn guest_pages_written(pid: u32) -> std::io::Result<std::collections::BTreeSet<u64>> {
     use std::io::{Read, Seek, SeekFrom};
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
-    let mut pages = 0;
+    let mut pages = std::collections::BTreeSet::new();
+    // (start, end, file offset) of each guest-RAM mapping.
     let ranges = maps
         .lines()
         .filter(|l| GUEST_RAM_MEMFDS.iter().any(|m| l.contains(m)))
         .filter_map(|l| {
-            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            let mut f = l.split_whitespace();
+            let (a, b) = f.next()?.split_once('-')?;
+            let offset = f.nth(1)?;
             Some((
                 u64::from_str_radix(a, 16).ok()?,
                 u64::from_str_radix(b, 16).ok()?,
+                u64::from_str_radix(offset, 16).ok()?,
             ))
         });
     let mut buf = vec![0u8; 8 * 4096];
-    for (start, end) in ranges {
+    for (start, end, offset) in ranges {
         let mut page = start / 4096;
         while page < end / 4096 {
             let n = ((end / 4096 - page) as usize).min(4096);
             pagemap.seek(SeekFrom::Start(page * 8))?;
             pagemap.read_exact(&mut buf[..n * 8])?;
-            pages += buf[..n * 8]
-                .chunks_exact(8)
-                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")))
-                .filter(|e| e & PM_PRESENT != 0 && e & PM_FILE == 0)
-                .count() as u64;
+            for (i, e) in buf[..n * 8].chunks_exact(8).enumerate() {
+                let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+                if e & PM_PRESENT != 0 && e & PM_FILE == 0 {
+                    pages.insert(offset / 4096 + page - start / 4096 + i as u64);
+                }
+            }
             page += n as u64;
         }
     }
-    Ok(pages * 4)
+    Ok(pages)
 }
 
 /// The memfds a VMM maps guest RAM from: a booted VM's, and a zygote's
@@ -291,6 +303,8 @@ mod tests {
         }
         let kib = guest_pages_written_kib(std::process::id()).expect("pagemap");
         assert_eq!(kib, 12);
+        let pages = guest_pages_written(std::process::id()).expect("pagemap");
+        assert_eq!(pages.into_iter().collect::<Vec<_>>(), [0, 5, 9]);
     }
 
     #[test]

@@ -71,15 +71,13 @@ fn retire(mut vm: Vm) {
     let _ = vm.wait_exit(Duration::from_secs(30));
 }
 
-/// Boots a zygote-to-be and makes it a zygote after one exec, as a
-/// template's readiness check does: the exec reads its binary from the
-/// image into the guest's page cache, where every child shares it.
-/// Without it, each child's first exec reads it on its own (about 380
-/// guest pages, 1.5 MiB, of the `minimal` image's busybox per child).
+/// Boots a zygote-to-be and makes it a zygote after the warm-up command
+/// (`sh -c true`), as the daemon's bake does: without it, each child's
+/// first exec reads busybox from the image on its own (about 380 guest
+/// pages, 1.5 MiB, per child).
 fn zygote(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
     let mut vm = boot(assets, memory_mib)?;
-    first_exec(vm.agent()).context("the zygote's warm-up exec")?;
-    vm.make_zygote().context("making the zygote")?;
+    vm.make_warm_zygote().context("making the zygote")?;
     Ok(vm)
 }
 

@@ -308,20 +308,9 @@ fn run_forked(
     );
     if from == ForkFrom::Zygote {
         let t = Instant::now();
-        // A warm-up, as a daemon bake ends: the shell and what it loads
-        // go into the page cache every child shares, instead of each
-        // child's first command reading them from the image (1.5 MiB of
-        // guest memory per child for the minimal image's busybox).
-        let warm = vm
-            .agent()
-            .exec(&ExecRequest::shell("true"), None, &mut |_, _| {})
-            .context("the zygote's warm-up command (`sh -c true`)")?;
-        anyhow::ensure!(
-            warm.success(),
-            "the zygote's warm-up command `sh -c true` ended with {:?}",
-            warm.status
-        );
-        vm.make_zygote().context("making the VM a zygote")?;
+        // A warm-up first (`sh -c true`), as a daemon bake ends: the shell
+        // goes into the page cache every child shares.
+        vm.make_warm_zygote().context("making the VM a zygote")?;
         eprintln!(
             "forkbox: zygote ready in {:.0} ms",
             t.elapsed().as_secs_f64() * 1000.0

@@ -105,6 +105,8 @@ pub enum VmError {
     EgressLog(#[source] ReadLogError),
     #[error("the VMM at {dir} is not the one recorded: {why}")]
     NotAdoptable { dir: PathBuf, why: String },
+    #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
+    WarmUp(String),
 }
 
 /// Where a running VM can be found again by another process: its
@@ -671,6 +673,26 @@ impl Vm {
         self.control.zygote()?;
         self.state = RunState::Zygote;
         Ok(())
+    }
+
+    /// [`make_zygote`](Self::make_zygote) after a warm-up command
+    /// (`sh -c true`), so that the shell and what it loads are in the page
+    /// cache every fork shares; otherwise each child's first command reads
+    /// them from the image into its own guest memory (about 380 pages,
+    /// 1.5 MiB, per child for the `minimal` image's busybox).
+    pub fn make_warm_zygote(&mut self) -> Result<(), VmError> {
+        let warm = self
+            .agent
+            .exec(
+                &forkbox_proto::ExecRequest::shell("true"),
+                None,
+                &mut |_, _| {},
+            )
+            .map_err(|e| VmError::WarmUp(e.to_string()))?;
+        if !warm.success() {
+            return Err(VmError::WarmUp(format!("it ended with {:?}", warm.status)));
+        }
+        self.make_zygote()
     }
 
     /// Forks the VM into `n` children. A running VM goes on running, a
