@@ -180,11 +180,11 @@ impl VmMachine {
         })
     }
 
-    fn with_vm(
+    fn with_vm<T>(
         &self,
         what: &'static str,
-        f: impl FnOnce(&mut Vm) -> Result<(), VmError>,
-    ) -> Result<(), BackendError> {
+        f: impl FnOnce(&mut Vm) -> Result<T, VmError>,
+    ) -> Result<T, BackendError> {
         let mut vm = self.vm.write().unwrap_or_else(|p| p.into_inner());
         f(&mut vm).map_err(|source| BackendError::Control { what, source })
     }
@@ -226,7 +226,14 @@ impl Machine for VmMachine {
     }
 
     fn make_zygote(&self) -> Result<(), BackendError> {
-        self.with_vm("making the VM a zygote", Vm::make_warm_zygote)
+        let memory = self.with_vm("making the VM a zygote", Vm::make_warm_zygote)?;
+        tracing::info!(
+            pid = self.handle.pid,
+            mib = memory.bytes >> 20,
+            huge_mib = memory.huge_bytes >> 20,
+            "zygote memory file (huge_mib: in 2 MiB pages)"
+        );
+        Ok(())
     }
 
     fn handle(&self) -> Option<VmHandle> {

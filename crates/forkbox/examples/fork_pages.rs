@@ -49,6 +49,61 @@ fn written_pfns(pid: u32) -> anyhow::Result<BTreeSet<u64>> {
     Ok(forkbox::bench::guest_pages_written(pid)?)
 }
 
+/// How the zygote `pid`'s memory file fills its 2 MiB regions: a
+/// histogram of data pages per region (holes are zero pages).
+fn zygote_regions(pid: u32) -> anyhow::Result<BTreeMap<&'static str, usize>> {
+    use std::os::fd::AsRawFd;
+    let fd = std::fs::read_dir(format!("/proc/{pid}/fd"))?
+        .filter_map(Result::ok)
+        .find(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().contains("forkbox-zygote-ram"))
+        })
+        .context("the zygote has no memory file open")?;
+    let file = std::fs::File::open(fd.path())?;
+    let len = file.metadata()?.len();
+    let seek = |pos: u64, whence| {
+        // SAFETY: lseek on a file this function holds open.
+        let r = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, whence) };
+        (r >= 0).then_some(r as u64)
+    };
+    let mut per_region = vec![0usize; len.div_ceil(2 << 20) as usize];
+    let mut pos = 0;
+    while let Some(data) = seek(pos, libc::SEEK_DATA) {
+        let hole = seek(data, libc::SEEK_HOLE).unwrap_or(len);
+        for page in data / 4096..hole.div_ceil(4096) {
+            per_region[(page / 512) as usize] += 1;
+        }
+        pos = hole;
+    }
+    let mut hist = BTreeMap::new();
+    for n in per_region {
+        let bucket = match n {
+            0 => "0 empty",
+            1..=63 => "1 1-63 pages",
+            64..=255 => "2 64-255 pages",
+            256..=511 => "3 256-511 pages",
+            _ => "4 full",
+        };
+        *hist.entry(bucket).or_default() += 1;
+    }
+    Ok(hist)
+}
+
+/// Per child: the 2 MiB regions of guest RAM its page tables map (each
+/// costs the host a page-table page unless mapped whole) and the kB of
+/// them mapped whole (`FilePmdMapped` in smaps).
+fn child_regions(pid: u32) -> anyhow::Result<(usize, u64)> {
+    let pages = forkbox::bench::guest_pages(pid)?;
+    let regions: BTreeSet<u64> = pages.mapped.iter().map(|p| p / 512).collect();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
+    let pmd = forkbox::bench::parse_meminfo(&smaps)
+        .get("FilePmdMapped")
+        .copied()
+        .unwrap_or(0);
+    Ok((regions.len(), pmd))
+}
+
 fn meminfo() -> anyhow::Result<BTreeMap<String, u64>> {
     Ok(forkbox::bench::meminfo()?)
 }
@@ -97,6 +152,10 @@ fn main() -> anyhow::Result<()> {
         zygote.make_zygote()?;
     }
     std::thread::sleep(Duration::from_secs(1));
+    println!("the zygote's memory file, 2 MiB regions by data pages:");
+    for (bucket, n) in zygote_regions(zygote.pid())? {
+        println!("{n:8}  {}", &bucket[2..]);
+    }
 
     let before = meminfo()?;
     // Every child execs at once, as `forkbox bench fork`'s fan-out does.
@@ -145,6 +204,15 @@ fn main() -> anyhow::Result<()> {
         written.iter().sum::<usize>() as f64 / n as f64,
         written.iter().min().unwrap_or(&0),
         written.iter().max().unwrap_or(&0)
+    );
+    let regions: Vec<(usize, u64)> = children
+        .iter()
+        .map(|c| child_regions(c.pid()))
+        .collect::<anyhow::Result<_>>()?;
+    println!(
+        "2 MiB regions of guest RAM mapped per child: {:.0}; mapped whole: {:.0} kB",
+        regions.iter().map(|r| r.0).sum::<usize>() as f64 / n as f64,
+        regions.iter().map(|r| r.1).sum::<u64>() as f64 / n as f64,
     );
     if let Some((most, _)) = written.iter().enumerate().max_by_key(|(_, w)| **w) {
         println!(

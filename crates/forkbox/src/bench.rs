@@ -180,10 +180,25 @@ pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
 /// The pages [`guest_pages_written_kib`] counts, as page numbers in the
 /// memory file (below 3 GiB, the guest-physical page frame numbers).
 pub fn guest_pages_written(pid: u32) -> std::io::Result<std::collections::BTreeSet<u64>> {
+    Ok(guest_pages(pid)?.written)
+}
+
+/// A VMM's guest-RAM pages as its page tables map them (page numbers in
+/// the memory file).
+#[derive(Debug, Default)]
+pub struct GuestPages {
+    /// Present in the process's page tables: read or written.
+    pub mapped: std::collections::BTreeSet<u64>,
+    /// Present and not backed by the memory file: private copies.
+    pub written: std::collections::BTreeSet<u64>,
+}
+
+/// Walks `/proc/PID/pagemap` over the VMM `pid`'s guest-RAM mappings.
+pub fn guest_pages(pid: u32) -> std::io::Result<GuestPages> {
     use std::io::{Read, Seek, SeekFrom};
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
-    let mut pages = std::collections::BTreeSet::new();
+    let mut pages = GuestPages::default();
     // (start, end, file offset) of each guest-RAM mapping.
     let ranges = maps
         .lines()
@@ -207,8 +222,12 @@ pub fn guest_pages_written(pid: u32) -> std::io::Result<std::collections::BTreeS
             pagemap.read_exact(&mut buf[..n * 8])?;
             for (i, e) in buf[..n * 8].chunks_exact(8).enumerate() {
                 let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
-                if e & PM_PRESENT != 0 && e & PM_FILE == 0 {
-                    pages.insert(offset / 4096 + page - start / 4096 + i as u64);
+                let at = offset / 4096 + page - start / 4096 + i as u64;
+                if e & PM_PRESENT != 0 {
+                    pages.mapped.insert(at);
+                    if e & PM_FILE == 0 {
+                        pages.written.insert(at);
+                    }
                 }
             }
             page += n as u64;

@@ -75,10 +75,14 @@ fn retire(mut vm: Vm) {
 /// (`sh -c true`), as the daemon's bake does: without it, each child's
 /// first exec reads busybox from the image on its own (about 380 guest
 /// pages, 1.5 MiB, per child).
-fn zygote(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
+fn zygote(assets: &Assets, memory_mib: u32) -> anyhow::Result<(Vm, Value)> {
     let mut vm = boot(assets, memory_mib)?;
-    vm.make_warm_zygote().context("making the zygote")?;
-    Ok(vm)
+    let file = vm.make_warm_zygote().context("making the zygote")?;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    // The memory file every child shares, and how much of it is in 2 MiB
+    // pages (which depends on the host: forkbox::hugepages).
+    let file = json!({ "data_mib": mib(file.bytes), "huge_mib": mib(file.huge_bytes) });
+    Ok((vm, file))
 }
 
 fn boot(assets: &Assets, memory_mib: u32) -> anyhow::Result<Vm> {
@@ -185,11 +189,11 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     let snap_root = tempfile::tempdir()?;
     let mut zygotes = Vec::new();
     for &mib in &o.memory {
-        let zygote = zygote(&assets, mib)?;
-        zygotes.push((mib, zygote, Vec::with_capacity(o.forks)));
+        let (zygote, file) = zygote(&assets, mib)?;
+        zygotes.push((mib, zygote, file, Vec::with_capacity(o.forks)));
     }
     for i in 0..o.forks {
-        for (_, zygote, samples) in &mut zygotes {
+        for (_, zygote, _, samples) in &mut zygotes {
             let (took, child) = fork_one(zygote)?;
             samples.push(took);
             retire(child);
@@ -199,8 +203,9 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     let mut per_size = Vec::new();
     let mut first_p50 = None;
     let mut baseline_zygote_dir = None;
-    for (k, (mib, mut zygote, samples)) in zygotes.into_iter().enumerate() {
-        let (s, v) = fork_stats_json(&samples);
+    for (k, (mib, mut zygote, file, samples)) in zygotes.into_iter().enumerate() {
+        let (s, mut v) = fork_stats_json(&samples);
+        v["zygote_file"] = file;
         if k == 0 {
             first_p50 = Some(s.p50_ms);
             // The restore baseline restores this same zygote.
@@ -275,7 +280,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     if o.children > 0 {
         let mib = o.memory.first().copied().unwrap_or(512);
         eprintln!("forkbox bench fork: fan-out of {} children", o.children);
-        let zygote = zygote(&assets, mib)?;
+        let (zygote, file) = zygote(&assets, mib)?;
         std::thread::sleep(Duration::from_secs(1));
         let before = meminfo()?;
         let t = Instant::now();
@@ -342,7 +347,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             "fanout",
             json!({
                 "children": o.children, "answered": children.len(), "failures": failures,
-                "memory_mib": mib,
+                "memory_mib": mib, "zygote_file": file,
                 "wall_ms": wall.as_secs_f64() * 1000.0,
                 "vmm_answer_ms": children.first().and_then(|c| c.vmm_answered).map(|d| d.as_secs_f64() * 1000.0),
                 "host_mem_per_idle_child_mib": per_child_kib / 1024.0,

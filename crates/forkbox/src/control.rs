@@ -104,6 +104,16 @@ struct Forked {
     children: Vec<ForkedChild>,
 }
 
+/// What a VM's guest RAM became when it was made a zygote: its memory file.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct ZygoteMemory {
+    /// Bytes of guest RAM that are not zero pages.
+    pub bytes: u64,
+    /// Bytes of the memory file in 2 MiB pages, which a fork child maps
+    /// with one page-table entry until it writes there (docs/SPEC.md).
+    pub huge_bytes: u64,
+}
+
 #[derive(Deserialize)]
 struct Snapshotted {
     bytes_written: u64,
@@ -142,8 +152,8 @@ impl Control {
         self.call(&Request::Resume).map(drop)
     }
 
-    pub fn zygote(&self) -> Result<(), ControlError> {
-        self.call(&Request::Zygote).map(drop)
+    pub fn zygote(&self) -> Result<ZygoteMemory, ControlError> {
+        self.call_typed(&Request::Zygote)
     }
 
     /// Forks the VM; one entry per requested child, in order.

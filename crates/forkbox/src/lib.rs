@@ -30,6 +30,7 @@ pub mod control;
 pub mod cpio;
 pub mod debs;
 pub mod demo;
+pub mod hugepages;
 pub mod image;
 pub mod initramfs;
 pub mod kernel;

@@ -23,7 +23,7 @@ use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT, MIN_AFTER_FORK_ENTROPY};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
-use crate::control::{ChildPaths, Control, ControlError, ForkedChild, Then};
+use crate::control::{ChildPaths, Control, ControlError, ForkedChild, Then, ZygoteMemory};
 use crate::image::{self, ImageError, ImageName};
 use crate::initramfs::{self, InitramfsError};
 use crate::kernel::{Kernel, KernelError};
@@ -425,6 +425,9 @@ impl Vm {
         network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
         become_subreaper()?;
+        // Before the VMM maps its RAM: the kernel aligns memfd mappings to
+        // 2 MiB only while huge pages are allowed for them.
+        crate::hugepages::allow_for_zygotes();
         let dir = vm_dir("forkbox-vm-")?;
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
@@ -669,10 +672,12 @@ impl Vm {
 
     /// Makes the VM a paused zygote: its memory moves to a memory file
     /// mapped `MAP_PRIVATE`, so forks of it are O(1) in memory size.
-    pub fn make_zygote(&mut self) -> Result<(), VmError> {
-        self.control.zygote()?;
+    /// Dense 2 MiB regions of that file go in huge pages where the host
+    /// allows it ([`crate::hugepages`]).
+    pub fn make_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
+        let memory = self.control.zygote()?;
         self.state = RunState::Zygote;
-        Ok(())
+        Ok(memory)
     }
 
     /// [`make_zygote`](Self::make_zygote) after a warm-up command
@@ -680,7 +685,7 @@ impl Vm {
     /// cache every fork shares; otherwise each child's first command reads
     /// them from the image into its own guest memory (about 380 pages,
     /// 1.5 MiB, per child for the `minimal` image's busybox).
-    pub fn make_warm_zygote(&mut self) -> Result<(), VmError> {
+    pub fn make_warm_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
         let warm = self
             .agent
             .exec(

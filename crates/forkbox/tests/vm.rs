@@ -292,6 +292,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             fork_zygote_16_children_answer_with_distinct_randomness,
         ),
         (
+            "fork_zygote_dense_memory_is_in_huge_pages",
+            fork_zygote_dense_memory_is_in_huge_pages,
+        ),
+        (
             "fork_64_children_of_a_running_parent_all_answer_an_exec",
             fork_64_children_of_a_running_parent_all_answer_an_exec,
         ),
@@ -929,6 +933,59 @@ fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
                 format!("child {i} repeats its {what} {value}"),
             )?;
         }
+    }
+    Ok(())
+}
+
+fn fork_zygote_dense_memory_is_in_huge_pages() -> TestResult {
+    const HUGE: u64 = 2 << 20;
+    let mut zygote = boot(VmSpec::default());
+    let file = zygote.make_warm_zygote().map_err(|e| format!("{e:#}"))?;
+    // Booting set `never` to `advise` (forkbox::hugepages); `deny`, or a
+    // kernel without the file, keeps huge pages out.
+    let text = std::fs::read_to_string(forkbox::hugepages::SHMEM_ENABLED).unwrap_or_default();
+    let setting = forkbox::hugepages::selected(&text).unwrap_or("absent");
+    check(
+        file.bytes > 0 && file.huge_bytes <= 512 << 20 && file.huge_bytes % HUGE == 0,
+        format!("zygote memory file: {file:?}"),
+    )?;
+    match setting {
+        "never" => return Err("booting left shmem_enabled at never".into()),
+        "deny" | "absent" => check(
+            file.huge_bytes == 0,
+            format!("huge pages with shmem_enabled {setting}: {file:?}"),
+        )?,
+        _ => check(
+            file.huge_bytes >= HUGE,
+            format!("no huge page with shmem_enabled {setting}: {file:?}"),
+        )?,
+    }
+    let child = fork(&mut zygote, 1)?.pop().ok_or("no child")?;
+    check(sh(child.agent(), "echo up")? == "up\n", "the child answers")?;
+    if file.huge_bytes == 0 {
+        return Ok(());
+    }
+    // A child maps guest RAM at 2 MiB boundaries of address and file, so
+    // that a huge page of the file can be mapped whole.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.pid()))
+        .map_err(|e| format!("the child's maps: {e}"))?;
+    let ram: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.contains("memfd:forkbox-zygote-ram"))
+        .collect();
+    check(!ram.is_empty(), "the child maps no zygote memory")?;
+    for line in ram {
+        let mut f = line.split_whitespace();
+        let start = f.next().and_then(|r| r.split_once('-')).map(|(a, _)| a);
+        let offset = f.nth(1);
+        let parse = |v: Option<&str>| v.and_then(|v| u64::from_str_radix(v, 16).ok());
+        let (Some(start), Some(offset)) = (parse(start), parse(offset)) else {
+            return Err(format!("cannot parse {line:?}").into());
+        };
+        check(
+            start % HUGE == 0 && offset % HUGE == 0,
+            format!("guest RAM not 2 MiB aligned: {line}"),
+        )?;
     }
     Ok(())
 }

@@ -114,6 +114,13 @@ pub enum Response {
         ok: bool,
         bytes_written: u64,
     },
+    /// The zygote's memory file: bytes of guest RAM that are not zero
+    /// pages, and bytes of the file in 2 MiB pages.
+    Zygote {
+        ok: bool,
+        bytes: u64,
+        huge_bytes: u64,
+    },
     Error {
         ok: bool,
         error: String,

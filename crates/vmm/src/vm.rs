@@ -37,7 +37,7 @@ use crate::layout::{
     MemoryLayout, VirtioWindow, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, MIB, SERIAL_GSI,
     VIRTIO_MMIO_QUEUE_NOTIFY,
 };
-use crate::memory::GuestRam;
+use crate::memory::{Copied, GuestRam};
 use crate::pio::{PortBus, PortEvent};
 use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
 use crate::state::{self, Hardware, MachineState, SerialState, StateError, VcpuState};
@@ -798,7 +798,14 @@ impl Machine {
                 self.resume();
                 Outcome::Reply(Response::ok())
             }
-            Request::Zygote => Outcome::Reply(reply(self.zygote())),
+            Request::Zygote => Outcome::Reply(match self.zygote() {
+                Ok(copied) => Response::Zygote {
+                    ok: true,
+                    bytes: copied.bytes,
+                    huge_bytes: copied.huge_bytes,
+                },
+                Err(e) => Response::error(chain(e)),
+            }),
             Request::Snapshot { dir, then } => Outcome::Reply(match self.snapshot(&dir, then) {
                 Ok(n) => Response::Snapshot {
                     ok: true,
@@ -850,15 +857,19 @@ impl Machine {
         })
     }
 
-    fn zygote(&mut self) -> Result<(), VmError> {
+    fn zygote(&mut self) -> Result<Copied, VmError> {
         self.pause()?;
         let ram = Arc::get_mut(&mut self.ram).ok_or(VmError::RamShared)?;
         // SAFETY: the vCPUs are parked and devices run only on this thread,
         // which is here: nothing touches guest memory during the copy.
-        let bytes = unsafe { ram.rebase_to_sealed_memfd() }?;
-        tracing::info!(bytes, "zygote: guest RAM now a sealed memfd");
+        let copied = unsafe { ram.rebase_to_sealed_memfd() }?;
+        tracing::info!(
+            bytes = copied.bytes,
+            huge_bytes = copied.huge_bytes,
+            "zygote: guest RAM now a sealed memfd"
+        );
         self.run_state = RunState::Zygote;
-        Ok(())
+        Ok(copied)
     }
 
     fn snapshot(&mut self, dir: &Path, then: Then) -> Result<u64, VmError> {
