@@ -191,10 +191,7 @@ impl GuestRam {
         let mut written = 0;
         // SAFETY: forwarded from this function's contract.
         for (bytes, offset) in unsafe { self.ranges()? } {
-            let resident = match self.backing {
-                Backing::Memfd => Some(possibly_written(bytes, &self.file, offset)),
-                Backing::File => None,
-            };
+            let resident = self.may_hold_data(bytes, offset);
             written += write_sparse(file, offset, bytes, resident.as_deref())
                 .map_err(MemoryError::Copy)?;
         }
@@ -253,6 +250,15 @@ impl GuestRam {
         Ok(copied)
     }
 
+    /// Which pages of the range `bytes` (at `offset` in the memory file)
+    /// may hold data; `None`: any of them may (a file on disk).
+    fn may_hold_data(&self, bytes: &[u8], offset: u64) -> Option<Vec<bool>> {
+        match self.backing {
+            Backing::Memfd => Some(possibly_written(bytes, &self.file, offset)),
+            Backing::File => None,
+        }
+    }
+
     /// Copies guest RAM into the empty memfd `file`, leaving out its zero
     /// pages, through a shared mapping of the memfd. Each full 2 MiB region
     /// with at least [`HUGE_MIN_PAGES`] data pages is asked to be one huge
@@ -269,11 +275,11 @@ impl GuestRam {
         let mut copied = Copied::default();
         // SAFETY: forwarded from this function's contract.
         for (bytes, offset) in unsafe { self.ranges()? } {
-            let resident = possibly_written(bytes, &self.file, offset);
+            let resident = self.may_hold_data(bytes, offset);
             let data: Vec<bool> = bytes
                 .chunks(PAGE)
-                .zip(&resident)
-                .map(|(page, &r)| r && !is_zero(page))
+                .enumerate()
+                .map(|(i, page)| resident.as_ref().is_none_or(|r| r[i]) && !is_zero(page))
                 .collect();
             let dst = SharedMap::new(file, offset, bytes.len()).map_err(MemoryError::Copy)?;
             // A huge page helps only where the guest-RAM mapping can map it
