@@ -35,6 +35,12 @@ if [ -n "$share" ]; then
     mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 share "/host$share" || fail "cannot mount the shared directory"
 fi
 [ -e /dev/kvm ] || echo "testbed: warning: no /dev/kvm (kvm_amd did not load)"
+# No page migration on the host's own initiative: no proactive compaction,
+# and no compaction to make a huge page (one is used where free). Every
+# migrated guest page means a nested-page-table invalidation, the path
+# suspected, not shown, in the guests' triple faults here (docs/SPEC.md).
+echo 0 >/proc/sys/vm/compaction_proactiveness || echo "testbed: cannot turn proactive compaction off"
+echo never >/sys/kernel/mm/transparent_hugepage/defrag || echo "testbed: cannot turn huge-page defrag off"
 # Loopback up: tests serve on 127.0.0.1 for their guests (host.forkbox.internal).
 ip link set lo up || echo "testbed: cannot bring lo up"
 chroot /host /bin/sh "$run/cmd.sh" >"/host$run/stdout" 2>"/host$run/stderr" </dev/null
