@@ -92,13 +92,13 @@ fn zygote_regions(pid: u32) -> anyhow::Result<BTreeMap<&'static str, usize>> {
 
 /// Per child: the 2 MiB regions of guest RAM its page tables map (each
 /// costs the host a page-table page unless mapped whole) and the kB of
-/// them mapped whole (`FilePmdMapped` in smaps).
+/// them mapped whole (`ShmemPmdMapped` in smaps).
 fn child_regions(pid: u32) -> anyhow::Result<(usize, u64)> {
     let pages = forkbox::bench::guest_pages(pid)?;
     let regions: BTreeSet<u64> = pages.mapped.iter().map(|p| p / 512).collect();
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
     let pmd = forkbox::bench::parse_meminfo(&smaps)
-        .get("FilePmdMapped")
+        .get("ShmemPmdMapped")
         .copied()
         .unwrap_or(0);
     Ok((regions.len(), pmd))
