@@ -52,7 +52,6 @@ fn written_pfns(pid: u32) -> anyhow::Result<BTreeSet<u64>> {
 /// How the zygote `pid`'s memory file fills its 2 MiB regions: a
 /// histogram of data pages per region (holes are zero pages).
 fn zygote_regions(pid: u32) -> anyhow::Result<BTreeMap<&'static str, usize>> {
-    use std::os::fd::AsRawFd;
     let fd = std::fs::read_dir(format!("/proc/{pid}/fd"))?
         .filter_map(Result::ok)
         .find(|e| {
@@ -61,21 +60,9 @@ fn zygote_regions(pid: u32) -> anyhow::Result<BTreeMap<&'static str, usize>> {
         })
         .context("the zygote has no memory file open")?;
     let file = std::fs::File::open(fd.path())?;
-    let len = file.metadata()?.len();
-    let seek = |pos: u64, whence| {
-        // SAFETY: lseek on a file this function holds open.
-        let r = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, whence) };
-        (r >= 0).then_some(r as u64)
-    };
-    let mut per_region = vec![0usize; len.div_ceil(2 << 20) as usize];
-    let mut pos = 0;
-    while let Some(data) = seek(pos, libc::SEEK_DATA) {
-        let hole = seek(data, libc::SEEK_HOLE).unwrap_or(len);
-        for page in data / 4096..hole.div_ceil(4096) {
-            per_region[(page / 512) as usize] += 1;
-        }
-        pos = hole;
-    }
+    let mut data = vec![false; file.metadata()?.len().div_ceil(4096) as usize];
+    forkbox_vmm::memory::file_data_pages(&file, 0, &mut data)?;
+    let per_region = data.chunks(512).map(|r| r.iter().filter(|&&d| d).count());
     let mut hist = BTreeMap::new();
     for n in per_region {
         let bucket = match n {
