@@ -13,7 +13,7 @@ AGENT := target/$(TRIPLE)/release/forkbox-agent
 FORKBOX := target/release/forkbox
 
 # Debian packages forkbox uses at build and run time.
-APT_PACKAGES := qemu-system-x86 busybox-static mmdebstrap kmod cpio e2fsprogs \
+APT_PACKAGES := busybox-static mmdebstrap kmod cpio e2fsprogs \
 	ca-certificates python3 python3-pip
 
 .PHONY: all deps qemu python-deps build agent demo test sdk-test lint fmt clean
@@ -31,28 +31,11 @@ deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-# The emulated KVM host wants QEMU 10: with 7.2's SVM emulation the
-# emulated host's kernel crashed under load, and in CI twice in a row
-# (docs/SPEC.md, known problems); 10 carries three years of fixes to x86
-# TCG and runs at the same speed here. Debian 12 ships 7.2 and has 10 in
-# bookworm-backports: add that suite (apt pins it below the release, so
-# nothing else is taken from it) and take QEMU from it. Newer Debian and
-# Ubuntu releases ship a new enough QEMU themselves.
-BACKPORTS_LIST := /etc/apt/sources.list.d/forkbox-bookworm-backports.list
-QEMU_MIN := 1:10
-
+# The emulated KVM host wants QEMU 10 (with 7.2 its kernel crashed under
+# load): scripts/install-qemu.sh takes it from bookworm-backports on Debian 12,
+# through the mirror the machine's apt already uses, and removes nothing.
 qemu: deps
-	@have=$$(dpkg-query -W -f='$${Version}' qemu-system-x86 2>/dev/null); \
-	codename=$$(. /etc/os-release && echo "$$VERSION_CODENAME"); \
-	if [ "$$codename" = bookworm ] && dpkg --compare-versions "$$have" lt "$(QEMU_MIN)"; then \
-		echo "make: QEMU $$have is older than $(QEMU_MIN); installing QEMU from bookworm-backports"; \
-		SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-		[ -f $(BACKPORTS_LIST) ] || \
-			echo "deb http://deb.debian.org/debian bookworm-backports main" | $$SUDO tee $(BACKPORTS_LIST) >/dev/null; \
-		$$SUDO apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
-			-t bookworm-backports qemu-system-x86; \
-	fi
+	@sh scripts/install-qemu.sh
 
 # What the Python SDK and its tests need, from PyPI.
 # PIP_BREAK_SYSTEM_PACKAGES: Debian's python3 refuses system-wide pip

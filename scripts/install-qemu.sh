@@ -1,0 +1,45 @@
+#!/bin/sh
+# Install QEMU's x86 system emulator, version 10 or newer, for the emulated
+# KVM host (docs/SPEC.md, "Where microVMs run"). Debian 12 ships 7.2, under
+# which the emulated host's kernel crashed; its backports suite has 10. The
+# backports entry is made from the mirror this machine's apt already uses
+# for bookworm, pinned below the release as backports always are, so only
+# what is asked for here comes from it. Nothing installed is removed: apt
+# is told to fail rather than remove a package.
+set -eu
+
+min=1:10
+pkg=qemu-system-x86
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+
+have=$(dpkg-query -W -f='${Status} ${Version}' "$pkg" 2>/dev/null | sed -n 's/^install ok installed //p')
+if [ -n "$have" ] && dpkg --compare-versions "$have" ge "$min"; then
+	exit 0
+fi
+
+codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+target=""
+if [ "$codename" = bookworm ]; then
+	list=/etc/apt/sources.list.d/forkbox-bookworm-backports.list
+	if [ ! -f "$list" ]; then
+		mirror() { apt-get indextargets --format '$(REPO_URI)' 'Codename: bookworm' 'Origin: Debian' 'Created-By: Packages' | head -n1; }
+		mirror=$(mirror)
+		[ -n "$mirror" ] || { $SUDO apt-get update -q && mirror=$(mirror); }
+		if [ -z "$mirror" ]; then
+			echo "install-qemu: no Debian bookworm mirror in this machine's apt sources; add bookworm-backports and install $pkg >= $min from it" >&2
+			exit 1
+		fi
+		echo "install-qemu: adding bookworm-backports from $mirror (for QEMU >= $min)"
+		echo "deb $mirror bookworm-backports main" | $SUDO tee "$list" >/dev/null
+	fi
+	target="-t bookworm-backports"
+fi
+
+echo "install-qemu: installing $pkg${have:+ (have $have)}${target:+ from bookworm-backports}"
+$SUDO apt-get update -q
+# shellcheck disable=SC2086
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends --no-remove $target "$pkg"
+have=$(dpkg-query -W -f='${Version}' "$pkg")
+if ! dpkg --compare-versions "$have" ge "$min"; then
+	echo "install-qemu: warning: $pkg $have is older than $min; hosts without hardware virtualization run microVMs in QEMU's emulated host, whose kernel crashed under load with older QEMUs" >&2
+fi
