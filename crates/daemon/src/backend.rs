@@ -82,6 +82,9 @@ pub trait Machine: Send + Sync {
     /// How long it took to come up: spawn (or fork request) to the
     /// agent's answer.
     fn boot_time(&self) -> Duration;
+    /// A fork child that replaced a lost one (its first VMM died or did
+    /// not answer in time): why the first was lost.
+    fn replaced(&self) -> Option<String>;
     /// Stop the vCPUs in place.
     fn pause(&self) -> Result<(), BackendError>;
     fn resume(&self) -> Result<(), BackendError>;
@@ -165,6 +168,7 @@ struct VmMachine {
     agent: AgentClient,
     pid: u32,
     boot_time: Duration,
+    replaced: Option<String>,
     handle: VmHandle,
 }
 
@@ -175,6 +179,7 @@ impl VmMachine {
             agent: vm.agent().clone(),
             pid: vm.pid(),
             boot_time: vm.boot_time,
+            replaced: vm.replaced.clone(),
             handle: vm.handle(),
             vm: RwLock::new(vm),
         })
@@ -215,6 +220,10 @@ impl Machine for VmMachine {
 
     fn boot_time(&self) -> Duration {
         self.boot_time
+    }
+
+    fn replaced(&self) -> Option<String> {
+        self.replaced.clone()
     }
 
     fn pause(&self) -> Result<(), BackendError> {
@@ -437,6 +446,9 @@ pub(crate) mod fake {
         }
         fn boot_time(&self) -> Duration {
             Duration::ZERO
+        }
+        fn replaced(&self) -> Option<String> {
+            None
         }
         fn pause(&self) -> Result<(), BackendError> {
             Ok(())

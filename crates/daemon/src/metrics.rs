@@ -64,6 +64,9 @@ pub struct Metrics {
     /// Fork requests (`POST /sandboxes/{id}/fork`) and children made.
     pub forks: AtomicU64,
     pub fork_children: AtomicU64,
+    /// Fork children that replaced a lost one (its VMM died or it did not
+    /// answer in time): each is a test-bed or host fault worth a look.
+    pub fork_children_replaced: AtomicU64,
     pub bakes_ok: AtomicU64,
     pub bakes_failed: AtomicU64,
     pub create_latency: Histogram,
@@ -151,6 +154,13 @@ impl Metrics {
             "Children made by fork requests.",
             "counter",
             self.fork_children.load(Ordering::Relaxed),
+        );
+        g(
+            &mut s,
+            "forkbox_fork_children_replaced_total",
+            "Fork children that replaced a lost one (its VMM died or it did not answer in time).",
+            "counter",
+            self.fork_children_replaced.load(Ordering::Relaxed),
         );
         let _ = writeln!(
             s,

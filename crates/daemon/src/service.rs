@@ -1407,6 +1407,10 @@ impl Daemon {
                 Err(e)
             }
             Ok(machine) => {
+                if let Some(why) = machine.replaced() {
+                    self.inner.metrics.fork_children_replaced.fetch_add(1, ORD);
+                    tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
+                }
                 let machine: Arc<dyn Machine> = Arc::from(machine);
                 if let Err(e) = s.registry.created(id, now) {
                     // Killed (by label, say) while it was being forked.

@@ -196,13 +196,17 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
     let mem_after = mem_available_kib();
     let mut group = Vec::new();
     let mut fork_ms = Vec::new();
+    let mut not_started = 0;
     for (i, c) in children.into_iter().enumerate() {
         match c {
             Ok(s) => {
                 fork_ms.push(Duration::from_millis(s.create_ms.unwrap_or(0)));
                 group.push((i, s));
             }
-            Err(e) => println!("  member {i} did not start: {e}"),
+            Err(e) => {
+                not_started += 1;
+                println!("  member {i} did not start (infrastructure, not scored): {e}");
+            }
         }
     }
     let pss: Vec<u64> = group
@@ -245,7 +249,7 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
 
     let mut rewards = 0.0;
     let mut execs = Vec::new();
-    let mut failures = 0;
+    let mut failed = 0;
     for (i, r) in results.into_inner().unwrap_or_else(|p| p.into_inner()) {
         match r {
             Ok(m) => {
@@ -253,14 +257,15 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
                 execs.extend(m.execs);
             }
             Err(e) => {
-                failures += 1;
+                failed += 1;
                 println!("  member {i} failed (infrastructure, not scored): {e:#}");
             }
         }
     }
     let fork = Stats::from_durations(&fork_ms);
     let exec = Stats::from_durations(&execs);
-    let scored = group.len() - failures;
+    let scored = group.len() - failed;
+    let failures = not_started + failed;
     println!();
     println!("forkbox demo: one GRPO step, {n} sandboxes forked from a warm `debian` zygote");
     println!(
@@ -287,7 +292,7 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
         exec.p50_ms, exec.p99_ms, exec.runs
     );
     println!(
-        "  rewards                   {rewards:.0} of {scored} members solved their task ({failures} infrastructure failures)"
+        "  rewards                   {rewards:.0} of {scored} members solved their task ({failures} infrastructure failures: {not_started} did not start, {failed} failed during the step)"
     );
     if let (Some(before), Some(after)) = (mem_before, mem_after) {
         println!(
@@ -308,7 +313,7 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         failures == 0 && group.len() == n,
-        "some members failed; see above"
+        "{failures} of {n} members failed (infrastructure); see above"
     );
     Ok(())
 }

@@ -181,6 +181,9 @@ pub struct RunOptions {
     pub share: Option<PathBuf>,
     /// Variables set for the command, after this process's own.
     pub env: Vec<(String, String)>,
+    /// Put before every line of the command's output (`[shard 2] `), for
+    /// emulated hosts that run side by side.
+    pub label: Option<String>,
 }
 
 impl RunOptions {
@@ -190,18 +193,40 @@ impl RunOptions {
             cwd: std::env::current_dir().unwrap_or_else(|_| "/".into()),
             timeout: Duration::from_secs(3600),
             memory_mib: 6144,
-            // FORKBOX_TESTBED_CPUS: a different count, to tell load and
-            // cross-CPU effects of the emulation apart (docs/SPEC.md).
-            cpus: std::env::var("FORKBOX_TESTBED_CPUS")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .filter(|&c| c > 0)
-                .unwrap_or(2),
+            cpus: default_cpus(),
             path_prefix: Vec::new(),
             share: None,
             env: Vec::new(),
+            label: None,
         }
     }
+}
+
+/// CPUs of an emulated host: one, unless FORKBOX_TESTBED_CPUS says
+/// otherwise. With two emulated CPUs, the emulated host's KVM lost a few
+/// guests in a hundred to triple faults and hangs under load (and its own
+/// kernel crashed now and then); with one, none of hundreds of fork
+/// children was lost (docs/SPEC.md, "The test bed"). Work that wants
+/// more CPUs runs in several one-CPU hosts side by side ([`shards`]).
+pub fn default_cpus() -> u32 {
+    std::env::var("FORKBOX_TESTBED_CPUS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(1)
+}
+
+/// How many one-CPU emulated hosts to run side by side: one per host CPU
+/// (each emulated CPU is one QEMU thread), at most `max`; FORKBOX_TESTBED_SHARDS
+/// overrides.
+pub fn shards(max: usize) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    std::env::var("FORKBOX_TESTBED_SHARDS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(cpus)
+        .clamp(1, max.max(1))
 }
 
 /// How a run inside the emulated host ended.
@@ -280,7 +305,17 @@ impl Testbed {
             .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
             .spawn()
             .map_err(TestbedError::Qemu)?;
-        let outcome = pump(run, &mut qemu, opts.timeout, stdout).map_err(io(run));
+        let outcome = match &opts.label {
+            None => pump(run, &mut qemu, opts.timeout, stdout, &mut std::io::stderr()),
+            Some(label) => pump(
+                run,
+                &mut qemu,
+                opts.timeout,
+                &mut Labelled::new(label, stdout),
+                &mut Labelled::new(label, std::io::stderr()),
+            ),
+        }
+        .map_err(io(run));
         let _ = qemu.kill();
         let _ = qemu.wait();
         let outcome = outcome?;
@@ -349,6 +384,7 @@ fn pump(
     qemu: &mut Child,
     timeout: Duration,
     stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
 ) -> std::io::Result<Option<Pumped>> {
     let start = Instant::now();
     let mut out = Follower::open(&run.join("stdout"))?;
@@ -356,23 +392,71 @@ fn pump(
     let status = run.join("status");
     loop {
         out.copy_to(stdout)?;
-        err.copy_to(&mut std::io::stderr())?;
+        err.copy_to(stderr)?;
         if let Ok(text) = std::fs::read_to_string(&status) {
             if let Ok(code) = text.trim().parse() {
                 out.copy_to(stdout)?;
-                err.copy_to(&mut std::io::stderr())?;
+                err.copy_to(stderr)?;
                 return Ok(Some(Pumped::Status(code)));
             }
         }
         if qemu.try_wait()?.is_some() {
             out.copy_to(stdout)?;
-            err.copy_to(&mut std::io::stderr())?;
+            err.copy_to(stderr)?;
             return Ok(None);
         }
         if start.elapsed() > timeout {
             return Ok(Some(Pumped::Timeout));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A writer that puts `label` before each whole line (a partial line waits
+/// for its end, or for the writer's end), so that the output of hosts run
+/// side by side interleaves by lines.
+struct Labelled<'a, W: Write> {
+    label: &'a str,
+    to: W,
+    partial: Vec<u8>,
+}
+
+impl<'a, W: Write> Labelled<'a, W> {
+    fn new(label: &'a str, to: W) -> Self {
+        Self {
+            label,
+            to,
+            partial: Vec::new(),
+        }
+    }
+}
+
+impl<W: Write> Write for Labelled<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.partial.extend_from_slice(buf);
+        while let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=end).collect();
+            let mut out = Vec::with_capacity(self.label.len() + line.len());
+            out.extend_from_slice(self.label.as_bytes());
+            out.extend_from_slice(&line);
+            self.to.write_all(&out)?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.to.flush()
+    }
+}
+
+impl<W: Write> Drop for Labelled<'_, W> {
+    fn drop(&mut self) {
+        if !self.partial.is_empty() {
+            let mut out = self.label.as_bytes().to_vec();
+            out.append(&mut self.partial);
+            out.push(b'\n');
+            let _ = self.to.write_all(&out);
+        }
     }
 }
 
@@ -466,6 +550,20 @@ mod tests {
             .output()
             .expect("sh");
         assert_eq!(String::from_utf8_lossy(&out.stdout), tricky);
+    }
+
+    #[test]
+    fn labelled_prefixes_whole_lines_only() {
+        let mut out = Vec::new();
+        {
+            let mut w = Labelled::new("[2] ", &mut out);
+            w.write_all(b"one\ntw").expect("write");
+            w.write_all(b"o\nthree").expect("write");
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "[2] one\n[2] two\n[2] three\n"
+        );
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub enum VmError {
     Subreaper(#[source] std::io::Error),
     #[error("the VMM could not fork child {index}: {error}")]
     ForkChild { index: usize, error: String },
+    #[error("a fork child was lost twice: first {first}; then its replacement: {error}")]
+    ForkChildLost { first: String, error: String },
     #[error("fork child {pid} is gone (pidfd_open)")]
     ChildGone {
         pid: u32,
@@ -242,6 +244,9 @@ pub struct Vm {
     /// child's control socket listening); `boot_time` minus this is the
     /// after-fork hook, connection retries included.
     pub vmm_answered: Option<Duration>,
+    /// Fork children: why the first child forked in this place was lost
+    /// and replaced by this one (a new child of the same state), if it was.
+    pub replaced: Option<String>,
     /// Its network, if it has one.
     net: Option<VmNet>,
 }
@@ -311,6 +316,11 @@ impl VmDir {
 }
 
 impl VmDir {
+    /// No directory (what is left of one handed on).
+    fn none() -> Self {
+        VmDir(PathBuf::new())
+    }
+
     /// Leaves the directory in place.
     fn keep(&mut self) {
         self.0 = PathBuf::new();
@@ -517,6 +527,7 @@ impl Vm {
             boot_time: start.elapsed(),
             after_fork: None,
             vmm_answered: None,
+            replaced: None,
             net,
         })
     }
@@ -613,6 +624,7 @@ impl Vm {
             boot_time: Duration::ZERO,
             after_fork: None,
             vmm_answered: None,
+            replaced: None,
             net,
         })
     }
@@ -702,15 +714,24 @@ impl Vm {
 
     /// Forks the VM into `n` children. A running VM goes on running, a
     /// paused one or a zygote stays paused. `Err` if the request as a whole
-    /// failed; otherwise one entry per child, in order, each a running VM
-    /// whose after-fork hook has run. More than [`MAX_CHILDREN_PER_FORK`]
-    /// children take several requests.
+    /// failed (then no child is left running); otherwise one entry per
+    /// child, in order, each a running VM whose after-fork hook has run, or
+    /// why that child could not be had. More than
+    /// [`MAX_CHILDREN_PER_FORK`] children take several requests.
     pub fn fork(&self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         self.fork_with(n, &ForkOptions::default())
     }
 
     /// [`fork`](Self::fork), each child with its own broker and egress
     /// log, its policy `opts.policy` or the parent's.
+    ///
+    /// No request waits on one child: a child that has not answered
+    /// `AfterFork` within [`after_fork_deadline`] (or whose VMM died, a
+    /// guest's triple fault, say) is killed and replaced once by a new
+    /// child of the same state; its serial log is kept beside the new one
+    /// as `serial.log.lost`, and [`Vm::replaced`] says why. A running
+    /// parent stays paused until every child answered, so that a
+    /// replacement is of the same instant; it runs on afterwards.
     pub fn fork_with(
         &self,
         n: usize,
@@ -745,14 +766,23 @@ impl Vm {
                 ..paths_in(d.path())
             })
             .collect();
-        let then = match self.state {
-            RunState::Running => Then::Resume,
-            RunState::Paused | RunState::Zygote => Then::Pause,
+        // A running parent is paused for the whole request (and resumed
+        // however it ends), so a replacement child is of the same instant.
+        let _paused = match self.state {
+            RunState::Running => Some(PausedWhileForking::pause(&self.control)?),
+            RunState::Paused | RunState::Zygote => None,
         };
-        // The VMM takes at most this many children per request.
+        // The VMM takes at most this many children per request. Should a
+        // later request fail, the children of the earlier ones are killed.
         let mut answers = Vec::with_capacity(n);
         for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
-            answers.extend(self.control.fork(batch, then)?);
+            match self.control.fork(batch, Then::Pause) {
+                Ok(a) => answers.extend(a),
+                Err(e) => {
+                    kill_forked(&answers);
+                    return Err(e.into());
+                }
+            }
         }
         let answered = start.elapsed();
         // Take hold of every child process first: a pidfd pins its pid.
@@ -764,6 +794,7 @@ impl Vm {
                 ForkedChild::Err { error } => Err(VmError::ForkChild { index, error }),
             })
             .collect();
+        let deadline = after_fork_deadline(n);
         let mut out = Vec::with_capacity(n);
         std::thread::scope(|scope| {
             let handles: Vec<_> = held
@@ -771,23 +802,27 @@ impl Vm {
                 .zip(dirs)
                 .zip(paths)
                 .zip(nets)
-                .map(|(((held, dir), paths), net)| {
+                .enumerate()
+                .map(|(index, (((held, dir), paths), net))| {
                     scope.spawn(move || {
-                        let (pid, pidfd) = held?;
-                        let mut vm = Vm {
-                            vmm: Some(Vmm::Forked { pid, pidfd }),
-                            agent: agent_client(&paths.vsock_uds),
-                            control: Control::new(paths.control),
+                        let child = ForkedVm {
                             dir,
-                            state: RunState::Running,
-                            boot_time: Duration::ZERO,
-                            after_fork: None,
-                            vmm_answered: Some(answered),
+                            paths,
                             net,
+                            start,
+                            answered,
                         };
-                        vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
-                        vm.boot_time = start.elapsed();
-                        Ok(vm)
+                        let first = match held {
+                            Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
+                            Err(e) => Err((e, Box::new(child))),
+                        };
+                        let (lost, child) = match first {
+                            Ok(vm) => return Ok(vm),
+                            Err(lost) => lost,
+                        };
+                        let why = format!("{lost:#}");
+                        eprintln!("forkbox: fork child {index} was lost ({why}); replacing it with a new child of the same state");
+                        (*child).replace(&self.control, deadline, why)
                     })
                 })
                 .collect();
@@ -839,6 +874,7 @@ impl Vm {
             boot_time: Duration::ZERO,
             after_fork: None,
             vmm_answered: None,
+            replaced: None,
             net: None,
         };
         let status = loop {
@@ -982,6 +1018,146 @@ fn agent_client(vsock_uds: &Path) -> AgentClient {
 
 /// Children per fork request the VMM accepts (it refuses more).
 pub const MAX_CHILDREN_PER_FORK: usize = 64;
+
+/// How long the children of one fork request may take to answer
+/// `AfterFork` before one is given up and replaced: seconds, growing with
+/// the children that start at once (they share the host's CPUs). On
+/// hardware virtualization a child answers in milliseconds; in the
+/// emulated host a lone child takes about half a second, 64 at once tens
+/// of seconds on one emulated CPU.
+pub fn after_fork_deadline(children: usize) -> Duration {
+    let children = u32::try_from(children).unwrap_or(u32::MAX);
+    if testbed::inside() {
+        Duration::from_secs(30) + Duration::from_millis(1500).saturating_mul(children)
+    } else {
+        Duration::from_secs(5) + Duration::from_millis(100).saturating_mul(children)
+    }
+}
+
+/// A running parent paused for a fork request; resumed when dropped.
+struct PausedWhileForking<'a>(&'a Control);
+
+impl<'a> PausedWhileForking<'a> {
+    fn pause(control: &'a Control) -> Result<Self, VmError> {
+        control.pause()?;
+        Ok(Self(control))
+    }
+}
+
+impl Drop for PausedWhileForking<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.resume() {
+            eprintln!("forkbox: cannot resume the fork's parent: {e}");
+        }
+    }
+}
+
+/// Kills the children a fork request started (when a later request of the
+/// same fork failed); reaped in the background.
+fn kill_forked(answers: &[ForkedChild]) {
+    for a in answers {
+        if let ForkedChild::Ok { pid } = a {
+            match pidfd_of(*pid) {
+                Ok(pidfd) => {
+                    let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
+                    let vmm = Vmm::Forked { pid: *pid, pidfd };
+                    let _ = std::thread::Builder::new()
+                        .name("vm-reap".into())
+                        .spawn(move || reap_vmm(vmm));
+                }
+                Err(e) => eprintln!("forkbox: cannot kill fork child {pid}: {e}"),
+            }
+        }
+    }
+}
+
+/// One place of a fork request: its directory, paths and network, before
+/// a VMM in it has answered.
+struct ForkedVm {
+    dir: VmDir,
+    paths: ChildPaths,
+    net: Option<VmNet>,
+    start: Instant,
+    answered: Duration,
+}
+
+impl ForkedVm {
+    /// Runs the after-fork hook of the child `pid`; gives the place back
+    /// with why the child was lost (the child killed) if it failed.
+    fn hook(
+        self,
+        pid: u32,
+        pidfd: OwnedFd,
+        deadline: Duration,
+    ) -> Result<Vm, (VmError, Box<ForkedVm>)> {
+        let mut vm = Vm {
+            vmm: Some(Vmm::Forked { pid, pidfd }),
+            agent: agent_client(&self.paths.vsock_uds),
+            control: Control::new(self.paths.control.clone()),
+            dir: self.dir,
+            state: RunState::Running,
+            boot_time: Duration::ZERO,
+            after_fork: None,
+            vmm_answered: Some(self.answered),
+            replaced: None,
+            net: self.net,
+        };
+        match vm.after_fork_hook(deadline) {
+            Ok(()) => {
+                vm.boot_time = self.start.elapsed();
+                Ok(vm)
+            }
+            Err(e) => {
+                // Killed, and waited for: its sockets are then free.
+                vm.kill();
+                if let Some(Vmm::Forked { pidfd, pid }) = &vm.vmm {
+                    if pidfd_exited(pidfd, Duration::from_secs(10)) {
+                        let _ = reap_pid(*pid);
+                    }
+                }
+                let place = Box::new(ForkedVm {
+                    dir: std::mem::replace(&mut vm.dir, VmDir::none()),
+                    paths: self.paths,
+                    net: vm.net.take(),
+                    start: self.start,
+                    answered: self.answered,
+                });
+                Err((e, place))
+            }
+        }
+    }
+
+    /// Forks one new child of the parent's (unchanged) state into this
+    /// place, keeping the lost child's serial log as `serial.log.lost`.
+    fn replace(self, parent: &Control, deadline: Duration, why: String) -> Result<Vm, VmError> {
+        let _ = std::fs::rename(
+            &self.paths.serial_log,
+            self.paths.serial_log.with_extension("log.lost"),
+        );
+        for socket in [&self.paths.control, &self.paths.vsock_uds] {
+            let _ = std::fs::remove_file(socket);
+        }
+        let lost = |error: String| VmError::ForkChildLost {
+            first: why.clone(),
+            error,
+        };
+        let answer = parent
+            .fork(std::slice::from_ref(&self.paths), Then::Pause)
+            .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
+        let (pid, pidfd) = match answer.into_iter().next() {
+            Some(ForkedChild::Ok { pid }) => (pid, pidfd_of(pid)?),
+            Some(ForkedChild::Err { error }) => return Err(lost(error)),
+            None => return Err(lost("the VMM answered no child".into())),
+        };
+        match self.hook(pid, pidfd, deadline) {
+            Ok(mut vm) => {
+                vm.replaced = Some(why);
+                Ok(vm)
+            }
+            Err((e, _place)) => Err(lost(format!("{e:#}"))),
+        }
+    }
+}
 
 /// How long a fork child or restored VM may take to answer `AfterFork`
 /// (generous: the emulated host is slow, and 100 children share 2 CPUs).

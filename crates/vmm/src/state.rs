@@ -7,7 +7,8 @@
 //!
 //! Restore order (research/kvm-fork-measurements.md): VM, memory slots,
 //! TSS/identity map, irqchip, PIT2, vCPUs (CPUID first), irqchip state,
-//! PIT state, per-vCPU registers and MSRs, then kvmclock. Configuration no
+//! PIT state, per-vCPU registers, LAPIC, then MSRs (see [`restore_vcpu`]),
+//! then kvmclock. Configuration no
 //! GET ioctl returns is replayed from constants the boot path also uses:
 //! CPUID (saved per vCPU as configured), the PIT config (speaker dummy), and
 //! the default GSI routing and PIT reinjection (never changed by this VMM).
@@ -277,13 +278,22 @@ fn set_msrs(vcpu: &VcpuFd, id: u8, entries: &[kvm_msr_entry]) -> Result<(), Stat
 }
 
 /// Captures one vCPU. Call only from the thread that parked it, after the
-/// completing `immediate_exit` run.
+/// completing `immediate_exit` run, while every other vCPU is parked too.
+///
+/// Order matters: `KVM_GET_MP_STATE` first (it makes the LAPIC accept
+/// pending INIT/SIPI events, changing state read later), then
+/// `KVM_GET_VCPU_EVENTS`, which, without `KVM_CAP_EXCEPTION_PAYLOAD`,
+/// delivers a pending exception's payload (a page fault's CR2) into the
+/// registers: read before the system registers, CR2 and the queued fault
+/// agree.
 pub fn save_vcpu(
     vcpu: &VcpuFd,
     id: u8,
     cpuid: &[kvm_cpuid_entry2],
     msr_indices: &[u32],
 ) -> Result<VcpuState, StateError> {
+    let mp_state = vcpu.get_mp_state().map_err(kvm_err("get the MP state"))?;
+    let events = vcpu.get_vcpu_events().map_err(kvm_err("get vCPU events"))?;
     Ok(VcpuState {
         id,
         cpuid: cpuid.to_vec(),
@@ -297,8 +307,8 @@ pub fn save_vcpu(
         xcrs: vcpu.get_xcrs().map_err(kvm_err("get xcrs"))?,
         msrs: get_msrs(vcpu, msr_indices)?,
         lapic: vcpu.get_lapic().map_err(kvm_err("get the LAPIC"))?,
-        mp_state: vcpu.get_mp_state().map_err(kvm_err("get the MP state"))?,
-        events: vcpu.get_vcpu_events().map_err(kvm_err("get vCPU events"))?,
+        mp_state,
+        events,
         debugregs: vcpu
             .get_debug_regs()
             .map_err(kvm_err("get debug registers"))?,
@@ -338,6 +348,12 @@ pub fn advance_tsc(msrs: &mut [kvm_msr_entry], gap_ns: u64, tsc_khz: u32) {
 
 /// Applies a captured vCPU (after [`restore_cpuid`] and the irqchip state),
 /// its TSC advanced by `gap_ns` of wall-clock time.
+///
+/// The LAPIC goes in before the MSRs: KVM ignores a host write of
+/// `MSR_IA32_TSC_DEADLINE` unless the LAPIC timer is already in
+/// TSC-deadline mode, so the other order drops the guest's pending timer.
+/// The system registers go first of all (they carry the APIC base, which
+/// decides how the LAPIC state is read).
 pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, gap_ns: u64) -> Result<(), StateError> {
     vcpu.set_sregs(&state.sregs).map_err(kvm_err("set sregs"))?;
     vcpu.set_regs(&state.regs).map_err(kvm_err("set regs"))?;
@@ -357,9 +373,9 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, gap_ns: u64) -> Result<(),
             Err(e) => tracing::warn!("cannot read the TSC frequency; TSC not advanced: {e}"),
         }
     }
-    set_msrs(vcpu, state.id, &msrs)?;
     vcpu.set_lapic(&state.lapic)
         .map_err(kvm_err("set the LAPIC"))?;
+    set_msrs(vcpu, state.id, &msrs)?;
     vcpu.set_mp_state(state.mp_state)
         .map_err(kvm_err("set the MP state"))?;
     let mut events = state.events;

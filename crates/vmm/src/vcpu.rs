@@ -1,12 +1,16 @@
 //! vCPU threads: running, parking at a safe point, and stopping.
 //!
-//! Pausing (DESIGN.md "Fork: the core", step 1): the main thread raises
-//! `pause` and kicks every thread with a signal until each has parked. A
-//! thread parks by first calling `KVM_RUN` once with `immediate_exit` set,
-//! which completes a pending I/O or MMIO exit without entering the guest,
-//! then captures its own state and waits on a condition variable, holding
-//! no lock. Only then may the main thread `fork()`: a lock held by another
-//! thread would stay locked forever in the child.
+//! Pausing (DESIGN.md "Fork: the core", step 1) has two phases. First the
+//! main thread raises `pause` and kicks every thread with a signal until
+//! each has parked: a thread parks by calling `KVM_RUN` once with
+//! `immediate_exit` set, which completes a pending I/O or MMIO exit without
+//! entering the guest, then says so and waits on a condition variable,
+//! holding no lock. Only when *every* vCPU is parked does the main thread
+//! ask them to capture their state: a vCPU that captured itself while a
+//! sibling still ran could miss an IPI or PV kick the sibling sent after
+//! the capture, which the sibling's own state says was sent (a silent hang
+//! in the child). Only then may the main thread `fork()`: a lock held by
+//! another thread would stay locked forever in the child.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -110,8 +114,12 @@ fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Park {
     paused: bool,
     /// Bumped by every pause, so a thread still waiting from an earlier
-    /// pause re-captures its state for this one.
+    /// pause parks and captures again for this one.
     epoch: u64,
+    /// Which vCPUs have parked in this epoch (phase one).
+    parked: Vec<bool>,
+    /// Set once every vCPU has parked: each then captures itself (phase two).
+    capture: bool,
     states: Vec<Option<Result<VcpuState, String>>>,
 }
 
@@ -149,6 +157,8 @@ impl Vcpus {
             park: Mutex::new(Park {
                 paused: false,
                 epoch: 0,
+                parked: vec![false; n],
+                capture: false,
                 states: (0..n).map(|_| None).collect(),
             }),
             cond: Condvar::new(),
@@ -178,7 +188,9 @@ impl Vcpus {
         Ok(vcpus)
     }
 
-    /// Parks every vCPU and returns their states (in id order).
+    /// Parks every vCPU, then has each capture its state while all are
+    /// parked, and returns the states (in id order). A VM already paused
+    /// returns the states captured when it was paused.
     pub fn pause(&self) -> Result<Vec<VcpuState>, PauseError> {
         let sh = &self.shared;
         {
@@ -186,43 +198,58 @@ impl Vcpus {
             if !p.paused {
                 p.paused = true;
                 p.epoch += 1;
+                p.capture = false;
+                p.parked.iter_mut().for_each(|b| *b = false);
                 p.states.iter_mut().for_each(|s| *s = None);
             }
         }
         sh.pause.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + PAUSE_TIMEOUT;
         let mut p = relock(&sh.park);
-        loop {
-            if let Some(missing) = p.states.iter().position(Option::is_none) {
-                if self.threads.iter().any(JoinHandle::is_finished) {
-                    return Err(PauseError::Ending);
+        // Phase one: every vCPU out of KVM_RUN and parked.
+        while !p.capture {
+            match p.parked.iter().position(|&b| !b) {
+                None => {
+                    p.capture = true;
+                    sh.cond.notify_all();
                 }
-                if Instant::now() > deadline {
-                    return Err(PauseError::Timeout(missing as u8));
-                }
-                for (t, s) in self.threads.iter().zip(p.states.iter()) {
-                    if s.is_none() {
-                        if let Err(e) = t.kill(kick_signal()) {
-                            tracing::warn!("cannot kick a vCPU thread: {e}");
+                Some(missing) => {
+                    if self.threads.iter().any(JoinHandle::is_finished) {
+                        return Err(PauseError::Ending);
+                    }
+                    if Instant::now() > deadline {
+                        return Err(PauseError::Timeout(missing as u8));
+                    }
+                    for (t, &parked) in self.threads.iter().zip(p.parked.iter()) {
+                        if !parked {
+                            if let Err(e) = t.kill(kick_signal()) {
+                                tracing::warn!("cannot kick a vCPU thread: {e}");
+                            }
                         }
                     }
-                }
-                p = match sh.cond.wait_timeout(p, Duration::from_millis(1)) {
-                    Ok((g, _)) => g,
-                    Err(poison) => poison.into_inner().0,
-                };
-                continue;
-            }
-            let mut out = Vec::with_capacity(p.states.len());
-            for (id, s) in p.states.iter().enumerate() {
-                match s {
-                    Some(Ok(state)) => out.push(state.clone()),
-                    Some(Err(e)) => return Err(PauseError::Capture(id as u8, e.clone())),
-                    None => return Err(PauseError::Timeout(id as u8)),
+                    p = wait(&sh.cond, p, Duration::from_millis(1));
                 }
             }
-            return Ok(out);
         }
+        // Phase two: each parked vCPU captures itself; none runs meanwhile.
+        while let Some(missing) = p.states.iter().position(Option::is_none) {
+            if self.threads.iter().any(JoinHandle::is_finished) {
+                return Err(PauseError::Ending);
+            }
+            if Instant::now() > deadline {
+                return Err(PauseError::Timeout(missing as u8));
+            }
+            p = wait(&sh.cond, p, Duration::from_millis(1));
+        }
+        let mut out = Vec::with_capacity(p.states.len());
+        for (id, s) in p.states.iter().enumerate() {
+            match s {
+                Some(Ok(state)) => out.push(state.clone()),
+                Some(Err(e)) => return Err(PauseError::Capture(id as u8, e.clone())),
+                None => return Err(PauseError::Timeout(id as u8)),
+            }
+        }
+        Ok(out)
     }
 
     /// Lets every parked vCPU run again.
@@ -271,7 +298,16 @@ impl Vcpus {
     }
 }
 
-/// Parks the calling vCPU thread until resumed (or stopped).
+fn wait<'a>(cond: &Condvar, p: MutexGuard<'a, Park>, timeout: Duration) -> MutexGuard<'a, Park> {
+    match cond.wait_timeout(p, timeout) {
+        Ok((g, _)) => g,
+        Err(poison) => poison.into_inner().0,
+    }
+}
+
+/// Parks the calling vCPU thread until resumed (or stopped): completes any
+/// pending exit, says it is parked, captures its state once every vCPU is
+/// parked, then waits.
 fn park(ctx: &mut VcpuContext, shared: &Shared) {
     // Complete any pending I/O exit without entering the guest.
     ctx.vcpu.set_kvm_immediate_exit(1);
@@ -280,16 +316,33 @@ fn park(ctx: &mut VcpuContext, shared: &Shared) {
         other => tracing::debug!(vcpu = ctx.id, ?other, "completing run did not return EINTR"),
     }
     ctx.vcpu.set_kvm_immediate_exit(0);
-    let captured = state::save_vcpu(&ctx.vcpu, ctx.id, &ctx.cpuid, &ctx.msr_indices)
-        .map_err(|e| format!("{:#}", anyhow::Error::new(e)));
+    let id = usize::from(ctx.id);
     let mut p = relock(&shared.park);
     if !p.paused {
         return;
     }
     let epoch = p.epoch;
-    p.states[usize::from(ctx.id)] = Some(captured);
+    let current = |p: &Park| p.paused && p.epoch == epoch && !shared.stop.load(Ordering::SeqCst);
+    p.parked[id] = true;
     shared.cond.notify_all();
-    while p.paused && p.epoch == epoch && !shared.stop.load(Ordering::SeqCst) {
+    while current(&p) && !p.capture {
+        p = wait(&shared.cond, p, Duration::from_millis(100));
+    }
+    if !current(&p) {
+        return;
+    }
+    // Every vCPU is parked: nothing can change this one's LAPIC or events
+    // behind the capture (devices run only on the main thread, which waits).
+    drop(p);
+    let captured = state::save_vcpu(&ctx.vcpu, ctx.id, &ctx.cpuid, &ctx.msr_indices)
+        .map_err(|e| format!("{:#}", anyhow::Error::new(e)));
+    let mut p = relock(&shared.park);
+    if !current(&p) {
+        return;
+    }
+    p.states[id] = Some(captured);
+    shared.cond.notify_all();
+    while current(&p) {
         p = match shared.cond.wait(p) {
             Ok(g) => g,
             Err(poison) => poison.into_inner(),

@@ -26,6 +26,9 @@ pub trait VirtioMmio: BusDevice + EventSource {
     fn queue_notify(&mut self, index: u16);
     /// The transport's and its device's state.
     fn save(&self) -> TransportState;
+    /// The interrupt status register: non-zero while an interrupt the
+    /// driver has not acknowledged is outstanding.
+    fn interrupt_status(&self) -> u32;
 }
 
 /// A device the command line asked for.
@@ -80,6 +83,10 @@ impl VirtioMmio for MmioTransport {
 
     fn save(&self) -> TransportState {
         MmioTransport::save(self)
+    }
+
+    fn interrupt_status(&self) -> u32 {
+        self.interrupt().status()
     }
 }
 

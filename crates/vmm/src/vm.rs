@@ -40,7 +40,7 @@ use crate::layout::{
 use crate::memory::{Copied, GuestRam};
 use crate::pio::{PortBus, PortEvent};
 use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
-use crate::state::{self, Hardware, MachineState, SerialState, StateError, VcpuState};
+use crate::state::{self, Hardware, MachineState, SerialState, StateError, VcpuState, VmState};
 use crate::vcpu::{self, ExitSignal, PauseError, VcpuContext, VcpuOutcome, Vcpus};
 use crate::virtio::{self, DeviceSpec, MmioBus, VirtioSlot};
 use crate::{VmConfig, VmExit};
@@ -233,6 +233,11 @@ pub struct Machine {
     exit: Arc<ExitSignal>,
     vcpus: Vcpus,
     run_state: RunState,
+    /// The VM-wide state (irqchip, PIT, kvmclock) read in the same pause as
+    /// the vCPUs' states, kept while the VM stays paused: a zygote forked
+    /// minutes after its bake gives every child the clock and the TSC of
+    /// one instant, both advanced by the same gap.
+    paused_vm: Option<VmState>,
 }
 
 /// A new VM with guest memory registered (before the irqchip: measured
@@ -551,6 +556,7 @@ impl Machine {
             exit,
             vcpus,
             run_state: RunState::Running,
+            paused_vm: None,
         })
     }
 
@@ -822,14 +828,24 @@ impl Machine {
         outcome
     }
 
-    /// Parks the vCPUs (capturing their state) and stops device work.
-    fn pause(&mut self) -> Result<Vec<VcpuState>, VmError> {
+    /// Parks the vCPUs, stops device work, and captures the vCPUs and the
+    /// VM-wide state while all are parked (a VM already paused returns what
+    /// its pause captured).
+    fn pause(&mut self) -> Result<(Vec<VcpuState>, VmState), VmError> {
         let states = self.vcpus.pause()?;
         if self.run_state == RunState::Running {
             self.watch_devices(false);
             self.run_state = RunState::Paused;
         }
-        Ok(states)
+        let vm = match &self.paused_vm {
+            Some(vm) => vm.clone(),
+            None => {
+                let vm = state::save_vm(&self.vm)?;
+                self.paused_vm = Some(vm.clone());
+                vm
+            }
+        };
+        Ok((states, vm))
     }
 
     fn resume(&mut self) {
@@ -837,16 +853,18 @@ impl Machine {
             self.watch_devices(true);
             self.run_state = RunState::Running;
         }
+        self.paused_vm = None;
         self.vcpus.resume();
     }
 
-    /// The whole VM as plain data (vCPUs already parked and captured).
-    fn capture(&self, vcpus: Vec<VcpuState>) -> Result<MachineState, VmError> {
+    /// The whole VM as plain data (vCPUs and VM-wide state already
+    /// captured in one pause).
+    fn capture(&self, (vcpus, vm): (Vec<VcpuState>, VmState)) -> Result<MachineState, VmError> {
         Ok(MachineState {
             format_version: state::FORMAT_VERSION,
             state_format: state::state_format(),
             hardware: self.hw.clone(),
-            vm: state::save_vm(&self.vm)?,
+            vm,
             vcpus,
             serial: SerialState::from_superio(&self.pio.serial_state()),
             devices: self
@@ -885,8 +903,12 @@ impl Machine {
     /// temporary name first and renamed into place: the directory may be
     /// the one this VM was restored from, whose `memory` file is mapped
     /// here (truncating it in place would fault the guest).
-    fn write_snapshot(&self, dir: &Path, vcpus: Vec<VcpuState>) -> Result<u64, VmError> {
-        let saved = self.capture(vcpus)?;
+    fn write_snapshot(
+        &self,
+        dir: &Path,
+        paused: (Vec<VcpuState>, VmState),
+    ) -> Result<u64, VmError> {
+        let saved = self.capture(paused)?;
         let werr = |path: &Path| {
             let path = path.to_path_buf();
             move |source| VmError::SnapshotWrite { path, source }
@@ -1057,6 +1079,16 @@ fn wire_device(
     };
     vm.register_irqfd(&slot.irq, slot.window.gsi)
         .map_err(kvm_err("register a virtio irqfd"))?;
+    // A restored device whose interrupt was raised but not acknowledged at
+    // the capture may have had it still in flight (an irqfd injects
+    // asynchronously): raise it again on the fresh irqfd, or the driver can
+    // wait forever. A driver that already saw it finds the status it
+    // acknowledges, so a repeat is harmless.
+    if virtio::lock(&slot.device).interrupt_status() != 0 {
+        slot.irq
+            .write(1)
+            .map_err(|e| VmError::EventLoop("raise a restored interrupt", e))?;
+    }
     for queue in 0..slot.queues {
         let evt = eventfd()?;
         let addr = IoEventAddress::Mmio(slot.window.base + VIRTIO_MMIO_QUEUE_NOTIFY);
