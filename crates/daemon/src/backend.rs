@@ -141,6 +141,7 @@ impl Backend for VmBackend {
             memory_mib: spec.memory_mib,
             serial_to_stderr: false,
             boot_timeout: spec.boot_timeout,
+            vmm_env: Vec::new(),
         };
         let vm = Vm::boot_networked(&self.assets, &vm_spec, Some(&spec.network))
             .map_err(BackendError::Boot)?;

@@ -66,6 +66,7 @@ pub enum Request<'a> {
         dir: &'a Path,
         then: Then,
     },
+    Vcpus,
 }
 
 impl Request<'_> {
@@ -77,6 +78,7 @@ impl Request<'_> {
             Self::Fork { .. } => "fork",
             Self::Zygote => "zygote",
             Self::Snapshot { .. } => "snapshot",
+            Self::Vcpus => "vcpus",
         }
     }
 }
@@ -122,6 +124,10 @@ struct Snapshotted {
 /// Longest wait for an answer (a fork of 100 children inside the emulated
 /// host takes seconds).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Longest wait for a diagnostic answer (`vcpus`): the VMM parks its vCPUs
+/// within 2 s or says why not.
+const DIAGNOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a missing or refusing socket is retried (a VMM just started).
 const CONNECT_RETRY: Duration = Duration::from_secs(5);
 
@@ -183,6 +189,25 @@ impl Control {
         Ok(s.bytes_written)
     }
 
+    /// Where every vCPU is (registers, MP state, pending events, LAPIC
+    /// vectors), one line per vCPU, for a failure report. Bounded by
+    /// [`DIAGNOSE_TIMEOUT`]: a VMM too wedged to answer says so.
+    pub fn vcpus(&self) -> Result<String, ControlError> {
+        let answer = self.call_within(&Request::Vcpus, DIAGNOSE_TIMEOUT)?;
+        let vcpus = answer
+            .get("vcpus")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| ControlError::Malformed {
+                op: "vcpus",
+                detail: format!("no vcpus in {answer}"),
+            })?;
+        Ok(vcpus
+            .iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join("\n"))
+    }
+
     fn call_typed<T: serde::de::DeserializeOwned>(
         &self,
         req: &Request<'_>,
@@ -196,12 +221,18 @@ impl Control {
 
     /// Sends `req`; returns the answer of an `"ok":true` response.
     pub fn call(&self, req: &Request<'_>) -> Result<serde_json::Value, ControlError> {
+        self.call_within(req, ANSWER_TIMEOUT)
+    }
+
+    fn call_within(
+        &self,
+        req: &Request<'_>,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, ControlError> {
         let op = req.op();
         let stream = self.connect()?;
         let io_err = |source| ControlError::Io { op, source };
-        stream
-            .set_read_timeout(Some(ANSWER_TIMEOUT))
-            .map_err(io_err)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
         let mut line = serde_json::to_vec(req).expect("control requests always serialise");
         line.push(b'\n');
         (&stream).write_all(&line).map_err(io_err)?;

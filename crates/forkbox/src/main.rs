@@ -12,6 +12,7 @@ use forkbox::vm::{Assets, Vm, VmSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
+mod bench_churn;
 mod bench_fork;
 mod bench_net;
 mod cli;
@@ -98,6 +99,9 @@ enum BenchCmd {
     /// Fork: zygote forks at several memory sizes against restore and cold
     /// boot baselines, fan-out, memory per child, dirty fork, snapshot.
     Fork(bench_fork::Options),
+    /// Churn: fork → exec → kill cycles, concurrent, from a zygote and from
+    /// running parents: percentiles per phase, lost children by cause, leaks.
+    Churn(bench_churn::Options),
     /// Network: guest ↔ host-loopback TCP throughput and connect latency
     /// (allowed and denied) in one `debian` microVM.
     Net(bench_net::Options),
@@ -483,6 +487,18 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
             let report = bench_fork::run(&opts)?;
             print_report(opts.json, report);
             Ok(0)
+        }
+        BenchCmd::Churn(opts) => {
+            if let Some(code) = delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let report = bench_churn::run(&opts)?;
+            let clean = report["lost_children"] == 0
+                && report["leaks"]["vmm_processes"] == 0
+                && report["leaks"]["fds"] == 0
+                && report["leaks"]["vm_dirs"] == 0;
+            print_report(opts.json, report);
+            Ok(if clean { 0 } else { 1 })
         }
         BenchCmd::Net(opts) => {
             if let Some(code) = delegate(ImageName::Debian)? {

@@ -63,8 +63,13 @@ pub enum VmError {
         /// The VMM's exit code, if it exited rather than was killed.
         code: Option<i32>,
     },
-    #[error("the guest agent did not become ready within {secs} s\n--- serial log (tail) ---\n{serial_tail}")]
-    NeverReady { secs: u64, serial_tail: String },
+    #[error("the guest agent did not become ready within {secs} s\n--- vCPUs ---\n{vcpus}\n--- serial log (tail) ---\n{serial_tail}")]
+    NeverReady {
+        secs: u64,
+        /// Where each vCPU was (`Control::vcpus`).
+        vcpus: String,
+        serial_tail: String,
+    },
     #[error("the guest agent refused the handshake")]
     Handshake(#[source] ClientError),
     #[error("VM working directory")]
@@ -85,10 +90,12 @@ pub enum VmError {
     },
     #[error("the VMM (pid {pid}) died before its agent answered AfterFork\n--- serial log (tail) ---\n{serial_tail}")]
     DiedBeforeAfterFork { pid: u32, serial_tail: String },
-    #[error("the agent of VMM {pid} did not answer AfterFork within {secs} s\n--- serial log (tail) ---\n{serial_tail}")]
+    #[error("the agent of VMM {pid} did not answer AfterFork within {secs} s\n--- vCPUs ---\n{vcpus}\n--- serial log (tail) ---\n{serial_tail}")]
     AfterForkTimeout {
         pid: u32,
         secs: u64,
+        /// Where each vCPU was (`Control::vcpus`).
+        vcpus: String,
         serial_tail: String,
     },
     #[error("the agent of VMM {pid} failed AfterFork")]
@@ -135,6 +142,9 @@ pub struct VmSpec {
     /// Copy the guest's serial console to our stderr as well as the log.
     pub serial_to_stderr: bool,
     pub boot_timeout: Duration,
+    /// Variables set for the VMM process (and so its fork children) only:
+    /// test hooks such as `FORKBOX_VMM_TEST_HANG_CHILD`.
+    pub vmm_env: Vec<(String, String)>,
 }
 
 impl Default for VmSpec {
@@ -145,6 +155,7 @@ impl Default for VmSpec {
             memory_mib: 512,
             serial_to_stderr: false,
             boot_timeout: Duration::from_secs(120),
+            vmm_env: Vec::new(),
         }
     }
 }
@@ -442,6 +453,7 @@ impl Vm {
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
         let mut cmd = Command::new(&assets.vmm);
+        cmd.envs(spec.vmm_env.iter().map(|(k, v)| (k, v)));
         let mut cmdline = GUEST_CMDLINE.to_owned();
         let net = match network {
             Some(network) => {
@@ -497,10 +509,12 @@ impl Vm {
                 });
             }
             if start.elapsed() > spec.boot_timeout {
+                let vcpus = where_vcpus_are(&Control::new(paths.control.clone()));
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(VmError::NeverReady {
                     secs: spec.boot_timeout.as_secs(),
+                    vcpus,
                     serial_tail: testbed::tail(&serial, 30),
                 });
             }
@@ -909,7 +923,12 @@ impl Vm {
             let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
             rustix::rand::getrandom(&mut entropy[..], rustix::rand::GetRandomFlags::empty())
                 .map_err(|e| VmError::Entropy(e.into()))?;
-            match self.agent.after_fork(unix_now_ns(), entropy) {
+            // A guest that hangs must not hold an attempt past the deadline.
+            let left = timeout
+                .saturating_sub(start.elapsed())
+                .clamp(Duration::from_secs(1), AGENT_HANDSHAKE);
+            let agent = self.agent.clone().with_handshake_timeout(left);
+            match agent.after_fork(unix_now_ns(), entropy) {
                 Ok(report) => {
                     self.after_fork = Some(report);
                     return Ok(());
@@ -927,6 +946,7 @@ impl Vm {
                         return Err(VmError::AfterForkTimeout {
                             pid,
                             secs: timeout.as_secs(),
+                            vcpus: where_vcpus_are(&self.control),
                             serial_tail: self.serial_tail(30),
                         });
                     }
@@ -1014,6 +1034,13 @@ const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
 /// The client of the agent behind a VMM's hybrid vsock socket.
 fn agent_client(vsock_uds: &Path) -> AgentClient {
     AgentClient::hybrid_vsock(vsock_uds, AGENT_PORT).with_handshake_timeout(AGENT_HANDSHAKE)
+}
+
+/// The VMM's report of where each vCPU is, or why it could not be had.
+fn where_vcpus_are(control: &Control) -> String {
+    control
+        .vcpus()
+        .unwrap_or_else(|e| format!("(not readable: {:#})", anyhow::Error::new(e)))
 }
 
 /// Children per fork request the VMM accepts (it refuses more).

@@ -10,6 +10,9 @@
 //!   `net_broker`: the child's own broker, without it the parent's)
 //! - `{"op":"zygote"}`
 //! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
+//! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
+//!   events, LAPIC vectors), for a failure report; a running VM is paused
+//!   for the read and resumed.
 
 use std::path::PathBuf;
 
@@ -59,6 +62,7 @@ pub enum Request {
         dir: PathBuf,
         then: Then,
     },
+    Vcpus,
 }
 
 /// Parses one request line (without its newline).
@@ -120,6 +124,11 @@ pub enum Response {
         ok: bool,
         bytes: u64,
         huge_bytes: u64,
+    },
+    Vcpus {
+        ok: bool,
+        state: RunState,
+        vcpus: Vec<crate::state::VcpuReport>,
     },
     Error {
         ok: bool,
@@ -197,6 +206,7 @@ mod tests {
         assert_eq!(parse(br#"{"op":"pause"}"#), Ok(Request::Pause));
         assert_eq!(parse(br#"{"op":"resume"}"#), Ok(Request::Resume));
         assert_eq!(parse(br#"{"op":"zygote"}"#), Ok(Request::Zygote));
+        assert_eq!(parse(br#"{"op":"vcpus"}"#), Ok(Request::Vcpus));
     }
 
     #[test]

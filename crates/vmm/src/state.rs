@@ -96,6 +96,104 @@ pub struct VcpuState {
     pub debugregs: kvm_debugregs,
 }
 
+/// Where one vCPU is, for a person reading a failure (a fork child that
+/// hangs, a guest that faults): its registers, MP state, pending events and
+/// the LAPIC's pending (IRR) and in-service (ISR) vectors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VcpuReport {
+    pub id: u8,
+    pub rip: u64,
+    pub rsp: u64,
+    pub rflags: u64,
+    pub cs: u16,
+    pub cr0: u64,
+    pub cr2: u64,
+    pub cr3: u64,
+    pub cr4: u64,
+    pub efer: u64,
+    /// `runnable`, `halted`, ... (KVM's `mp_state`).
+    pub mp_state: String,
+    /// `nr N error 0xE (injected|pending)`, if an exception is queued.
+    pub exception: Option<String>,
+    /// The vector of an interrupt being injected, if any.
+    pub interrupt: Option<u8>,
+    pub nmi_pending: bool,
+    pub lapic_irr: Vec<u8>,
+    pub lapic_isr: Vec<u8>,
+    /// The LAPIC timer's LVT entry (mode in bits 17-18, mask bit 16).
+    pub lapic_lvtt: u32,
+}
+
+const APIC_ISR: usize = 0x100;
+const APIC_IRR: usize = 0x200;
+const APIC_LVTT: usize = 0x320;
+
+fn lapic_reg(lapic: &kvm_lapic_state, offset: usize) -> u32 {
+    let b = |k: usize| lapic.regs[offset + k] as u8;
+    u32::from_le_bytes([b(0), b(1), b(2), b(3)])
+}
+
+/// The vectors set in the 256-bit LAPIC register starting at `base` (eight
+/// 32-bit words, 16 bytes apart).
+fn lapic_vectors(lapic: &kvm_lapic_state, base: usize) -> Vec<u8> {
+    (0..8usize)
+        .flat_map(|word| {
+            let bits = lapic_reg(lapic, base + word * 16);
+            (0..32u32)
+                .filter(move |bit| bits & (1 << bit) != 0)
+                .map(move |bit| (word as u32 * 32 + bit) as u8)
+        })
+        .collect()
+}
+
+fn mp_state_name(state: u32) -> String {
+    match state {
+        kvm_bindings::KVM_MP_STATE_RUNNABLE => "runnable".into(),
+        kvm_bindings::KVM_MP_STATE_UNINITIALIZED => "uninitialized".into(),
+        kvm_bindings::KVM_MP_STATE_INIT_RECEIVED => "init_received".into(),
+        kvm_bindings::KVM_MP_STATE_HALTED => "halted".into(),
+        kvm_bindings::KVM_MP_STATE_SIPI_RECEIVED => "sipi_received".into(),
+        other => format!("state {other}"),
+    }
+}
+
+impl From<&VcpuState> for VcpuReport {
+    fn from(s: &VcpuState) -> Self {
+        let e = &s.events;
+        let exception = (e.exception.injected != 0 || e.exception.pending != 0).then(|| {
+            format!(
+                "nr {} error {:#x} ({})",
+                e.exception.nr,
+                e.exception.error_code,
+                if e.exception.injected != 0 {
+                    "injected"
+                } else {
+                    "pending"
+                }
+            )
+        });
+        Self {
+            id: s.id,
+            rip: s.regs.rip,
+            rsp: s.regs.rsp,
+            rflags: s.regs.rflags,
+            cs: s.sregs.cs.selector,
+            cr0: s.sregs.cr0,
+            cr2: s.sregs.cr2,
+            cr3: s.sregs.cr3,
+            cr4: s.sregs.cr4,
+            efer: s.sregs.efer,
+            mp_state: mp_state_name(s.mp_state.mp_state),
+            exception,
+            interrupt: (e.interrupt.injected != 0).then_some(e.interrupt.nr),
+            nmi_pending: e.nmi.pending != 0,
+            lapic_irr: lapic_vectors(&s.lapic, APIC_IRR),
+            lapic_isr: lapic_vectors(&s.lapic, APIC_ISR),
+            lapic_lvtt: lapic_reg(&s.lapic, APIC_LVTT),
+        }
+    }
+}
+
 /// VM-wide KVM state.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VmState {
@@ -549,6 +647,24 @@ mod tests {
         assert!((5_000_000_000..6_000_000_000).contains(&gap), "{gap}");
         vm.captured_realtime_ns = u64::MAX;
         assert_eq!(realtime_gap_ns(&vm), 0);
+    }
+
+    #[test]
+    fn vcpu_report_names_lapic_vectors_and_events() {
+        let mut vcpu = sample().vcpus.remove(0);
+        // Vector 236 pending (word 7, bit 12), vector 33 in service.
+        vcpu.lapic.regs[APIC_IRR + 7 * 16 + 1] = 0x10;
+        vcpu.lapic.regs[APIC_ISR + 16] = 0x02;
+        vcpu.mp_state.mp_state = kvm_bindings::KVM_MP_STATE_HALTED;
+        vcpu.events.exception.injected = 1;
+        vcpu.events.exception.nr = 14;
+        vcpu.events.exception.error_code = 0x10;
+        let r = VcpuReport::from(&vcpu);
+        assert_eq!(r.lapic_irr, vec![236]);
+        assert_eq!(r.lapic_isr, vec![33]);
+        assert_eq!(r.mp_state, "halted");
+        assert_eq!(r.exception.as_deref(), Some("nr 14 error 0x10 (injected)"));
+        assert_eq!(r.rip, 0xffff_ffff_8100_0000);
     }
 
     #[test]

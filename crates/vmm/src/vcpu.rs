@@ -76,6 +76,9 @@ pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first vCPU to stop wins; the main loop is woken through `evt`.
 pub struct ExitSignal {
     outcome: Mutex<Option<(u8, VcpuOutcome)>>,
+    /// What the first vCPU to stop on a triple fault saw (registers,
+    /// events), for the VMM's exit report.
+    detail: Mutex<Option<String>>,
     pub evt: EventFd,
 }
 
@@ -83,8 +86,18 @@ impl ExitSignal {
     pub fn new(evt: EventFd) -> Self {
         Self {
             outcome: Mutex::new(None),
+            detail: Mutex::new(None),
             evt,
         }
+    }
+
+    fn note(&self, detail: String) {
+        relock(&self.detail).get_or_insert(detail);
+    }
+
+    /// What [`ExitSignal::note`] kept, if anything.
+    pub fn detail(&self) -> Option<String> {
+        relock(&self.detail).clone()
     }
 
     fn report(&self, id: u8, outcome: VcpuOutcome) {
@@ -370,11 +383,9 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
             Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
             Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
             Ok(VcpuExit::Shutdown) => {
-                tracing::warn!(
-                    vcpu = ctx.id,
-                    "triple fault; the vCPU then: {}",
-                    where_it_stopped(&ctx.vcpu)
-                );
+                let detail = format!("vCPU {}: {}", ctx.id, where_it_stopped(&ctx.vcpu));
+                tracing::warn!("triple fault; {detail}");
+                ctx.exit.note(detail);
                 return VcpuOutcome::Guest(PortEvent::Reset(ResetCause::TripleFault));
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {

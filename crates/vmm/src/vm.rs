@@ -177,6 +177,8 @@ enum LoopEnd {
 struct ChildPlan {
     /// When the parent received the fork request (timing logs only).
     requested: Instant,
+    /// Children this VMM process had forked, this one included.
+    ordinal: u64,
     state: MachineState,
     spec: ChildSpec,
     ready: OwnedFd,
@@ -574,6 +576,36 @@ impl Machine {
 
     fn finish(mut self, end: Result<LoopEnd, VmError>) -> Result<VmExit, VmError> {
         self.vcpus.stop();
+        let exit = self.conclude(end);
+        // The serial log is what a host reading a lost VM has: say there
+        // how it ended, and where the vCPU was on a triple fault.
+        let how = match &exit {
+            Ok(exit) => exit.to_string(),
+            Err(e) => format!("error: {}", chain_ref(e)),
+        };
+        let detail = self
+            .exit
+            .detail()
+            .map(|d| format!("; {d}"))
+            .unwrap_or_default();
+        self.note_in_serial_log(&format!("[forkbox-vmm] {how}{detail}"));
+        exit
+    }
+
+    fn note_in_serial_log(&self, line: &str) {
+        let Some(path) = &self.endpoints.serial_log else {
+            return;
+        };
+        let written = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(format!("\n{line}\n").as_bytes()));
+        if let Err(e) = written {
+            tracing::warn!("cannot note the VM's end in {}: {e}", path.display());
+        }
+    }
+
+    fn conclude(&mut self, end: Result<LoopEnd, VmError>) -> Result<VmExit, VmError> {
         let end = end?;
         let (id, outcome) = match end {
             LoopEnd::Vcpu(id, outcome) => (id, outcome),
@@ -823,6 +855,14 @@ impl Machine {
                 Ok(o) => o,
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
+            Request::Vcpus => Outcome::Reply(match self.report_vcpus() {
+                Ok(vcpus) => Response::Vcpus {
+                    ok: true,
+                    state: self.run_state,
+                    vcpus,
+                },
+                Err(e) => Response::error(chain(e)),
+            }),
         };
         tracing::debug!(elapsed = ?started.elapsed(), "control request done");
         outcome
@@ -846,6 +886,16 @@ impl Machine {
             }
         };
         Ok((states, vm))
+    }
+
+    /// Where every vCPU is; a running VM is paused for the read and resumed.
+    fn report_vcpus(&mut self) -> Result<Vec<state::VcpuReport>, VmError> {
+        let was_running = self.run_state == RunState::Running;
+        let (vcpus, _) = self.pause()?;
+        if was_running {
+            self.resume();
+        }
+        Ok(vcpus.iter().map(state::VcpuReport::from).collect())
     }
 
     fn resume(&mut self) {
@@ -952,6 +1002,7 @@ impl Machine {
                 continue;
             }
             let before_fork = Instant::now();
+            let ordinal = FORKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             // SAFETY: every vCPU thread is parked in a condition wait
             // holding no lock, device work runs only on this thread, and the
             // child uses none of the parent's objects (it forgets them).
@@ -963,6 +1014,7 @@ impl Machine {
                     std::mem::forget(pending);
                     return Ok(Outcome::Child(Box::new(ChildPlan {
                         requested: started,
+                        ordinal,
                         state: saved.clone(),
                         spec: spec.clone(),
                         ready,
@@ -1015,7 +1067,18 @@ fn reply(r: Result<(), VmError>) -> Response {
 }
 
 fn chain(e: VmError) -> String {
-    format!("{:#}", anyhow::Error::new(e))
+    chain_ref(&e)
+}
+
+/// The error and its causes, `a: b: c`.
+fn chain_ref(e: &VmError) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    s
 }
 
 /// In a fork child: forget the parent's objects (their descriptors are the
@@ -1046,8 +1109,17 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         net,
     };
     match Machine::restore(ram, &plan.state, endpoints) {
-        Ok(m) => {
+        Ok(mut m) => {
             tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
+            if test_hang_child(plan.ordinal) {
+                tracing::warn!(
+                    ordinal = plan.ordinal,
+                    "FORKBOX_VMM_TEST_HANG_CHILD: this fork child's vCPUs stay parked"
+                );
+                if let Err(e) = m.pause() {
+                    tracing::error!("cannot park the test's hanging child: {}", chain(e));
+                }
+            }
             fork::report_ready(plan.ready);
             m
         }
@@ -1058,6 +1130,21 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
             std::process::exit(crate::EXIT_VMM_ERROR);
         }
     }
+}
+
+/// Children this VMM process has forked (a fork child counts on from its
+/// parent's count).
+static FORKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: `FORKBOX_VMM_TEST_HANG_CHILD=N` (set by the host for this
+/// VMM only) makes the N-th fork child of this VMM process come up with its
+/// vCPUs parked, a child that never answers its agent's calls: how the
+/// host's handling of a hung child is tested. The guest cannot set it.
+fn test_hang_child(ordinal: u64) -> bool {
+    std::env::var("FORKBOX_VMM_TEST_HANG_CHILD")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        == Some(ordinal)
 }
 
 /// Registers a device's irqfd and queue ioeventfds (fresh eventfds), and

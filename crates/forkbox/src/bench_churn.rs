@@ -1,0 +1,305 @@
+//! `forkbox bench churn`: fork → exec → kill cycles, several at once, from a
+//! zygote and from running parents, as a training run makes them. Reports
+//! each phase's percentiles, the children lost by cause (a replaced child
+//! counts: it was lost once), and what is left afterwards that was not
+//! there before (VMM processes, this process's descriptors, VM
+//! directories, host memory).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use forkbox::bench::{mem_available_kib, Stats};
+use forkbox::testbed::Environment;
+use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_proto::ExecRequest;
+use serde_json::{json, Value};
+
+#[derive(clap::Args)]
+pub struct Options {
+    #[arg(long)]
+    pub json: bool,
+    /// Cycles in all; each forks one child, runs one command in it and
+    /// kills it.
+    #[arg(long, default_value_t = 1000)]
+    pub cycles: usize,
+    /// Cycles under way at once: half of the workers fork the shared
+    /// zygote, the other half each its own running parent.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+}
+
+/// How one cycle went.
+#[derive(Default)]
+struct Tally {
+    fork: Vec<Duration>,
+    exec: Vec<Duration>,
+    kill: Vec<Duration>,
+    /// Children lost, by cause; a replaced child is counted here too.
+    lost: BTreeMap<String, usize>,
+    done: usize,
+}
+
+/// What a lost child's error or replacement cause says it was.
+fn cause(text: &str) -> String {
+    let kind = if text.contains("lost twice") {
+        "lost twice (replacement lost too)"
+    } else if text.contains("triple fault") {
+        "triple fault"
+    } else if text.contains("did not answer AfterFork") {
+        "no AfterFork answer in time"
+    } else if text.contains("died before") {
+        "VMM died before AfterFork"
+    } else {
+        "other"
+    };
+    kind.to_owned()
+}
+
+/// What the host holds that a leak would grow.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    vmm_processes: usize,
+    fds: usize,
+    vm_dirs: usize,
+    mem_available_kib: u64,
+}
+
+impl Held {
+    fn now() -> Self {
+        let vmm_processes = std::fs::read_dir("/proc")
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| {
+                        std::fs::read_to_string(e.path().join("comm"))
+                            .is_ok_and(|c| c.trim() == "forkbox-vmm")
+                    })
+                    .filter(|e| {
+                        // A zombie is gone but not yet reaped: not held.
+                        std::fs::read_to_string(e.path().join("stat"))
+                            .ok()
+                            .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim().to_owned()))
+                            .is_some_and(|r| !r.starts_with('Z'))
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
+        let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+        let vm_dirs = std::fs::read_dir(std::env::temp_dir())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| {
+                        let name = e.file_name();
+                        let name = name.to_string_lossy();
+                        name.starts_with("forkbox-fork-") || name.starts_with("forkbox-vm-")
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
+        Self {
+            vmm_processes,
+            fds,
+            vm_dirs,
+            mem_available_kib: mem_available_kib().unwrap_or(0),
+        }
+    }
+}
+
+/// Waits for a killed VMM's process to be gone (exited: a zombie counts).
+fn wait_gone(pid: u32, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim().starts_with(['Z', 'X']))
+            })
+            .unwrap_or(true);
+        if gone {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+/// One cycle from `source`: fork, exec, kill.
+fn cycle(source: &Vm, i: usize, tally: &Mutex<Tally>) {
+    let record =
+        |f: &mut dyn FnMut(&mut Tally)| f(&mut tally.lock().unwrap_or_else(|p| p.into_inner()));
+    let t = Instant::now();
+    let child = match source.fork(1).map(|mut c| c.pop()) {
+        Ok(Some(Ok(child))) => child,
+        Ok(Some(Err(e))) => {
+            let text = format!("{e:#}");
+            record(&mut |t| *t.lost.entry(cause(&text)).or_default() += 1);
+            eprintln!("forkbox bench churn: cycle {i}: child lost: {text}");
+            return;
+        }
+        Ok(None) => {
+            record(&mut |t| *t.lost.entry("no child in the answer".into()).or_default() += 1);
+            return;
+        }
+        Err(e) => {
+            let text = format!("{e:#}");
+            record(&mut |t| {
+                *t.lost
+                    .entry(format!("fork request failed: {}", cause(&text)))
+                    .or_default() += 1
+            });
+            eprintln!("forkbox bench churn: cycle {i}: fork request failed: {text}");
+            return;
+        }
+    };
+    let forked = t.elapsed();
+    if let Some(why) = &child.replaced {
+        record(&mut |t| {
+            *t.lost
+                .entry(format!("replaced: {}", cause(why)))
+                .or_default() += 1
+        });
+        eprintln!("forkbox bench churn: cycle {i}: a child was lost and replaced: {why}");
+    }
+    let t = Instant::now();
+    let mut out = Vec::new();
+    let r = child.agent().exec(
+        &ExecRequest::shell(format!("echo {i}")),
+        None,
+        &mut |_, b| out.extend_from_slice(b),
+    );
+    let exec = t.elapsed();
+    let answered = matches!(&r, Ok(r) if r.success()) && out == format!("{i}\n").as_bytes();
+    if !answered {
+        let text = format!("{r:?} {:?}", String::from_utf8_lossy(&out));
+        eprintln!("forkbox bench churn: cycle {i}: the child's exec failed: {text}");
+        record(&mut |t| *t.lost.entry("exec failed".into()).or_default() += 1);
+    }
+    let pid = child.pid();
+    let t = Instant::now();
+    drop(child);
+    let gone = wait_gone(pid, Duration::from_secs(30));
+    let kill = t.elapsed();
+    record(&mut |t| {
+        t.fork.push(forked);
+        t.exec.push(exec);
+        if gone {
+            t.kill.push(kill);
+        } else {
+            *t.lost
+                .entry("VMM not gone 30 s after its kill".into())
+                .or_default() += 1;
+        }
+        t.done += 1;
+    });
+}
+
+pub fn run(o: &Options) -> anyhow::Result<Value> {
+    let env = Environment::detect();
+    let assets = Assets::prepare().context("preparing the guest kernel and initramfs")?;
+    let workers = o.concurrency.max(1);
+    let before = Held::now();
+    eprintln!(
+        "forkbox bench churn: booting a zygote and {} running parent(s)",
+        workers / 2
+    );
+    let mut zygote = Vm::boot(&assets, &VmSpec::default()).context("booting the zygote")?;
+    zygote.make_warm_zygote().context("making the zygote")?;
+    let parents: Vec<Vm> = (0..workers / 2)
+        .map(|_| Vm::boot(&assets, &VmSpec::default()))
+        .collect::<Result<_, _>>()
+        .context("booting a running parent")?;
+    let tally = Mutex::new(Tally::default());
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for w in 0..workers {
+            // Workers 0, 2, 4, ... fork the zygote; 1, 3, 5, ... their own
+            // running parent (a running parent is paused while it forks).
+            let source = if w % 2 == 0 || parents.is_empty() {
+                &zygote
+            } else {
+                &parents[(w / 2) % parents.len()]
+            };
+            let (tally, next) = (&tally, &next);
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= o.cycles {
+                    break;
+                }
+                cycle(source, i, tally);
+                let done = tally.lock().map_or(0, |t| t.done);
+                if done % 50 == 0 || done == o.cycles {
+                    eprintln!(
+                        "forkbox bench churn: {done}/{} cycles, {:.0} s",
+                        o.cycles,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            });
+        }
+    });
+    let wall = started.elapsed();
+    drop(parents);
+    drop(zygote);
+    // Give the background reapers their time, then count what is left.
+    let settle = Instant::now();
+    let mut after = Held::now();
+    while settle.elapsed() < Duration::from_secs(30)
+        && (after.vmm_processes > before.vmm_processes || after.vm_dirs > before.vm_dirs)
+    {
+        std::thread::sleep(Duration::from_millis(200));
+        after = Held::now();
+    }
+    let tally = tally.into_inner().unwrap_or_else(|p| p.into_inner());
+    let lost: usize = tally.lost.values().sum();
+    let stats =
+        |d: &[Duration]| serde_json::to_value(Stats::from_durations(d)).unwrap_or(Value::Null);
+    Ok(json!({
+        "bench": "churn",
+        "environment": env.label(),
+        "cycles": o.cycles,
+        "cycles_done": tally.done,
+        "concurrency": workers,
+        "sources": format!("1 zygote ({} workers), {} running parents (one worker each)", workers.div_ceil(2), workers / 2),
+        "wall_s": wall.as_secs_f64(),
+        "fork_ms": stats(&tally.fork),
+        "exec_ms": stats(&tally.exec),
+        "kill_ms": stats(&tally.kill),
+        "lost_children": lost,
+        "lost_by_cause": tally.lost,
+        "leaks": {
+            "vmm_processes": after.vmm_processes as i64 - before.vmm_processes as i64,
+            "fds": after.fds as i64 - before.fds as i64,
+            "vm_dirs": after.vm_dirs as i64 - before.vm_dirs as i64,
+            "mem_available_kib_drop": before.mem_available_kib as i64 - after.mem_available_kib as i64,
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cause_names_the_signature() {
+        assert_eq!(
+            cause("a fork child was lost twice: first x; then y"),
+            "lost twice (replacement lost too)"
+        );
+        assert_eq!(
+            cause("the VMM (pid 4) died before its agent answered AfterFork\n[forkbox-vmm] guest reset (triple fault or KVM reset)"),
+            "triple fault"
+        );
+        assert_eq!(
+            cause("the agent of VMM 9 did not answer AfterFork within 31 s"),
+            "no AfterFork answer in time"
+        );
+        assert_eq!(
+            cause("the VMM (pid 4) died before its agent answered AfterFork"),
+            "VMM died before AfterFork"
+        );
+        assert_eq!(cause("something else"), "other");
+    }
+}
