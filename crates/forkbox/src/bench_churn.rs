@@ -42,20 +42,9 @@ struct Tally {
     done: usize,
 }
 
-/// What a lost child's error or replacement cause says it was.
+/// A lost child's cause, by signature.
 fn cause(text: &str) -> String {
-    let kind = if text.contains("lost twice") {
-        "lost twice (replacement lost too)"
-    } else if text.contains("triple fault") {
-        "triple fault"
-    } else if text.contains("did not answer AfterFork") {
-        "no AfterFork answer in time"
-    } else if text.contains("died before") {
-        "VMM died before AfterFork"
-    } else {
-        "other"
-    };
-    kind.to_owned()
+    forkbox::vm::loss_signature(text).to_owned()
 }
 
 /// What the host holds that a leak would grow.
@@ -276,30 +265,4 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             "mem_available_kib_drop": before.mem_available_kib as i64 - after.mem_available_kib as i64,
         },
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cause_names_the_signature() {
-        assert_eq!(
-            cause("a fork child was lost twice: first x; then y"),
-            "lost twice (replacement lost too)"
-        );
-        assert_eq!(
-            cause("the VMM (pid 4) died before its agent answered AfterFork\n[forkbox-vmm] guest reset (triple fault or KVM reset)"),
-            "triple fault"
-        );
-        assert_eq!(
-            cause("the agent of VMM 9 did not answer AfterFork within 31 s"),
-            "no AfterFork answer in time"
-        );
-        assert_eq!(
-            cause("the VMM (pid 4) died before its agent answered AfterFork"),
-            "VMM died before AfterFork"
-        );
-        assert_eq!(cause("something else"), "other");
-    }
 }

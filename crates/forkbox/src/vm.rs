@@ -1036,6 +1036,24 @@ fn agent_client(vsock_uds: &Path) -> AgentClient {
     AgentClient::hybrid_vsock(vsock_uds, AGENT_PORT).with_handshake_timeout(AGENT_HANDSHAKE)
 }
 
+/// What kind of loss a lost fork child's error (or a replacement's
+/// [`Vm::replaced`]) names, for counting losses by signature: the VMM notes
+/// a triple fault in the serial log the error carries, a hang is a child
+/// that did not answer in time.
+pub fn loss_signature(cause: &str) -> &'static str {
+    if cause.contains("lost twice") {
+        "lost twice"
+    } else if cause.contains("triple fault") {
+        "triple fault"
+    } else if cause.contains("did not answer AfterFork") {
+        "hang"
+    } else if cause.contains("died before") {
+        "VMM died"
+    } else {
+        "other"
+    }
+}
+
 /// The VMM's report of where each vCPU is, or why it could not be had.
 fn where_vcpus_are(control: &Control) -> String {
     control
@@ -1272,5 +1290,45 @@ pub fn describe_exit(status: ExitStatus) -> String {
         (Some(code), _) => format!("forkbox-vmm exited with code {code}"),
         (None, Some(sig)) => format!("forkbox-vmm was killed by signal {sig}"),
         (None, None) => "forkbox-vmm ended".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_signature_names_each_kind_of_loss() {
+        let lost = |e: VmError| loss_signature(&format!("{e:#}"));
+        let died = VmError::DiedBeforeAfterFork {
+            pid: 4,
+            serial_tail:
+                "[forkbox-vmm] guest reset (triple fault or KVM reset); vCPU 0: rip 0xfff0".into(),
+        };
+        assert_eq!(lost(died), "triple fault");
+        let died = VmError::DiedBeforeAfterFork {
+            pid: 4,
+            serial_tail: String::new(),
+        };
+        assert_eq!(lost(died), "VMM died");
+        let hung = VmError::AfterForkTimeout {
+            pid: 9,
+            secs: 31,
+            vcpus: "{}".into(),
+            serial_tail: String::new(),
+        };
+        assert_eq!(lost(hung), "hang");
+        let twice = VmError::ForkChildLost {
+            first: "x".into(),
+            error: "y".into(),
+        };
+        assert_eq!(lost(twice), "lost twice");
+        assert_eq!(loss_signature("something else"), "other");
+    }
+
+    #[test]
+    fn after_fork_deadline_grows_with_the_children() {
+        assert!(after_fork_deadline(64) > after_fork_deadline(1));
+        assert!(after_fork_deadline(1) >= Duration::from_secs(5));
     }
 }

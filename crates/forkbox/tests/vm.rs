@@ -511,7 +511,7 @@ fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
             if let Some(why) = &c.replaced {
                 // Not hidden: a lost child is a fault of the test bed or a
                 // bug, counted by signature and named in the suite's output.
-                let sig = loss_signature(why);
+                let sig = forkbox::vm::loss_signature(why);
                 *REPLACED
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -527,21 +527,6 @@ fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
 /// Fork children lost and replaced in this run, by signature (see [`fork`]).
 static REPLACED: Mutex<std::collections::BTreeMap<&'static str, usize>> =
     Mutex::new(std::collections::BTreeMap::new());
-
-/// What kind of loss a replaced child's cause names: the VMM notes a
-/// triple fault in the serial log (`[forkbox-vmm] guest reset (triple
-/// fault ...)`), a hang is a child that did not answer in time.
-fn loss_signature(why: &str) -> &'static str {
-    if why.contains("triple fault") {
-        "triple fault"
-    } else if why.contains("did not answer AfterFork") {
-        "hang"
-    } else if why.contains("died before") {
-        "VMM died"
-    } else {
-        "other"
-    }
-}
 
 /// A counter writing to an open file every 10 ms (and to /tmp/count by
 /// rename, so a reader never sees it empty), and busybox httpd.
