@@ -877,7 +877,7 @@ pub struct ForkBody {
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ForkChild {
-    Sandbox(SandboxInfo),
+    Sandbox(Box<SandboxInfo>),
     Error(ErrorDetail),
 }
 
@@ -904,7 +904,7 @@ async fn sandbox_fork(
             children
                 .into_iter()
                 .map(|c| match c {
-                    Ok(info) => ForkChild::Sandbox(info),
+                    Ok(info) => ForkChild::Sandbox(Box::new(info)),
                     Err(e) => {
                         st.daemon.count_error(&e);
                         ForkChild::Error(ApiError::Daemon(e).detail())

@@ -347,6 +347,8 @@ pub(crate) mod fake {
         pub forks: AtomicUsize,
         /// Every child of a fork with this index fails.
         pub fail_child: AtomicUsize,
+        /// Every machine says it replaced a lost fork child (this cause).
+        pub replaced: Mutex<Option<String>>,
         pub fail_children: AtomicBool,
         /// Handles given out (each machine's pid is its index here).
         pub handed: AtomicUsize,
@@ -449,7 +451,7 @@ pub(crate) mod fake {
             Duration::ZERO
         }
         fn replaced(&self) -> Option<String> {
-            None
+            self.world.replaced.lock().expect("replaced").clone()
         }
         fn pause(&self) -> Result<(), BackendError> {
             Ok(())

@@ -294,6 +294,11 @@ pub struct SandboxMetrics {
     /// CPU time of the VMM process (all vCPUs plus devices).
     pub cpu_ms: Option<u64>,
     pub boot_ms: u64,
+    /// Set when the first VM forked for this sandbox was lost (its VMM
+    /// died, or it did not answer in time) and this one replaced it: what
+    /// kind of loss (`triple fault`, `hang`, `VMM died`, ...). The full
+    /// cause is in forkboxd's log.
+    pub replaced_lost_child: Option<String>,
 }
 
 /// One event of a streamed command.
@@ -793,6 +798,7 @@ impl Daemon {
                 Err(e)
             }
             Ok(machine) => {
+                self.note_replaced(&id, &*machine);
                 let machine: Arc<dyn Machine> = Arc::from(machine);
                 let mut s = self.lock();
                 match s.registry.created(&id, now) {
@@ -1388,6 +1394,14 @@ impl Daemon {
         Ok(out)
     }
 
+    /// Counts and logs a fork child that replaced a lost one.
+    fn note_replaced(&self, id: &SandboxId, machine: &dyn Machine) {
+        if let Some(why) = machine.replaced() {
+            self.inner.metrics.fork_children_replaced.fetch_add(1, ORD);
+            tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
+        }
+    }
+
     /// Records how one fork child's creation ended.
     fn adopt(
         &self,
@@ -1407,10 +1421,7 @@ impl Daemon {
                 Err(e)
             }
             Ok(machine) => {
-                if let Some(why) = machine.replaced() {
-                    self.inner.metrics.fork_children_replaced.fetch_add(1, ORD);
-                    tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
-                }
+                self.note_replaced(id, &*machine);
                 let machine: Arc<dyn Machine> = Arc::from(machine);
                 if let Err(e) = s.registry.created(id, now) {
                     // Killed (by label, say) while it was being forked.
@@ -2088,6 +2099,10 @@ fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
                 .and_then(backend::cpu_time)
                 .map(|d| d.as_millis() as u64),
             boot_ms: l.machine.boot_time().as_millis() as u64,
+            replaced_lost_child: l
+                .machine
+                .replaced()
+                .map(|why| forkbox::vm::loss_signature(&why).to_owned()),
         }
     });
     SandboxInfo {
@@ -2417,6 +2432,30 @@ mod tests {
         assert_eq!(p.children.len(), 3, "lineage lists every attempt");
         assert_eq!(d.lock().registry.live(), 3);
         assert_eq!(d.lock().registry.creating(), 0);
+    }
+
+    #[tokio::test]
+    async fn fork_child_that_replaced_a_lost_one_is_counted_and_shown() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
+        let parent = created(&d, None).await;
+        assert_eq!(d.inner.metrics.fork_children_replaced.load(ORD), 0);
+        *world.replaced.lock().expect("replaced") = Some(
+            "the VMM (pid 7) died before its agent answered AfterFork\n[forkbox-vmm] guest reset (triple fault or KVM reset)".into(),
+        );
+        let kids = forked(&d, &parent.id, 2).await;
+        assert_eq!(kids.len(), 2);
+        assert_eq!(d.inner.metrics.fork_children_replaced.load(ORD), 2);
+        let kid = kids[0].as_ref().expect("child");
+        let info = d.execute_sync_info(&kid.id).expect("info");
+        let shown = info.metrics.and_then(|m| m.replaced_lost_child);
+        assert_eq!(shown.as_deref(), Some("triple fault"));
+        assert!(d
+            .inner
+            .metrics
+            .render(0, 0)
+            .contains("forkbox_fork_children_replaced_total 2"));
     }
 
     #[tokio::test]
