@@ -54,16 +54,26 @@ fn main() {
 }
 
 /// Where there is no hardware virtualization, the trials run in one-CPU
-/// emulated hosts side by side, one per host CPU, each taking every n-th
-/// trial (with two emulated CPUs, the emulated host's KVM lost a few
+/// emulated hosts side by side, one per host CPU, each taking its share of
+/// the trials ([`split`]) (with two emulated CPUs, the emulated host's KVM lost a few
 /// guests in a hundred; with one, none: docs/SPEC.md, "The test bed").
 /// Their output lines carry the shard's label; the exit code is the first
 /// failing shard's.
 fn run_in_emulated_host(args: Vec<String>) -> i32 {
     let n = testbed::shards(4);
     eprintln!(
-        "vm tests: {n} one-CPU emulated host(s) side by side, each running every {n}th trial"
+        "vm tests: {n} one-CPU emulated host(s) side by side, the trials split between them by their expected time"
     );
+    // Every trial in exactly one shard.
+    let names: Vec<&'static str> = trials().iter().map(|(name, _)| *name).collect();
+    let mut split_names: Vec<&'static str> = (1..=n).flat_map(|i| split(&names, i, n)).collect();
+    split_names.sort_unstable();
+    let mut all = names.clone();
+    all.sort_unstable();
+    if split_names != all {
+        eprintln!("vm tests: the split into {n} shards does not hold every trial exactly once");
+        return 1;
+    }
     let codes: Vec<i32> = std::thread::scope(|scope| {
         let shards: Vec<_> = (0..n)
             .map(|i| {
@@ -149,10 +159,61 @@ fn run_shard(args: Vec<String>, shard: usize, shards: usize) -> i32 {
     125
 }
 
-/// `i/n` (1-based) inside an emulated host that runs every n-th trial.
+/// `i/n` (1-based) inside an emulated host that runs shard i of n.
 const SHARD_ENV: &str = "FORKBOX_VM_TESTS_SHARD";
 
-/// The trials of this shard: every n-th, starting at the i-th.
+/// Seconds a trial took in a one-CPU emulated host (2026-12-04), for
+/// spreading the long ones over the shards; a trial not listed counts 15.
+const TRIAL_SECONDS: &[(&str, u32)] = &[
+    ("fork_smp_ipi_load_200_children_all_answer", 390),
+    (
+        "fork_64_children_of_a_running_parent_all_answer_an_exec",
+        120,
+    ),
+    ("fork_zygote_aged_child_tsc_and_kvmclock_agree", 110),
+    (
+        "fork_memory_pattern_is_one_instant_in_children_never_in_parent",
+        60,
+    ),
+    ("net_connect_flood_keeps_vmm_memory_bounded", 60),
+    ("net_fork_child_connections_are_its_own", 60),
+    ("snapshot_restore_resumes_processes_with_current_clock", 60),
+    (
+        "fork_child_that_hangs_is_replaced_and_says_where_it_was",
+        40,
+    ),
+    (
+        "fork_zygote_16_children_answer_with_distinct_randomness",
+        40,
+    ),
+];
+
+/// The trials of shard `i` of `n` (1-based): the longest trials first, each
+/// to the shard with the least time so far (every shard computes the same
+/// split, so each trial runs in exactly one).
+fn split(names: &[&'static str], i: usize, n: usize) -> Vec<&'static str> {
+    let seconds = |name: &str| {
+        TRIAL_SECONDS
+            .iter()
+            .find(|(t, _)| *t == name)
+            .map_or(15, |(_, s)| *s)
+    };
+    let mut order: Vec<&'static str> = names.to_vec();
+    // Stable: equal weights keep the list's order.
+    order.sort_by_key(|name| std::cmp::Reverse(seconds(name)));
+    let mut load = vec![0u32; n];
+    let mut mine = Vec::new();
+    for name in order {
+        let shard = (0..n).min_by_key(|&s| (load[s], s)).unwrap_or(0);
+        load[shard] += seconds(name);
+        if shard == i - 1 {
+            mine.push(name);
+        }
+    }
+    mine
+}
+
+/// The trials of this shard (see [`split`]); all of them outside a shard.
 fn this_shard(trials: Vec<(&'static str, TrialFn)>) -> Vec<(&'static str, TrialFn)> {
     let Some((i, n)) = std::env::var(SHARD_ENV).ok().and_then(|v| {
         let (i, n) = v.split_once('/')?;
@@ -160,11 +221,11 @@ fn this_shard(trials: Vec<(&'static str, TrialFn)>) -> Vec<(&'static str, TrialF
     }) else {
         return trials;
     };
+    let names: Vec<&'static str> = trials.iter().map(|(name, _)| *name).collect();
+    let mine = split(&names, i, n);
     trials
         .into_iter()
-        .enumerate()
-        .filter(|(k, _)| k % n == i - 1)
-        .map(|(_, t)| t)
+        .filter(|(name, _)| mine.contains(name))
         .collect()
 }
 
