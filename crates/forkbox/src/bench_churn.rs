@@ -48,11 +48,12 @@ fn cause(text: &str) -> String {
 }
 
 /// What the host holds that a leak would grow.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Held {
     vmm_processes: usize,
     fds: usize,
-    vm_dirs: usize,
+    /// VM directories in the temporary directory, by name.
+    vm_dirs: Vec<String>,
     mem_available_kib: u64,
 }
 
@@ -79,14 +80,13 @@ impl Held {
         let vm_dirs = std::fs::read_dir(std::env::temp_dir())
             .map(|d| {
                 d.flatten()
-                    .filter(|e| {
-                        let name = e.file_name();
-                        let name = name.to_string_lossy();
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|name| {
                         name.starts_with("forkbox-fork-") || name.starts_with("forkbox-vm-")
                     })
-                    .count()
+                    .collect()
             })
-            .unwrap_or(0);
+            .unwrap_or_default();
         Self {
             vmm_processes,
             fds,
@@ -232,15 +232,38 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     let wall = started.elapsed();
     drop(parents);
     drop(zygote);
-    // Give the background reapers their time, then count what is left.
+    // Give the background reapers their time (a pidfd is held until its
+    // VMM has exited), then count what is left: a leak is what is still
+    // there after 30 s.
     let settle = Instant::now();
     let mut after = Held::now();
     while settle.elapsed() < Duration::from_secs(30)
-        && (after.vmm_processes > before.vmm_processes || after.vm_dirs > before.vm_dirs)
+        && (after.vmm_processes > before.vmm_processes
+            || after.fds > before.fds
+            || after.vm_dirs.len() > before.vm_dirs.len())
     {
         std::thread::sleep(Duration::from_millis(200));
         after = Held::now();
     }
+    // Memory comes back as the last VMMs finish exiting: read it after.
+    std::thread::sleep(Duration::from_secs(2));
+    after.mem_available_kib = mem_available_kib().unwrap_or(0);
+    // What a leaked directory holds says who left it.
+    let leaked_dirs: Vec<String> = after
+        .vm_dirs
+        .iter()
+        .filter(|d| !before.vm_dirs.contains(d))
+        .map(|d| {
+            let files: Vec<String> = std::fs::read_dir(std::env::temp_dir().join(d))
+                .map(|r| {
+                    r.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            format!("{d}: [{}]", files.join(", "))
+        })
+        .collect();
     let tally = tally.into_inner().unwrap_or_else(|p| p.into_inner());
     let lost: usize = tally.lost.values().sum();
     let stats =
@@ -261,7 +284,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         "leaks": {
             "vmm_processes": after.vmm_processes as i64 - before.vmm_processes as i64,
             "fds": after.fds as i64 - before.fds as i64,
-            "vm_dirs": after.vm_dirs as i64 - before.vm_dirs as i64,
+            "vm_dirs": after.vm_dirs.len() as i64 - before.vm_dirs.len() as i64,
+            "vm_dirs_left": leaked_dirs,
             "mem_available_kib_drop": before.mem_available_kib as i64 - after.mem_available_kib as i64,
         },
     }))
