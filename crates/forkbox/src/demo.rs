@@ -148,8 +148,8 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
         Some(n) => n.clamp(1, 256),
         None if emulated => {
             println!(
-                "forkbox demo: a group of 16 inside the emulated host (its kernel has crashed under \
-                 64 busy guests on 2 emulated CPUs); `--group 64` asks for the full size"
+                "forkbox demo: a group of 16 inside the emulated host (one emulated CPU runs them \
+                 all); `--group 64` asks for the full size"
             );
             16
         }
