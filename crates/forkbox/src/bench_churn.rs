@@ -81,9 +81,7 @@ impl Held {
             .map(|d| {
                 d.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|name| {
-                        name.starts_with("forkbox-fork-") || name.starts_with("forkbox-vm-")
-                    })
+                    .filter(|name| is_vm_dir(name))
                     .collect()
             })
             .unwrap_or_default();
@@ -94,6 +92,17 @@ impl Held {
             mem_available_kib: mem_available_kib().unwrap_or(0),
         }
     }
+}
+
+/// A VM's own directory (`forkbox-fork-XXXXXX`, `forkbox-vm-XXXXXX`), not
+/// another tool's that shares the prefix (the VM suite's
+/// `forkbox-vm-tests-XXXXXX`, which an emulated host sees appear on the
+/// machine's live `/tmp`).
+fn is_vm_dir(name: &str) -> bool {
+    ["forkbox-fork-", "forkbox-vm-"].iter().any(|prefix| {
+        name.strip_prefix(prefix)
+            .is_some_and(|rest| rest.len() == 6 && rest.chars().all(|c| c.is_ascii_alphanumeric()))
+    })
 }
 
 /// Waits for a killed VMM's process to be gone (exited: a zombie counts).
@@ -240,7 +249,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     while settle.elapsed() < Duration::from_secs(30)
         && (after.vmm_processes > before.vmm_processes
             || after.fds > before.fds
-            || after.vm_dirs.len() > before.vm_dirs.len())
+            || after.vm_dirs.iter().any(|d| !before.vm_dirs.contains(d)))
     {
         std::thread::sleep(Duration::from_millis(200));
         after = Held::now();
@@ -284,9 +293,22 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         "leaks": {
             "vmm_processes": after.vmm_processes as i64 - before.vmm_processes as i64,
             "fds": after.fds as i64 - before.fds as i64,
-            "vm_dirs": after.vm_dirs.len() as i64 - before.vm_dirs.len() as i64,
+            "vm_dirs": leaked_dirs.len(),
             "vm_dirs_left": leaked_dirs,
             "mem_available_kib_drop": before.mem_available_kib as i64 - after.mem_available_kib as i64,
         },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_dir_is_a_vms_own_not_a_suites() {
+        assert!(is_vm_dir("forkbox-fork-a1B2c3"));
+        assert!(is_vm_dir("forkbox-vm-Zz9yx8"));
+        assert!(!is_vm_dir("forkbox-vm-tests-t4VdNQ"));
+        assert!(!is_vm_dir("forkbox-testbed-DBxC3o"));
+    }
 }
