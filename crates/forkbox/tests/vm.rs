@@ -1744,7 +1744,9 @@ fn line_echo_server() -> (u16, std::sync::mpsc::Receiver<String>) {
 
 /// `sh`, with the VM's egress log and serial tail in the failure.
 fn net_sh(vm: &Vm, script: &str) -> Result<String, Failed> {
-    sh(vm.agent(), script).map_err(|e| {
+    // Bounded: a guest that stops answering fails the trial with where its
+    // vCPUs are, not the whole suite at its time limit.
+    answer_within(vm, script, Duration::from_secs(300)).map_err(|e| {
         let log = vm.egress_log(100);
         let e = e.message().unwrap_or_default().to_owned();
         format!("{e}\negress log: {log:#?}\nserial:\n{}", vm.serial_tail(20)).into()
