@@ -6,6 +6,7 @@
 //! directories, host memory).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -68,10 +69,7 @@ impl Held {
                     })
                     .filter(|e| {
                         // A zombie is gone but not yet reaped: not held.
-                        std::fs::read_to_string(e.path().join("stat"))
-                            .ok()
-                            .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim().to_owned()))
-                            .is_some_and(|r| !r.starts_with('Z'))
+                        !exited(&e.path().join("stat"))
                     })
                     .count()
             })
@@ -105,17 +103,20 @@ fn is_vm_dir(name: &str) -> bool {
     })
 }
 
+/// Whether the process whose `/proc/PID/stat` is `stat` has exited: gone,
+/// or a zombie (or dead) waiting to be reaped.
+fn exited(stat: &Path) -> bool {
+    std::fs::read_to_string(stat).map_or(true, |s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim().starts_with(['Z', 'X']))
+    })
+}
+
 /// Waits for a killed VMM's process to be gone (exited: a zombie counts).
 fn wait_gone(pid: u32, limit: Duration) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
-        let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| {
-                s.rsplit_once(')')
-                    .is_some_and(|(_, r)| r.trim().starts_with(['Z', 'X']))
-            })
-            .unwrap_or(true);
-        if gone {
+        if exited(Path::new(&format!("/proc/{pid}/stat"))) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(1));
