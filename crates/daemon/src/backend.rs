@@ -1,5 +1,5 @@
 //! Between the daemon and its VMs: the [`Backend`] trait, and
-//! [`VmBackend`], its implementation on `forkbox::vm` (one `forkbox-vmm`
+//! [`VmBackend`], its implementation on `forkbox_host::vm` (one `forkbox-vmm`
 //! process per sandbox).
 //!
 //! Every method here blocks (boots take seconds); the service calls them on
@@ -8,9 +8,9 @@
 use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
-use forkbox::image::ImageName;
-use forkbox::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
-pub use forkbox::vm::{ForkOptions, NetworkSpec};
+use forkbox_host::image::ImageName;
+use forkbox_host::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
+pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
 
@@ -119,7 +119,7 @@ pub trait Machine: Send + Sync {
 /// One child of [`Machine::fork`].
 pub type ForkedMachine = Result<Box<dyn Machine>, BackendError>;
 
-/// The real thing: `forkbox::vm::Vm`.
+/// The real thing: `forkbox_host::vm::Vm`.
 pub struct VmBackend {
     assets: Assets,
 }
@@ -176,7 +176,7 @@ struct VmMachine {
 impl VmMachine {
     fn boxed(vm: Vm) -> Box<dyn Machine> {
         Box::new(Self {
-            // Its handshake bound suits a loaded host (`forkbox::vm`).
+            // Its handshake bound suits a loaded host (`forkbox_host::vm`).
             agent: vm.agent().clone(),
             pid: vm.pid(),
             boot_time: vm.boot_time,
@@ -213,7 +213,7 @@ impl Machine for VmMachine {
             Err(TryLockError::WouldBlock) => return None,
         };
         match vm.wait_exit(Duration::ZERO) {
-            Ok(Some(status)) => Some(forkbox::vm::describe_exit(status)),
+            Ok(Some(status)) => Some(forkbox_host::vm::describe_exit(status)),
             Ok(None) => None,
             Err(e) => Some(format!("cannot wait for forkbox-vmm: {e}")),
         }

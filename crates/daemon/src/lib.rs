@@ -5,7 +5,7 @@
 //!   lineage; no I/O, no clock of its own.
 //! - [`template`]: templates and their ready recipe.
 //! - [`backend`]: the [`backend::Backend`] trait between the daemon and
-//!   VMs, implemented on `forkbox::vm`.
+//!   VMs, implemented on `forkbox_host::vm`.
 //! - [`service`]: the daemon proper: typed commands in, VMs driven through
 //!   the backend on the blocking pool, the TTL reaper, metrics.
 //! - [`metrics`]: counters and histograms in Prometheus' text format.
@@ -17,7 +17,7 @@
 //! - [`listen`]: where the daemon listens (unix socket or TCP).
 //!
 //! Must not depend on the VMM's internals (it starts VMs through
-//! `forkbox::vm`) nor the agent's (it speaks `forkbox-proto`).
+//! `forkbox_host::vm`) nor the agent's (it speaks `forkbox-proto`).
 #![forbid(unsafe_code)]
 
 pub mod api;

@@ -50,12 +50,12 @@ impl std::fmt::Display for Listen {
 
 /// `/run/forkbox/forkbox.sock` as root, else
 /// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: the rule the CLI's client
-/// (`forkbox::client::default_socket`) owns, so both always agree.
+/// (`forkbox_host::socket::default_socket`) owns, so both always agree.
 pub fn default_socket(
     is_root: bool,
     xdg_runtime_dir: Option<&str>,
 ) -> Result<PathBuf, ListenError> {
-    forkbox::client::default_socket(is_root, xdg_runtime_dir).map_err(|_| ListenError::NoDefault)
+    forkbox_host::socket::default_socket(is_root, xdg_runtime_dir).ok_or(ListenError::NoDefault)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use forkbox::testbed::Environment;
+use forkbox_host::testbed::Environment;
 use forkboxd::backend::VmBackend;
 use forkboxd::core::Limits;
 use forkboxd::listen::{default_socket, Listen};

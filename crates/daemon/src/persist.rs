@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use forkbox::vm::VmHandle;
+use forkbox_host::vm::VmHandle;
 use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
 
@@ -210,7 +210,7 @@ mod tests {
             parent: None,
             created_unix: 1,
             envs: BTreeMap::new(),
-            spec: TemplateSpec::builtin(forkbox::image::ImageName::Minimal),
+            spec: TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal),
             vm: VmHandle {
                 dir: "/tmp/forkbox-vm-x".into(),
                 pid: 42,

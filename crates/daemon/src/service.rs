@@ -550,8 +550,8 @@ impl Daemon {
                 .map(|d| d.subsec_nanos())
                 .unwrap_or(0));
         let templates = [
-            forkbox::image::ImageName::Minimal,
-            forkbox::image::ImageName::Debian,
+            forkbox_host::image::ImageName::Minimal,
+            forkbox_host::image::ImageName::Debian,
         ]
         .into_iter()
         .map(|i| {
@@ -2102,7 +2102,7 @@ fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
             replaced_lost_child: l
                 .machine
                 .replaced()
-                .map(|why| forkbox::vm::loss_signature(&why).to_owned()),
+                .map(|why| forkbox_host::vm::loss_signature(&why).to_owned()),
         }
     });
     SandboxInfo {
@@ -2366,7 +2366,7 @@ mod tests {
             },
             4,
         );
-        let mut spec = TemplateSpec::builtin(forkbox::image::ImageName::Minimal);
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
         spec.name = "mine".into();
         let mut rx = d.bake(spec.clone()).expect("starts");
         let mut last = None;
@@ -2785,7 +2785,7 @@ mod tests {
         let fake = Fake::default();
         let world = fake.world.clone();
         let d = daemon(fake, 4);
-        let mut spec = TemplateSpec::builtin(forkbox::image::ImageName::Minimal);
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
         spec.name = "mirrored".into();
         spec.network = Some(policy(&["mirror.local:80"]));
         let mut rx = d.bake(spec).expect("bake");

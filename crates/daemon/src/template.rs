@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use forkbox::image::ImageName;
+use forkbox_host::image::ImageName;
 use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;

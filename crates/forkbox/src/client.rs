@@ -72,28 +72,13 @@ impl Endpoint {
     pub fn from_env() -> Result<Self, ClientError> {
         match std::env::var("FORKBOX_URL") {
             Ok(url) if !url.is_empty() => url.parse(),
-            _ => Ok(Self::Unix(default_socket(
+            _ => forkbox_host::socket::default_socket(
                 rustix::process::geteuid().is_root(),
                 std::env::var("XDG_RUNTIME_DIR").ok().as_deref(),
-            )?)),
+            )
+            .map(Self::Unix)
+            .ok_or(ClientError::NoDefault),
         }
-    }
-}
-
-/// `/run/forkbox/forkbox.sock` as root, else
-/// `$XDG_RUNTIME_DIR/forkbox/forkbox.sock`: where forkboxd listens by
-/// default (its `listen::default_socket` calls this) and so where the CLI
-/// looks.
-pub fn default_socket(
-    is_root: bool,
-    xdg_runtime_dir: Option<&str>,
-) -> Result<PathBuf, ClientError> {
-    if is_root {
-        return Ok("/run/forkbox/forkbox.sock".into());
-    }
-    match xdg_runtime_dir.filter(|d| !d.is_empty()) {
-        Some(d) => Ok(PathBuf::from(d).join("forkbox/forkbox.sock")),
-        None => Err(ClientError::NoDefault),
     }
 }
 
@@ -188,10 +173,6 @@ impl Client {
     /// [`Endpoint::from_env`] and `FORKBOX_TOKEN`.
     pub fn from_env() -> Result<Self, ClientError> {
         Self::new(Endpoint::from_env()?, std::env::var("FORKBOX_TOKEN").ok())
-    }
-
-    pub fn endpoint(&self) -> &Endpoint {
-        &self.endpoint
     }
 
     /// Sends one request; any status comes back (see [`Response::ok`]).
@@ -307,10 +288,6 @@ pub struct Response<'c> {
 }
 
 impl Response<'_> {
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
     /// Itself when 2xx, else the daemon's error.
     pub fn ok(self) -> Result<Self, ClientError> {
         if self.status.is_success() {
@@ -475,26 +452,6 @@ mod tests {
         for s in ["unix:///run/forkbox/forkbox.sock", "http://h:1"] {
             assert_eq!(s.parse::<Endpoint>().expect("parse").to_string(), s);
         }
-    }
-
-    #[test]
-    fn default_socket_agrees_with_forkboxd() {
-        assert_eq!(
-            default_socket(true, Some("/run/user/1000")).expect("root"),
-            PathBuf::from("/run/forkbox/forkbox.sock")
-        );
-        assert_eq!(
-            default_socket(false, Some("/run/user/1000")).expect("xdg"),
-            PathBuf::from("/run/user/1000/forkbox/forkbox.sock")
-        );
-        assert!(matches!(
-            default_socket(false, Some("")),
-            Err(ClientError::NoDefault)
-        ));
-        assert!(matches!(
-            default_socket(false, None),
-            Err(ClientError::NoDefault)
-        ));
     }
 
     #[test]

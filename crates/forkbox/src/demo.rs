@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::json;
 
-use crate::bench::{mem_available_kib, pss_kib, Stats};
+use crate::bench::Stats;
 use crate::local_daemon::{calls, LocalDaemon};
+use forkbox_host::measure::{mem_available_kib, pss_kib};
 
 /// The demo's knobs (`forkbox demo --group N`).
 #[derive(Debug, Clone, clap::Args)]
@@ -142,8 +143,8 @@ struct Member {
 
 pub fn run(o: &Options) -> anyhow::Result<()> {
     let total = Instant::now();
-    let emulated =
-        crate::testbed::Environment::detect() == crate::testbed::Environment::EmulatedHost;
+    let emulated = forkbox_host::testbed::Environment::detect()
+        == forkbox_host::testbed::Environment::EmulatedHost;
     let n = match o.group {
         Some(n) => n.clamp(1, 256),
         None if emulated => {
@@ -270,7 +271,7 @@ pub fn run(o: &Options) -> anyhow::Result<()> {
     println!("forkbox demo: one GRPO step, {n} sandboxes forked from a warm `debian` zygote");
     println!(
         "  environment               {}",
-        crate::testbed::Environment::detect().label()
+        forkbox_host::testbed::Environment::detect().label()
     );
     println!(
         "  bake (boot+setup+ready)   {:.1} s",

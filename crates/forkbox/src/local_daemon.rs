@@ -2,7 +2,7 @@
 //! started on a socket in a fresh temporary directory, so it never meets
 //! the user's daemon, and stopped (with every sandbox it owns) on drop.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -84,13 +84,9 @@ impl LocalDaemon {
         Ok(Client::new(Endpoint::Unix(self.socket.clone()), None)?)
     }
 
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     /// The last `lines` lines of the daemon's log.
     pub fn log_tail(&self, lines: usize) -> String {
-        crate::testbed::tail(&self.dir.path().join("forkboxd.log"), lines)
+        forkbox_host::testbed::tail(&self.dir.path().join("forkboxd.log"), lines)
     }
 }
 

@@ -6,16 +6,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use forkbox::image::{self, ImageName};
-use forkbox::testbed::{self, Environment, RunOptions, Testbed};
-use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_host::image::{self, ImageName};
+use forkbox_host::testbed::{self, Environment, RunOptions, Testbed};
+use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
-mod bench_churn;
-mod bench_fork;
-mod bench_net;
+mod bench;
 mod cli;
+mod client;
+mod demo;
+mod local_daemon;
 
 #[derive(Parser)]
 #[command(
@@ -32,7 +33,7 @@ struct Cli {
 enum Cmd {
     /// Boot a microVM, run CMD in it, stream its output, exit with its code.
     Run {
-        #[arg(long, value_enum, default_value = "minimal")]
+        #[arg(long, default_value = "minimal")]
         image: ImageName,
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
         vcpus: u8,
@@ -63,10 +64,10 @@ enum Cmd {
     /// One GRPO-style step through a forkboxd of our own: bake a warm
     /// `debian` template, fork a group from it, solve, grade, kill; print
     /// fork and exec latency, memory per sandbox and wall time.
-    Demo(forkbox::demo::Options),
+    Demo(demo::Options),
     /// Build the guest images (cached; a second build is instant).
     Image {
-        #[arg(value_enum)]
+        /// `minimal` or `debian`.
         name: ImageName,
     },
     /// The emulated KVM host for machines without hardware virtualization.
@@ -77,7 +78,7 @@ enum Cmd {
     /// Benchmarks: percentiles and ratios, naming the environment.
     Bench {
         #[command(subcommand)]
-        what: BenchCmd,
+        what: bench::BenchCmd,
     },
     /// The clients of forkboxd (`daemon`, `template`, `sandbox`, `exec`,
     /// `cp`, `logs`).
@@ -92,50 +93,6 @@ enum ForkFrom {
     Zygote,
     /// Fork the running VM; it runs on.
     Running,
-}
-
-#[derive(Subcommand)]
-enum BenchCmd {
-    /// Fork: zygote forks at several memory sizes against restore and cold
-    /// boot baselines, fan-out, memory per child, dirty fork, snapshot.
-    Fork(bench_fork::Options),
-    /// Churn: fork → exec → kill cycles, concurrent, from a zygote and from
-    /// running parents: percentiles per phase, lost children by cause, leaks.
-    Churn(bench_churn::Options),
-    /// Network: guest ↔ host-loopback TCP throughput and connect latency
-    /// (allowed and denied) in one `debian` microVM.
-    Net(bench_net::Options),
-    /// Cold boot: VMM start to the agent's handshake.
-    Boot {
-        #[arg(long, value_enum, default_value = "minimal")]
-        image: ImageName,
-        #[arg(long, default_value_t = 30)]
-        runs: usize,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Exec round trip of `true`, 16 MiB of stdout, VMM memory overhead.
-    Exec {
-        #[arg(long, default_value_t = 100)]
-        runs: usize,
-        #[arg(long)]
-        json: bool,
-    },
-    /// The service through its HTTP API: create-from-template → first
-    /// command result beside the raw fork, and group fan-out.
-    Service(forkbox::bench_service::Options),
-    /// A tight loop and fork+exec, here: the yardstick for other figures.
-    Calibrate {
-        #[arg(long)]
-        json: bool,
-    },
-    /// The emulated host: its boot time and how much slower it is than here.
-    Testbed {
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
-        #[arg(long)]
-        json: bool,
-    },
 }
 
 #[derive(Subcommand)]
@@ -211,7 +168,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             if let Some(code) = delegate(ImageName::Debian)? {
                 return Ok(code);
             }
-            forkbox::demo::run(&opts)?;
+            demo::run(&opts)?;
             Ok(0)
         }
         Cmd::Image { name } => {
@@ -220,7 +177,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Testbed { command } => testbed_cmd(command),
-        Cmd::Bench { what } => bench_cmd(what),
+        Cmd::Bench { what } => bench::run(what),
         Cmd::Client(cmd) => cli::run(cmd),
     }
 }
@@ -228,7 +185,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
 /// Prepares assets here (the emulated host sees this machine's files
 /// read-only), then re-runs this command inside the emulated host if this
 /// machine cannot run microVMs itself. `None`: carry on here.
-fn delegate(image: ImageName) -> anyhow::Result<Option<i32>> {
+pub(crate) fn delegate(image: ImageName) -> anyhow::Result<Option<i32>> {
     Assets::prepare().context("preparing the guest kernel and initramfs")?;
     image::ensure(image).context("preparing the guest image")?;
     if Environment::detect() != Environment::NeedsEmulatedHost {
@@ -461,202 +418,6 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
                     argv.join(" ")
                 );
             }
-        }
-    }
-}
-
-fn print_report(json: bool, report: serde_json::Value) {
-    if json {
-        println!("{report}");
-    } else if let Some(obj) = report.as_object() {
-        for (k, v) in obj {
-            println!("{k:>22}: {v}");
-        }
-    }
-}
-
-fn bench_cmd(what: BenchCmd) -> anyhow::Result<i32> {
-    use forkbox::bench::{calibrate, vmm_overhead_kib, Calibration, Stats};
-    use serde_json::json;
-    let env = Environment::detect();
-    match what {
-        BenchCmd::Fork(opts) => {
-            if let Some(code) = delegate(ImageName::Minimal)? {
-                return Ok(code);
-            }
-            let report = bench_fork::run(&opts)?;
-            print_report(opts.json, report);
-            Ok(0)
-        }
-        BenchCmd::Churn(opts) => {
-            if let Some(code) = delegate(ImageName::Minimal)? {
-                return Ok(code);
-            }
-            let report = bench_churn::run(&opts)?;
-            let clean = report["lost_children"] == 0
-                && report["leaks"]["vmm_processes"] == 0
-                && report["leaks"]["fds"] == 0
-                && report["leaks"]["vm_dirs"] == 0;
-            print_report(opts.json, report);
-            Ok(if clean { 0 } else { 1 })
-        }
-        BenchCmd::Net(opts) => {
-            if let Some(code) = delegate(ImageName::Debian)? {
-                return Ok(code);
-            }
-            let report = bench_net::run(&opts)?;
-            if opts.json {
-                println!("{report}");
-            } else {
-                bench_net::print(&report);
-            }
-            Ok(0)
-        }
-        BenchCmd::Service(opts) => {
-            if let Some(code) = delegate(ImageName::Minimal)? {
-                return Ok(code);
-            }
-            let report = forkbox::bench_service::run(&opts)?;
-            if opts.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                report.print();
-            }
-            Ok(0)
-        }
-        BenchCmd::Calibrate { json } => {
-            let c = calibrate();
-            print_report(
-                json,
-                json!({"environment": env.label(), "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us}),
-            );
-            Ok(0)
-        }
-        BenchCmd::Boot { image, runs, json } => {
-            if let Some(code) = delegate(image)? {
-                return Ok(code);
-            }
-            let assets = Assets::prepare()?;
-            let spec = VmSpec {
-                image,
-                ..VmSpec::default()
-            };
-            let mut samples = Vec::new();
-            for i in 0..runs {
-                let vm = Vm::boot(&assets, &spec).context("booting the microVM")?;
-                samples.push(vm.boot_time);
-                if !json {
-                    eprint!("\rforkbox bench boot: {}/{runs}", i + 1);
-                }
-            }
-            if !json {
-                eprintln!();
-            }
-            let s = Stats::from_durations(&samples);
-            let c = calibrate();
-            print_report(
-                json,
-                json!({
-                    "bench": "boot", "environment": env.label(), "image": image.as_str(),
-                    "vcpus": 1, "memory_mib": 512,
-                    "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms,
-                    "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
-                    "p50_in_fork_execs": s.p50_ms * 1000.0 / c.fork_exec_us,
-                }),
-            );
-            Ok(0)
-        }
-        BenchCmd::Exec { runs, json } => {
-            if let Some(code) = delegate(ImageName::Minimal)? {
-                return Ok(code);
-            }
-            let assets = Assets::prepare()?;
-            let vm = Vm::boot(&assets, &VmSpec::default()).context("booting the microVM")?;
-            let agent = vm.agent();
-            let truth = ExecRequest::argv(["true"]);
-            agent.exec(&truth, None, &mut |_, _| {})?;
-            let mut samples = Vec::new();
-            for _ in 0..runs {
-                let t = Instant::now();
-                let r = agent.exec(&truth, None, &mut |_, _| {})?;
-                samples.push(t.elapsed());
-                anyhow::ensure!(r.success(), "`true` failed in the guest: {r:?}");
-            }
-            let s = Stats::from_durations(&samples);
-            const BIG: u64 = 16 << 20;
-            // dd with 1 MiB blocks: busybox `head` writes in small pieces and
-            // would measure itself rather than the channel.
-            let big = ExecRequest::argv(["dd", "if=/dev/zero", "bs=1048576", "count=16"]);
-            let mut rates = Vec::new();
-            for _ in 0..5 {
-                let mut got = 0u64;
-                let t = Instant::now();
-                agent.exec(&big, None, &mut |stream, b| {
-                    if stream == OutputStream::Stdout {
-                        got += b.len() as u64
-                    }
-                })?;
-                anyhow::ensure!(got == BIG, "16 MiB exec returned {got} bytes");
-                rates.push(BIG as f64 / (1 << 20) as f64 / t.elapsed().as_secs_f64());
-            }
-            rates.sort_by(f64::total_cmp);
-            let overhead = vmm_overhead_kib(vm.pid()).context("reading the VMM's smaps")?;
-            let c: Calibration = calibrate();
-            print_report(
-                json,
-                json!({
-                    "bench": "exec", "environment": env.label(),
-                    "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms,
-                    "stdout_16mib_mib_per_s": rates[rates.len() / 2],
-                    "vmm_overhead_mib": overhead as f64 / 1024.0,
-                    "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
-                    "p50_in_fork_execs": s.p50_ms * 1000.0 / c.fork_exec_us,
-                }),
-            );
-            Ok(0)
-        }
-        BenchCmd::Testbed { runs, json } => {
-            let tb = Testbed::prepare().context("preparing the emulated host")?;
-            let host = calibrate();
-            let exe = std::env::current_exe()?.display().to_string();
-            let mut walls = Vec::new();
-            for _ in 0..runs.max(1) {
-                let t = Instant::now();
-                let outcome =
-                    tb.run_with(&RunOptions::new(vec!["true".into()]), &mut std::io::sink())?;
-                walls.push(t.elapsed());
-                anyhow::ensure!(
-                    matches!(outcome, testbed::Outcome::Exited(0)),
-                    "`true` inside the emulated host failed: {outcome:?}"
-                );
-            }
-            let opts = RunOptions::new(vec![
-                exe,
-                "bench".into(),
-                "calibrate".into(),
-                "--json".into(),
-            ]);
-            let mut out = Vec::new();
-            let outcome = tb.run_with(&opts, &mut out)?;
-            anyhow::ensure!(
-                matches!(outcome, testbed::Outcome::Exited(0)),
-                "calibration inside the emulated host failed: {outcome:?}"
-            );
-            let inside: Calibration =
-                serde_json::from_slice(&out).context("reading the calibration from inside")?;
-            let s = Stats::from_durations(&walls);
-            print_report(
-                json,
-                json!({
-                    "bench": "testbed",
-                    "run_true_p50_ms": s.p50_ms, "run_true_max_ms": s.max_ms, "runs": s.runs,
-                    "host_loop_ns_per_iter": host.loop_ns_per_iter, "inside_loop_ns_per_iter": inside.loop_ns_per_iter,
-                    "loop_slowdown": inside.loop_ns_per_iter / host.loop_ns_per_iter,
-                    "host_fork_exec_us": host.fork_exec_us, "inside_fork_exec_us": inside.fork_exec_us,
-                    "fork_exec_slowdown": inside.fork_exec_us / host.fork_exec_us,
-                }),
-            );
-            Ok(0)
         }
     }
 }

@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::time::Instant;
 
-use forkbox::testbed::Environment;
+use forkbox_host::testbed::Environment;
 
 fn bin(name: &str) -> std::path::PathBuf {
     // target/<profile>/deps/testbed-… → target/<profile>/<name>

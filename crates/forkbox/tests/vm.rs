@@ -10,9 +10,9 @@
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
-use forkbox::image::ImageName;
-use forkbox::testbed::{self, Environment};
-use forkbox::vm::{vmm_exit, Assets, Vm, VmSpec};
+use forkbox_host::image::ImageName;
+use forkbox_host::testbed::{self, Environment};
+use forkbox_host::vm::{vmm_exit, Assets, Vm, VmSpec};
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, ExitStatus, FileKind, OutputStream, User};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -25,9 +25,9 @@ fn main() {
         // Build the assets out here: the emulated host sees our files
         // read-only.
         if let Err(e) = Assets::prepare().and_then(|_| {
-            forkbox::image::ensure(ImageName::Minimal)?;
+            forkbox_host::image::ensure(ImageName::Minimal)?;
             // The network flood trial's guest runs python3.
-            forkbox::image::ensure(ImageName::Debian)?;
+            forkbox_host::image::ensure(ImageName::Debian)?;
             Ok(())
         }) {
             eprintln!("vm tests: cannot prepare guest assets: {e:#?}");
@@ -595,7 +595,7 @@ fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
             if let Some(why) = &c.replaced {
                 // Not hidden: a lost child is a fault of the test bed or a
                 // bug, counted by signature and named in the suite's output.
-                let sig = forkbox::vm::loss_signature(why);
+                let sig = forkbox_host::vm::loss_signature(why);
                 *REPLACED
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -1130,10 +1130,10 @@ fn fork_zygote_dense_memory_is_in_huge_pages() -> TestResult {
     const HUGE: u64 = 2 << 20;
     let mut zygote = boot(VmSpec::default());
     let file = zygote.make_warm_zygote().map_err(|e| format!("{e:#}"))?;
-    // Booting set `never` to `advise` (forkbox::hugepages); `deny`, or a
+    // Booting set `never` to `advise` (forkbox_host::hugepages); `deny`, or a
     // kernel without the file, keeps huge pages out.
-    let text = std::fs::read_to_string(forkbox::hugepages::SHMEM_ENABLED).unwrap_or_default();
-    let setting = forkbox::hugepages::selected(&text).unwrap_or("absent");
+    let text = std::fs::read_to_string(forkbox_host::hugepages::SHMEM_ENABLED).unwrap_or_default();
+    let setting = forkbox_host::hugepages::selected(&text).unwrap_or("absent");
     check(
         file.bytes > 0 && file.huge_bytes <= 512 << 20 && file.huge_bytes % HUGE == 0,
         format!("zygote memory file: {file:?}"),
@@ -1421,7 +1421,7 @@ fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestResult {
     eprintln!(
         "fork with a hung child: answered in {:.1} s (deadline {} s)",
         took.as_secs_f64(),
-        forkbox::vm::after_fork_deadline(1).as_secs()
+        forkbox_host::vm::after_fork_deadline(1).as_secs()
     );
     let out = sh(child.agent(), "cat /tmp/mark; echo replaced")?;
     check(
@@ -1694,7 +1694,8 @@ fn snapshot_restore_resumes_processes_with_current_clock() -> TestResult {
     let report = restored.after_fork.clone().ok_or("no after-fork report")?;
     check(report.clock.is_done(), format!("{report:?}"))?;
     let before = unix_now();
-    let guest = forkbox::bench::guest_clock(restored.agent()).map_err(|e| format!("{e:#}"))?;
+    let guest =
+        forkbox_host::measure::guest_clock(restored.agent()).map_err(|e| format!("{e:#}"))?;
     let after = unix_now();
     // The guest read its clock between `before` and `after`.
     check(
@@ -1962,7 +1963,7 @@ fn net_git_clone_from_a_loopback_server() -> TestResult {
 }
 
 fn net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker() -> TestResult {
-    use forkbox::vm::NetworkSpec;
+    use forkbox_host::vm::NetworkSpec;
     let (port, lines) = line_echo_server();
     let policy = net_policy(&[format!("host.forkbox.internal:{port}")]);
     let vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
@@ -2223,11 +2224,11 @@ for s in held:
 
 /// The VMM's memory outside guest RAM (KiB), and its whole VmRSS (KiB).
 fn vmm_memory_kib(vm: &Vm) -> Result<(u64, u64), Failed> {
-    let outside =
-        forkbox::bench::vmm_overhead_kib(vm.pid()).map_err(|e| format!("the VMM's smaps: {e}"))?;
+    let outside = forkbox_host::measure::vmm_overhead_kib(vm.pid())
+        .map_err(|e| format!("the VMM's smaps: {e}"))?;
     let status = std::fs::read_to_string(format!("/proc/{}/status", vm.pid()))
         .map_err(|e| format!("the VMM's status: {e}"))?;
-    let rss = forkbox::bench::meminfo_kib(&status, "VmRSS:").ok_or("no VmRSS")?;
+    let rss = forkbox_host::measure::meminfo_kib(&status, "VmRSS:").ok_or("no VmRSS")?;
     Ok((outside, rss))
 }
 

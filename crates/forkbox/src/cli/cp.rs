@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::client::{segment, with_query, Body, Client};
 use anyhow::{bail, Context};
 use clap::Args;
-use forkbox::client::{segment, with_query, Body, Client};
 use hyper::Method;
 use serde::Deserialize;
 

@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 
+use crate::client::{segment, Body, Client};
 use anyhow::Context;
 use clap::Args;
-use forkbox::client::{segment, Body, Client};
 use hyper::Method;
 use serde::{Deserialize, Serialize};
 
@@ -91,7 +91,7 @@ enum Event {
     Stdout { data: String },
     Stderr { data: String },
     Exit(Ended),
-    Error { error: forkbox::client::ApiError },
+    Error { error: crate::client::ApiError },
 }
 
 /// The command's exit status, or [`EXIT_INFRA`] (with a message) when

@@ -1,6 +1,6 @@
 //! The daemon's client commands: `daemon`, `template`, `sandbox`, `exec`,
 //! `cp`, `logs`. Each parses its arguments, calls forkboxd through
-//! [`forkbox::client`] and prints a table (or, with `--json`, the
+//! [`crate::client`] and prints a table (or, with `--json`, the
 //! daemon's JSON, pretty-printed, nothing dropped).
 //!
 //! - `template`: bake (with progress), list, rm; template TOML files.
@@ -13,9 +13,9 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use crate::client::Client;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use forkbox::client::Client;
 
 mod cp;
 mod exec;

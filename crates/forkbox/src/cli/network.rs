@@ -7,8 +7,8 @@
 //! writes; rules given on the command line are checked with the same
 //! parser the daemon uses before anything is sent.
 
+use crate::client::{with_query, Body, Client};
 use clap::Args;
-use forkbox::client::{with_query, Body, Client};
 use forkbox_net::log::{EgressRecord, LogReason};
 use forkbox_net::policy::{PolicySpec, Protocol, Rule, Verdict};
 use hyper::Method;

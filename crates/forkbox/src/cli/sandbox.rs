@@ -2,8 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::client::{segment, with_query, Body, Client};
 use clap::Subcommand;
-use forkbox::client::{segment, with_query, Body, Client};
 use forkbox_net::policy::PolicySpec;
 use hyper::Method;
 use serde::{Deserialize, Serialize};

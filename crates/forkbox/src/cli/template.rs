@@ -7,9 +7,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::client::{segment, Body, Client};
 use anyhow::Context;
 use clap::Subcommand;
-use forkbox::client::{segment, Body, Client};
 use forkbox_net::policy::PolicySpec;
 use hyper::Method;
 use indicatif::{ProgressBar, ProgressStyle};

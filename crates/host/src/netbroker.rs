@@ -18,7 +18,7 @@
 //! requests, and each connect runs on a thread of its own (bounded per
 //! VMM connection) so a slow destination holds up nothing else.
 //!
-//! `forkbox::vm` runs one broker per networked VM (a fork child gets its
+//! `vm` runs one broker per networked VM (a fork child gets its
 //! own, so its policy can change alone) in the process that started the
 //! VM: the daemon, for sandboxes.
 

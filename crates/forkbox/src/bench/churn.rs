@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::Stats;
 use anyhow::Context;
-use forkbox::bench::{mem_available_kib, Stats};
-use forkbox::testbed::Environment;
-use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_host::measure::mem_available_kib;
+use forkbox_host::testbed::Environment;
+use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::ExecRequest;
 use serde_json::{json, Value};
 
@@ -45,7 +46,7 @@ struct Tally {
 
 /// A lost child's cause, by signature.
 fn cause(text: &str) -> String {
-    forkbox::vm::loss_signature(text).to_owned()
+    forkbox_host::vm::loss_signature(text).to_owned()
 }
 
 /// What the host holds that a leak would grow.

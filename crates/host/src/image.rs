@@ -12,18 +12,37 @@ use crate::cache::{self, Key};
 use crate::debs::{self, DebError};
 
 /// The images forkbox knows how to build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ImageName {
     Minimal,
     Debian,
 }
 
 impl ImageName {
+    pub const ALL: [ImageName; 2] = [ImageName::Minimal, ImageName::Debian];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ImageName::Minimal => "minimal",
             ImageName::Debian => "debian",
         }
+    }
+}
+
+impl std::fmt::Display for ImageName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ImageName {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|i| i.as_str() == s)
+            .ok_or_else(|| format!("no image `{s}`: the images are `minimal` and `debian`"))
     }
 }
 

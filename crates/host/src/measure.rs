@@ -1,74 +1,6 @@
-//! `forkbox bench …`: measurements printed as percentiles and ratios, each
-//! naming the environment it ran in. Absolute times inside the emulated
-//! host are inflated; every run therefore also measures a calibration
-//! baseline (a tight loop and fork+exec) in the same environment, so that
-//! figures can be compared across environments.
-
-use std::process::Command;
-use std::time::{Duration, Instant};
-
-use serde::Serialize;
-
-/// Summary of a set of samples, in milliseconds.
-#[derive(Debug, Clone, Serialize)]
-pub struct Stats {
-    pub runs: usize,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
-    pub min_ms: f64,
-    pub max_ms: f64,
-    pub mean_ms: f64,
-}
-
-impl Stats {
-    pub fn from_durations(samples: &[Duration]) -> Self {
-        let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-        ms.sort_by(f64::total_cmp);
-        let n = ms.len();
-        let pct = |p: f64| -> f64 {
-            if n == 0 {
-                return f64::NAN;
-            }
-            // Nearest-rank percentile.
-            let rank = ((p / 100.0) * n as f64).ceil() as usize;
-            ms[rank.clamp(1, n) - 1]
-        };
-        Self {
-            runs: n,
-            p50_ms: pct(50.0),
-            p99_ms: pct(99.0),
-            min_ms: ms.first().copied().unwrap_or(f64::NAN),
-            max_ms: ms.last().copied().unwrap_or(f64::NAN),
-            mean_ms: if n == 0 {
-                f64::NAN
-            } else {
-                ms.iter().sum::<f64>() / n as f64
-            },
-        }
-    }
-
-    pub fn line(&self, what: &str) -> String {
-        format!(
-            "{what}: p50 {:.2} ms  p99 {:.2} ms  min {:.2} ms  max {:.2} ms  ({} runs)",
-            self.p50_ms, self.p99_ms, self.min_ms, self.max_ms, self.runs
-        )
-    }
-}
-
-/// Reports step `i` of `n` of a long phase on stderr, with `--json` too
-/// (the report goes to stdout). A terminal sees one line redrawn; a log
-/// gets a line about every tenth of the phase and at its end.
-pub fn progress(bench: &str, what: &str, i: usize, n: usize) {
-    use std::io::IsTerminal;
-    if std::io::stderr().is_terminal() {
-        eprint!("\rforkbox bench {bench}: {what} {i}/{n}   ");
-        if i == n {
-            eprintln!();
-        }
-    } else if i == n || i.is_multiple_of(n.div_ceil(10).max(1)) {
-        eprintln!("forkbox bench {bench}: {what} {i}/{n}");
-    }
-}
+//! What the host's `/proc` says about VMM processes and memory (a VMM's
+//! guest pages, its own overhead, a process's PSS, `/proc/meminfo`), and
+//! the guest's own clock: the figures benchmarks and VM trials measure.
 
 /// The guest's CLOCK_REALTIME in seconds, to the microsecond: busybox
 /// `date` has no `%N`, its `adjtimex` prints `time.tv_sec` and
@@ -90,38 +22,6 @@ pub fn guest_clock(agent: &forkbox_proto::AgentClient) -> anyhow::Result<f64> {
     match nums[..] {
         [sec, usec] => Ok(sec + usec / 1e6),
         _ => anyhow::bail!("the guest's adjtimex said {out:?}"),
-    }
-}
-
-/// How fast this environment is at the two things that dominate forkbox's
-/// own overheads: plain computation and process creation.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct Calibration {
-    /// Nanoseconds per iteration of a dependent integer loop.
-    pub loop_ns_per_iter: f64,
-    /// Microseconds for one fork+exec+wait of `/bin/true` (p50).
-    pub fork_exec_us: f64,
-}
-
-/// Measures [`Calibration`] here; takes about a second on real hardware.
-pub fn calibrate() -> Calibration {
-    const ITERS: u64 = 50_000_000;
-    let start = Instant::now();
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    for i in 0..ITERS {
-        x = std::hint::black_box(x.rotate_left(5) ^ i).wrapping_mul(0x2545_f491_4f6c_dd1d);
-    }
-    std::hint::black_box(x);
-    let loop_ns_per_iter = start.elapsed().as_nanos() as f64 / ITERS as f64;
-    let mut spawns = Vec::new();
-    for _ in 0..50 {
-        let t = Instant::now();
-        let _ = Command::new("/bin/true").status();
-        spawns.push(t.elapsed());
-    }
-    Calibration {
-        loop_ns_per_iter,
-        fork_exec_us: Stats::from_durations(&spawns).p50_ms * 1000.0,
     }
 }
 
@@ -288,17 +188,6 @@ mod tests {
         assert_eq!(m.get("Hugetlb"), Some(&0));
         assert!(!m.contains_key("HugePages_Total"));
         assert!(meminfo().is_ok_and(|m| m.contains_key("MemAvailable")));
-    }
-
-    #[test]
-    fn stats_percentiles_nearest_rank() {
-        let samples: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
-        let s = Stats::from_durations(&samples);
-        assert_eq!(s.p50_ms, 50.0);
-        assert_eq!(s.p99_ms, 99.0);
-        assert_eq!(s.min_ms, 1.0);
-        assert_eq!(s.max_ms, 100.0);
-        assert_eq!(s.runs, 100);
     }
 
     /// Guest RAM as the VMM maps it (a private mapping of a memfd): the

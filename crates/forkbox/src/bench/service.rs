@@ -13,8 +13,9 @@ use anyhow::Context;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::bench::{mem_available_kib, Stats};
+use crate::bench::Stats;
 use crate::local_daemon::{calls, LocalDaemon};
+use forkbox_host::measure::mem_available_kib;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Options {
@@ -129,7 +130,7 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
         });
     }
     Ok(Report {
-        environment: crate::testbed::Environment::detect().label().into(),
+        environment: forkbox_host::testbed::Environment::detect().label().into(),
         template: o.template.clone(),
         bake_ms,
         service_overhead_p50_ms: whole.p50_ms - raw.p50_ms,

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::Context;
-use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::ExecRequest;
 
 /// `/proc/kpageflags` bits worth naming (Documentation/admin-guide/mm/pagemap.rst).
@@ -46,7 +46,7 @@ fn class(flags: u64) -> String {
 /// Guest page frame numbers the VMM `pid` holds privately: its
 /// copy-on-write copies of the zygote's memory file.
 fn written_pfns(pid: u32) -> anyhow::Result<BTreeSet<u64>> {
-    Ok(forkbox::bench::guest_pages_written(pid)?)
+    Ok(forkbox_host::measure::guest_pages_written(pid)?)
 }
 
 /// How the zygote `pid`'s memory file fills its 2 MiB regions: a
@@ -81,10 +81,10 @@ fn zygote_regions(pid: u32) -> anyhow::Result<BTreeMap<&'static str, usize>> {
 /// costs the host a page-table page unless mapped whole) and the kB of
 /// them mapped whole (`ShmemPmdMapped` in smaps).
 fn child_regions(pid: u32) -> anyhow::Result<(usize, u64)> {
-    let pages = forkbox::bench::guest_pages(pid)?;
+    let pages = forkbox_host::measure::guest_pages(pid)?;
     let regions: BTreeSet<u64> = pages.mapped.iter().map(|p| p / 512).collect();
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
-    let pmd = forkbox::bench::parse_meminfo(&smaps)
+    let pmd = forkbox_host::measure::parse_meminfo(&smaps)
         .get("ShmemPmdMapped")
         .copied()
         .unwrap_or(0);
@@ -92,7 +92,7 @@ fn child_regions(pid: u32) -> anyhow::Result<(usize, u64)> {
 }
 
 fn meminfo() -> anyhow::Result<BTreeMap<String, u64>> {
-    Ok(forkbox::bench::meminfo()?)
+    Ok(forkbox_host::measure::meminfo()?)
 }
 
 fn exec_true(vm: &Vm) -> anyhow::Result<()> {
@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let mib: u32 = args.next().map_or(Ok(512), |s| s.parse())?;
     let n: usize = args.next().map_or(Ok(20), |s| s.parse())?;
-    forkbox::vm::become_subreaper()?;
+    forkbox_host::vm::become_subreaper()?;
     let assets = Assets::prepare()?;
     let spec = VmSpec {
         memory_mib: mib,
@@ -218,7 +218,7 @@ fn main() -> anyhow::Result<()> {
     let guest_meminfo = |c: &Vm| -> anyhow::Result<BTreeMap<String, u64>> {
         let mut m = Vec::new();
         c.agent().read_file("/proc/meminfo", &mut m)?;
-        Ok(forkbox::bench::parse_meminfo(&String::from_utf8_lossy(&m)))
+        Ok(forkbox_host::measure::parse_meminfo(&String::from_utf8_lossy(&m)))
     };
     let g0 = guest_meminfo(&c)?;
     let before_exec = written_pfns(c.pid())?.len();

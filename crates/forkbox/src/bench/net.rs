@@ -11,11 +11,11 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::{calibrate, progress, Stats};
 use anyhow::Context;
-use forkbox::bench::{calibrate, progress, Stats};
-use forkbox::image::ImageName;
-use forkbox::testbed::Environment;
-use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_host::image::ImageName;
+use forkbox_host::testbed::Environment;
+use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, OutputStream};
 use serde_json::{json, Value};

@@ -4,10 +4,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::{calibrate, progress, Stats};
 use anyhow::Context;
-use forkbox::bench::{calibrate, guest_clock, guest_pages_written_kib, progress, Stats};
-use forkbox::testbed::Environment;
-use forkbox::vm::{Assets, Vm, VmSpec};
+use forkbox_host::measure::{guest_clock, guest_pages_written_kib};
+use forkbox_host::testbed::Environment;
+use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{AgentClient, ExecRequest};
 use serde_json::{json, Value};
 
@@ -80,7 +81,7 @@ fn zygote(assets: &Assets, memory_mib: u32) -> anyhow::Result<(Vm, Value)> {
     let file = vm.make_warm_zygote().context("making the zygote")?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     // The memory file every child shares, and how much of it is in 2 MiB
-    // pages (which depends on the host: forkbox::hugepages).
+    // pages (which depends on the host: forkbox_host::hugepages).
     let file = json!({ "data_mib": mib(file.bytes), "huge_mib": mib(file.huge_bytes) });
     Ok((vm, file))
 }
@@ -136,7 +137,7 @@ fn stats_json(s: &Stats) -> Value {
 }
 
 fn meminfo() -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
-    forkbox::bench::meminfo().context("reading /proc/meminfo")
+    forkbox_host::measure::meminfo().context("reading /proc/meminfo")
 }
 
 /// `/proc/meminfo` counters reported per fan-out child: the children's

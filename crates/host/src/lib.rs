@@ -1,0 +1,35 @@
+//! forkbox's host library: what runs a microVM on this host, used by the
+//! daemon (forkboxd) and the CLI alike. It never talks to forkboxd.
+//!
+//! - [`vm`]: one microVM: its assets, its VMM process, its agent client;
+//!   pause, zygote, fork, snapshot and restore.
+//! - [`control`]: the client of a VMM's control socket (pause, fork, snapshot).
+//! - [`netbroker`]: a sandbox's network broker: resolves names and opens
+//!   allowed connections for its VMM, passing the sockets over.
+//! - Guest assets: [`cache`] (the content-addressed cache directory),
+//!   [`debs`] (Debian packages fetched with `apt-get download`),
+//!   [`kernel`] (the pinned guest and test-bed kernels), [`cpio`] and
+//!   [`initramfs`] (the guest's and the emulated host's initramfs),
+//!   [`image`] (the `minimal` and `debian` root filesystems), [`hugepages`]
+//!   (the host's shmem huge-page setting).
+//! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
+//! - [`measure`]: what `/proc` says about VMM processes and memory.
+//! - [`socket`]: where forkboxd listens by default.
+//!
+//! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
+//! process and talks to the guest through `forkbox-proto`.
+#![forbid(unsafe_code)]
+
+pub mod cache;
+pub mod control;
+pub mod cpio;
+pub mod debs;
+pub mod hugepages;
+pub mod image;
+pub mod initramfs;
+pub mod kernel;
+pub mod measure;
+pub mod netbroker;
+pub mod socket;
+pub mod testbed;
+pub mod vm;
