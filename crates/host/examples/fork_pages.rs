@@ -218,7 +218,9 @@ fn main() -> anyhow::Result<()> {
     let guest_meminfo = |c: &Vm| -> anyhow::Result<BTreeMap<String, u64>> {
         let mut m = Vec::new();
         c.agent().read_file("/proc/meminfo", &mut m)?;
-        Ok(forkbox_host::measure::parse_meminfo(&String::from_utf8_lossy(&m)))
+        Ok(forkbox_host::measure::parse_meminfo(
+            &String::from_utf8_lossy(&m),
+        ))
     };
     let g0 = guest_meminfo(&c)?;
     let before_exec = written_pfns(c.pid())?.len();

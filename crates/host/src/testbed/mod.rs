@@ -11,6 +11,8 @@
 //! stdout, stderr and exit status come back through a second, writable 9p
 //! share, and are streamed to the caller as they are written.
 
+pub mod suite;
+
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -30,7 +32,7 @@ const MODULES: &[&str] = &["kvm_amd", "9p", "9pnet_virtio", "virtio_pci", "overl
 /// `EPYC,+svm` also works but makes QEMU warn about features TCG lacks).
 const CPU: &str = "max";
 
-const INIT: &str = include_str!("testbed_init.sh");
+const INIT: &str = include_str!("init.sh");
 
 #[derive(Debug, thiserror::Error)]
 pub enum TestbedError {

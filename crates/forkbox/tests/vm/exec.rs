@@ -1,0 +1,220 @@
+//! VM trials of the guest agent: commands (exit codes, signals, stdin,
+//! large output, timeouts, concurrency, users) and files.
+
+use super::*;
+
+pub(crate) fn exec_exit_code_is_returned() -> TestResult {
+    let (r, out, _) = exec(&shared(), &ExecRequest::shell("echo hello; exit 42"));
+    check(r.status == ExitStatus::Code(42), format!("{r:?}"))?;
+    check(
+        out == b"hello\n",
+        format!("stdout {:?}", String::from_utf8_lossy(&out)),
+    )
+}
+
+pub(crate) fn exec_signal_is_reported() -> TestResult {
+    let (r, _, _) = exec(&shared(), &ExecRequest::shell("kill -9 $$"));
+    check(r.status == ExitStatus::Signal(9), format!("{r:?}"))
+}
+
+pub(crate) fn exec_stdin_round_trips() -> TestResult {
+    let input: Vec<u8> = (0..300_000u32).flat_map(|i| i.to_le_bytes()).collect();
+    let mut reader: &[u8] = &input;
+    let mut out = Vec::new();
+    let r = shared()
+        .exec(
+            &ExecRequest::argv(["cat"]),
+            Some(&mut reader),
+            &mut |s, b| {
+                if s == OutputStream::Stdout {
+                    out.extend_from_slice(b)
+                }
+            },
+        )
+        .map_err(|e| format!("{e:#}"))?;
+    check(r.success(), format!("{r:?}"))?;
+    check(
+        out == input,
+        format!("got {} bytes back of {}", out.len(), input.len()),
+    )
+}
+
+pub(crate) fn exec_64mib_stdout_arrives_byte_for_byte() -> TestResult {
+    // A deterministic 64 MiB stream: a 512-byte unit (00 01 … ff in hex),
+    // 16 × 32 × 256 times.
+    const LEN: usize = 64 << 20;
+    let script = "i=0; while [ $i -lt 256 ]; do printf '%02x' $i; i=$((i+1)); done > /tmp/p; \
+                  for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16; do cat /tmp/p; done > /tmp/q; \
+                  for _ in $(seq 1 32); do cat /tmp/q; done > /tmp/r; \
+                  for _ in $(seq 1 256); do cat /tmp/r; done";
+    let mut got = Vec::with_capacity(LEN);
+    let r = shared()
+        .exec(&ExecRequest::shell(script), None, &mut |s, b| {
+            if s == OutputStream::Stdout {
+                got.extend_from_slice(b)
+            }
+        })
+        .map_err(|e| format!("{e:#}"))?;
+    check(r.success(), format!("{r:?}"))?;
+    let unit: Vec<u8> = (0..256)
+        .flat_map(|i: u32| format!("{i:02x}").into_bytes())
+        .collect();
+    check(
+        got.len() == LEN,
+        format!("got {} bytes, want {LEN}", got.len()),
+    )?;
+    let bad = got.chunks(unit.len()).position(|c| c != unit.as_slice());
+    check(bad.is_none(), format!("mismatch in chunk {bad:?}"))?;
+    check(r.stdout.total_bytes == LEN as u64, format!("{r:?}"))
+}
+
+pub(crate) fn exec_timeout_kills_process_group() -> TestResult {
+    let agent = shared();
+    let req = ExecRequest::shell(
+        "(sleep 1000; echo survived > /tmp/grandchild) & echo started; sleep 1000",
+    )
+    .timeout(Duration::from_secs(2));
+    let (r, out, _) = exec(&agent, &req);
+    check(r.timed_out, format!("not flagged as timed out: {r:?}"))?;
+    check(out == b"started\n", "no output before the timeout")?;
+    let (r, out, _) = exec(
+        &agent,
+        &ExecRequest::shell("ps -o pid,args | grep -c '[s]leep 1000' || true"),
+    );
+    check(r.success() || r.exit_code() == Some(1), format!("{r:?}"))?;
+    check(
+        String::from_utf8_lossy(&out).trim() == "0",
+        format!("sleepers left: {}", String::from_utf8_lossy(&out)),
+    )
+}
+
+pub(crate) fn exec_concurrent_commands_all_complete() -> TestResult {
+    let agent = shared();
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let agent = agent.clone();
+            std::thread::spawn(move || {
+                let (r, out, _) = exec(&agent, &ExecRequest::shell(format!("sleep 0.5; echo {i}")));
+                (r, out, i)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (r, out, i) = h.join().map_err(|_| "thread panicked")?;
+        check(r.success(), format!("{r:?}"))?;
+        check(
+            out == format!("{i}\n").into_bytes(),
+            format!("exec {i} got {out:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn exec_missing_binary_exits_127() -> TestResult {
+    let (r, _, err) = exec(&shared(), &ExecRequest::argv(["/no/such/binary"]));
+    check(r.status == ExitStatus::Code(127), format!("{r:?}"))?;
+    check(
+        String::from_utf8_lossy(&err).contains("not found"),
+        format!("stderr: {}", String::from_utf8_lossy(&err)),
+    )
+}
+
+pub(crate) fn exec_output_cap_truncates() -> TestResult {
+    let req = ExecRequest::shell("head -c 100000 /dev/zero").output_cap(1000);
+    let (r, out, _) = exec(&shared(), &req);
+    check(out.len() == 1000, format!("kept {} bytes", out.len()))?;
+    check(
+        r.stdout.truncated && r.stdout.total_bytes == 100_000,
+        format!("{r:?}"),
+    )
+}
+
+pub(crate) fn exec_as_user_is_unprivileged() -> TestResult {
+    let req = ExecRequest::argv(["id", "-u"]).user(User::Name("user".into()));
+    let (r, out, _) = exec(&shared(), &req);
+    check(r.success(), format!("{r:?}"))?;
+    check(
+        out == b"1000\n",
+        format!("uid {:?}", String::from_utf8_lossy(&out)),
+    )
+}
+
+pub(crate) fn files_round_trip_with_mode() -> TestResult {
+    let agent = shared();
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7) as u8).collect();
+    agent
+        .mkdir("/tmp/files/a/b", 0o755)
+        .map_err(|e| format!("{e:#}"))?;
+    let mut src: &[u8] = &data;
+    agent
+        .write_file("/tmp/files/a/b/data.bin", 0o640, &mut src)
+        .map_err(|e| format!("{e:#}"))?;
+    let st = agent
+        .stat("/tmp/files/a/b/data.bin")
+        .map_err(|e| format!("{e:#}"))?;
+    check(
+        st.size == data.len() as u64 && st.mode & 0o777 == 0o640,
+        format!("{st:?}"),
+    )?;
+    let mut back = Vec::new();
+    agent
+        .read_file("/tmp/files/a/b/data.bin", &mut back)
+        .map_err(|e| format!("{e:#}"))?;
+    check(back == data, "read back differs")?;
+    let list = agent
+        .list_dir("/tmp/files/a/b")
+        .map_err(|e| format!("{e:#}"))?;
+    check(
+        list.iter()
+            .any(|e| e.name == "data.bin" && e.stat.kind == FileKind::File),
+        format!("{list:?}"),
+    )?;
+    agent
+        .remove("/tmp/files", true)
+        .map_err(|e| format!("{e:#}"))?;
+    check(agent.stat("/tmp/files").is_err(), "removed dir still there")
+}
+
+pub(crate) fn files_directory_tar_round_trips() -> TestResult {
+    let agent = shared();
+    let (r, _, _) = exec(
+        &agent,
+        &ExecRequest::shell("mkdir -p /tmp/tree/sub && echo one > /tmp/tree/one && echo two > /tmp/tree/sub/two && chmod 700 /tmp/tree/sub/two"),
+    );
+    check(r.success(), format!("{r:?}"))?;
+    let mut tarball = Vec::new();
+    agent
+        .download_tar("/tmp/tree", &mut tarball)
+        .map_err(|e| format!("{e:#}"))?;
+    let mut reader: &[u8] = &tarball;
+    agent
+        .upload_tar("/tmp/copy", &mut reader)
+        .map_err(|e| format!("{e:#}"))?;
+    let (r, out, _) = exec(
+        &agent,
+        &ExecRequest::shell("cat /tmp/copy/one /tmp/copy/sub/two; stat -c %a /tmp/copy/sub/two"),
+    );
+    check(r.success(), format!("{r:?}"))?;
+    check(
+        out == b"one\ntwo\n700\n",
+        format!("{:?}", String::from_utf8_lossy(&out)),
+    )
+}
+
+pub(crate) fn root_is_overlay_on_readonly_image() -> TestResult {
+    let agent = shared();
+    let (r, out, _) = exec(
+        &agent,
+        &ExecRequest::shell("grep ' / ' /proc/mounts; echo x > /etc/written && cat /etc/written"),
+    );
+    check(r.success(), format!("{r:?}"))?;
+    let text = String::from_utf8_lossy(&out);
+    check(
+        text.contains("overlay / overlay"),
+        format!("mounts: {text}"),
+    )?;
+    check(
+        text.ends_with("x\n"),
+        "root is not writable through the overlay",
+    )
+}

@@ -1,0 +1,707 @@
+//! VM trials of forking: zygote and running-parent forks, what children
+//! inherit and what they do not, the capture's exactness (SMP under IPI
+//! load, the memory pattern, the clocks, the LAPIC), lost children
+//! replaced, snapshot and restore, and `forkbox run --fork`.
+
+use super::*;
+
+/// `forkbox run --fork 3`, the CLI's whole path (boot, warm-up, zygote,
+/// fork, the command in every child at once): each child's output comes
+/// prefixed with its index, each child is its own machine (its own kernel
+/// UUID), and the exit code is the failing children's.
+pub(crate) fn fork_cli_runs_the_command_in_every_child() -> TestResult {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_forkbox"))
+        .args(["run", "--fork", "3", "--", "sh", "-c"])
+        .arg("echo hello $(cat /proc/sys/kernel/random/uuid); exit 3")
+        .output()
+        .map_err(|e| format!("starting forkbox: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let what = format!(
+        "{:?}; stdout {stdout:?}; stderr {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines: Vec<(&str, &str)> = stdout
+        .lines()
+        .filter_map(|l| l.split_once(" hello "))
+        .collect();
+    lines.sort();
+    let indices: Vec<&str> = lines.iter().map(|(i, _)| *i).collect();
+    check(indices == ["[0]", "[1]", "[2]"], what.clone())?;
+    let uuids: std::collections::BTreeSet<&str> = lines.iter().map(|(_, u)| *u).collect();
+    check(
+        uuids.len() == 3,
+        format!("kernel UUIDs not distinct: {what}"),
+    )?;
+    check(out.status.code() == Some(3), what)
+}
+
+pub(crate) fn fork_running_processes_continue_in_parent_and_children() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), BACKGROUND)?;
+    background_alive(parent.agent(), "parent before the fork")?;
+    let children = fork(&mut parent, 2)?;
+    background_alive(parent.agent(), "parent after the fork")?;
+    for (i, c) in children.iter().enumerate() {
+        background_alive(c.agent(), &format!("child {i}"))?;
+    }
+    Ok(())
+}
+
+pub(crate) fn fork_children_diverge_from_each_other_and_parent() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), "echo parent > /dev/shm/mem")?;
+    let children = fork(&mut parent, 2)?;
+    let (a, b) = (children[0].agent(), children[1].agent());
+    sh(a, "echo a > /tmp/only-a; echo child-a > /dev/shm/mem")?;
+    sh(b, "echo child-b > /dev/shm/mem")?;
+    sh(parent.agent(), "echo p > /tmp/only-parent")?;
+    let probe =
+        "for f in /tmp/only-a /tmp/only-parent; do [ -e $f ] && echo $f; done; cat /dev/shm/mem";
+    check(sh(a, probe)? == "/tmp/only-a\nchild-a\n", "child a's view")?;
+    let got = sh(b, probe)?;
+    check(got == "child-b\n", format!("child b's view: {got:?}"))?;
+    let got = sh(parent.agent(), probe)?;
+    check(
+        got == "/tmp/only-parent\nparent\n",
+        format!("parent's view: {got:?}"),
+    )
+}
+
+pub(crate) fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
+    // `debian` has python3, so the children's `uuid.uuid4()` is checked too.
+    let mut zygote = boot(VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    });
+    // The parent's RNG is initialised and has produced output already.
+    sh(zygote.agent(), "head -c 16 /dev/urandom >/dev/null")?;
+    zygote.make_zygote().map_err(|e| format!("{e:#}"))?;
+    let children = fork(&mut zygote, 16)?;
+    let mut seen = std::collections::HashSet::new();
+    for (i, c) in children.iter().enumerate() {
+        let report = c.after_fork.as_ref().ok_or("no after-fork report")?;
+        check(
+            report.rng.is_done() && report.clock.is_done(),
+            format!("child {i}: {report:?}"),
+        )?;
+        let out = sh(
+            c.agent(),
+            &format!(
+                "echo {i}; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \
+                 cat /proc/sys/kernel/random/uuid; python3 -c 'import uuid; print(uuid.uuid4())'"
+            ),
+        )?;
+        let lines: Vec<&str> = out.lines().collect();
+        check(
+            lines.len() == 4 && lines[0] == i.to_string(),
+            format!("child {i}: {out:?}"),
+        )?;
+        for (what, value) in ["urandom", "kernel uuid", "uuid4()"]
+            .iter()
+            .zip(&lines[1..])
+        {
+            check(
+                seen.insert(value.to_string()),
+                format!("child {i} repeats its {what} {value}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn fork_zygote_dense_memory_is_in_huge_pages() -> TestResult {
+    const HUGE: u64 = 2 << 20;
+    let mut zygote = boot(VmSpec::default());
+    let file = zygote.make_warm_zygote().map_err(|e| format!("{e:#}"))?;
+    // Booting set `never` to `advise` (forkbox_host::hugepages); `deny`, or a
+    // kernel without the file, keeps huge pages out.
+    let text = std::fs::read_to_string(forkbox_host::hugepages::SHMEM_ENABLED).unwrap_or_default();
+    let setting = forkbox_host::hugepages::selected(&text).unwrap_or("absent");
+    check(
+        file.bytes > 0 && file.huge_bytes <= 512 << 20 && file.huge_bytes % HUGE == 0,
+        format!("zygote memory file: {file:?}"),
+    )?;
+    match setting {
+        "never" => return Err("booting left shmem_enabled at never".into()),
+        "deny" | "absent" => check(
+            file.huge_bytes == 0,
+            format!("huge pages with shmem_enabled {setting}: {file:?}"),
+        )?,
+        _ => check(
+            file.huge_bytes >= HUGE,
+            format!("no huge page with shmem_enabled {setting}: {file:?}"),
+        )?,
+    }
+    let child = fork(&mut zygote, 1)?.pop().ok_or("no child")?;
+    check(sh(child.agent(), "echo up")? == "up\n", "the child answers")?;
+    if file.huge_bytes == 0 {
+        return Ok(());
+    }
+    // A child maps guest RAM at 2 MiB boundaries of address and file, so
+    // that a huge page of the file can be mapped whole.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.pid()))
+        .map_err(|e| format!("the child's maps: {e}"))?;
+    let ram: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.contains("memfd:forkbox-zygote-ram"))
+        .collect();
+    check(!ram.is_empty(), "the child maps no zygote memory")?;
+    for line in ram {
+        let mut f = line.split_whitespace();
+        let start = f.next().and_then(|r| r.split_once('-')).map(|(a, _)| a);
+        let offset = f.nth(1);
+        let parse = |v: Option<&str>| v.and_then(|v| u64::from_str_radix(v, 16).ok());
+        let (Some(start), Some(offset)) = (parse(start), parse(offset)) else {
+            return Err(format!("cannot parse {line:?}").into());
+        };
+        check(
+            start % HUGE == 0 && offset % HUGE == 0,
+            format!("guest RAM not 2 MiB aligned: {line}"),
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn fork_64_children_of_a_running_parent_all_answer_an_exec() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), "echo before > /tmp/mark")?;
+    // Eight fork requests of 8, each wave exec'ing at once, all 64 alive
+    // to the end. Not all 64 in one burst: under that load the emulated
+    // host's own kernel crashed (twice in one fresh-clone run) and about
+    // one guest in a hundred triple-faults there (docs/SPEC.md, known
+    // problems; waves of 16 still lost one child in two fresh-clone
+    // runs); `forkbox bench fork` measures the burst (100 at once).
+    let mut children = Vec::new();
+    let mut answers: Vec<Result<String, Failed>> = Vec::new();
+    for _wave in 0..8 {
+        let wave = fork(&mut parent, 8)?;
+        let first = children.len();
+        answers.extend(std::thread::scope(|s| {
+            let running: Vec<_> = wave
+                .iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    let i = first + k;
+                    s.spawn(move || sh(c.agent(), &format!("cat /tmp/mark; echo {i}")))
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err("exec thread panicked".into()))
+                })
+                .collect::<Vec<_>>()
+        }));
+        children.extend(wave);
+    }
+    for (i, answer) in answers.into_iter().enumerate() {
+        let out = answer.map_err(|e| format!("child {i}: {}", e.message().unwrap_or_default()))?;
+        check(
+            out == format!("before\n{i}\n"),
+            format!("child {i} answered {out:?}"),
+        )?;
+    }
+    let out = sh(parent.agent(), "cat /tmp/mark")?;
+    check(out == "before\n", format!("the parent answered {out:?}"))
+}
+
+/// DESIGN.md, fork step 1: every vCPU parks before any is captured. A
+/// 2-vCPU guest busy with cross-CPU wake-ups (bursts through a pipe between
+/// two processes and short-lived processes: reschedule and TLB shootdown
+/// IPIs; bursts, not a flat-out loop, which every child inherits) is forked
+/// 200 times while it runs; a child whose state lost an IPI in flight would
+/// hang, so every one must answer, within two minutes.
+pub(crate) fn fork_smp_ipi_load_200_children_all_answer() -> TestResult {
+    let mut parent = boot(VmSpec {
+        vcpus: 2,
+        ..VmSpec::default()
+    });
+    sh(
+        parent.agent(),
+        "(while :; do yes | head -c 20000 > /dev/null; /bin/true; sleep 0.05; done) >/dev/null 2>&1 & echo started",
+    )?;
+    for wave in 0..25 {
+        let children = fork(&mut parent, 8)?;
+        let answers: Vec<Result<String, Failed>> = std::thread::scope(|s| {
+            let running: Vec<_> = children
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        answer_within(
+                            c,
+                            "echo $(( $(grep -c ^processor /proc/cpuinfo) ))",
+                            Duration::from_secs(120),
+                        )
+                    })
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err("exec thread panicked".into()))
+                })
+                .collect()
+        });
+        for (k, a) in answers.into_iter().enumerate() {
+            let out = a.map_err(|e| {
+                format!(
+                    "wave {wave}, child {k}: {}",
+                    e.message().unwrap_or_default()
+                )
+            })?;
+            check(
+                out == "2\n",
+                format!("wave {wave}, child {k} answered {out:?}"),
+            )?;
+        }
+    }
+    let out = sh(parent.agent(), "echo alive")?;
+    check(out == "alive\n", format!("the parent answered {out:?}"))
+}
+
+/// A guest process writing a counter into each of 4096 pages, in page
+/// order, round after round. At any instant its memory is rounds r on
+/// pages [0, k) and r-1 on [k, 4096): a fork child's copy must be such an
+/// instant, and nothing a child writes may reach the parent. SIGUSR1 makes
+/// it check its own memory between two page writes (`/tmp/verdict`:
+/// `ok ROUND PAGE` or `BAD ...`); SIGUSR2 makes it write a marker no round
+/// reaches into every page and stop writing.
+const PATTERN_WRITER: &str = r#"
+import mmap, os, signal, sys
+N, PAGE, MARK = 4096, 4096, 1 << 62
+mem = mmap.mmap(-1, N * PAGE)
+state = {"r": 0, "p": 0, "marked": False}
+def word(p):
+    return int.from_bytes(mem[p * PAGE:p * PAGE + 8], "little")
+def verify(signum, frame):
+    v = [word(p) for p in range(N)]
+    r = max(v)
+    bad = [p for p in range(N) if v[p] not in (r, r - 1)]
+    steps = [p for p in range(1, N) if v[p] != v[p - 1]]
+    ok = not bad and len(steps) <= 1 and (not steps or v[steps[0] - 1] == r) and r < MARK
+    msg = "ok %d %d" % (r, steps[0] if steps else N) if ok else "BAD max %d pages %s steps %s" % (r, bad[:8], steps[:8])
+    with open("/tmp/verdict.new", "w") as f:
+        print(msg, file=f)
+    os.rename("/tmp/verdict.new", "/tmp/verdict")
+def mark(signum, frame):
+    state["marked"] = True
+    for p in range(N):
+        mem[p * PAGE:p * PAGE + 8] = (MARK + os.getpid()).to_bytes(8, "little")
+    with open("/tmp/marked", "w") as f:
+        print("marked", file=f)
+signal.signal(signal.SIGUSR1, verify)
+signal.signal(signal.SIGUSR2, mark)
+with open("/tmp/writer.pid", "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    if state["marked"]:
+        signal.pause()
+        continue
+    state["r"] += 1
+    b = state["r"].to_bytes(8, "little")
+    for p in range(N):
+        if state["marked"]:
+            break
+        mem[p * PAGE:p * PAGE + 8] = b
+    if state["r"] == 2:
+        open("/tmp/writer.ready", "w").close()
+"#;
+
+/// Asks the pattern writer to check its memory; its verdict.
+pub(crate) fn pattern_verdict(agent: &AgentClient) -> Result<String, Failed> {
+    sh(
+        agent,
+        "rm -f /tmp/verdict; kill -USR1 $(cat /tmp/writer.pid); \
+         for i in $(seq 600); do [ -f /tmp/verdict ] && break; sleep 0.1; done; cat /tmp/verdict",
+    )
+}
+
+/// DESIGN.md, fork: a child is a copy of one instant of its parent, and the
+/// two never share a write. A running parent's pattern writer (see
+/// [`PATTERN_WRITER`]) is forked while it writes; every child's copy must
+/// be one instant of it, each child then marks all its pages, and the
+/// parent's memory must stay its own. Then the same from the parent paused.
+pub(crate) fn fork_memory_pattern_is_one_instant_in_children_never_in_parent() -> TestResult {
+    let mut parent = boot(VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    });
+    let agent = parent.agent().clone();
+    let (r, _, err) = exec(
+        &agent,
+        &ExecRequest::shell(format!(
+            "cat > /tmp/writer.py <<'EOF'\n{PATTERN_WRITER}\nEOF\n\
+             nohup python3 /tmp/writer.py >/tmp/writer.log 2>&1 &\n\
+             for i in $(seq 1200); do [ -f /tmp/writer.ready ] && exit 0; sleep 0.1; done; cat /tmp/writer.log; exit 1"
+        )),
+    );
+    check(
+        r.success(),
+        format!(
+            "the pattern writer did not start: {r:?} {}",
+            String::from_utf8_lossy(&err)
+        ),
+    )?;
+    let mut checked = 0;
+    for (round, paused) in [(0, false), (1, false), (2, true)] {
+        if paused {
+            parent.pause().map_err(|e| format!("pause: {e:#}"))?;
+        }
+        let children = fork(&mut parent, 4)?;
+        if paused {
+            parent.resume().map_err(|e| format!("resume: {e:#}"))?;
+        }
+        for (i, child) in children.iter().enumerate() {
+            let verdict = pattern_verdict(child.agent())?;
+            check(
+                verdict.starts_with("ok "),
+                format!("round {round} (parent paused: {paused}), child {i}: {verdict:?}"),
+            )?;
+            sh(
+                child.agent(),
+                "kill -USR2 $(cat /tmp/writer.pid); for i in $(seq 600); do [ -f /tmp/marked ] && exit 0; sleep 0.1; done; exit 1",
+            )?;
+            checked += 1;
+        }
+        let verdict = pattern_verdict(&agent)?;
+        check(
+            verdict.starts_with("ok "),
+            format!(
+                "round {round}: the parent after its children marked their memory: {verdict:?}"
+            ),
+        )?;
+    }
+    check(checked == 12, format!("{checked} children checked"))
+}
+
+/// A fork request is never held by one child: the first child of this
+/// parent comes up with its vCPUs parked (the VMM's test hook), never
+/// answers `AfterFork`, and is replaced by a new child of the same instant
+/// after the bounded wait; the replacement says why, with where the lost
+/// child's vCPUs were, and works.
+pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestResult {
+    let parent = boot(VmSpec {
+        vmm_env: vec![("FORKBOX_VMM_TEST_HANG_CHILD".into(), "1".into())],
+        ..VmSpec::default()
+    });
+    sh(parent.agent(), "echo before > /tmp/mark")?;
+    let started = std::time::Instant::now();
+    let mut children = parent.fork(1).map_err(|e| format!("fork request: {e:#}"))?;
+    let took = started.elapsed();
+    let child = children
+        .pop()
+        .ok_or("no child")?
+        .map_err(|e| format!("the fork failed instead of replacing the child: {e:#}"))?;
+    let why = child.replaced.clone().unwrap_or_default();
+    check(
+        why.contains("did not answer AfterFork")
+            && why.contains("--- vCPUs ---")
+            && why.contains("\"rip\""),
+        format!("the replacement says why: {why:?}"),
+    )?;
+    eprintln!(
+        "fork with a hung child: answered in {:.1} s (deadline {} s)",
+        took.as_secs_f64(),
+        forkbox_host::vm::after_fork_deadline(1).as_secs()
+    );
+    let out = sh(child.agent(), "cat /tmp/mark; echo replaced")?;
+    check(
+        out == "before\nreplaced\n",
+        format!("the replacement answered {out:?}"),
+    )?;
+    let out = sh(parent.agent(), "cat /tmp/mark")?;
+    check(out == "before\n", format!("the parent answered {out:?}"))
+}
+
+/// Reads the TSC from guest user space (`rdtsc` through ctypes), measures
+/// its rate over a second of CLOCK_MONOTONIC (kvmclock), and prints the TSC
+/// in seconds, CLOCK_MONOTONIC and CLOCK_REALTIME.
+const TSC_VS_KVMCLOCK: &str = r#"
+import ctypes, mmap, time
+code = bytes([0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0, 0xc3])  # rdtsc; shl rdx,32; or rax,rdx; ret
+buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+buf.write(code)
+rdtsc = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+t0, m0 = rdtsc(), time.clock_gettime(time.CLOCK_MONOTONIC)
+time.sleep(1)
+t1, m1 = rdtsc(), time.clock_gettime(time.CLOCK_MONOTONIC)
+hz = (t1 - t0) / (m1 - m0)
+print("%.3f %.3f %.3f" % (t1 / hz, m1, time.time()))
+"#;
+
+/// A zygote's children get the vCPUs' TSC and the VM's kvmclock of one
+/// instant, both advanced by the same gap: in a child of a zygote made 90 s
+/// earlier the TSC (in seconds since the VM was made) and kvmclock's
+/// CLOCK_MONOTONIC (since boot) still agree within the boot's few seconds,
+/// where a TSC captured at the bake beside a kvmclock read at the fork
+/// would lag by the zygote's age; and its wall clock is the host's.
+pub(crate) fn fork_zygote_aged_child_tsc_and_kvmclock_agree() -> TestResult {
+    let mut vm = boot(VmSpec {
+        image: ImageName::Debian,
+        ..VmSpec::default()
+    });
+    let before_zygote = sh(vm.agent(), &format!("python3 -c '{TSC_VS_KVMCLOCK}'"))?;
+    vm.make_warm_zygote()
+        .map_err(|e| format!("making the zygote: {e:#}"))?;
+    std::thread::sleep(Duration::from_secs(90));
+    let children = fork(&mut vm, 1)?;
+    let child = &children[0];
+    let host_before = unix_now();
+    let out = sh(child.agent(), &format!("python3 -c '{TSC_VS_KVMCLOCK}'"))?;
+    let host_after = unix_now();
+    let nums: Vec<f64> = out
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [tsc_s, mono_s, real_s] = nums[..] else {
+        return Err(format!("the child printed {out:?}").into());
+    };
+    eprintln!("aged zygote's child: TSC {tsc_s:.1} s, kvmclock {mono_s:.1} s");
+    check(
+        (tsc_s - mono_s).abs() < 20.0,
+        format!(
+            "the child's TSC says {tsc_s:.1} s, its kvmclock {mono_s:.1} s (before the zygote: {before_zygote:?})"
+        ),
+    )?;
+    check(
+        real_s > host_before - 1.0 && real_s < host_after + 1.0,
+        format!("child clock {real_s:.3} vs host {host_before:.3}..{host_after:.3}"),
+    )
+}
+
+/// KVM ignores a host write of MSR_IA32_TSC_DEADLINE while the LAPIC timer
+/// is not in TSC-deadline mode: restoring the MSRs before the LAPIC drops
+/// a pending deadline. Raw KVM: capture a vCPU whose LAPIC timer is in
+/// TSC-deadline mode with a deadline set, restore it into a fresh VM, read
+/// the deadline back.
+pub(crate) fn state_lapic_restored_before_msrs_keeps_tsc_deadline() -> TestResult {
+    use forkbox_vmm::state;
+    use kvm_ioctls::Kvm;
+    const MSR_TSC_DEADLINE: u32 = 0x6e0;
+    const APIC_SVR: usize = 0xf0;
+    const APIC_LVTT: usize = 0x320;
+    let e = |what: &'static str| move |e: kvm_ioctls::Error| format!("{what}: {e}");
+    let kvm = Kvm::new().map_err(e("/dev/kvm"))?;
+    let mut cpuid = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(e("supported CPUID"))?;
+    for entry in cpuid.as_mut_slice() {
+        if entry.function == 1 {
+            entry.ecx |= 1 << 24; // TSC-deadline timer
+        }
+    }
+    let fresh_vcpu = || -> Result<(kvm_ioctls::VmFd, kvm_ioctls::VcpuFd), String> {
+        let vm = kvm.create_vm().map_err(e("KVM_CREATE_VM"))?;
+        vm.create_irq_chip().map_err(e("irqchip"))?;
+        let vcpu = vm.create_vcpu(0).map_err(e("vCPU"))?;
+        vcpu.set_cpuid2(&cpuid).map_err(e("CPUID"))?;
+        Ok((vm, vcpu))
+    };
+    let (_vm, vcpu) = fresh_vcpu()?;
+    let mut lapic = vcpu.get_lapic().map_err(e("get LAPIC"))?;
+    let mut set = |reg: usize, value: u32| {
+        for (k, b) in value.to_le_bytes().into_iter().enumerate() {
+            lapic.regs[reg + k] = b as std::os::raw::c_char;
+        }
+    };
+    set(APIC_SVR, 0x1ff); // software-enabled, spurious vector 0xff
+    set(APIC_LVTT, (0b10 << 17) | 0xec); // TSC-deadline mode, vector 236
+    vcpu.set_lapic(&lapic).map_err(e("set LAPIC"))?;
+    let tsc_now = {
+        let mut msrs = kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+            index: 0x10,
+            ..Default::default()
+        }])
+        .map_err(|e| format!("{e:?}"))?;
+        vcpu.get_msrs(&mut msrs).map_err(e("read TSC"))?;
+        msrs.as_slice()[0].data
+    };
+    let deadline = tsc_now + (1 << 50);
+    let deadline_msr = |value: u64| {
+        kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+            index: MSR_TSC_DEADLINE,
+            data: value,
+            ..Default::default()
+        }])
+        .map_err(|e| format!("{e:?}"))
+    };
+    let n = vcpu
+        .set_msrs(&deadline_msr(deadline)?)
+        .map_err(e("set the deadline"))?;
+    check(n == 1, "KVM refused the TSC deadline on the first vCPU")?;
+    let indices = state::msr_indices(&kvm).map_err(|e| format!("{e:#}"))?;
+    check(
+        indices.contains(&MSR_TSC_DEADLINE),
+        "KVM does not list MSR_IA32_TSC_DEADLINE among the MSRs to save",
+    )?;
+    let saved = state::save_vcpu(&vcpu, 0, cpuid.as_slice(), &indices)
+        .map_err(|e| format!("capture: {e:#}"))?;
+    let (_vm2, restored) = fresh_vcpu()?;
+    state::restore_vcpu(&restored, &saved, 0).map_err(|e| format!("restore: {e:#}"))?;
+    let mut back = deadline_msr(0)?;
+    restored
+        .get_msrs(&mut back)
+        .map_err(e("read the deadline back"))?;
+    let got = back.as_slice()[0].data;
+    check(
+        got == deadline,
+        format!("restored TSC deadline {got:#x}, captured {deadline:#x}"),
+    )
+}
+
+pub(crate) fn fork_of_fork_of_fork_inherits_and_answers() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    sh(vm.agent(), "echo 0 > /tmp/gen0")?;
+    let mut lineage = vec![];
+    for generation in 1..=3 {
+        let mut child = fork(&mut vm, 1)?.remove(0);
+        sh(
+            child.agent(),
+            &format!("echo {generation} > /tmp/gen{generation}"),
+        )?;
+        std::mem::swap(&mut vm, &mut child);
+        lineage.push(child);
+    }
+    let got = sh(vm.agent(), "cat /tmp/gen0 /tmp/gen1 /tmp/gen2 /tmp/gen3")?;
+    check(
+        got == "0\n1\n2\n3\n",
+        format!("great-grandchild sees {got:?}"),
+    )?;
+    for (i, ancestor) in lineage.iter().enumerate() {
+        let got = sh(ancestor.agent(), "ls /tmp | grep -c gen")?;
+        check(
+            got.trim() == (i + 1).to_string(),
+            format!("generation {i} sees {got:?} gen files"),
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn fork_parent_killed_children_keep_running() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    sh(parent.agent(), BACKGROUND)?;
+    let children = fork(&mut parent, 2)?;
+    parent.kill();
+    let status = parent
+        .wait_exit(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    check(status.is_some(), "the parent VMM did not die")?;
+    std::thread::sleep(Duration::from_millis(500));
+    for (i, c) in children.iter().enumerate() {
+        background_alive(c.agent(), &format!("orphaned child {i}"))?;
+    }
+    Ok(())
+}
+
+pub(crate) fn fork_during_commands_parent_finishes_children_report_interrupted() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let runners: Vec<_> = (0..2)
+        .map(|i| {
+            let agent = parent.agent().clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                let r = agent.exec(
+                    &ExecRequest::shell(format!("echo started; sleep 4; echo finished {i}")),
+                    None,
+                    &mut |_, b| {
+                        if b.starts_with(b"started") {
+                            let _ = tx.send(());
+                        }
+                        out.extend_from_slice(b);
+                    },
+                );
+                (r, out)
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        rx.recv_timeout(Duration::from_secs(60))
+            .map_err(|_| "commands did not start")?;
+    }
+    let children = fork(&mut parent, 2)?;
+    for (i, h) in runners.into_iter().enumerate() {
+        let (r, out) = h.join().map_err(|_| "runner panicked")?;
+        let r = r.map_err(|e| format!("parent exec {i}: {e:#}"))?;
+        check(r.success(), format!("parent exec {i}: {r:?}"))?;
+        check(
+            out == format!("started\nfinished {i}\n").into_bytes(),
+            format!("parent exec {i} output {:?}", String::from_utf8_lossy(&out)),
+        )?;
+    }
+    for (i, c) in children.iter().enumerate() {
+        let report = c.after_fork.as_ref().ok_or("no after-fork report")?;
+        let accounted = report.interrupted.len() + report.still_running.len();
+        check(
+            accounted == 2,
+            format!("child {i} lost commands: {report:?}"),
+        )?;
+        check(
+            report.interrupted.iter().all(
+                |e| matches!(&e.command, forkbox_proto::Command::Shell(s) if s.contains("sleep 4")),
+            ),
+            format!("child {i}: {report:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+pub(crate) fn snapshot_restore_resumes_processes_with_current_clock() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    sh(vm.agent(), BACKGROUND)?;
+    background_alive(vm.agent(), "before the snapshot")?;
+    let snap = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let snap_dir = snap.path().join("snap");
+    // The counter only grows: what it shows now is at most its value when
+    // the snapshot is taken.
+    let at_pause: u64 = sh(vm.agent(), "cat /tmp/count")?
+        .trim()
+        .parse()
+        .map_err(|_| "counter unreadable")?;
+    vm.pause().map_err(|e| format!("{e:#}"))?;
+    let bytes = vm.snapshot(&snap_dir).map_err(|e| format!("{e:#}"))?;
+    check(bytes > 0, "empty snapshot")?;
+    drop(vm);
+    // The snapshot ages: its guest clock falls behind.
+    std::thread::sleep(Duration::from_secs(4));
+    let restored = Vm::restore(assets(), &snap_dir).map_err(|e| format!("{e:#}"))?;
+    let report = restored.after_fork.clone().ok_or("no after-fork report")?;
+    check(report.clock.is_done(), format!("{report:?}"))?;
+    let before = unix_now();
+    let guest =
+        forkbox_host::measure::guest_clock(restored.agent()).map_err(|e| format!("{e:#}"))?;
+    let after = unix_now();
+    // The guest read its clock between `before` and `after`.
+    check(
+        guest > before - 1.0 && guest < after + 1.0,
+        format!(
+            "guest clock {guest:.3} vs host {before:.3}..{after:.3} (offset before the hook: {:.3} s)",
+            report.clock_offset_ns as f64 / 1e9
+        ),
+    )?;
+    let count: u64 = sh(restored.agent(), "cat /tmp/count")?
+        .trim()
+        .parse()
+        .unwrap_or(0);
+    check(
+        count >= at_pause,
+        format!("counter went back: {at_pause} at pause, {count} after restore"),
+    )?;
+    background_alive(restored.agent(), "restored")?;
+    let log = sh(restored.agent(), "tail -n 1 /tmp/count.log")?;
+    let logged: u64 = log.trim().parse().unwrap_or(0);
+    check(
+        logged > at_pause,
+        format!("the open log file stopped at {logged} (pause at {at_pause})"),
+    )
+}

@@ -1,0 +1,167 @@
+//! VM trials of one machine's life: KVM itself in the test bed, SMP, and
+//! how a guest's panic, power-off, reboot or death reaches the caller.
+
+use super::*;
+
+pub(crate) fn testbed_dev_kvm_runs_real_mode_guest() -> TestResult {
+    use kvm_ioctls::{Kvm, VcpuExit};
+    // mov al, 0x42; out 0x10, al; hlt
+    let code: [u8; 5] = [0xb0, 0x42, 0xe6, 0x10, 0xf4];
+    let kvm = Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?;
+    let vm = kvm.create_vm().map_err(|e| format!("KVM_CREATE_VM: {e}"))?;
+    // KVM wants page-aligned guest memory.
+    let mut buf = vec![0u8; 0x10000 + 0x1000];
+    let offset = buf.as_ptr().align_offset(0x1000);
+    let mem = &mut buf[offset..offset + 0x10000];
+    mem[0x1000..0x1005].copy_from_slice(&code);
+    let region = kvm_bindings::kvm_userspace_memory_region {
+        slot: 0,
+        guest_phys_addr: 0,
+        memory_size: mem.len() as u64,
+        userspace_addr: mem.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: `buf` outlives `vm` (declared earlier, so dropped later) and
+    // is neither moved nor reallocated while the VM exists.
+    unsafe { vm.set_user_memory_region(region) }.map_err(|e| format!("memory region: {e}"))?;
+    let mut vcpu = vm.create_vcpu(0).map_err(|e| format!("vcpu: {e}"))?;
+    let mut sregs = vcpu.get_sregs().map_err(|e| e.to_string())?;
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    vcpu.set_sregs(&sregs).map_err(|e| e.to_string())?;
+    let regs = kvm_bindings::kvm_regs {
+        rip: 0x1000,
+        rflags: 2,
+        ..Default::default()
+    };
+    vcpu.set_regs(&regs).map_err(|e| e.to_string())?;
+    let mut seen = None;
+    loop {
+        match vcpu.run().map_err(|e| format!("KVM_RUN: {e}"))? {
+            VcpuExit::IoOut(port, data) => seen = Some((port, data[0])),
+            VcpuExit::Hlt => break,
+            other => return Err(format!("unexpected exit {other:?}").into()),
+        }
+    }
+    check(seen == Some((0x10, 0x42)), format!("guest wrote {seen:?}"))
+}
+
+/// SMP: 4 vCPUs with hardware virtualization; inside the emulated host as
+/// many as it has CPUs (2). There, a guest with more vCPUs than the host
+/// has CPUs has stalled a vCPU for minutes (docs/SPEC.md, known problems).
+pub(crate) fn vm_smp_vcpus_are_online() -> TestResult {
+    let vcpus: u8 = if Environment::detect() == Environment::EmulatedHost {
+        std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4)) as u8
+    } else {
+        4
+    };
+    let vm = boot(VmSpec {
+        vcpus,
+        memory_mib: 1024,
+        ..VmSpec::default()
+    });
+    // A stalled guest fails the test instead of hanging the suite.
+    let agent = vm.agent().clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(exec(
+            &agent,
+            &ExecRequest::shell(
+                "grep -c ^processor /proc/cpuinfo; awk '/MemTotal/ {print $2}' /proc/meminfo",
+            ),
+        ));
+    });
+    let (r, out, _) = rx.recv_timeout(Duration::from_secs(180)).map_err(|e| {
+        let what = match e {
+            std::sync::mpsc::RecvTimeoutError::Timeout => "no answer within 180 s",
+            std::sync::mpsc::RecvTimeoutError::Disconnected => "the command failed (see above)",
+        };
+        format!(
+            "{what} from a {vcpus}-vCPU guest; serial tail:\n{}",
+            vm.serial_tail(20)
+        )
+    })?;
+    check(r.success(), format!("{r:?}"))?;
+    let text = String::from_utf8_lossy(&out);
+    let mut lines = text.lines();
+    check(
+        lines.next() == Some(vcpus.to_string().as_str()),
+        format!("cpus: {text}"),
+    )?;
+    let mem_kib: u64 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+    check(
+        (900_000..=1_048_576).contains(&mem_kib),
+        format!("MemTotal {mem_kib} kB"),
+    )
+}
+
+pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    let agent = vm.agent().clone();
+    // The exec itself dies with the guest: only the VMM's status matters.
+    let _ = agent.exec(
+        &ExecRequest::shell("echo c > /proc/sysrq-trigger"),
+        None,
+        &mut |_, _| {},
+    );
+    let status = vm
+        .wait_exit(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    let code = status.and_then(|s| s.code());
+    check(
+        code == Some(vmm_exit::PANICKED),
+        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+    )
+}
+
+pub(crate) fn vm_guest_poweroff_ends_vmm_cleanly() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    vm.agent().shutdown().map_err(|e| format!("{e:#}"))?;
+    let status = vm
+        .wait_exit(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    check(
+        status.and_then(|s| s.code()) == Some(vmm_exit::POWERED_OFF),
+        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+    )
+}
+
+pub(crate) fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    let _ = vm
+        .agent()
+        .exec(&ExecRequest::argv(["reboot", "-f"]), None, &mut |_, _| {});
+    let status = vm
+        .wait_exit(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    check(
+        status.and_then(|s| s.code()) == Some(vmm_exit::REBOOTED),
+        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+    )
+}
+
+pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
+    let vm = boot(VmSpec::default());
+    let agent = vm.agent().clone();
+    let pid = vm.pid();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status();
+    });
+    let err = agent
+        .exec(&ExecRequest::argv(["sleep", "30"]), None, &mut |_, _| {})
+        .err();
+    killer.join().map_err(|_| "killer panicked")?;
+    check(err.is_some(), "exec on a killed VM returned a result")?;
+    let text = format!(
+        "{:#}",
+        err.map(anyhow::Error::from)
+            .unwrap_or_else(|| anyhow::anyhow!(""))
+    );
+    check(
+        text.contains("died") || text.contains("connect"),
+        format!("error: {text}"),
+    )
+}
