@@ -37,6 +37,10 @@ struct Running {
     /// Already reported (as interrupted, before it ended): do not report
     /// it again when it ends.
     reported: bool,
+    /// [`ExecTable::settle`] found its client gone and killed it: it is
+    /// interrupted however its own thread sees the end (that thread may
+    /// see the exit before it notices the hang-up).
+    client_gone: bool,
 }
 
 /// A background process, running or ended.
@@ -113,6 +117,7 @@ impl ExecTable {
                 started: Instant::now(),
                 conn,
                 reported: false,
+                client_gone: false,
             },
         );
         id
@@ -186,7 +191,7 @@ impl ExecTable {
             });
         }
         if let Some(r) = inner.running.remove(&id) {
-            if client_gone && !r.reported {
+            if (client_gone || r.client_gone) && !r.reported {
                 inner.interrupted.push(ForkedExec {
                     exec_id: id,
                     command: r.command,
@@ -209,9 +214,10 @@ impl ExecTable {
         let mut inner = self.lock();
         let doomed: Vec<u64> = inner
             .running
-            .iter()
+            .iter_mut()
             .filter(|(_, r)| r.conn.as_ref().is_some_and(sys::peer_hung_up))
             .map(|(id, r)| {
+                r.client_gone = true;
                 // The exec's own thread kills it too once it notices;
                 // ESRCH from the second kill is fine.
                 let _ = sys::kill_group(r.pid, libc::SIGKILL);
@@ -280,6 +286,36 @@ mod tests {
         assert_eq!(s.interrupted[0].exec_id, id);
         assert_eq!(s.interrupted[0].status, Some(ExitStatus::Signal(9)));
         assert!(s.still_running.is_empty());
+        assert!(table.settle(Duration::ZERO).interrupted.is_empty());
+    }
+
+    /// The exec's own thread may see the exit of settle's kill before it
+    /// notices its client is gone, and so says "client present": the exec
+    /// is still reported as interrupted (a fresh-clone run lost it so).
+    #[test]
+    fn settle_reports_exec_it_killed_though_its_thread_saw_only_the_exit() {
+        use std::os::unix::process::CommandExt;
+        let table = Arc::new(ExecTable::default());
+        let (ours, theirs) = pair();
+        drop(theirs);
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .expect("sleep");
+        let id = table.register(Command::Shell("sleep 1000".into()), child.id(), ours);
+        let settling = {
+            let table = Arc::clone(&table);
+            std::thread::spawn(move || table.settle(Duration::from_secs(60)))
+        };
+        // Returns once settle's SIGKILL landed: settle has marked it then.
+        let status = child.wait().expect("wait");
+        assert!(!status.success());
+        table.finished(id, ExitStatus::Signal(9), false);
+        let s = settling.join().expect("settle");
+        assert_eq!(s.interrupted.len(), 1, "{s:?}");
+        assert_eq!(s.interrupted[0].exec_id, id);
+        assert_eq!(s.interrupted[0].status, Some(ExitStatus::Signal(9)));
         assert!(table.settle(Duration::ZERO).interrupted.is_empty());
     }
 
