@@ -142,9 +142,9 @@ impl Backend for VmBackend {
             serial_to_stderr: false,
             boot_timeout: spec.boot_timeout,
             vmm_env: Vec::new(),
+            network: Some(spec.network.clone()),
         };
-        let vm = Vm::boot_networked(&self.assets, &vm_spec, Some(&spec.network))
-            .map_err(BackendError::Boot)?;
+        let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(VmMachine::boxed(vm))
     }
 
@@ -153,7 +153,7 @@ impl Backend for VmBackend {
         handle: &VmHandle,
         network: Option<&NetworkSpec>,
     ) -> Result<Box<dyn Machine>, BackendError> {
-        let vm = Vm::adopt_with_network(handle, network).map_err(BackendError::Adopt)?;
+        let vm = Vm::adopt(handle, network).map_err(BackendError::Adopt)?;
         Ok(VmMachine::boxed(vm))
     }
 

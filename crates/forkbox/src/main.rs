@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use forkbox_host::image::{self, ImageName};
 use forkbox_host::testbed::{self, Environment, RunOptions, Testbed};
-use forkbox_host::vm::{Assets, Vm, VmSpec};
+use forkbox_host::vm::{Assets, NetworkSpec, Vm, VmSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
@@ -155,13 +155,13 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 vcpus,
                 memory_mib: memory,
                 serial_to_stderr: serial,
+                network: network_policy(&allow_out)?.map(NetworkSpec::from),
                 ..VmSpec::default()
             };
             let timeout = timeout.map(Duration::from_secs);
-            let net = network_policy(&allow_out)?;
             match fork {
-                Some(n) => run_forked(&spec, net.as_ref(), timeout, n as usize, fork_from, argv),
-                None => run_cmd(&spec, net.as_ref(), timeout, argv),
+                Some(n) => run_forked(&spec, timeout, n as usize, fork_from, argv),
+                None => run_cmd(&spec, timeout, argv),
             }
         }
         Cmd::Demo(opts) => {
@@ -207,17 +207,12 @@ fn network_policy(rules: &[String]) -> anyhow::Result<Option<Policy>> {
     Ok(Some(Policy::from_json(&json).context("--allow-out")?))
 }
 
-fn run_cmd(
-    spec: &VmSpec,
-    net: Option<&Policy>,
-    timeout: Option<Duration>,
-    argv: Vec<String>,
-) -> anyhow::Result<i32> {
+fn run_cmd(spec: &VmSpec, timeout: Option<Duration>, argv: Vec<String>) -> anyhow::Result<i32> {
     if let Some(code) = delegate(spec.image)? {
         return Ok(code);
     }
     let assets = Assets::prepare()?;
-    let vm = Vm::boot_with_network(&assets, spec, net).context("booting the microVM")?;
+    let vm = Vm::boot(&assets, spec).context("booting the microVM")?;
     let mut req = ExecRequest::argv(argv.clone());
     if let Some(t) = timeout {
         req = req.timeout(t);
@@ -251,7 +246,6 @@ fn run_cmd(
 /// every child succeeded, else the first failing child's code.
 fn run_forked(
     spec: &VmSpec,
-    net: Option<&Policy>,
     timeout: Option<Duration>,
     n: usize,
     from: ForkFrom,
@@ -262,7 +256,7 @@ fn run_forked(
         return Ok(code);
     }
     let assets = Assets::prepare()?;
-    let mut vm = Vm::boot_with_network(&assets, spec, net).context("booting the microVM")?;
+    let mut vm = Vm::boot(&assets, spec).context("booting the microVM")?;
     eprintln!(
         "forkbox: booted in {:.0} ms",
         vm.boot_time.as_secs_f64() * 1000.0

@@ -250,11 +250,11 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         .context("the bench's policy")?;
     let spec = VmSpec {
         image: ImageName::Debian,
+        network: Some(policy.clone().into()),
         ..VmSpec::default()
     };
     eprintln!("forkbox bench net: booting a `debian` microVM with a network");
-    let vm = Vm::boot_with_network(&assets, &spec, Some(&policy))
-        .context("booting the microVM with a network")?;
+    let vm = Vm::boot(&assets, &spec).context("booting the microVM with a network")?;
 
     // Guest → host, timed by the host's server.
     let mut up_rates = Vec::new();

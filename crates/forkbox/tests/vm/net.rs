@@ -40,9 +40,18 @@ pub(crate) fn net_sh(vm: &Vm, script: &str) -> Result<String, Failed> {
 pub(crate) fn boot_python_net(policy: &forkbox_net::policy::Policy) -> Result<Vm, Failed> {
     let spec = VmSpec {
         image: ImageName::Debian,
+        network: Some(policy.clone().into()),
         ..VmSpec::default()
     };
-    Vm::boot_with_network(assets(), &spec, Some(policy)).map_err(|e| format!("boot: {e:#}").into())
+    Vm::boot(assets(), &spec).map_err(|e| format!("boot: {e:#}").into())
+}
+
+/// The default VM with a network under `policy`.
+pub(crate) fn networked(policy: &forkbox_net::policy::Policy) -> VmSpec {
+    VmSpec {
+        network: Some(policy.clone().into()),
+        ..VmSpec::default()
+    }
 }
 
 pub(crate) fn net_policy(rules: &[String]) -> forkbox_net::policy::Policy {
@@ -77,8 +86,7 @@ pub(crate) fn net_allowed_connects_denied_refused_and_both_logged() -> TestResul
     other.set_nonblocking(true).expect("nonblocking");
     let denied = other.local_addr().expect("addr").port();
     let policy = net_policy(&[format!("host.forkbox.internal:{allowed}")]);
-    let vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let vm = Vm::boot(assets(), &networked(&policy)).map_err(|e| format!("boot: {e:#}"))?;
     let agent = vm.agent();
 
     // The allowed name resolves to the gateway, and connects and echoes.
@@ -248,8 +256,7 @@ pub(crate) fn net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker() ->
     use forkbox_host::vm::NetworkSpec;
     let (port, lines) = line_echo_server();
     let policy = net_policy(&[format!("host.forkbox.internal:{port}")]);
-    let vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let vm = Vm::boot(assets(), &networked(&policy)).map_err(|e| format!("boot: {e:#}"))?;
 
     // The VMM sits in a network namespace of its own, with nothing up.
     let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/net"));
@@ -285,7 +292,7 @@ pub(crate) fn net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker() ->
 
     // As if this process died: the VMM runs on, its broker is gone.
     let handle = vm.detach();
-    let vm = Vm::adopt(&handle).map_err(|e| format!("adopt: {e:#}"))?;
+    let vm = Vm::adopt(&handle, None).map_err(|e| format!("adopt: {e:#}"))?;
     let (res, _, _) = exec(
         vm.agent(),
         &ExecRequest::shell(format!(
@@ -303,8 +310,7 @@ pub(crate) fn net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker() ->
         policy,
         egress_log: None,
     };
-    let vm =
-        Vm::adopt_with_network(&handle, Some(&network)).map_err(|e| format!("adopt: {e:#}"))?;
+    let vm = Vm::adopt(&handle, Some(&network)).map_err(|e| format!("adopt: {e:#}"))?;
     echo(&vm, "after")?;
     let log = vm.egress_log(1000).map_err(|e| format!("{e:#}"))?;
     let to_port = log.iter().filter(|r| r.port == port).count();
@@ -323,8 +329,7 @@ pub(crate) fn net_fork_child_connections_are_its_own() -> TestResult {
         format!("host.forkbox.internal:{port}"),
         format!("host.forkbox.internal:{sink_port}"),
     ]);
-    let mut vm = Vm::boot_with_network(assets(), &VmSpec::default(), Some(&policy))
-        .map_err(|e| format!("boot: {e:#}"))?;
+    let mut vm = Vm::boot(assets(), &networked(&policy)).map_err(|e| format!("boot: {e:#}"))?;
     // Throughput guest → host loopback, for docs/SPEC.md (printed only; the
     // time limit is ten times what the slowest run here needed: a
     // behaviour check, not a timing one).

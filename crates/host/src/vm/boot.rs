@@ -1,0 +1,297 @@
+//! Starting a VM: a boot from the kernel and an image (booted again when
+//! the emulated host resets or stalls a guest before its agent is up), a
+//! restore from a snapshot, and adopting a VM another process started.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use forkbox_proto::client::{AgentClient, ClientError};
+use forkbox_proto::AGENT_PORT;
+use rustix::process::Signal;
+
+use crate::control::Control;
+use crate::image::{self};
+use crate::testbed;
+
+use super::*;
+
+impl Vm {
+    /// Boots `spec.image` with `spec`'s shape (and network, if it has one:
+    /// a virtio-net device behind the VMM's userspace gateway, egress
+    /// decided by its policy, checked again by a broker in this process
+    /// which opens the allowed connections; the guest at 10.0.2.15/24 with
+    /// 10.0.2.2 as gateway and DNS server) and waits for the agent.
+    ///
+    /// A guest that resets before its agent is ready is booted again, up
+    /// to twice; one that stays silent past the boot timeout, once (a fresh
+    /// VMM each time; the old one is killed), with a warning and the serial
+    /// tail: in the emulated host an early reset (a triple fault) or hang
+    /// happens now and then under load (see docs/SPEC.md). Any other
+    /// failure, or one more of the same, is returned.
+    pub fn boot(assets: &Assets, spec: &VmSpec) -> Result<Self, VmError> {
+        let image = image::ensure(spec.image)?;
+        // A reset costs a boot of seconds; a hang costs the boot timeout.
+        let (mut resets, mut hangs) = (0, 0);
+        loop {
+            match Self::boot_once(assets, &image, spec) {
+                Err(
+                    e @ VmError::DiedDuringBoot {
+                        code: Some(vmm_exit::REBOOTED),
+                        ..
+                    },
+                ) if resets < 2 => {
+                    resets += 1;
+                    // The error's text carries the serial tail.
+                    eprintln!("forkbox: warning: {e}; booting once more");
+                }
+                Err(e @ VmError::NeverReady { .. }) if hangs < 1 => {
+                    hangs += 1;
+                    eprintln!("forkbox: warning: {e}; booting once more");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One boot of `image` (an ext4 root image), no second chance.
+    fn boot_once(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
+        become_subreaper()?;
+        // Before the VMM maps its RAM: the kernel aligns memfd mappings to
+        // 2 MiB only while huge pages are allowed for them.
+        crate::hugepages::allow_for_zygotes();
+        let dir = vm_dir("forkbox-vm-")?;
+        let paths = paths_in(dir.path());
+        let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
+        let mut cmd = Command::new(&assets.vmm);
+        cmd.envs(spec.vmm_env.iter().map(|(k, v)| (k, v)));
+        let mut cmdline = GUEST_CMDLINE.to_owned();
+        let net = match &spec.network {
+            Some(network) => {
+                let policy_path = dir.path().join("net-policy.json");
+                let json = serde_json::to_string(&network.policy)
+                    .map_err(|e| VmError::Io(std::io::Error::other(e)))?;
+                std::fs::write(&policy_path, json).map_err(VmError::Io)?;
+                let net = VmNet::start(
+                    dir.path(),
+                    network.policy.clone(),
+                    network.egress_log.clone(),
+                )?;
+                cmd.arg("--net-policy")
+                    .arg(&policy_path)
+                    .arg("--net-broker")
+                    .arg(net.broker.path())
+                    .arg("--net-log")
+                    .arg(&net.egress_log);
+                cmdline.push_str(NET_CMDLINE);
+                Some(net)
+            }
+            None => None,
+        };
+        cmd.arg("--kernel")
+            .arg(&assets.kernel.vmlinuz)
+            .arg("--initramfs")
+            .arg(&assets.initramfs)
+            .args(["--cmdline", &cmdline])
+            .args(["--vcpus", &spec.vcpus.to_string()])
+            .args(["--memory-mib", &spec.memory_mib.to_string()])
+            .arg("--disk")
+            .arg(image)
+            .arg("--vsock-uds")
+            .arg(&vsock)
+            .arg("--serial-log")
+            .arg(&serial)
+            .arg("--control")
+            .arg(&paths.control)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if spec.serial_to_stderr {
+            cmd.arg("--serial-stdout");
+        }
+        let start = Instant::now();
+        let mut child = cmd.spawn().map_err(VmError::Spawn)?;
+        let agent = AgentClient::hybrid_vsock(&vsock, AGENT_PORT);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(VmError::DiedDuringBoot {
+                    how: describe_exit(status),
+                    serial_tail: testbed::tail(&serial, 30),
+                    code: status.code(),
+                });
+            }
+            if start.elapsed() > spec.boot_timeout {
+                let vcpus = where_vcpus_are(&Control::new(paths.control.clone()));
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(VmError::NeverReady {
+                    secs: spec.boot_timeout.as_secs(),
+                    vcpus,
+                    serial_tail: testbed::tail(&serial, 30),
+                });
+            }
+            if vsock.exists() {
+                match agent.wait_ready(Duration::from_millis(500)) {
+                    Ok(_) => break,
+                    Err(e @ ClientError::VersionMismatch { .. }) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(VmError::Handshake(e));
+                    }
+                    Err(_) => {}
+                }
+            } else {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(Self {
+            vmm: Some(Vmm::Spawned(child)),
+            dir,
+            agent: agent.with_handshake_timeout(AGENT_HANDSHAKE),
+            control: Control::new(paths.control),
+            state: RunState::Running,
+            boot_time: start.elapsed(),
+            after_fork: None,
+            vmm_answered: None,
+            replaced: None,
+            net,
+        })
+    }
+
+    /// Takes back a VM that another process (a daemon that died) started:
+    /// its VMM must answer on the control socket in `h.dir` with the
+    /// recorded pid. The VM keeps its run state. A VM with a network is
+    /// served a broker again (at the path its VMM knows; the VMM reaches it
+    /// on the guest's next connection or lookup) with `network`'s policy:
+    /// the broker of the process that died is gone with it.
+    /// `network.egress_log` must be where the VMM was started to write it
+    /// (`None`: its directory's).
+    pub fn adopt(h: &VmHandle, network: Option<&NetworkSpec>) -> Result<Vm, VmError> {
+        let not = |why: String| VmError::NotAdoptable {
+            dir: h.dir.clone(),
+            why,
+        };
+        let paths = paths_in(&h.dir);
+        let control = Control::new(paths.control);
+        let status = control.status()?;
+        if status.pid != h.pid {
+            return Err(not(format!("it has pid {}, not {}", status.pid, h.pid)));
+        }
+        let state = match status.state.as_str() {
+            "running" => RunState::Running,
+            "paused" => RunState::Paused,
+            "zygote" => RunState::Zygote,
+            other => return Err(not(format!("unknown state {other:?}"))),
+        };
+        let pidfd = pidfd_of(h.pid)?;
+        let net = match network {
+            Some(n) => {
+                // The dead broker's socket file.
+                let _ = std::fs::remove_file(VmNet::broker_path(&h.dir));
+                Some(VmNet::start(
+                    &h.dir,
+                    n.policy.clone(),
+                    n.egress_log.clone(),
+                )?)
+            }
+            None => None,
+        };
+        Ok(Vm {
+            vmm: Some(Vmm::Forked { pid: h.pid, pidfd }),
+            dir: VmDir(h.dir.clone()),
+            agent: agent_client(&paths.vsock_uds),
+            control,
+            state,
+            boot_time: Duration::ZERO,
+            after_fork: None,
+            vmm_answered: None,
+            replaced: None,
+            net,
+        })
+    }
+
+    /// Lets the VM run on without this process, as when the process dies:
+    /// its VMM and directory stay, its broker stops (the guest's new
+    /// connections fail until a process adopts it with a network). What
+    /// [`adopt`](Self::adopt) needs is returned.
+    pub fn detach(mut self) -> VmHandle {
+        let handle = self.handle();
+        self.net = None;
+        // Neither killed nor waited for: dropping a `Child` does neither.
+        self.vmm = None;
+        self.dir.keep();
+        handle
+    }
+
+    /// Clears away a VM that cannot be adopted: kills its VMM if `h.pid`
+    /// is still a `forkbox-vmm` process, and removes its directory.
+    pub fn discard(h: &VmHandle) {
+        let exe = std::fs::read_link(format!("/proc/{}/exe", h.pid)).ok();
+        let is_vmm = exe
+            .as_deref()
+            .and_then(Path::file_name)
+            .is_some_and(|n| n == "forkbox-vmm");
+        if is_vmm {
+            if let Ok(fd) = pidfd_of(h.pid) {
+                let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
+            }
+        }
+        if h.dir.starts_with(std::env::temp_dir()) {
+            let _ = std::fs::remove_dir_all(&h.dir);
+        }
+    }
+
+    /// Starts a VMM from the snapshot in `dir`, resumes it if it comes up
+    /// paused, and runs the after-fork hook (clock, RNG) before returning.
+    pub fn restore(assets: &Assets, snapshot: &Path) -> Result<Vm, VmError> {
+        become_subreaper()?;
+        let start = Instant::now();
+        let dir = vm_dir("forkbox-restore-")?;
+        let paths = paths_in(dir.path());
+        let child = Command::new(&assets.vmm)
+            .arg("--restore")
+            .arg(snapshot)
+            .arg("--control")
+            .arg(&paths.control)
+            .arg("--vsock-uds")
+            .arg(&paths.vsock_uds)
+            .arg("--serial-log")
+            .arg(&paths.serial_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(VmError::Spawn)?;
+        let mut vm = Vm {
+            vmm: Some(Vmm::Spawned(child)),
+            agent: agent_client(&paths.vsock_uds),
+            control: Control::new(paths.control),
+            dir,
+            state: RunState::Running,
+            boot_time: Duration::ZERO,
+            after_fork: None,
+            vmm_answered: None,
+            replaced: None,
+            net: None,
+        };
+        let status = loop {
+            match vm.control.status() {
+                Ok(s) => break s,
+                Err(e) => {
+                    if vm.has_exited() || start.elapsed() > AFTER_FORK_TIMEOUT {
+                        return Err(VmError::DiedDuringBoot {
+                            how: format!("no control socket: {e}"),
+                            serial_tail: vm.serial_tail(30),
+                            code: None,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        };
+        if status.state != "running" {
+            vm.resume()?;
+        }
+        vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
+        vm.boot_time = start.elapsed();
+        Ok(vm)
+    }
+}

@@ -1,0 +1,420 @@
+//! Forking a VM: requests of at most [`MAX_CHILDREN_PER_FORK`] children,
+//! the after-fork hook (host time and entropy) every child answers before
+//! it is handed out, and a child that does not answer in time replaced
+//! once by a new child of the same state.
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use forkbox_net::policy::Policy;
+use forkbox_proto::client::ClientError;
+use forkbox_proto::MIN_AFTER_FORK_ENTROPY;
+use rustix::process::Signal;
+
+use crate::control::{ChildPaths, Control, ForkedChild, Then};
+use crate::testbed;
+
+use super::*;
+
+/// How fork children's networks differ from their parent's (a parent
+/// without a network ignores them).
+#[derive(Debug, Clone, Default)]
+pub struct ForkOptions {
+    /// Every child's egress policy; `None`: the parent's at the fork.
+    pub policy: Option<Policy>,
+    /// Child `i`'s egress log is `egress_logs[i]` when given, else a file
+    /// in its own directory.
+    pub egress_logs: Vec<PathBuf>,
+}
+
+impl Vm {
+    /// Forks the VM into `n` children. A running VM goes on running, a
+    /// paused one or a zygote stays paused. `Err` if the request as a whole
+    /// failed (then no child is left running); otherwise one entry per
+    /// child, in order, each a running VM whose after-fork hook has run, or
+    /// why that child could not be had. More than
+    /// [`MAX_CHILDREN_PER_FORK`] children take several requests.
+    pub fn fork(&self, n: usize) -> Result<Vec<Result<Vm, VmError>>, VmError> {
+        self.fork_with(n, &ForkOptions::default())
+    }
+
+    /// [`fork`](Self::fork), each child with its own broker and egress
+    /// log, its policy `opts.policy` or the parent's.
+    ///
+    /// No request waits on one child: a child that has not answered
+    /// `AfterFork` within [`after_fork_deadline`] (or whose VMM died, a
+    /// guest's triple fault, say) is killed and replaced once by a new
+    /// child of the same state; its serial log is kept beside the new one
+    /// as `serial.log.lost`, and [`Vm::replaced`] says why. A running
+    /// parent stays paused until every child answered, so that a
+    /// replacement is of the same instant; it runs on afterwards.
+    pub fn fork_with(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+    ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
+        let start = Instant::now();
+        let dirs = (0..n)
+            .map(|_| vm_dir("forkbox-fork-"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let nets: Vec<Option<VmNet>> = match &self.net {
+            None => dirs.iter().map(|_| None).collect(),
+            Some(parent) => {
+                let policy = opts
+                    .policy
+                    .clone()
+                    .unwrap_or_else(|| parent.broker.policy());
+                dirs.iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        let log = opts.egress_logs.get(i).cloned();
+                        VmNet::start(d.path(), policy.clone(), log).map(Some)
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+        };
+        let paths: Vec<ChildPaths> = dirs
+            .iter()
+            .zip(&nets)
+            .map(|(d, net)| ChildPaths {
+                net_log: net.as_ref().map(|n| n.egress_log.clone()),
+                net_broker: net.as_ref().map(|n| n.broker.path().to_owned()),
+                ..paths_in(d.path())
+            })
+            .collect();
+        // A running parent is paused for the whole request (and resumed
+        // however it ends), so a replacement child is of the same instant.
+        let _paused = match self.state {
+            RunState::Running => Some(PausedWhileForking::pause(&self.control)?),
+            RunState::Paused | RunState::Zygote => None,
+        };
+        // The VMM takes at most this many children per request. Should a
+        // later request fail, the children of the earlier ones are killed.
+        let mut answers = Vec::with_capacity(n);
+        for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
+            match self.control.fork(batch, Then::Pause) {
+                Ok(a) => answers.extend(a),
+                Err(e) => {
+                    kill_forked(&answers);
+                    return Err(e.into());
+                }
+            }
+        }
+        let answered = start.elapsed();
+        // Take hold of every child process first: a pidfd pins its pid.
+        let held: Vec<Result<(u32, OwnedFd), VmError>> = answers
+            .into_iter()
+            .enumerate()
+            .map(|(index, a)| match a {
+                ForkedChild::Ok { pid } => Ok((pid, pidfd_of(pid)?)),
+                ForkedChild::Err { error } => Err(VmError::ForkChild { index, error }),
+            })
+            .collect();
+        let deadline = after_fork_deadline(n);
+        let mut out = Vec::with_capacity(n);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = held
+                .into_iter()
+                .zip(dirs)
+                .zip(paths)
+                .zip(nets)
+                .enumerate()
+                .map(|(index, (((held, dir), paths), net))| {
+                    scope.spawn(move || {
+                        let child = ForkedVm {
+                            dir,
+                            paths,
+                            net,
+                            start,
+                            answered,
+                        };
+                        let first = match held {
+                            Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
+                            Err(e) => Err((e, Box::new(child))),
+                        };
+                        let (lost, child) = match first {
+                            Ok(vm) => return Ok(vm),
+                            Err(lost) => lost,
+                        };
+                        let why = format!("{lost:#}");
+                        eprintln!("forkbox: fork child {index} was lost ({why}); replacing it with a new child of the same state");
+                        (*child).replace(&self.control, deadline, why)
+                    })
+                })
+                .collect();
+            for h in handles {
+                out.push(h.join().unwrap_or_else(|_| {
+                    Err(VmError::Io(std::io::Error::other("fork thread panicked")))
+                }));
+            }
+        });
+        Ok(out)
+    }
+
+    /// Sends `AfterFork` (host time, fresh host entropy), retrying while
+    /// the child's agent is not reachable yet; keeps the report.
+    pub(super) fn after_fork_hook(&mut self, timeout: Duration) -> Result<(), VmError> {
+        let start = Instant::now();
+        let pid = self.pid();
+        loop {
+            let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
+            rustix::rand::getrandom(&mut entropy[..], rustix::rand::GetRandomFlags::empty())
+                .map_err(|e| VmError::Entropy(e.into()))?;
+            // A guest that hangs must not hold an attempt past the deadline.
+            let left = timeout
+                .saturating_sub(start.elapsed())
+                .clamp(Duration::from_secs(1), AGENT_HANDSHAKE);
+            let agent = self.agent.clone().with_handshake_timeout(left);
+            match agent.after_fork(unix_now_ns(), entropy) {
+                Ok(report) => {
+                    self.after_fork = Some(report);
+                    return Ok(());
+                }
+                // Not delivered: nothing listens yet, or the VMM refused
+                // the connection. Safe to retry.
+                Err(ClientError::Connect { .. } | ClientError::NotReady { .. }) => {
+                    if self.has_exited() {
+                        return Err(VmError::DiedBeforeAfterFork {
+                            pid,
+                            serial_tail: self.serial_tail(30),
+                        });
+                    }
+                    if start.elapsed() > timeout {
+                        return Err(VmError::AfterForkTimeout {
+                            pid,
+                            secs: timeout.as_secs(),
+                            vcpus: where_vcpus_are(&self.control),
+                            serial_tail: self.serial_tail(30),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(source) => return Err(VmError::AfterFork { pid, source }),
+            }
+        }
+    }
+}
+
+/// What kind of loss a lost fork child's error (or a replacement's
+/// [`Vm::replaced`]) names, for counting losses by signature: the VMM notes
+/// a triple fault in the serial log the error carries, a hang is a child
+/// that did not answer in time.
+pub fn loss_signature(cause: &str) -> &'static str {
+    if cause.contains("lost twice") {
+        "lost twice"
+    } else if cause.contains("triple fault") {
+        "triple fault"
+    } else if cause.contains("did not answer AfterFork") {
+        "hang"
+    } else if cause.contains("died before") {
+        "VMM died"
+    } else {
+        "other"
+    }
+}
+
+/// The VMM's report of where each vCPU is, or why it could not be had.
+pub(super) fn where_vcpus_are(control: &Control) -> String {
+    control
+        .vcpus()
+        .unwrap_or_else(|e| format!("(not readable: {:#})", anyhow::Error::new(e)))
+}
+
+/// Children per fork request the VMM accepts (it refuses more).
+pub const MAX_CHILDREN_PER_FORK: usize = 64;
+
+/// How long the children of one fork request may take to answer
+/// `AfterFork` before one is given up and replaced: seconds, growing with
+/// the children that start at once (they share the host's CPUs). On
+/// hardware virtualization a child answers in milliseconds; in the
+/// emulated host a lone child takes about half a second, 64 at once tens
+/// of seconds on one emulated CPU.
+pub fn after_fork_deadline(children: usize) -> Duration {
+    let children = u32::try_from(children).unwrap_or(u32::MAX);
+    if testbed::inside() {
+        Duration::from_secs(30) + Duration::from_millis(1500).saturating_mul(children)
+    } else {
+        Duration::from_secs(5) + Duration::from_millis(100).saturating_mul(children)
+    }
+}
+
+/// A running parent paused for a fork request; resumed when dropped.
+pub(super) struct PausedWhileForking<'a>(&'a Control);
+
+impl<'a> PausedWhileForking<'a> {
+    pub(super) fn pause(control: &'a Control) -> Result<Self, VmError> {
+        control.pause()?;
+        Ok(Self(control))
+    }
+}
+
+impl Drop for PausedWhileForking<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.resume() {
+            eprintln!("forkbox: cannot resume the fork's parent: {e}");
+        }
+    }
+}
+
+/// Kills the children a fork request started (when a later request of the
+/// same fork failed); reaped in the background.
+pub(super) fn kill_forked(answers: &[ForkedChild]) {
+    for a in answers {
+        if let ForkedChild::Ok { pid } = a {
+            match pidfd_of(*pid) {
+                Ok(pidfd) => {
+                    let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
+                    let vmm = Vmm::Forked { pid: *pid, pidfd };
+                    let _ = std::thread::Builder::new()
+                        .name("vm-reap".into())
+                        .spawn(move || reap_vmm(vmm));
+                }
+                Err(e) => eprintln!("forkbox: cannot kill fork child {pid}: {e}"),
+            }
+        }
+    }
+}
+
+/// One place of a fork request: its directory, paths and network, before
+/// a VMM in it has answered.
+pub(super) struct ForkedVm {
+    dir: VmDir,
+    paths: ChildPaths,
+    net: Option<VmNet>,
+    start: Instant,
+    answered: Duration,
+}
+
+impl ForkedVm {
+    /// Runs the after-fork hook of the child `pid`; gives the place back
+    /// with why the child was lost (the child killed) if it failed.
+    pub(super) fn hook(
+        self,
+        pid: u32,
+        pidfd: OwnedFd,
+        deadline: Duration,
+    ) -> Result<Vm, (VmError, Box<ForkedVm>)> {
+        let mut vm = Vm {
+            vmm: Some(Vmm::Forked { pid, pidfd }),
+            agent: agent_client(&self.paths.vsock_uds),
+            control: Control::new(self.paths.control.clone()),
+            dir: self.dir,
+            state: RunState::Running,
+            boot_time: Duration::ZERO,
+            after_fork: None,
+            vmm_answered: Some(self.answered),
+            replaced: None,
+            net: self.net,
+        };
+        match vm.after_fork_hook(deadline) {
+            Ok(()) => {
+                vm.boot_time = self.start.elapsed();
+                Ok(vm)
+            }
+            Err(e) => {
+                // Killed, and waited for: its sockets are then free.
+                vm.kill();
+                if let Some(Vmm::Forked { pidfd, pid }) = &vm.vmm {
+                    if pidfd_exited(pidfd, Duration::from_secs(10)) {
+                        let _ = reap_pid(*pid);
+                    }
+                }
+                let place = Box::new(ForkedVm {
+                    dir: std::mem::replace(&mut vm.dir, VmDir::none()),
+                    paths: self.paths,
+                    net: vm.net.take(),
+                    start: self.start,
+                    answered: self.answered,
+                });
+                Err((e, place))
+            }
+        }
+    }
+
+    /// Forks one new child of the parent's (unchanged) state into this
+    /// place, keeping the lost child's serial log as `serial.log.lost`.
+    pub(super) fn replace(
+        self,
+        parent: &Control,
+        deadline: Duration,
+        why: String,
+    ) -> Result<Vm, VmError> {
+        let _ = std::fs::rename(
+            &self.paths.serial_log,
+            self.paths.serial_log.with_extension("log.lost"),
+        );
+        for socket in [&self.paths.control, &self.paths.vsock_uds] {
+            let _ = std::fs::remove_file(socket);
+        }
+        let lost = |error: String| VmError::ForkChildLost {
+            first: why.clone(),
+            error,
+        };
+        let answer = parent
+            .fork(std::slice::from_ref(&self.paths), Then::Pause)
+            .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
+        let (pid, pidfd) = match answer.into_iter().next() {
+            Some(ForkedChild::Ok { pid }) => (pid, pidfd_of(pid)?),
+            Some(ForkedChild::Err { error }) => return Err(lost(error)),
+            None => return Err(lost("the VMM answered no child".into())),
+        };
+        match self.hook(pid, pidfd, deadline) {
+            Ok(mut vm) => {
+                vm.replaced = Some(why);
+                Ok(vm)
+            }
+            Err((e, _place)) => Err(lost(format!("{e:#}"))),
+        }
+    }
+}
+
+/// How long a fork child or restored VM may take to answer `AfterFork`
+/// (generous: the emulated host is slow, and 100 children share 2 CPUs).
+pub(super) const AFTER_FORK_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub(super) fn unix_now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    pub(super) fn loss_signature_names_each_kind_of_loss() {
+        let lost = |e: VmError| loss_signature(&format!("{e:#}"));
+        let died = VmError::DiedBeforeAfterFork {
+            pid: 4,
+            serial_tail:
+                "[forkbox-vmm] guest reset (triple fault or KVM reset); vCPU 0: rip 0xfff0".into(),
+        };
+        assert_eq!(lost(died), "triple fault");
+        let died = VmError::DiedBeforeAfterFork {
+            pid: 4,
+            serial_tail: String::new(),
+        };
+        assert_eq!(lost(died), "VMM died");
+        let hung = VmError::AfterForkTimeout {
+            pid: 9,
+            secs: 31,
+            vcpus: "{}".into(),
+            serial_tail: String::new(),
+        };
+        assert_eq!(lost(hung), "hang");
+        let twice = VmError::ForkChildLost {
+            first: "x".into(),
+            error: "y".into(),
+        };
+        assert_eq!(lost(twice), "lost twice");
+        assert_eq!(loss_signature("something else"), "other");
+    }
+
+    #[test]
+    pub(super) fn after_fork_deadline_grows_with_the_children() {
+        assert!(after_fork_deadline(64) > after_fork_deadline(1));
+        assert!(after_fork_deadline(1) >= Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,297 @@
+//! One microVM, seen from the host: the assets it boots from, the
+//! `forkbox-vmm` process that runs it, its control socket, and the agent
+//! client that talks to its guest.
+//!
+//! Fork: `Vm::fork` asks the VMM to fork itself into N children (each a
+//! new process forked *from the VMM*, so not our child: this process makes
+//! itself a child subreaper so that orphaned child VMMs are reparented to
+//! it, and tracks each by pidfd). Before a child `Vm` is handed out, the
+//! host sends its agent `AfterFork` (host time + 64 bytes from the OS RNG),
+//! so no command ever runs in a child before its clock is set and its RNG
+//! reseeded. `Vm::restore` does the same for a snapshot.
+//!
+//! The parts: [`assets`] (kernel, initramfs, binaries), [`boot`] (boot,
+//! restore, adopt after a restart), [`fork`] (fork requests, the
+//! after-fork hook, lost children replaced), [`net`] (the broker and the
+//! egress log), [`process`] (the VMM process: pidfds, reaping, the VM's
+//! directory). Here: the [`Vm`] itself, its spec and its errors.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use forkbox_net::log::ReadLogError;
+use forkbox_proto::client::{AgentClient, ClientError};
+use forkbox_proto::{AfterForkReport, AGENT_PORT};
+
+use crate::control::{Control, ControlError, Then, ZygoteMemory};
+use crate::image::{ImageError, ImageName};
+use crate::initramfs::InitramfsError;
+use crate::kernel::KernelError;
+use crate::netbroker::NetBrokerError;
+
+mod assets;
+mod boot;
+mod fork;
+mod net;
+mod process;
+
+pub use assets::Assets;
+pub use fork::{after_fork_deadline, loss_signature, ForkOptions, MAX_CHILDREN_PER_FORK};
+pub use net::NetworkSpec;
+pub use process::{become_subreaper, describe_exit};
+
+use fork::*;
+use net::*;
+use process::*;
+
+/// The guest kernel's command line. `panic=-1` turns a panic into an
+/// immediate reset that the VMM reports; `pci=off` skips probing a bus the
+/// VM does not have; `quiet` keeps the (slow, emulated) serial port idle.
+pub const GUEST_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 pci=off quiet forkbox.root=/dev/vda forkbox.rootfstype=ext4";
+
+/// `forkbox-vmm` exit codes (its command-line contract).
+pub mod vmm_exit {
+    pub const POWERED_OFF: i32 = 0;
+    pub const ERROR: i32 = 1;
+    pub const REBOOTED: i32 = 2;
+    pub const PANICKED: i32 = 3;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("preparing the guest kernel")]
+    Kernel(#[from] KernelError),
+    #[error("building the guest initramfs")]
+    Initramfs(#[from] InitramfsError),
+    #[error("building the guest image")]
+    Image(#[from] ImageError),
+    #[error("cannot find {name}: build it with `make build` (looked in: {looked})")]
+    MissingBinary { name: &'static str, looked: String },
+    #[error("cannot start forkbox-vmm")]
+    Spawn(#[source] std::io::Error),
+    #[error("the VM stopped during boot ({how})\n--- serial log (tail) ---\n{serial_tail}")]
+    DiedDuringBoot {
+        how: String,
+        serial_tail: String,
+        /// The VMM's exit code, if it exited rather than was killed.
+        code: Option<i32>,
+    },
+    #[error("the guest agent did not become ready within {secs} s\n--- vCPUs ---\n{vcpus}\n--- serial log (tail) ---\n{serial_tail}")]
+    NeverReady {
+        secs: u64,
+        /// Where each vCPU was (`Control::vcpus`).
+        vcpus: String,
+        serial_tail: String,
+    },
+    #[error("the guest agent refused the handshake")]
+    Handshake(#[source] ClientError),
+    #[error("VM working directory")]
+    Io(#[source] std::io::Error),
+    #[error("VMM control")]
+    Control(#[from] ControlError),
+    #[error("cannot become a child subreaper (needed to reap forked VMMs)")]
+    Subreaper(#[source] std::io::Error),
+    #[error("the VMM could not fork child {index}: {error}")]
+    ForkChild { index: usize, error: String },
+    #[error("a fork child was lost twice: first {first}; then its replacement: {error}")]
+    ForkChildLost { first: String, error: String },
+    #[error("fork child {pid} is gone (pidfd_open)")]
+    ChildGone {
+        pid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the VMM (pid {pid}) died before its agent answered AfterFork\n--- serial log (tail) ---\n{serial_tail}")]
+    DiedBeforeAfterFork { pid: u32, serial_tail: String },
+    #[error("the agent of VMM {pid} did not answer AfterFork within {secs} s\n--- vCPUs ---\n{vcpus}\n--- serial log (tail) ---\n{serial_tail}")]
+    AfterForkTimeout {
+        pid: u32,
+        secs: u64,
+        /// Where each vCPU was (`Control::vcpus`).
+        vcpus: String,
+        serial_tail: String,
+    },
+    #[error("the agent of VMM {pid} failed AfterFork")]
+    AfterFork {
+        pid: u32,
+        #[source]
+        source: ClientError,
+    },
+    #[error("reading host entropy")]
+    Entropy(#[source] std::io::Error),
+    #[error("starting the network broker")]
+    NetBroker(#[from] NetBrokerError),
+    #[error("this VM has no network")]
+    NoNetwork,
+    #[error("reading the egress log")]
+    EgressLog(#[source] ReadLogError),
+    #[error("the VMM at {dir} is not the one recorded: {why}")]
+    NotAdoptable { dir: PathBuf, why: String },
+    #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
+    WarmUp(String),
+}
+
+/// Where a running VM can be found again by another process: its
+/// directory and its VMM's pid (what a daemon records to re-adopt its VMs
+/// after it restarts).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmHandle {
+    pub dir: PathBuf,
+    pub pid: u32,
+}
+
+/// Added to [`GUEST_CMDLINE`] for a VM with a network: the agent loads
+/// `virtio_net` and configures `eth0`.
+pub const NET_CMDLINE: &str = " forkbox.net=1";
+
+/// How big a VM is, what it boots and what network it has: all a boot
+/// takes besides the [`Assets`].
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    pub image: ImageName,
+    pub vcpus: u8,
+    pub memory_mib: u32,
+    /// Copy the guest's serial console to our stderr as well as the log.
+    pub serial_to_stderr: bool,
+    pub boot_timeout: Duration,
+    /// Variables set for the VMM process (and so its fork children) only:
+    /// test hooks such as `FORKBOX_VMM_TEST_HANG_CHILD`.
+    pub vmm_env: Vec<(String, String)>,
+    /// Its network; `None`: none at all.
+    pub network: Option<NetworkSpec>,
+}
+
+impl Default for VmSpec {
+    fn default() -> Self {
+        Self {
+            image: ImageName::Minimal,
+            vcpus: 1,
+            memory_mib: 512,
+            serial_to_stderr: false,
+            boot_timeout: Duration::from_secs(120),
+            vmm_env: Vec::new(),
+            network: None,
+        }
+    }
+}
+
+/// What the VM's vCPUs are doing, as far as we asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    Running,
+    Paused,
+    /// A paused VM whose memory is a `MAP_PRIVATE` mapping of a memory
+    /// file: forks of it cost O(1) in memory size.
+    Zygote,
+}
+
+/// A running microVM. Dropping it kills the VMM (reaped in the
+/// background: tearing a VM down takes tens of milliseconds).
+pub struct Vm {
+    vmm: Option<Vmm>,
+    dir: VmDir,
+    agent: AgentClient,
+    control: Control,
+    state: RunState,
+    /// From spawning the VMM (or the fork request) to the agent's answer.
+    pub boot_time: Duration,
+    /// What the agent's after-fork hook did (fork children, restored VMs).
+    pub after_fork: Option<AfterForkReport>,
+    /// Fork children: from the fork request to the VMM's answer (every
+    /// child's control socket listening); `boot_time` minus this is the
+    /// after-fork hook, connection retries included.
+    pub vmm_answered: Option<Duration>,
+    /// Fork children: why the first child forked in this place was lost
+    /// and replaced by this one (a new child of the same state), if it was.
+    pub replaced: Option<String>,
+    /// Its network, if it has one.
+    net: Option<VmNet>,
+}
+
+impl Vm {
+    pub fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+
+    /// What another process needs to [`adopt`](Self::adopt) this VM.
+    pub fn handle(&self) -> VmHandle {
+        VmHandle {
+            dir: self.dir.path().to_owned(),
+            pid: self.pid(),
+        }
+    }
+
+    /// The VMM's control socket.
+    pub fn control(&self) -> &Control {
+        &self.control
+    }
+
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// Parks every vCPU.
+    pub fn pause(&mut self) -> Result<(), VmError> {
+        self.control.pause()?;
+        self.state = RunState::Paused;
+        Ok(())
+    }
+
+    pub fn resume(&mut self) -> Result<(), VmError> {
+        self.control.resume()?;
+        self.state = RunState::Running;
+        Ok(())
+    }
+
+    /// Makes the VM a paused zygote: its memory moves to a memory file
+    /// mapped `MAP_PRIVATE`, so forks of it are O(1) in memory size.
+    /// Dense 2 MiB regions of that file go in huge pages where the host
+    /// allows it ([`crate::hugepages`]).
+    pub fn make_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
+        let memory = self.control.zygote()?;
+        self.state = RunState::Zygote;
+        Ok(memory)
+    }
+
+    /// [`make_zygote`](Self::make_zygote) after a warm-up command
+    /// (`sh -c true`), so that the shell and what it loads are in the page
+    /// cache every fork shares; otherwise each child's first command reads
+    /// them from the image into its own guest memory (about 380 pages,
+    /// 1.5 MiB, per child for the `minimal` image's busybox).
+    pub fn make_warm_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
+        let warm = self
+            .agent
+            .exec(
+                &forkbox_proto::ExecRequest::shell("true"),
+                None,
+                &mut |_, _| {},
+            )
+            .map_err(|e| VmError::WarmUp(e.to_string()))?;
+        if !warm.success() {
+            return Err(VmError::WarmUp(format!("it ended with {:?}", warm.status)));
+        }
+        self.make_zygote()
+    }
+
+    /// Writes a snapshot of the VM into `dir` (created by the VMM); the VM
+    /// keeps its run state. Returns the bytes written.
+    pub fn snapshot(&mut self, dir: &Path) -> Result<u64, VmError> {
+        let then = match self.state {
+            RunState::Running => Then::Resume,
+            RunState::Paused | RunState::Zygote => Then::Pause,
+        };
+        Ok(self.control.snapshot(dir, then)?)
+    }
+}
+
+/// Bound on an agent's hello once the VM is up. An agent too busy to
+/// answer makes the handshake wait, and a loaded host (100 fork children
+/// exec'ing at once on 2 emulated CPUs) takes more than the client's
+/// default 5 s; a dead VMM still fails the call at once.
+const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
+
+/// The client of the agent behind a VMM's hybrid vsock socket.
+fn agent_client(vsock_uds: &Path) -> AgentClient {
+    AgentClient::hybrid_vsock(vsock_uds, AGENT_PORT).with_handshake_timeout(AGENT_HANDSHAKE)
+}

@@ -1,0 +1,235 @@
+//! The VMM process behind a [`Vm`]: spawned by us or forked from another
+//! VMM (then watched by pidfd, ours once reparented: we are a subreaper),
+//! signalled, waited for and reaped off the caller's path; and the VM's
+//! directory, which outlives a process that dies without dropping it.
+
+use std::os::fd::OwnedFd;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
+
+use crate::control::ChildPaths;
+use crate::testbed;
+
+use super::*;
+
+/// The VMM process behind a [`Vm`].
+pub(super) enum Vmm {
+    /// Started by us: our child.
+    Spawned(Child),
+    /// Forked from another VMM: its parent's child until that parent dies,
+    /// then ours (we are a subreaper). Signalled and watched by pidfd.
+    Forked { pid: u32, pidfd: OwnedFd },
+}
+
+/// Makes this process a child subreaper, once: VMMs forked from VMMs we
+/// started are reparented to us when their parent dies.
+pub fn become_subreaper() -> Result<(), VmError> {
+    static DONE: OnceLock<Result<(), std::io::ErrorKind>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
+            .map_err(|e| std::io::Error::from(e).kind())
+    })
+    .map_err(|k| VmError::Subreaper(k.into()))
+}
+
+/// A VM's directory: its control and vsock sockets and serial log.
+/// Removed with the VM; it outlives a process that dies without dropping
+/// it, so that a restarted daemon can find the VM again.
+pub(super) struct VmDir(pub(super) PathBuf);
+
+impl VmDir {
+    pub(super) fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl VmDir {
+    /// No directory (what is left of one handed on).
+    pub(super) fn none() -> Self {
+        VmDir(PathBuf::new())
+    }
+
+    /// Leaves the directory in place.
+    pub(super) fn keep(&mut self) {
+        self.0 = PathBuf::new();
+    }
+}
+
+impl Drop for VmDir {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+pub(super) fn vm_dir(prefix: &str) -> Result<VmDir, VmError> {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .map(|d| VmDir(d.keep()))
+        .map_err(VmError::Io)
+}
+
+pub(super) fn paths_in(dir: &Path) -> ChildPaths {
+    ChildPaths {
+        control: dir.join("control.sock"),
+        vsock_uds: dir.join("vsock.sock"),
+        serial_log: dir.join("serial.log"),
+        net_log: None,
+        net_broker: None,
+    }
+}
+
+impl Vm {
+    /// Whether the VMM has ended (without reaping it).
+    pub(super) fn has_exited(&mut self) -> bool {
+        match &mut self.vmm {
+            Some(Vmm::Spawned(c)) => !matches!(c.try_wait(), Ok(None)),
+            Some(Vmm::Forked { pidfd, .. }) => pidfd_exited(pidfd, Duration::ZERO),
+            None => true,
+        }
+    }
+
+    /// Sends SIGKILL to the VMM (the `Vm` stays; drop it to reap).
+    pub fn kill(&mut self) {
+        match &mut self.vmm {
+            Some(Vmm::Spawned(c)) => {
+                let _ = c.kill();
+            }
+            Some(Vmm::Forked { pidfd, .. }) => {
+                let _ = rustix::process::pidfd_send_signal(&*pidfd, Signal::KILL);
+            }
+            None => {}
+        }
+    }
+
+    /// The last `lines` lines the guest wrote to its serial console.
+    pub fn serial_tail(&self, lines: usize) -> String {
+        testbed::tail(&self.dir.path().join("serial.log"), lines)
+    }
+
+    /// The VMM's process id.
+    pub fn pid(&self) -> u32 {
+        match &self.vmm {
+            Some(Vmm::Spawned(c)) => c.id(),
+            Some(Vmm::Forked { pid, .. }) => *pid,
+            None => 0,
+        }
+    }
+
+    /// Waits up to `timeout` for the VMM to exit by itself. For a forked
+    /// VMM whose parent VMM still lives, the status goes to that parent:
+    /// then a signal-less, code-less status (`from_raw(0)`) is not
+    /// returned; an error says so instead.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::io::Result<Option<ExitStatus>> {
+        match &mut self.vmm {
+            Some(Vmm::Spawned(child)) => {
+                let start = Instant::now();
+                while start.elapsed() < timeout {
+                    if let Some(status) = child.try_wait()? {
+                        return Ok(Some(status));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(None)
+            }
+            Some(Vmm::Forked { pid, pidfd }) => {
+                if !pidfd_exited(pidfd, timeout) {
+                    return Ok(None);
+                }
+                match reap_pid(*pid)? {
+                    Some(status) => Ok(Some(status)),
+                    None => Err(std::io::Error::other(
+                        "the forked VMM exited; its status went to its parent VMM",
+                    )),
+                }
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+pub(super) fn pidfd_of(pid: u32) -> Result<OwnedFd, VmError> {
+    let gone = |source| VmError::ChildGone { pid, source };
+    let p = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| gone(std::io::Error::other("bad pid")))?;
+    rustix::process::pidfd_open(p, PidfdFlags::empty()).map_err(|e| gone(e.into()))
+}
+
+/// Whether the process behind `pidfd` has exited, waiting up to `timeout`.
+pub(super) fn pidfd_exited(pidfd: &OwnedFd, timeout: Duration) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let ts = Timespec {
+        tv_sec: timeout.as_secs() as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    matches!(poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+}
+
+/// Reaps `pid` if it is our (reparented) child and has exited.
+pub(super) fn reap_pid(pid: u32) -> std::io::Result<Option<ExitStatus>> {
+    let Some(p) = i32::try_from(pid).ok().and_then(Pid::from_raw) else {
+        return Ok(None);
+    };
+    match rustix::process::waitpid(Some(p), WaitOptions::NOHANG) {
+        Ok(Some((_, status))) => Ok(Some(ExitStatus::from_raw(status.as_raw()))),
+        Ok(None) => Ok(None),
+        // Not our child: its parent VMM reaps it.
+        Err(rustix::io::Errno::CHILD) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+        let Some(vmm) = self.vmm.take() else {
+            return;
+        };
+        // Reap off the caller's path: a VM's teardown takes 17-88 ms.
+        let reaped = std::thread::Builder::new()
+            .name("vm-reap".into())
+            .spawn(move || reap_vmm(vmm));
+        if let Err(e) = reaped {
+            eprintln!("forkbox: cannot start a reaper thread: {e}");
+        }
+    }
+}
+
+pub(super) fn reap_vmm(vmm: Vmm) {
+    match vmm {
+        Vmm::Spawned(mut child) => {
+            let _ = child.wait();
+        }
+        Vmm::Forked { pid, pidfd } => {
+            // Exited (a zombie counts); if it is ours by now, reap it,
+            // otherwise its parent VMM does.
+            if pidfd_exited(&pidfd, Duration::from_secs(30)) {
+                let _ = reap_pid(pid);
+            }
+        }
+    }
+}
+
+/// "powered off", "kernel panic", "exit code 1", "killed by signal 9".
+pub fn describe_exit(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(vmm_exit::POWERED_OFF), _) => "the guest powered off".into(),
+        (Some(vmm_exit::REBOOTED), _) => "the guest rebooted".into(),
+        (Some(vmm_exit::PANICKED), _) => "the guest kernel panicked".into(),
+        (Some(vmm_exit::ERROR), _) => "forkbox-vmm failed; its error is above".into(),
+        (Some(code), _) => format!("forkbox-vmm exited with code {code}"),
+        (None, Some(sig)) => format!("forkbox-vmm was killed by signal {sig}"),
+        (None, None) => "forkbox-vmm ended".into(),
+    }
+}
