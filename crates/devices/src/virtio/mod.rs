@@ -176,3 +176,47 @@ impl<const N: usize> Active<N> {
         used
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use vmm_sys_util::eventfd::EventFd;
+
+    use super::*;
+    use crate::virtio::testutil::{memory, Driver};
+
+    fn interrupt() -> Interrupt {
+        Interrupt::new(Arc::new(EventFd::new(0).expect("eventfd")))
+    }
+
+    #[test]
+    fn active_new_with_wrong_queue_count_fails() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        let err = Active::<2>::new(mem.clone(), vec![drv.queue()], interrupt())
+            .err()
+            .expect("one queue for two");
+        assert!(matches!(err, ActivateError::QueueCount { got: 1, want: 2 }));
+    }
+
+    #[test]
+    fn active_save_restore_round_trips_queue_positions() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        let active =
+            Active::<1>::new(mem.clone(), vec![drv.queue()], interrupt()).expect("activate");
+        let saved = active.save();
+        let back = Active::<1>::restore(mem.clone(), interrupt(), Some(&saved))
+            .expect("restore")
+            .expect("was active");
+        assert_eq!(back.save(), saved);
+        assert!(Active::<1>::restore(mem.clone(), interrupt(), None)
+            .expect("restore")
+            .is_none());
+        assert!(matches!(
+            Active::<2>::restore(mem, interrupt(), Some(&saved)),
+            Err(RestoreError::QueueCount { got: 1, want: 2 })
+        ));
+    }
+}
