@@ -8,7 +8,6 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::{ChildStdin, Command, Stdio};
@@ -540,7 +539,7 @@ fn lookup_user(user: &User) -> Result<Account, AgentError> {
 }
 
 fn current_home() -> String {
-    let uid = fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    let uid = sys::effective_uid();
     passwd_entries()
         .into_iter()
         .find(|a| a.uid == uid)

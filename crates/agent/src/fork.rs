@@ -15,17 +15,18 @@ use crate::sys;
 /// killed; the exec threads allow 2 s for pipes held outside the group).
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Whether this agent may change the machine it runs on.
+/// Where this agent runs, which decides whether it may change the
+/// system's clock and RNG.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Machine {
-    /// PID 1 of a forkbox guest: the machine is ours.
+pub enum RunsOn {
+    /// PID 1 of a forkbox guest: the system is ours.
     Guest,
     /// `serve` mode on some host: never touch its clock or RNG.
     Host,
 }
 
 pub fn after_fork(
-    machine: Machine,
+    runs_on: RunsOn,
     execs: &ExecTable,
     unix_time_ns: u64,
     entropy: &[u8],
@@ -42,8 +43,8 @@ pub fn after_fork(
     let before = now_ns();
     let clock_offset_ns = (i128::from(before) - i128::from(unix_time_ns))
         .clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
-    let (clock, rng) = match machine {
-        Machine::Host => {
+    let (clock, rng) = match runs_on {
+        RunsOn::Host => {
             let reason = "not PID 1 of a guest: serve mode never changes its host's clock or RNG";
             (
                 HookStep::Skipped {
@@ -54,7 +55,7 @@ pub fn after_fork(
                 },
             )
         }
-        Machine::Guest => {
+        RunsOn::Guest => {
             sys::set_realtime(unix_time_ns)
                 .map_err(|e| AgentError::new(ErrorKind::Internal, format!("clock_settime: {e}")))?;
             sys::add_entropy_and_reseed(entropy).map_err(|e| {

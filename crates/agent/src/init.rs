@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use forkbox_proto::BootInfo;
 
-use crate::sys;
+use crate::sys::{self, MountFlags};
 
 const MODULES_LIST: &str = "/forkbox/modules.list";
 const ROOT_WAIT: Duration = Duration::from_secs(10);
@@ -87,11 +87,11 @@ fn mount(
     source: &str,
     target: &str,
     fstype: &str,
-    flags: libc::c_ulong,
+    flags: MountFlags,
     data: Option<&str>,
 ) -> Result<(), InitError> {
     mkdir(target)?;
-    sys::mount(source, target, Some(fstype), flags, data).map_err(|source| InitError::Mount {
+    sys::mount(source, target, fstype, flags, data).map_err(|source| InitError::Mount {
         target: target.into(),
         fstype: fstype.into(),
         source,
@@ -100,7 +100,7 @@ fn mount(
 
 /// Mounts that may already exist (EBUSY is fine).
 fn mount_early(source: &str, target: &str, fstype: &str) -> Result<(), InitError> {
-    match mount(source, target, fstype, libc::MS_NOSUID, None) {
+    match mount(source, target, fstype, MountFlags::NOSUID, None) {
         Err(InitError::Mount { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {
             Ok(())
         }
@@ -117,9 +117,7 @@ fn attach_console() {
         .open("/dev/console")
     {
         Ok(console) => {
-            for fd in 0..3 {
-                let _ = sys::dup2(&console, fd);
-            }
+            let _ = sys::set_stdio(&console);
         }
         Err(e) => crate::log(&format!("cannot open /dev/console: {e}")),
     }
@@ -185,21 +183,27 @@ fn wait_for(dev: &str) -> Result<(), InitError> {
 /// `/dev`, `/proc`, `/sys` moved in and the root switched.
 fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
     wait_for(dev)?;
-    mount(dev, "/.lower", fstype, libc::MS_RDONLY, None)?;
-    mount("tmpfs", "/.rw", "tmpfs", 0, Some("mode=0755"))?;
+    mount(dev, "/.lower", fstype, MountFlags::RDONLY, None)?;
+    mount(
+        "tmpfs",
+        "/.rw",
+        "tmpfs",
+        MountFlags::empty(),
+        Some("mode=0755"),
+    )?;
     mkdir("/.rw/upper")?;
     mkdir("/.rw/work")?;
     mount(
         "overlay",
         "/newroot",
         "overlay",
-        0,
+        MountFlags::empty(),
         Some("lowerdir=/.lower,upperdir=/.rw/upper,workdir=/.rw/work"),
     )?;
     for dir in ["/dev", "/proc", "/sys"] {
         let target = format!("/newroot{dir}");
         mkdir(&target)?;
-        sys::mount(dir, &target, None, libc::MS_MOVE, None).map_err(|source| InitError::Mount {
+        sys::mount_move(dir, &target).map_err(|source| InitError::Mount {
             target,
             fstype: "move".into(),
             source,
@@ -209,7 +213,7 @@ fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
     // As switch_root(8): the initramfs cannot be pivot_root'ed, so move the
     // new root over `/` and chroot into it.
     std::env::set_current_dir("/newroot").map_err(InitError::SwitchRoot)?;
-    sys::mount(".", "/", None, libc::MS_MOVE, None).map_err(InitError::SwitchRoot)?;
+    sys::mount_move(".", "/").map_err(InitError::SwitchRoot)?;
     std::os::unix::fs::chroot(".").map_err(InitError::SwitchRoot)?;
     std::env::set_current_dir("/").map_err(InitError::SwitchRoot)?;
     Ok(())
@@ -259,7 +263,7 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
         ("tmpfs", "/run", "tmpfs", Some("mode=0755")),
     ];
     for (src, target, fstype, data) in extra {
-        let flags = libc::MS_NOSUID | libc::MS_NODEV;
+        let flags = MountFlags::NOSUID | MountFlags::NODEV;
         if let Err(e) = mount(src, target, fstype, flags, data) {
             crate::log(&crate::chain(&e));
         }

@@ -13,7 +13,9 @@
 //! - `forkbox-agent serve --listen vsock:PORT`: serve on vsock, no init.
 //!
 //! Module map:
-//! - `sys`: every raw syscall (the only unsafe code);
+//! - `sys`: every syscall: rustix's safe calls where it has them, raw
+//!   `libc` for the rest (the only unsafe code: the crate denies
+//!   `unsafe_code`, and only `sys` is allowed it);
 //! - `init`: mounts, modules, root overlay, switch root, hostname, `lo`;
 //! - `reaper`: the single `wait` loop dispatching exit statuses;
 //! - `server`: accept loop, handshake, request dispatch;
@@ -25,6 +27,8 @@
 //! - `fork`: the after-fork hook (clock, RNG reseed, cut-off execs);
 //! - `files`: file and tar requests.
 
+#![deny(unsafe_code)]
+
 mod background;
 mod exec;
 mod execs;
@@ -34,6 +38,7 @@ mod init;
 mod ports;
 mod reaper;
 mod server;
+#[allow(unsafe_code)]
 mod sys;
 
 use std::io::Write;

@@ -15,7 +15,7 @@ use forkbox_proto::{
 };
 
 use crate::execs::ExecTable;
-use crate::fork::{self, Machine};
+use crate::fork::{self, RunsOn};
 use crate::reaper::Reaper;
 use crate::{background, exec, files, ports, sys};
 
@@ -61,10 +61,10 @@ pub struct Agent {
 }
 
 impl Agent {
-    fn machine(&self) -> Machine {
+    fn runs_on(&self) -> RunsOn {
         match self.on_shutdown {
-            ShutdownAction::PowerOff => Machine::Guest,
-            ShutdownAction::Exit => Machine::Host,
+            ShutdownAction::PowerOff => RunsOn::Guest,
+            ShutdownAction::Exit => RunsOn::Host,
         }
     }
 }
@@ -157,7 +157,7 @@ fn handle(conn: &UnixStream, agent: &Agent) {
             entropy,
         } => reply(
             conn,
-            fork::after_fork(agent.machine(), &agent.execs, unix_time_ns, &entropy)
+            fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy)
                 .map(|report| Response::AfterFork { report }),
         ),
         Request::ReadFile { path } => files::read_file(conn, &path),

@@ -1,15 +1,25 @@
-//! Every raw syscall the agent makes: the only module with `unsafe`.
+//! Every syscall the agent makes: the only module with `unsafe`.
 //!
-//! Each wrapper takes Rust types, converts them to C ones that live across
-//! the call, and turns `-1` into `io::Error::last_os_error()`.
+//! Where `rustix` has a safe call for it, the wrapper is that call. What
+//! remains on raw `libc` (each with its `SAFETY` comment) is what rustix
+//! does not offer safely: `finit_module`, `waitid` that reports the pid
+//! without reaping, `kill` with any signal number (real-time ones
+//! included), binding an `AF_VSOCK` address, the interface, route and
+//! entropy ioctls, and the `pre_exec` hook. Those wrappers take Rust types,
+//! convert them to C ones that live across the call, and turn `-1` into
+//! `io::Error::last_os_error()`.
 
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::mem;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
+
+pub use rustix::mount::MountFlags;
+use rustix::net::{AddressFamily, SocketFlags, SocketType};
+use rustix::process::{Pid, WaitOptions};
 
 fn cstring(s: &str) -> io::Result<CString> {
     CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in string"))
@@ -30,41 +40,30 @@ fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
 /// output stream cost 128 pages (0.5 MiB) per exec.
 pub fn read_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>) -> io::Result<usize> {
     buf.clear();
-    let spare = buf.spare_capacity_mut();
-    // SAFETY: the kernel writes at most `spare.len()` bytes into the
-    // vector's allocation, which `buf` owns for the call.
-    let n = unsafe { libc::read(fd.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len()) };
-    let n = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;
-    // SAFETY: read(2) initialised the first `n` bytes of the spare capacity.
-    unsafe { buf.set_len(n) };
-    Ok(n)
+    Ok(rustix::io::read(fd, rustix::buffer::spare_capacity(buf))?)
 }
 
-/// `mount(2)`.
+/// `mount(2)` of a file system.
 pub fn mount(
     source: &str,
     target: &str,
-    fstype: Option<&str>,
-    flags: libc::c_ulong,
+    fstype: &str,
+    flags: MountFlags,
     data: Option<&str>,
 ) -> io::Result<()> {
-    let source = cstring(source)?;
-    let target = cstring(target)?;
-    let fstype = fstype.map(cstring).transpose()?;
     let data = data.map(cstring).transpose()?;
-    // SAFETY: every pointer is either null (allowed by mount(2) for fstype
-    // and data) or points into a CString that outlives the call.
-    let ret = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
-            flags,
-            data.as_ref()
-                .map_or(std::ptr::null(), |s| s.as_ptr().cast::<libc::c_void>()),
-        )
-    };
-    check(ret).map(drop)
+    Ok(rustix::mount::mount(
+        source,
+        target,
+        fstype,
+        flags,
+        data.as_deref(),
+    )?)
+}
+
+/// `mount(2)` with `MS_MOVE`: moves the mount at `source` to `target`.
+pub fn mount_move(source: &str, target: &str) -> io::Result<()> {
+    Ok(rustix::mount::mount_move(source, target)?)
 }
 
 /// `finit_module(2)` with no parameters.
@@ -89,47 +88,49 @@ pub fn finit_module(module: &File) -> io::Result<()> {
 
 /// `sethostname(2)`.
 pub fn sethostname(name: &str) -> io::Result<()> {
-    // SAFETY: the pointer and length describe `name`'s bytes, which are
-    // valid for the duration of the call; the kernel copies them.
-    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
+    Ok(rustix::system::sethostname(name.as_bytes())?)
 }
 
 /// `sync(2)`.
 pub fn sync() {
-    // SAFETY: sync takes no arguments and cannot fail.
-    unsafe { libc::sync() }
+    rustix::fs::sync();
 }
 
-/// `reboot(RB_POWER_OFF)`. Returns only on failure.
+/// `reboot(RB_POWER_OFF)`. Returns only on failure (e.g. EPERM outside
+/// PID 1's rights).
 pub fn power_off() -> io::Error {
-    // SAFETY: reboot with a valid command constant; it either stops the
-    // machine or fails with errno set (e.g. EPERM outside PID 1's rights).
-    unsafe { libc::reboot(libc::RB_POWER_OFF) };
-    io::Error::last_os_error()
+    match rustix::system::reboot(rustix::system::RebootCommand::PowerOff) {
+        Ok(()) => io::Error::other("reboot(RB_POWER_OFF) returned"),
+        Err(e) => e.into(),
+    }
 }
 
 /// Makes this process the reaper of its orphaned descendants (what PID 1
 /// is anyway), so `serve` mode exercises the same reaping paths.
 pub fn set_child_subreaper() -> io::Result<()> {
-    // SAFETY: PR_SET_CHILD_SUBREAPER takes one integer argument and
-    // touches no memory of ours.
-    check(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) }).map(drop)
+    Ok(rustix::process::set_child_subreaper(Some(
+        rustix::process::getpid(),
+    ))?)
 }
 
-/// `dup2(from, to)`.
-pub fn dup2(from: &impl AsRawFd, to: RawFd) -> io::Result<()> {
-    // SAFETY: `from` is an open fd borrowed for the call; replacing `to`
-    // (0, 1 or 2 here) is the intent, and nothing in the agent holds an
-    // owned handle to those descriptors.
-    check(unsafe { libc::dup2(from.as_raw_fd(), to) }).map(drop)
+/// `geteuid(2)`.
+pub fn effective_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// Makes `to` this process's stdin, stdout and stderr (each tried even if
+/// another fails; the first error is returned).
+pub fn set_stdio(to: &impl AsFd) -> io::Result<()> {
+    let stdin = rustix::stdio::dup2_stdin(to);
+    let stdout = rustix::stdio::dup2_stdout(to);
+    let stderr = rustix::stdio::dup2_stderr(to);
+    Ok(stdin.and(stdout).and(stderr)?)
 }
 
 /// Raises a pipe's capacity (`F_SETPIPE_SZ`); best effort.
-pub fn set_pipe_size(pipe: &impl AsRawFd, size: usize) -> io::Result<()> {
-    let size = libc::c_int::try_from(size)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pipe size too large"))?;
-    // SAFETY: F_SETPIPE_SZ on a borrowed, open pipe fd; no memory passed.
-    check(unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_SETPIPE_SZ, size) }).map(drop)
+pub fn set_pipe_size(pipe: &impl AsFd, size: usize) -> io::Result<()> {
+    rustix::pipe::fcntl_setpipe_size(pipe, size)?;
+    Ok(())
 }
 
 /// Makes the command the leader of a new session (and so of a new process
@@ -137,13 +138,12 @@ pub fn set_pipe_size(pipe: &impl AsRawFd, size: usize) -> io::Result<()> {
 /// starts.
 pub fn spawn_in_new_session(cmd: &mut Command) {
     // SAFETY: the closure runs between fork and exec in the child, where
-    // only async-signal-safe calls are allowed: setsid is one, and the
-    // closure neither allocates nor takes locks.
+    // only async-signal-safe calls are allowed: rustix's setsid is the bare
+    // system call, and the closure neither allocates nor takes locks (its
+    // error converts to an `io::Error` that holds only the errno).
     unsafe {
         cmd.pre_exec(|| {
-            if libc::setsid() == -1 {
-                return Err(io::Error::last_os_error());
-            }
+            rustix::process::setsid()?;
             Ok(())
         });
     }
@@ -183,26 +183,19 @@ pub fn wait_any_exited() -> io::Result<u32> {
 /// Reaps `pid` if it is a zombie: `Ok(None)` if it is not (yet) or no
 /// longer our child.
 pub fn reap(pid: u32) -> io::Result<Option<WaitStatus>> {
-    let pid = libc::pid_t::try_from(pid)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "bad pid"))?;
-    let mut status: libc::c_int = 0;
-    // SAFETY: `status` is a valid writable int for the kernel.
-    let ret = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-    if ret == -1 {
-        let e = io::Error::last_os_error();
-        return if e.raw_os_error() == Some(libc::ECHILD) {
-            Ok(None)
-        } else {
-            Err(e)
-        };
-    }
-    if ret == 0 {
-        return Ok(None);
-    }
-    if libc::WIFEXITED(status) {
-        Ok(Some(WaitStatus::Exited(libc::WEXITSTATUS(status))))
-    } else if libc::WIFSIGNALED(status) {
-        Ok(Some(WaitStatus::Signaled(libc::WTERMSIG(status))))
+    let pid = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "bad pid"))?;
+    let status = match rustix::process::waitpid(Some(pid), WaitOptions::NOHANG) {
+        Ok(Some((_, status))) => status,
+        Ok(None) | Err(rustix::io::Errno::CHILD) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(code) = status.exit_status() {
+        Ok(Some(WaitStatus::Exited(code)))
+    } else if let Some(signal) = status.terminating_signal() {
+        Ok(Some(WaitStatus::Signaled(signal)))
     } else {
         Ok(None)
     }
@@ -210,26 +203,28 @@ pub fn reap(pid: u32) -> io::Result<Option<WaitStatus>> {
 
 /// Whether the peer of a connected stream socket has closed or shut down
 /// its write side (`POLLRDHUP`), without consuming any data.
-pub fn peer_hung_up(sock: &impl AsRawFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: libc::POLLRDHUP,
-        revents: 0,
+pub fn peer_hung_up(sock: &impl AsFd) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let mut pfd = [PollFd::new(sock, PollFlags::RDHUP)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
     };
-    // SAFETY: one valid pollfd, count 1, zero timeout; the fd is borrowed
-    // open for the duration of the call.
-    let ret = unsafe { libc::poll(&mut pfd, 1, 0) };
-    ret > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    let ready = rustix::event::poll(&mut pfd, Some(&zero)).unwrap_or(0);
+    ready > 0
+        && pfd[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
 }
 
 /// A listening `AF_VSOCK` stream socket on `port`, any CID.
 pub fn vsock_listen(port: u32) -> io::Result<OwnedFd> {
-    // SAFETY: plain socket(2) call; the returned fd is checked and then
-    // owned exactly once.
-    let fd =
-        check(unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = rustix::net::socket_with(
+        AddressFamily::VSOCK,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     // SAFETY: sockaddr_vm is plain old data; all-zero is valid.
     let mut addr: libc::sockaddr_vm = unsafe { mem::zeroed() };
     addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
@@ -244,52 +239,25 @@ pub fn vsock_listen(port: u32) -> io::Result<OwnedFd> {
             mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
         )
     })?;
-    // SAFETY: listen on a bound socket fd we own.
-    check(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
+    rustix::net::listen(&fd, 128)?;
     Ok(fd)
 }
 
 /// Accepts one connection on a listening socket (any family).
 pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
     loop {
-        // SAFETY: null address pointers are allowed by accept4(2) when the
-        // peer address is not wanted.
-        let ret = unsafe {
-            libc::accept4(
-                listener.as_raw_fd(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                libc::SOCK_CLOEXEC,
-            )
-        };
-        match check(ret) {
-            // SAFETY: accept4 returned a fresh fd that nothing else owns.
-            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
+        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
+            Ok(fd) => return Ok(fd),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
 
 /// Sets `IFF_UP` on a network interface (used for `lo`).
 pub fn interface_up(name: &str) -> io::Result<()> {
-    // SAFETY: plain socket(2) call; the fd is checked and owned once.
-    let fd =
-        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: fresh fd from socket(2), owned by nobody else.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ifreq is plain old data; all-zero is valid.
-    let mut req: libc::ifreq = unsafe { mem::zeroed() };
-    let bytes = name.as_bytes();
-    if bytes.len() >= req.ifr_name.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "interface name too long",
-        ));
-    }
-    for (dst, src) in req.ifr_name.iter_mut().zip(bytes) {
-        *dst = *src as libc::c_char;
-    }
+    let sock = inet_socket()?;
+    let mut req = ifreq_for(name)?;
     // SAFETY: SIOCGIFFLAGS reads the NUL-terminated name from `req` and
     // writes the flags into it; `req` is valid and writable.
     check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) })?;
@@ -302,14 +270,16 @@ pub fn interface_up(name: &str) -> io::Result<()> {
 
 /// `clock_settime(CLOCK_REALTIME)` to `unix_time_ns`.
 pub fn set_realtime(unix_time_ns: u64) -> io::Result<()> {
-    let ts = libc::timespec {
-        tv_sec: libc::time_t::try_from(unix_time_ns / 1_000_000_000)
+    let ts = rustix::time::Timespec {
+        tv_sec: i64::try_from(unix_time_ns / 1_000_000_000)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "time out of range"))?,
-        tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
+        // Below 10^9: fits.
+        tv_nsec: (unix_time_ns % 1_000_000_000) as _,
     };
-    // SAFETY: `ts` is a valid timespec that outlives the call; the kernel
-    // only reads it.
-    check(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map(drop)
+    Ok(rustix::time::clock_settime(
+        rustix::time::ClockId::Realtime,
+        ts,
+    )?)
 }
 
 /// `_IOW('R', 0x03, int[2])` from `<linux/random.h>`.
@@ -349,11 +319,12 @@ pub fn add_entropy_and_reseed(bytes: &[u8]) -> io::Result<()> {
 
 /// An AF_INET socket for interface and route ioctls.
 fn inet_socket() -> io::Result<OwnedFd> {
-    // SAFETY: plain socket(2) call; the fd is checked and owned once.
-    let fd =
-        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: fresh fd from socket(2), owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    Ok(rustix::net::socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
 }
 
 /// `addr` as a `struct sockaddr` (AF_INET, port 0).

@@ -6,7 +6,10 @@
 //! ([`virtio::net`]).
 //!
 //! Module map:
-//! - [`virtio`]: the [`virtio::VirtioDevice`] trait and activation errors.
+//! - [`virtio`]: the [`virtio::VirtioDevice`] trait (configuration-space
+//!   reads shared as default methods), [`virtio::Active`] (what every
+//!   activated device holds: queue count checks, save and restore of its
+//!   queues, serving a queue's chains) and activation errors.
 //!   - [`virtio::mmio`]: virtio-mmio v2 registers; [`virtio::mmio::MmioTransport`]
 //!     is the [`BusDevice`] + [`EventSource`] the VMM maps for each device.
 //!   - [`virtio::chain`]: descriptor chains flattened into readable and

@@ -8,6 +8,11 @@
 //! connects can be answered out of order. The broker also sends the
 //! sandbox's policy, first on every connection and again whenever it
 //! changes, so the VMM's gateway decides (and logs) with the same rules.
+//!
+//! [`link`] moves one message (and its fd) across the socket, for both
+//! ends.
+
+pub mod link;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 

@@ -1,8 +1,10 @@
 //! The sandbox network, sans-IO.
 //!
 //! Owns: what a sandbox's guest may reach and the record of what it tried.
-//! Bytes and decisions in, bytes and events out; no sockets, no clocks, no
-//! threads here, so every piece is unit-tested and fuzzable without a VM.
+//! Bytes and decisions in, bytes and events out; no sockets of its own, no
+//! clocks, no threads here, so every piece is unit-tested and fuzzable
+//! without a VM. The one piece of I/O is [`broker::link`]: a message and its
+//! fd across a socket the caller owns, written once for both ends.
 //!
 //! Module map:
 //! - [`policy`]: egress rules (`allow_out` / `deny_out`: names, `*.suffix`,
@@ -15,6 +17,8 @@
 //!   connection relayed to a host stream a [`gateway::Connector`] opens.
 //! - [`broker`]: the messages between a VMM and the broker that resolves
 //!   names and opens connections for it, and the broker's own decision.
+//!   - [`broker::link`]: one message with its `SCM_RIGHTS` fd sent or
+//!     received on a `SOCK_SEQPACKET` socket (safe `rustix` calls).
 //!
 //! Must not depend on KVM, the VMM or the daemon: the VMM feeds this crate
 //! frames from its virtio-net device and the daemon feeds it policies.

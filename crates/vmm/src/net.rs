@@ -27,26 +27,23 @@
 //! guest's old connections are answered with RST by the new gateway.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSliceMut};
-use std::mem::MaybeUninit;
+use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox_devices::virtio::net::FrameBackend;
-use forkbox_net::broker::{BrokerMessage, BrokerRequest, MAX_MESSAGE};
+use forkbox_net::broker::link::{recv_message, send_request};
+use forkbox_net::broker::{BrokerMessage, BrokerRequest};
 use forkbox_net::dns::{ResolveError, Resolver};
 use forkbox_net::gateway::{
     ConnId, ConnectOutcome, ConnectRequest, Connector, Gateway, GatewayConfig, Now, GATEWAY_IP,
 };
 use forkbox_net::log::JsonLinesWriter;
 use forkbox_net::policy::{Policy, HOST_INTERNAL};
-use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketAddrUnix,
-    SocketFlags, SocketType,
-};
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
@@ -129,50 +126,6 @@ fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
     )?;
     rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
     Ok(fd)
-}
-
-fn send_request(fd: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
-    let msg = serde_json::to_vec(req).map_err(io::Error::other)?;
-    rustix::net::send(fd, &msg, SendFlags::NOSIGNAL)?;
-    Ok(())
-}
-
-/// Receives one message and the fd it carries, if any. `Ok(None)`: the
-/// broker hung up.
-///
-/// The buffer is the message's own size (peeked first), not
-/// [`MAX_MESSAGE`]: a zeroed 64 KiB allocation per call wrote 16 heap
-/// pages in every fork child (its first message is the policy) and in every
-/// poll of the link that found nothing.
-fn recv_message(fd: impl AsFd) -> io::Result<Option<(BrokerMessage, Option<OwnedFd>)>> {
-    let fd = fd.as_fd();
-    // Only this thread reads the link, so the peeked message is the one
-    // `recvmsg` takes; a longer one is cut at MAX_MESSAGE, as before.
-    let mut nothing: [u8; 0] = [];
-    let (_, len) = rustix::net::recv(fd, &mut nothing[..], RecvFlags::PEEK | RecvFlags::TRUNC)?;
-    let mut buf = vec![0u8; len.min(MAX_MESSAGE)];
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut control = RecvAncillaryBuffer::new(&mut space);
-    let got = rustix::net::recvmsg(
-        fd,
-        &mut [IoSliceMut::new(&mut buf)],
-        &mut control,
-        RecvFlags::CMSG_CLOEXEC,
-    )?;
-    let mut passed = None;
-    for msg in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(fds) = msg {
-            for fd in fds {
-                // One expected; any more are closed as they drop.
-                passed.get_or_insert(fd);
-            }
-        }
-    }
-    if got.bytes == 0 {
-        return Ok(None);
-    }
-    let msg = serde_json::from_slice(&buf[..got.bytes]).map_err(io::Error::other)?;
-    Ok(Some((msg, passed)))
 }
 
 /// Waits (up to [`BLOCKING_LIMIT`]) for the policy a broker sends first
@@ -651,72 +604,5 @@ impl FrameBackend for GatewayBackend {
             }
         }
         self.poll();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use forkbox_net::broker::BrokerReply;
-    use rustix::net::{socketpair, SendAncillaryBuffer, SendAncillaryMessage};
-
-    fn pair() -> (OwnedFd, OwnedFd) {
-        socketpair(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .expect("socketpair")
-    }
-
-    fn send_with_fd(sock: &OwnedFd, msg: &[u8], fd: Option<&OwnedFd>) {
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        let fds;
-        if let Some(fd) = fd {
-            fds = [fd.as_fd()];
-            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
-        }
-        rustix::net::sendmsg(
-            sock,
-            &[std::io::IoSlice::new(msg)],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        )
-        .expect("sendmsg");
-    }
-
-    #[test]
-    fn recv_message_sized_messages_arrive_whole_with_their_fd() {
-        let (a, b) = pair();
-        let reply = BrokerReply {
-            id: 7,
-            ok: false,
-            addresses: Vec::new(),
-            not_found: false,
-            // Longer than a page, shorter than MAX_MESSAGE.
-            error: Some("x".repeat(10_000)),
-        };
-        let bytes = serde_json::to_vec(&BrokerMessage::Reply(reply.clone())).expect("json");
-        let (passed, _keep) = pair();
-        send_with_fd(&a, &bytes, Some(&passed));
-        send_with_fd(&a, br#"{"id":8,"ok":true}"#, None);
-        let (first, fd) = recv_message(&b).expect("recv").expect("a message");
-        assert_eq!(first, BrokerMessage::Reply(reply));
-        assert!(fd.is_some(), "the fd comes with its message");
-        let (second, fd) = recv_message(&b).expect("recv").expect("a message");
-        assert!(matches!(second, BrokerMessage::Reply(r) if r.id == 8 && r.ok));
-        assert!(fd.is_none());
-    }
-
-    #[test]
-    fn recv_message_hang_up_is_none_and_empty_link_would_block() {
-        let (a, b) = pair();
-        rustix::io::ioctl_fionbio(&b, true).expect("non-blocking");
-        let err = recv_message(&b).expect_err("nothing to read");
-        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
-        drop(a);
-        assert!(recv_message(&b).expect("recv").is_none());
     }
 }

@@ -8,6 +8,7 @@
 //! description cannot move our offset) into a bounded bounce buffer, then
 //! copy into guest memory: this keeps the crate free of `unsafe`.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::io;
 use std::os::fd::RawFd;
@@ -20,12 +21,12 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 
 use crate::virtio::chain::{Chain, ChainError};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
-use crate::virtio::persist::{self, BlockState, DeviceState, RestoreError};
-use crate::virtio::{ActivateError, VirtioDevice};
+use crate::virtio::persist::{BlockState, DeviceState, RestoreError};
+use crate::virtio::{ActivateError, Active, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
 /// Sector size of the virtio-blk protocol.
@@ -63,19 +64,13 @@ pub enum BlockError {
     Unsupported(u32),
 }
 
-struct Active {
-    mem: GuestMemory,
-    queue: Queue,
-    interrupt: Interrupt,
-}
-
 /// A read-only virtio block device backed by a file.
 pub struct Block {
     file: File,
     capacity: u64,
     id: [u8; VIRTIO_BLK_ID_BYTES as usize],
     acked_features: u64,
-    active: Option<Active>,
+    active: Option<Active<1>>,
     bounce: Vec<u8>,
 }
 
@@ -126,28 +121,20 @@ impl Block {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let mut used = false;
-        while let Some(chain) = active.queue.pop_descriptor_chain(&active.mem) {
-            let head = chain.head_index();
-            let len = match Chain::parse(chain) {
-                Ok(c) => handle_request(
-                    &self.file,
-                    self.capacity,
-                    &self.id,
-                    &mut self.bounce,
-                    &active.mem,
-                    &c,
-                ),
-                Err(e) => {
-                    tracing::debug!("virtio-blk: {}", BlockError::Chain(e));
-                    0
-                }
-            };
-            if let Err(e) = active.queue.add_used(&active.mem, head, len) {
-                tracing::warn!("virtio-blk: cannot return a used buffer: {e}");
+        let used = active.serve_all(0, |mem, chain| match chain {
+            Ok(c) => handle_request(
+                &self.file,
+                self.capacity,
+                &self.id,
+                &mut self.bounce,
+                mem,
+                &c,
+            ),
+            Err(e) => {
+                tracing::debug!("virtio-blk: {}", BlockError::Chain(e));
+                0
             }
-            used = true;
-        }
+        });
         if used {
             active.interrupt.signal_used_queue();
         }
@@ -296,40 +283,17 @@ impl VirtioDevice for Block {
         self.acked_features = features & self.features();
     }
 
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.config_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!(offset, "virtio-blk: ignoring config write");
+    fn config_space(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.config_bytes().to_vec())
     }
 
     fn activate(
         &mut self,
         mem: GuestMemory,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        if queues.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want: 1,
-            });
-        }
-        let queue = queues.remove(0);
-        self.active = Some(Active {
-            mem,
-            queue,
-            interrupt,
-        });
+        self.active = Some(Active::new(mem, queues, interrupt)?);
         Ok(())
     }
 
@@ -347,10 +311,7 @@ impl VirtioDevice for Block {
     fn save(&self) -> DeviceState {
         DeviceState::Block(BlockState {
             acked_features: self.acked_features,
-            queues: self
-                .active
-                .as_ref()
-                .map(|a| persist::save_queues([&a.queue])),
+            queues: self.active.as_ref().map(Active::save),
         })
     }
 
@@ -361,23 +322,10 @@ impl VirtioDevice for Block {
         state: &DeviceState,
     ) -> Result<(), RestoreError> {
         let DeviceState::Block(state) = state else {
-            return Err(RestoreError::WrongDevice {
-                expected: "block",
-                found: state.kind(),
-            });
+            return Err(state.wrong_device("block"));
         };
         self.acked_features = state.acked_features & self.features();
-        self.active = match &state.queues {
-            Some(saved) => {
-                let mut queues = persist::restore_queues(saved, 1)?;
-                Some(Active {
-                    mem,
-                    queue: queues.remove(0),
-                    interrupt,
-                })
-            }
-            None => None,
-        };
+        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
         // A kick the guest sent just before the capture went to the old
         // process's ioeventfd: serve whatever the ring holds now.
         self.process_queue();

@@ -551,16 +551,9 @@ mod tests {
         fn ack_features(&mut self, features: u64) {
             self.log.lock().expect("test lock").acked = features;
         }
-        fn read_config(&self, offset: u64, data: &mut [u8]) {
-            for (i, b) in data.iter_mut().enumerate() {
-                *b = self
-                    .config
-                    .get(offset as usize + i)
-                    .copied()
-                    .unwrap_or_default();
-            }
+        fn config_space(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.config)
         }
-        fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
         fn activate(
             &mut self,
             _mem: GuestMemory,

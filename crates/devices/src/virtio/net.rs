@@ -25,6 +25,7 @@
 //! Guest bytes are bounded: a tx chain longer than a header plus
 //! [`MAX_FRAME`] is returned unread (the frame is dropped and counted).
 
+use std::borrow::Cow;
 use std::os::fd::RawFd;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
@@ -33,8 +34,8 @@ use virtio_queue::{Queue, QueueT};
 
 use crate::virtio::chain::{Chain, ChainError};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
-use crate::virtio::persist::{self, DeviceState, NetState, RestoreError};
-use crate::virtio::{ActivateError, VirtioDevice};
+use crate::virtio::persist::{DeviceState, NetState, RestoreError};
+use crate::virtio::{ActivateError, Active, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
 /// Size of each queue.
@@ -94,18 +95,12 @@ pub struct NetCounters {
     pub rx_dropped: u64,
 }
 
-struct Active {
-    mem: GuestMemory,
-    queues: Vec<Queue>,
-    interrupt: Interrupt,
-}
-
 /// A virtio-net device in front of a [`FrameBackend`].
 pub struct Net {
     mac: [u8; 6],
     backend: Box<dyn FrameBackend>,
     acked_features: u64,
-    active: Option<Active>,
+    active: Option<Active<2>>,
     /// A frame taken from the backend that found no rx buffer yet.
     waiting: Option<Vec<u8>>,
     counters: NetCounters,
@@ -134,13 +129,11 @@ impl Net {
         let Some(active) = self.active.as_mut() else {
             return false;
         };
-        let mut used = false;
         let mut sent = false;
-        while let Some(chain) = active.queues[TX].pop_descriptor_chain(&active.mem) {
-            let head = chain.head_index();
-            let frame = Chain::parse(chain)
+        let used = active.serve_all(TX, |mem, chain| {
+            let frame = chain
                 .map_err(NetError::Chain)
-                .and_then(|c| read_tx(&active.mem, &c, &mut self.scratch));
+                .and_then(|c| read_tx(mem, &c, &mut self.scratch));
             match frame {
                 Ok(frame) => {
                     self.backend.send(frame);
@@ -152,11 +145,8 @@ impl Net {
                     self.counters.tx_dropped += 1;
                 }
             }
-            if let Err(e) = active.queues[TX].add_used(&active.mem, head, 0) {
-                tracing::warn!("virtio-net: cannot return a tx buffer: {e}");
-            }
-            used = true;
-        }
+            0
+        });
         if sent {
             self.backend.flush();
         }
@@ -288,22 +278,11 @@ impl VirtioDevice for Net {
     /// The configuration space: `mac` (6 bytes), `status` and
     /// `max_virtqueue_pairs` as zero (not offered), `mtu` (le16); the rest
     /// reads as zero.
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
+    fn config_space(&self) -> Cow<'_, [u8]> {
         let mut config = [0u8; CONFIG_MTU + 2];
         config[..6].copy_from_slice(&self.mac);
         config[CONFIG_MTU..].copy_from_slice(&MTU.to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!(offset, "virtio-net: ignoring config write");
+        Cow::Owned(config.to_vec())
     }
 
     fn activate(
@@ -312,17 +291,7 @@ impl VirtioDevice for Net {
         queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        if queues.len() != 2 {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want: 2,
-            });
-        }
-        self.active = Some(Active {
-            mem,
-            queues,
-            interrupt,
-        });
+        self.active = Some(Active::new(mem, queues, interrupt)?);
         let used = self.process_rx();
         self.signal(used);
         Ok(())
@@ -353,10 +322,7 @@ impl VirtioDevice for Net {
         DeviceState::Net(NetState {
             mac: self.mac,
             acked_features: self.acked_features,
-            queues: self
-                .active
-                .as_ref()
-                .map(|a| persist::save_queues(&a.queues)),
+            queues: self.active.as_ref().map(Active::save),
         })
     }
 
@@ -370,22 +336,12 @@ impl VirtioDevice for Net {
         state: &DeviceState,
     ) -> Result<(), RestoreError> {
         let DeviceState::Net(state) = state else {
-            return Err(RestoreError::WrongDevice {
-                expected: "net",
-                found: state.kind(),
-            });
+            return Err(state.wrong_device("net"));
         };
         self.mac = state.mac;
         self.acked_features = state.acked_features & self.features();
         self.waiting = None;
-        self.active = match &state.queues {
-            Some(saved) => Some(Active {
-                mem,
-                queues: persist::restore_queues(saved, 2)?,
-                interrupt,
-            }),
-            None => None,
-        };
+        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
         // Kicks sent just before the capture went to the old process.
         let used = self.process_tx() | self.process_rx();
         self.signal(used);
@@ -706,7 +662,7 @@ mod tests {
         net2.queue_notify(0);
         assert_eq!(rx.used(), vec![(0, (HDR_LEN + 64) as u32)]);
 
-        let block = DeviceState::Block(persist::BlockState {
+        let block = DeviceState::Block(crate::virtio::persist::BlockState {
             acked_features: 0,
             queues: None,
         });

@@ -148,6 +148,14 @@ impl DeviceState {
             DeviceState::Net(_) => "net",
         }
     }
+
+    /// The error for restoring this state into a device of another kind.
+    pub fn wrong_device(&self, expected: &'static str) -> RestoreError {
+        RestoreError::WrongDevice {
+            expected,
+            found: self.kind(),
+        }
+    }
 }
 
 /// One queue's registers as the driver programmed them into the transport.

@@ -33,6 +33,7 @@ pub mod packet;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
@@ -49,7 +50,7 @@ use self::conn::{Action, Conn};
 use self::packet::{Header, Op, HDR_LEN, HOST_CID, MAX_PKT_LEN};
 use crate::virtio::chain::{Chain, Regions};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
-use crate::virtio::persist::{self, DeviceState, RestoreError, VsockState};
+use crate::virtio::persist::{DeviceState, RestoreError, VsockState};
 use crate::virtio::{ActivateError, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
@@ -91,14 +92,11 @@ impl From<VsockError> for io::Error {
     }
 }
 
-struct Active {
-    mem: GuestMemory,
-    rx: Queue,
-    tx: Queue,
-    /// Held so the driver's setup stays valid; we send no events.
-    _event: Queue,
-    interrupt: Interrupt,
-}
+/// The rx, tx and event queues, in that order. The event queue is held so
+/// the driver's setup stays valid; we send no events.
+type Active = crate::virtio::Active<3>;
+const RX: usize = RX_QUEUE as usize;
+const TX: usize = TX_QUEUE as usize;
 
 /// One accepted unix stream.
 struct HostConn {
@@ -616,7 +614,7 @@ impl Backend {
             } else {
                 None
             };
-            let Some(dc) = a.rx.pop_descriptor_chain(&a.mem) else {
+            let Some(dc) = a.queues[RX].pop_descriptor_chain(&a.mem) else {
                 if let Some(p) = port {
                     self.schedule(p);
                 }
@@ -658,7 +656,7 @@ impl Backend {
                     idle = 0;
                 }
                 None => {
-                    a.rx.go_to_previous_position();
+                    a.queues[RX].go_to_previous_position();
                     idle += 1;
                 }
             }
@@ -674,7 +672,7 @@ impl Backend {
     }
 
     fn add_used(a: &mut Active, head: u16, len: u32) {
-        if let Err(e) = a.rx.add_used(&a.mem, head, len) {
+        if let Err(e) = a.queues[RX].add_used(&a.mem, head, len) {
             tracing::warn!("vsock: cannot return an rx buffer: {e}");
         }
     }
@@ -885,18 +883,13 @@ impl Vsock {
         let Some(a) = self.active.as_mut() else {
             return;
         };
-        let mut used = false;
-        while let Some(dc) = a.tx.pop_descriptor_chain(&a.mem) {
-            let head = dc.head_index();
-            match Chain::parse(dc) {
-                Ok(chain) => self.backend.on_guest_packet(&a.mem, &chain),
+        let used = a.serve_all(TX, |mem, chain| {
+            match chain {
+                Ok(chain) => self.backend.on_guest_packet(mem, &chain),
                 Err(e) => tracing::debug!("vsock: tx chain: {e}"),
             }
-            if let Err(e) = a.tx.add_used(&a.mem, head, 0) {
-                tracing::warn!("vsock: cannot return a tx buffer: {e}");
-            }
-            used = true;
-        }
+            0
+        });
         if used {
             a.interrupt.signal_used_queue();
         }
@@ -932,19 +925,9 @@ impl VirtioDevice for Vsock {
         self.acked_features = features & self.features();
     }
 
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| self.config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!(offset, "vsock: ignoring config write");
+    /// `guest_cid` (le64).
+    fn config_space(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.config)
     }
 
     fn activate(
@@ -953,17 +936,7 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let Ok([rx, tx, event]) = <[Queue; 3]>::try_from(queues) else {
-            return Err(ActivateError::QueueCount { got, want: 3 });
-        };
-        self.active = Some(Active {
-            mem,
-            rx,
-            tx,
-            _event: event,
-            interrupt,
-        });
+        self.active = Some(Active::new(mem, queues, interrupt)?);
         // Connections may have arrived before the driver was ready.
         self.process_tx();
         Ok(())
@@ -999,10 +972,7 @@ impl VirtioDevice for Vsock {
         DeviceState::Vsock(VsockState {
             guest_cid: b.guest_cid,
             acked_features: self.acked_features,
-            queues: self
-                .active
-                .as_ref()
-                .map(|a| persist::save_queues([&a.rx, &a.tx, &a._event])),
+            queues: self.active.as_ref().map(Active::save),
             next_port: b.next_port,
             pending_rsts: rsts,
         })
@@ -1015,10 +985,7 @@ impl VirtioDevice for Vsock {
         state: &DeviceState,
     ) -> Result<(), RestoreError> {
         let DeviceState::Vsock(state) = state else {
-            return Err(RestoreError::WrongDevice {
-                expected: "vsock",
-                found: state.kind(),
-            });
+            return Err(state.wrong_device("vsock"));
         };
         self.acked_features = state.acked_features & self.features();
         self.backend.next_port = state.next_port.max(FIRST_PORT);
@@ -1026,19 +993,8 @@ impl VirtioDevice for Vsock {
             let h = Header::parse(raw).map_err(|_| RestoreError::BadHeader(raw.len()))?;
             self.backend.push_rst(h);
         }
-        if let Some(saved) = &state.queues {
-            let [rx, tx, event] = <[Queue; 3]>::try_from(persist::restore_queues(saved, 3)?)
-                .map_err(|q| RestoreError::QueueCount {
-                    got: q.len(),
-                    want: 3,
-                })?;
-            self.active = Some(Active {
-                mem,
-                rx,
-                tx,
-                _event: event,
-                interrupt,
-            });
+        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
+        if self.active.is_some() {
             // Packets the guest queued (and kicked through the old
             // process's ioeventfd) before the capture, then the RSTs.
             self.process_tx();
