@@ -22,8 +22,7 @@
 //! own, so its policy can change alone) in the process that started the
 //! VM: the daemon, for sandboxes.
 
-use std::io::{self, IoSlice};
-use std::mem::MaybeUninit;
+use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -36,10 +35,7 @@ use forkbox_net::broker::{
 };
 use forkbox_net::dns::MAX_ANSWERS;
 use forkbox_net::policy::Policy;
-use rustix::net::{
-    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
-    SocketFlags, SocketType,
-};
+use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
 
 /// How long one outbound connect may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -359,29 +355,13 @@ fn send(
     reply: BrokerReply,
     fd: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<()> {
-    let msg = serde_json::to_vec(&BrokerMessage::Reply(reply)).map_err(io::Error::other)?;
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let fds;
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    if let Some(fd) = fd {
-        fds = [fd];
-        control.push(SendAncillaryMessage::ScmRights(&fds));
-    }
-    rustix::net::sendmsg(
-        conn,
-        &[IoSlice::new(&msg)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?;
-    Ok(())
+    forkbox_net::broker::link::send_message(conn, &BrokerMessage::Reply(reply), fd)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::io::{IoSliceMut, Read, Write};
+    use std::io::{Read, Write};
     use std::net::TcpListener;
-
-    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage};
 
     use super::*;
 
@@ -400,26 +380,9 @@ mod tests {
     }
 
     fn receive(fd: &OwnedFd) -> (BrokerMessage, Option<OwnedFd>) {
-        let mut buf = vec![0u8; MAX_MESSAGE];
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let got = rustix::net::recvmsg(
-            fd,
-            &mut [IoSliceMut::new(&mut buf)],
-            &mut control,
-            RecvFlags::empty(),
-        )
-        .expect("recvmsg");
-        let mut passed = None;
-        for m in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = m {
-                for f in fds {
-                    passed.get_or_insert(f);
-                }
-            }
-        }
-        let msg = serde_json::from_slice(&buf[..got.bytes]).expect("message");
-        (msg, passed)
+        forkbox_net::broker::link::recv_message(fd)
+            .expect("recvmsg")
+            .expect("a message")
     }
 
     fn pushed_policy(fd: &OwnedFd) -> Policy {
