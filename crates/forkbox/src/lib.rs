@@ -38,3 +38,7 @@ pub mod local_daemon;
 pub mod netbroker;
 pub mod testbed;
 pub mod vm;
+
+/// The VMM's contract (control protocol, exit codes, a VM shape's limits),
+/// for callers that reach the VMM only through this crate.
+pub use forkbox_vmm_api as vmm_api;

@@ -21,9 +21,10 @@ use forkbox_net::log::{read_json_lines, EgressRecord, ReadLogError};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT, MIN_AFTER_FORK_ENTROPY};
+use forkbox_vmm_api::{ChildResult, ChildSpec, Then, MAX_CHILDREN_PER_FORK};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
-use crate::control::{ChildPaths, Control, ControlError, ForkedChild, Then, ZygoteMemory};
+use crate::control::{Control, ControlError};
 use crate::image::{self, ImageError, ImageName};
 use crate::initramfs::{self, InitramfsError};
 use crate::kernel::{Kernel, KernelError};
@@ -37,12 +38,8 @@ pub const GUEST_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=-1 pci=off quiet forkbox.root=/dev/vda forkbox.rootfstype=ext4";
 
 /// `forkbox-vmm` exit codes (its command-line contract).
-pub mod vmm_exit {
-    pub const POWERED_OFF: i32 = 0;
-    pub const ERROR: i32 = 1;
-    pub const REBOOTED: i32 = 2;
-    pub const PANICKED: i32 = 3;
-}
+pub use forkbox_vmm_api::exit_code as vmm_exit;
+pub use forkbox_vmm_api::{RunState, ZygoteMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -229,16 +226,6 @@ enum Vmm {
     Forked { pid: u32, pidfd: OwnedFd },
 }
 
-/// What the VM's vCPUs are doing, as far as we asked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
-    Running,
-    Paused,
-    /// A paused VM whose memory is a `MAP_PRIVATE` mapping of a memory
-    /// file: forks of it cost O(1) in memory size.
-    Zygote,
-}
-
 /// A running microVM. Dropping it kills the VMM (reaped in the
 /// background: tearing a VM down takes tens of milliseconds).
 pub struct Vm {
@@ -354,6 +341,32 @@ fn vm_dir(prefix: &str) -> Result<VmDir, VmError> {
         .map_err(VmError::Io)
 }
 
+/// The sockets and logs of one VM in its directory (a fork child's are
+/// chosen by us and sent with the fork request).
+#[derive(Debug, Clone)]
+struct ChildPaths {
+    control: PathBuf,
+    vsock_uds: PathBuf,
+    serial_log: PathBuf,
+    /// The child's own egress log (a VM with a network only).
+    net_log: Option<PathBuf>,
+    /// The child's own network broker (a VM with a network only).
+    net_broker: Option<PathBuf>,
+}
+
+impl ChildPaths {
+    /// The fork request's entry for a child in these paths.
+    fn spec(&self) -> ChildSpec {
+        ChildSpec {
+            control: self.control.clone(),
+            vsock_uds: Some(self.vsock_uds.clone()),
+            serial_log: Some(self.serial_log.clone()),
+            net_log: self.net_log.clone(),
+            net_broker: self.net_broker.clone(),
+        }
+    }
+}
+
 fn paths_in(dir: &Path) -> ChildPaths {
     ChildPaths {
         control: dir.join("control.sock"),
@@ -422,7 +435,7 @@ impl Vm {
             match Self::boot_image_once(assets, image, spec, network) {
                 Err(
                     e @ VmError::DiedDuringBoot {
-                        code: Some(vmm_exit::REBOOTED),
+                        code: Some(vmm_exit::RESET),
                         ..
                     },
                 ) if resets < 2 => {
@@ -610,12 +623,7 @@ impl Vm {
         if status.pid != h.pid {
             return Err(not(format!("it has pid {}, not {}", status.pid, h.pid)));
         }
-        let state = match status.state.as_str() {
-            "running" => RunState::Running,
-            "paused" => RunState::Paused,
-            "zygote" => RunState::Zygote,
-            other => return Err(not(format!("unknown state {other:?}"))),
-        };
+        let state = status.state;
         let pidfd = pidfd_of(h.pid)?;
         let net = match network {
             Some(n) => {
@@ -790,7 +798,8 @@ impl Vm {
         // later request fail, the children of the earlier ones are killed.
         let mut answers = Vec::with_capacity(n);
         for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
-            match self.control.fork(batch, Then::Pause) {
+            let specs = batch.iter().map(ChildPaths::spec).collect();
+            match self.control.fork(specs, Then::Pause) {
                 Ok(a) => answers.extend(a),
                 Err(e) => {
                     kill_forked(&answers);
@@ -804,8 +813,8 @@ impl Vm {
             .into_iter()
             .enumerate()
             .map(|(index, a)| match a {
-                ForkedChild::Ok { pid } => Ok((pid, pidfd_of(pid)?)),
-                ForkedChild::Err { error } => Err(VmError::ForkChild { index, error }),
+                ChildResult::Started { pid } => Ok((pid, pidfd_of(pid)?)),
+                ChildResult::Failed { error } => Err(VmError::ForkChild { index, error }),
             })
             .collect();
         let deadline = after_fork_deadline(n);
@@ -906,7 +915,7 @@ impl Vm {
                 }
             }
         };
-        if status.state != "running" {
+        if status.state != RunState::Running {
             vm.resume()?;
         }
         vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
@@ -1061,9 +1070,6 @@ fn where_vcpus_are(control: &Control) -> String {
         .unwrap_or_else(|e| format!("(not readable: {:#})", anyhow::Error::new(e)))
 }
 
-/// Children per fork request the VMM accepts (it refuses more).
-pub const MAX_CHILDREN_PER_FORK: usize = 64;
-
 /// How long the children of one fork request may take to answer
 /// `AfterFork` before one is given up and replaced: seconds, growing with
 /// the children that start at once (they share the host's CPUs). On
@@ -1099,9 +1105,9 @@ impl Drop for PausedWhileForking<'_> {
 
 /// Kills the children a fork request started (when a later request of the
 /// same fork failed); reaped in the background.
-fn kill_forked(answers: &[ForkedChild]) {
+fn kill_forked(answers: &[ChildResult]) {
     for a in answers {
-        if let ForkedChild::Ok { pid } = a {
+        if let ChildResult::Started { pid } = a {
             match pidfd_of(*pid) {
                 Ok(pidfd) => {
                     let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
@@ -1187,11 +1193,11 @@ impl ForkedVm {
             error,
         };
         let answer = parent
-            .fork(std::slice::from_ref(&self.paths), Then::Pause)
+            .fork(vec![self.paths.spec()], Then::Pause)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
-            Some(ForkedChild::Ok { pid }) => (pid, pidfd_of(pid)?),
-            Some(ForkedChild::Err { error }) => return Err(lost(error)),
+            Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),
+            Some(ChildResult::Failed { error }) => return Err(lost(error)),
             None => return Err(lost("the VMM answered no child".into())),
         };
         match self.hook(pid, pidfd, deadline) {
@@ -1283,10 +1289,10 @@ fn reap_vmm(vmm: Vmm) {
 pub fn describe_exit(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
-        (Some(vmm_exit::POWERED_OFF), _) => "the guest powered off".into(),
-        (Some(vmm_exit::REBOOTED), _) => "the guest rebooted".into(),
-        (Some(vmm_exit::PANICKED), _) => "the guest kernel panicked".into(),
-        (Some(vmm_exit::ERROR), _) => "forkbox-vmm failed; its error is above".into(),
+        (Some(vmm_exit::POWER_OFF), _) => "the guest powered off".into(),
+        (Some(vmm_exit::RESET), _) => "the guest rebooted".into(),
+        (Some(vmm_exit::PANIC), _) => "the guest kernel panicked".into(),
+        (Some(vmm_exit::VMM_ERROR), _) => "forkbox-vmm failed; its error is above".into(),
         (Some(code), _) => format!("forkbox-vmm exited with code {code}"),
         (None, Some(sig)) => format!("forkbox-vmm was killed by signal {sig}"),
         (None, None) => "forkbox-vmm ended".into(),

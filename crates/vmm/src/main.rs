@@ -1,5 +1,5 @@
 //! `forkbox-vmm`: parses the command line, runs one VM, and turns its end
-//! into the process exit status (see `forkbox_vmm::EXIT_*`).
+//! into the process exit status (see `forkbox_vmm_api::exit_code`).
 
 use clap::Parser;
 use forkbox_vmm::cli::Args;
@@ -19,7 +19,7 @@ fn main() {
             // --help and --version succeed; usage errors must not look like
             // a guest reset (2), which is clap's default status.
             std::process::exit(if e.use_stderr() {
-                forkbox_vmm::EXIT_VMM_ERROR
+                forkbox_vmm_api::exit_code::VMM_ERROR
             } else {
                 0
             });
@@ -29,7 +29,7 @@ fn main() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
-            std::process::exit(forkbox_vmm::EXIT_VMM_ERROR);
+            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
     };
     if !command.needs_host_network() {
@@ -54,7 +54,7 @@ fn main() {
         }
         Err(e) => {
             eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
-            forkbox_vmm::EXIT_VMM_ERROR
+            forkbox_vmm_api::exit_code::VMM_ERROR
         }
     };
     std::process::exit(code);

@@ -27,9 +27,12 @@ use vmm_sys_util::signal::register_signal_handler;
 
 use crate::acpi::{self, AcpiConfig};
 use crate::boot::{self, BootSpec};
-use crate::control::{
-    self, ChildResult, ChildSpec, Line, LineBuffer, Request, Response, RunState, Then,
+use forkbox_vmm_api::{
+    self as api, ChildResult, ChildSpec, Request, Response, RunState, Snapshotted, Status, Then,
+    ZygoteMemory, MAX_LINE,
 };
+
+use crate::control::{Line, LineBuffer};
 use crate::cpu;
 use crate::fork::{self, Forked};
 use crate::host;
@@ -762,7 +765,7 @@ impl Machine {
                 let mut open = true;
                 let mut got = Vec::new();
                 // Bounded per wake-up; the level-triggered epoll calls again.
-                let mut budget = 4 * control::MAX_LINE;
+                let mut budget = 4 * MAX_LINE;
                 while budget > 0 {
                     match stream.read(&mut buf) {
                         Ok(0) => {
@@ -788,10 +791,7 @@ impl Machine {
                     let response = match line {
                         Line::TooLong => {
                             open = false;
-                            Response::error(format!(
-                                "request longer than {} bytes",
-                                control::MAX_LINE
-                            ))
+                            Response::error(format!("request longer than {MAX_LINE} bytes"))
                         }
                         Line::Complete(line) => match self.handle_line(&line) {
                             Outcome::Reply(r) => r,
@@ -817,38 +817,33 @@ impl Machine {
     }
 
     fn handle_line(&mut self, line: &[u8]) -> Outcome {
-        let request = match control::parse(line) {
+        let request = match Request::from_line(line) {
             Ok(r) => r,
             Err(e) => return Outcome::Reply(Response::error(e)),
         };
         tracing::debug!(?request, "control request");
         let started = Instant::now();
         let outcome = match request {
-            Request::Status => Outcome::Reply(Response::Status {
-                ok: true,
+            Request::Status => Outcome::Reply(Response::Status(Status {
                 state: self.run_state,
                 pid: std::process::id(),
                 vcpus: self.hw.vcpus,
                 memory_mib: self.hw.memory_mib,
-            }),
+            })),
             Request::Pause => Outcome::Reply(reply(self.pause().map(|_| ()))),
             Request::Resume => {
                 self.resume();
-                Outcome::Reply(Response::ok())
+                Outcome::Reply(Response::Done)
             }
             Request::Zygote => Outcome::Reply(match self.zygote() {
-                Ok(copied) => Response::Zygote {
-                    ok: true,
+                Ok(copied) => Response::Zygote(ZygoteMemory {
                     bytes: copied.bytes,
                     huge_bytes: copied.huge_bytes,
-                },
+                }),
                 Err(e) => Response::error(chain(e)),
             }),
             Request::Snapshot { dir, then } => Outcome::Reply(match self.snapshot(&dir, then) {
-                Ok(n) => Response::Snapshot {
-                    ok: true,
-                    bytes_written: n,
-                },
+                Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
                 Err(e) => Response::error(chain(e)),
             }),
             Request::Fork { children, then } => match self.fork(&children, then) {
@@ -856,11 +851,10 @@ impl Machine {
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
             Request::Vcpus => Outcome::Reply(match self.report_vcpus() {
-                Ok(vcpus) => Response::Vcpus {
-                    ok: true,
+                Ok(vcpus) => Response::Vcpus(api::Vcpus {
                     state: self.run_state,
                     vcpus,
-                },
+                }),
                 Err(e) => Response::error(chain(e)),
             }),
         };
@@ -889,13 +883,13 @@ impl Machine {
     }
 
     /// Where every vCPU is; a running VM is paused for the read and resumed.
-    fn report_vcpus(&mut self) -> Result<Vec<state::VcpuReport>, VmError> {
+    fn report_vcpus(&mut self) -> Result<Vec<api::VcpuReport>, VmError> {
         let was_running = self.run_state == RunState::Running;
         let (vcpus, _) = self.pause()?;
         if was_running {
             self.resume();
         }
-        Ok(vcpus.iter().map(state::VcpuReport::from).collect())
+        Ok(vcpus.iter().map(state::vcpu_report).collect())
     }
 
     fn resume(&mut self) {
@@ -1052,16 +1046,15 @@ impl Machine {
         if then == Then::Resume {
             self.resume();
         }
-        Ok(Outcome::Reply(Response::Fork {
-            ok: true,
+        Ok(Outcome::Reply(Response::Forked(api::Forked {
             children: results,
-        }))
+        })))
     }
 }
 
 fn reply(r: Result<(), VmError>) -> Response {
     match r {
-        Ok(()) => Response::ok(),
+        Ok(()) => Response::Done,
         Err(e) => Response::error(chain(e)),
     }
 }
@@ -1127,7 +1120,7 @@ fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
             let msg = chain(e);
             tracing::error!("fork child: {msg}");
             fork::report_failure(plan.ready, &msg);
-            std::process::exit(crate::EXIT_VMM_ERROR);
+            std::process::exit(api::exit_code::VMM_ERROR);
         }
     }
 }
