@@ -21,7 +21,7 @@ use forkbox_net::log::{read_json_lines, EgressRecord, ReadLogError};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT, MIN_AFTER_FORK_ENTROPY};
-use forkbox_vmm_api::{ChildResult, ChildSpec, Then, MAX_CHILDREN_PER_FORK};
+use forkbox_vmm_api::{ChildResult, ChildSpec, ShapeError, Then, VmShape, MAX_CHILDREN_PER_FORK};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
 use crate::control::{Control, ControlError};
@@ -111,6 +111,8 @@ pub enum VmError {
     EgressLog(#[source] ReadLogError),
     #[error("the VMM at {dir} is not the one recorded: {why}")]
     NotAdoptable { dir: PathBuf, why: String },
+    #[error("this VM's shape cannot run")]
+    Shape(#[from] ShapeError),
     #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
     WarmUp(String),
 }
@@ -142,6 +144,16 @@ pub struct VmSpec {
     /// Variables set for the VMM process (and so its fork children) only:
     /// test hooks such as `FORKBOX_VMM_TEST_HANG_CHILD`.
     pub vmm_env: Vec<(String, String)>,
+}
+
+impl VmSpec {
+    /// Its vCPUs and memory, as the VMM checks them.
+    pub fn shape(&self) -> VmShape {
+        VmShape {
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib.into(),
+        }
+    }
 }
 
 impl Default for VmSpec {
@@ -407,6 +419,7 @@ impl Vm {
         spec: &VmSpec,
         network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
+        spec.shape().validate()?;
         let image = image::ensure(spec.image)?;
         Self::boot_image_net(assets, &image, spec, network)
     }
@@ -429,6 +442,7 @@ impl Vm {
         spec: &VmSpec,
         network: Option<&NetworkSpec>,
     ) -> Result<Self, VmError> {
+        spec.shape().validate()?;
         // A reset costs a boot of seconds; a hang costs the boot timeout.
         let (mut resets, mut hangs) = (0, 0);
         loop {
@@ -1330,6 +1344,17 @@ mod tests {
         };
         assert_eq!(lost(twice), "lost twice");
         assert_eq!(loss_signature("something else"), "other");
+    }
+
+    #[test]
+    fn vm_spec_default_shape_is_valid_and_limits_are_the_vmm_s() {
+        let mut spec = VmSpec::default();
+        assert_eq!(spec.shape().validate(), Ok(()));
+        spec.vcpus = 9;
+        assert_eq!(spec.shape().validate(), Err(ShapeError::Vcpus(9)));
+        spec.vcpus = 1;
+        spec.memory_mib = 64;
+        assert_eq!(spec.shape().validate(), Err(ShapeError::MemoryMib(64)));
     }
 
     #[test]

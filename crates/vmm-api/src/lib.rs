@@ -12,16 +12,19 @@
 //! Module map:
 //! - [`control`]: requests, answers, the vCPU report, encoding and decoding
 //!   one line.
+//! - [`shape`]: [`VmShape`] and its limits, checked by [`VmShape::validate`].
 //! - [`exit_code`]: the VMM's process exit status.
 
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub mod shape;
 
 pub use control::{
     decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, RequestError,
     Response, RunState, Snapshotted, Status, Then, VcpuReport, Vcpus, ZygoteMemory,
 };
+pub use shape::{ShapeError, VmShape};
 
 /// Longest control request line, newline excluded.
 pub const MAX_LINE: usize = 64 * 1024;
