@@ -26,8 +26,10 @@
 //!   and answers are `forkbox-vmm-api`'s.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
-//! - [`vm`]: boots or restores the VM, runs the epoll loop and serves the
-//!   control socket (pause, resume, fork, zygote, snapshot).
+//! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
+//!   the epoll loop (`event_loop`), serve the control socket
+//!   (`control_server`), pause, capture and write snapshots (`snapshot`),
+//!   and fork (`forking`).
 //!
 //! Testing: unit tests beside the code need no KVM. The tests that boot
 //! real VMs (exit codes for power-off, reboot and panic among them) live in
