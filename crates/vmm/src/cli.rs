@@ -81,29 +81,30 @@ pub enum CliError {
     Shape(#[source] ShapeError),
 }
 
-/// What the command line asks for.
+/// How this VMM process was asked to run: boot a kernel, or restore a
+/// snapshot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Command {
+pub enum Invocation {
     Boot(VmConfig),
     Restore { dir: PathBuf, endpoints: Endpoints },
 }
 
-impl Command {
+impl Invocation {
     /// Whether the VMM opens connections itself: a network without a
     /// broker (it connects to the host's loopback). Every other VMM talks
     /// only over unix sockets named by path, which work from any network
     /// namespace.
     pub fn needs_host_network(&self) -> bool {
         let net = match self {
-            Command::Boot(c) => &c.net,
-            Command::Restore { endpoints, .. } => &endpoints.net,
+            Invocation::Boot(c) => &c.net,
+            Invocation::Restore { endpoints, .. } => &endpoints.net,
         };
         net.as_ref().is_some_and(|n| n.broker.is_none())
     }
 }
 
 impl Args {
-    pub fn into_command(self) -> Result<Command, CliError> {
+    pub fn into_invocation(self) -> Result<Invocation, CliError> {
         // Restoring takes the shape from the snapshot, not from these.
         if self.restore.is_none() {
             VmShape {
@@ -133,21 +134,23 @@ impl Args {
         };
         Ok(
             match (self.restore, self.kernel, self.initramfs, self.cmdline) {
-                (None, Some(kernel), Some(initramfs), Some(cmdline)) => Command::Boot(VmConfig {
-                    kernel,
-                    initramfs,
-                    cmdline,
-                    vcpus: self.vcpus,
-                    memory_mib: self.memory_mib,
-                    disks: self.disks,
-                    vsock_uds: self.vsock_uds,
-                    serial_log: self.serial_log,
-                    echo,
-                    control: self.control,
-                    net,
-                }),
+                (None, Some(kernel), Some(initramfs), Some(cmdline)) => {
+                    Invocation::Boot(VmConfig {
+                        kernel,
+                        initramfs,
+                        cmdline,
+                        vcpus: self.vcpus,
+                        memory_mib: self.memory_mib,
+                        disks: self.disks,
+                        vsock_uds: self.vsock_uds,
+                        serial_log: self.serial_log,
+                        echo,
+                        control: self.control,
+                        net,
+                    })
+                }
                 // clap enforces: either --restore, or all three boot options.
-                (restore, ..) => Command::Restore {
+                (restore, ..) => Invocation::Restore {
                     dir: restore.unwrap_or_default(),
                     endpoints: Endpoints {
                         control: self.control,
@@ -179,8 +182,8 @@ mod tests {
 
     fn parse(extra: &[&str]) -> Result<VmConfig, Box<dyn std::error::Error>> {
         let argv = BASE.iter().chain(extra).copied();
-        match Args::try_parse_from(argv)?.into_command()? {
-            Command::Boot(c) => Ok(c),
+        match Args::try_parse_from(argv)?.into_invocation()? {
+            Invocation::Boot(c) => Ok(c),
             other => panic!("not a boot: {other:?}"),
         }
     }
@@ -268,8 +271,8 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!(
-            a.into_command().expect("no files named"),
-            Command::Restore {
+            a.into_invocation().expect("no files named"),
+            Invocation::Restore {
                 dir: "/snap".into(),
                 endpoints: Endpoints {
                     control: Some("/c".into()),
@@ -310,7 +313,7 @@ mod tests {
                 .copied(),
         )
         .expect("parses");
-        assert!(missing.into_command().is_err());
+        assert!(missing.into_invocation().is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

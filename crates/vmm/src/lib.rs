@@ -8,7 +8,7 @@
 //! this crate must not be depended on by it (the direction is vmm → devices).
 //!
 //! Module map:
-//! - [`cli`]: the command-line contract, parsed into a [`VmConfig`].
+//! - [`cli`]: the command-line contract, parsed into an [`cli::Invocation`].
 //! - [`host`]: refuses software-only `/dev/kvm` (kvm_pvm) and explains why.
 //! - [`layout`]: guest-physical layout, MMIO hole, e820 (pure).
 //! - [`memory`]: memfd-backed guest RAM and its KVM slots (unsafe lives here).

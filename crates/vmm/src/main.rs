@@ -25,14 +25,14 @@ fn main() {
             });
         }
     };
-    let command = match args.into_command() {
+    let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
             std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
     };
-    if !command.needs_host_network() {
+    if !invocation.needs_host_network() {
         match forkbox_vmm::net::leave_host_network() {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
@@ -41,9 +41,9 @@ fn main() {
             Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
         }
     }
-    let result = match command {
-        forkbox_vmm::cli::Command::Boot(config) => forkbox_vmm::run(&config),
-        forkbox_vmm::cli::Command::Restore { dir, endpoints } => {
+    let result = match invocation {
+        forkbox_vmm::cli::Invocation::Boot(config) => forkbox_vmm::run(&config),
+        forkbox_vmm::cli::Invocation::Restore { dir, endpoints } => {
             forkbox_vmm::run_restore(&dir, endpoints)
         }
     };
