@@ -13,13 +13,14 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use forkbox_devices::GuestMemory;
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
+use rustix::fs::{MemfdFlags, SealFlags, SeekFrom};
 use vm_memory::mmap::{MmapRegionBuilder, MmapRegionError};
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap,
@@ -213,13 +214,10 @@ impl GuestRam {
             .map_err(|e| MemoryError::Resize(total, e))?;
         // SAFETY: forwarded from this function's contract.
         let copied = unsafe { self.copy_to_memfd(&file)? };
-        let seals =
-            libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: plain fcntl on a memfd we own; no writable shared mapping
-        // of it exists (F_SEAL_WRITE would fail otherwise).
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
-            return Err(MemoryError::Seal(io::Error::last_os_error()));
-        }
+        // No writable shared mapping of it is left (`copy_to_memfd` dropped
+        // its own), or F_SEAL_WRITE would fail.
+        let seals = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+        rustix::fs::fcntl_add_seals(&file, seals).map_err(|e| MemoryError::Seal(e.into()))?;
         let mut offset = 0u64;
         for region in self.mem.iter() {
             let host = region
@@ -456,22 +454,20 @@ fn possibly_written(bytes: &[u8], file: &File, offset: u64) -> Vec<bool> {
 /// that lie in its data ranges (`SEEK_DATA`/`SEEK_HOLE`).
 pub fn file_data_pages(file: &File, offset: u64, out: &mut [bool]) -> io::Result<()> {
     let end = offset + (out.len() * PAGE) as u64;
-    let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
-        // SAFETY: lseek on a file we hold open; no memory is involved.
-        let r = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, whence) };
-        match r {
-            r if r >= 0 => Ok(Some(r as u64)),
-            // No data at or after `pos`.
-            _ if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => Ok(None),
-            _ => Err(io::Error::last_os_error()),
+    let seek = |to: SeekFrom| -> io::Result<Option<u64>> {
+        match rustix::fs::seek(file, to) {
+            Ok(at) => Ok(Some(at)),
+            // No data at or after the position.
+            Err(rustix::io::Errno::NXIO) => Ok(None),
+            Err(e) => Err(e.into()),
         }
     };
     let mut pos = offset;
     while pos < end {
-        let Some(data) = seek(pos, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+        let Some(data) = seek(SeekFrom::Data(pos))?.filter(|&d| d < end) else {
             break;
         };
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let hole = seek(SeekFrom::Hole(data))?.unwrap_or(end).min(end);
         let first = ((data - offset) / PAGE as u64) as usize;
         let last = (hole - offset).div_ceil(PAGE as u64) as usize;
         out[first..last].fill(true);
@@ -540,17 +536,9 @@ fn is_zero(page: &[u8]) -> bool {
 }
 
 fn memfd(name: &CStr) -> Result<File, MemoryError> {
-    // SAFETY: `name` is a valid NUL-terminated string for the duration of
-    // the call; the flags are valid memfd_create flags.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by memfd_create, is open, and is owned
-    // by nothing else.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    Ok(File::from(owned))
+    rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map(File::from)
+        .map_err(|e| MemoryError::Memfd(e.into()))
 }
 
 #[cfg(test)]
@@ -584,18 +572,14 @@ mod tests {
     }
 
     fn data_ranges(file: &File, len: u64) -> Vec<(u64, u64)> {
-        let fd = file.as_raw_fd();
         let mut out = Vec::new();
-        let mut pos = 0i64;
-        while (pos as u64) < len {
-            // SAFETY: lseek on an open file we own.
-            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-            if data < 0 {
+        let mut pos = 0u64;
+        while pos < len {
+            let Ok(data) = rustix::fs::seek(file, SeekFrom::Data(pos)) else {
                 break;
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-            out.push((data as u64, hole as u64));
+            };
+            let hole = rustix::fs::seek(file, SeekFrom::Hole(data)).expect("SEEK_HOLE");
+            out.push((data, hole));
             pos = hole;
         }
         out
@@ -703,9 +687,8 @@ mod tests {
         );
         mem.write_obj(5u64, GuestAddress(0x30_0000))
             .expect("private write");
-        // SAFETY: fcntl on an fd we own.
-        let seals = unsafe { libc::fcntl(ram.file.as_raw_fd(), libc::F_GET_SEALS) };
-        assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE);
+        let seals = rustix::fs::fcntl_get_seals(&ram.file).expect("F_GET_SEALS");
+        assert!(seals.contains(SealFlags::WRITE), "{seals:?}");
         let mut probe = [0u8; 8];
         ram.file
             .read_exact_at(&mut probe, 0x30_0000)
