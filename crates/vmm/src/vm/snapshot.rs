@@ -13,6 +13,7 @@ use forkbox_vmm_api::{self as api, RunState, Then};
 
 use crate::memory::Copied;
 use crate::state::{self, MachineState, SerialState, VcpuState, VmState};
+use crate::vcpu::Paused;
 use crate::virtio;
 
 use super::{Machine, VmError};
@@ -22,7 +23,7 @@ impl Machine {
     /// VM-wide state while all are parked (a VM already paused returns what
     /// its pause captured).
     pub(super) fn pause(&mut self) -> Result<(Vec<VcpuState>, VmState), VmError> {
-        let states = self.vcpus.pause()?;
+        let (states, _) = self.vcpus.pause()?;
         if self.run_state == RunState::Running {
             self.watch_devices(false);
             self.run_state = RunState::Paused;
@@ -80,10 +81,10 @@ impl Machine {
 
     pub(super) fn zygote(&mut self) -> Result<Copied, VmError> {
         self.pause()?;
+        // Paused already: the proof, at once.
+        let (_, paused) = self.vcpus.pause()?;
         let ram = Arc::get_mut(&mut self.ram).ok_or(VmError::RamShared)?;
-        // SAFETY: the vCPUs are parked and devices run only on this thread,
-        // which is here: nothing touches guest memory during the copy.
-        let copied = unsafe { ram.rebase_to_sealed_memfd() }?;
+        let copied = ram.rebase_to_sealed_memfd(&paused)?;
         tracing::info!(
             bytes = copied.bytes,
             huge_bytes = copied.huge_bytes,
@@ -94,8 +95,12 @@ impl Machine {
     }
 
     pub(super) fn snapshot(&mut self, dir: &Path, then: Then) -> Result<u64, VmError> {
-        let vcpus = self.pause()?;
-        let result = self.write_snapshot(dir, vcpus);
+        let captured = self.pause()?;
+        let result = match self.vcpus.pause() {
+            // Paused already: the proof, at once.
+            Ok((_, paused)) => self.write_snapshot(dir, captured, &paused),
+            Err(e) => Err(e.into()),
+        };
         if then == Then::Resume {
             self.resume();
         }
@@ -109,9 +114,10 @@ impl Machine {
     pub(super) fn write_snapshot(
         &self,
         dir: &Path,
-        paused: (Vec<VcpuState>, VmState),
+        captured: (Vec<VcpuState>, VmState),
+        paused: &Paused<'_>,
     ) -> Result<u64, VmError> {
-        let saved = self.capture(paused)?;
+        let saved = self.capture(captured)?;
         let werr = |path: &Path| {
             let path = path.to_path_buf();
             move |source| VmError::SnapshotWrite { path, source }
@@ -127,8 +133,7 @@ impl Machine {
             .map_err(werr(&mem_tmp))?;
         let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
         file.set_len(total).map_err(werr(&mem_tmp))?;
-        // SAFETY: the vCPUs are parked and devices run only on this thread.
-        let mut written = unsafe { self.ram.write_sparse_to(&file) }?;
+        let mut written = self.ram.write_sparse_to(&file, paused)?;
         file.sync_all().map_err(werr(&mem_tmp))?;
         std::fs::rename(&mem_tmp, &mem_path).map_err(werr(&mem_path))?;
         let json = saved.to_json()?;
