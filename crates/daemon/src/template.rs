@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use forkbox_host::image::ImageName;
 use forkbox_net::policy::Policy;
+use forkbox_vmm_api::{ShapeError, VmShape};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -135,8 +136,10 @@ pub enum TemplateError {
     UnknownImage(String),
     #[error("template name {0:?}: use 1-64 of [a-z0-9._-], starting with a letter or digit")]
     BadName(String),
-    #[error("vcpus must be 1-32 and memory_mib 64-65536")]
-    BadResources,
+    /// The VMM's own limits (`forkbox_vmm_api::shape`), so that a template
+    /// that validates also bakes.
+    #[error("template resources: {0}")]
+    BadResources(ShapeError),
 }
 
 impl TemplateSpec {
@@ -172,9 +175,12 @@ impl TemplateSpec {
             return Err(TemplateError::BadName(n.clone()));
         }
         self.image_name()?;
-        if !(1..=32).contains(&self.vcpus) || !(64..=65536).contains(&self.memory_mib) {
-            return Err(TemplateError::BadResources);
+        VmShape {
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib.into(),
         }
+        .validate()
+        .map_err(TemplateError::BadResources)?;
         Ok(())
     }
 
@@ -247,7 +253,33 @@ mod tests {
         assert!(matches!(t.validate(), Err(TemplateError::UnknownImage(_))));
         t.image = "debian".into();
         t.memory_mib = 1;
-        assert_eq!(t.validate(), Err(TemplateError::BadResources));
+        assert_eq!(
+            t.validate(),
+            Err(TemplateError::BadResources(ShapeError::MemoryMib(1)))
+        );
+    }
+
+    #[test]
+    fn template_validate_resources_are_the_vmm_s_limits() {
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        for (vcpus, memory_mib, ok) in [
+            (1, 128, true),
+            (8, 16384, true),
+            (0, 512, false),
+            (9, 512, false),
+            (32, 512, false),
+            (1, 127, false),
+            (1, 16385, false),
+            (1, 65536, false),
+        ] {
+            (t.vcpus, t.memory_mib) = (vcpus, memory_mib);
+            assert_eq!(t.validate().is_ok(), ok, "{vcpus} vCPUs, {memory_mib} MiB");
+        }
+        t.vcpus = 32;
+        assert_eq!(
+            t.validate().map_err(|e| e.to_string()),
+            Err("template resources: vcpus must be 1-8, not 32".into())
+        );
     }
 
     #[test]

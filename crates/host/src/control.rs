@@ -1,13 +1,17 @@
-//! The client of `forkbox-vmm --control PATH`: one JSON request per line,
-//! one JSON response per line (`{"ok":false,"error":"…"}` on failure).
-//! One connection per request.
+//! The client of `forkbox-vmm --control PATH`: one connection per request,
+//! one JSON line each way. The requests and answers are
+//! `forkbox-vmm-api`'s; this module only carries them.
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use forkbox_vmm_api::{
+    decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, Snapshotted, Status,
+    Then, Vcpus, ZygoteMemory,
+};
+use serde::de::DeserializeOwned;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -29,96 +33,13 @@ pub enum ControlError {
     Malformed { op: &'static str, detail: String },
 }
 
-/// What the VM does once a fork or snapshot is done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Then {
-    Resume,
-    Pause,
-}
-
-/// The sockets and log of one fork child, chosen by the caller.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChildPaths {
-    pub control: PathBuf,
-    pub vsock_uds: PathBuf,
-    pub serial_log: PathBuf,
-    /// The child's own egress log (a VM with a network only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub net_log: Option<PathBuf>,
-    /// The child's own network broker (a VM with a network only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub net_broker: Option<PathBuf>,
-}
-
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "snake_case", tag = "op")]
-pub enum Request<'a> {
-    Status,
-    Pause,
-    Resume,
-    Fork {
-        children: &'a [ChildPaths],
-        then: Then,
-    },
-    Zygote,
-    Snapshot {
-        dir: &'a Path,
-        then: Then,
-    },
-    Vcpus,
-}
-
-impl Request<'_> {
-    fn op(&self) -> &'static str {
-        match self {
-            Self::Status => "status",
-            Self::Pause => "pause",
-            Self::Resume => "resume",
-            Self::Fork { .. } => "fork",
-            Self::Zygote => "zygote",
-            Self::Snapshot { .. } => "snapshot",
-            Self::Vcpus => "vcpus",
+impl ControlError {
+    fn answer(op: &'static str, e: AnswerError) -> Self {
+        match e {
+            AnswerError::Refused { error } => ControlError::Refused { op, error },
+            AnswerError::Malformed { detail } => ControlError::Malformed { op, detail },
         }
     }
-}
-
-/// The VMM's `status`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Status {
-    /// `running`, `paused` or `zygote`.
-    pub state: String,
-    pub pid: u32,
-    pub vcpus: u32,
-    pub memory_mib: u32,
-}
-
-/// One entry of a fork's answer: the child's pid, or why it failed.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum ForkedChild {
-    Ok { pid: u32 },
-    Err { error: String },
-}
-
-#[derive(Deserialize)]
-struct Forked {
-    children: Vec<ForkedChild>,
-}
-
-/// What a VM's guest RAM became when it was made a zygote: its memory file.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct ZygoteMemory {
-    /// Bytes of guest RAM that are not zero pages.
-    pub bytes: u64,
-    /// Bytes of the memory file in 2 MiB pages, which a fork child maps
-    /// with one page-table entry until it writes there (docs/SPEC.md).
-    pub huge_bytes: u64,
-}
-
-#[derive(Deserialize)]
-struct Snapshotted {
-    bytes_written: u64,
 }
 
 /// Longest wait for an answer (a fork of 100 children inside the emulated
@@ -147,35 +68,34 @@ impl Control {
     }
 
     pub fn status(&self) -> Result<Status, ControlError> {
-        self.call_typed(&Request::Status)
+        self.call(&Request::Status)
     }
 
     pub fn pause(&self) -> Result<(), ControlError> {
-        self.call(&Request::Pause).map(drop)
+        self.call::<Done>(&Request::Pause).map(drop)
     }
 
     pub fn resume(&self) -> Result<(), ControlError> {
-        self.call(&Request::Resume).map(drop)
+        self.call::<Done>(&Request::Resume).map(drop)
     }
 
     pub fn zygote(&self) -> Result<ZygoteMemory, ControlError> {
-        self.call_typed(&Request::Zygote)
+        self.call(&Request::Zygote)
     }
 
     /// Forks the VM; one entry per requested child, in order.
     pub fn fork(
         &self,
-        children: &[ChildPaths],
+        children: Vec<ChildSpec>,
         then: Then,
-    ) -> Result<Vec<ForkedChild>, ControlError> {
-        let req = Request::Fork { children, then };
-        let forked: Forked = self.call_typed(&req)?;
-        if forked.children.len() != children.len() {
+    ) -> Result<Vec<ChildResult>, ControlError> {
+        let asked = children.len();
+        let forked: Forked = self.call(&Request::Fork { children, then })?;
+        if forked.children.len() != asked {
             return Err(ControlError::Malformed {
                 op: "fork",
                 detail: format!(
-                    "{} children asked for, {} answered",
-                    children.len(),
+                    "{asked} children asked for, {} answered",
                     forked.children.len()
                 ),
             });
@@ -185,62 +105,44 @@ impl Control {
 
     /// Writes a snapshot into `dir`; returns the bytes written.
     pub fn snapshot(&self, dir: &Path, then: Then) -> Result<u64, ControlError> {
-        let s: Snapshotted = self.call_typed(&Request::Snapshot { dir, then })?;
+        let dir = dir.to_path_buf();
+        let s: Snapshotted = self.call(&Request::Snapshot { dir, then })?;
         Ok(s.bytes_written)
     }
 
     /// Where every vCPU is (registers, MP state, pending events, LAPIC
-    /// vectors), one line per vCPU, for a failure report. Bounded by
+    /// vectors), one JSON line per vCPU, for a failure report. Bounded by
     /// [`DIAGNOSE_TIMEOUT`]: a VMM too wedged to answer says so.
     pub fn vcpus(&self) -> Result<String, ControlError> {
-        let answer = self.call_within(&Request::Vcpus, DIAGNOSE_TIMEOUT)?;
-        let vcpus = answer
-            .get("vcpus")
-            .and_then(|v| v.as_array())
-            .ok_or_else(|| ControlError::Malformed {
-                op: "vcpus",
-                detail: format!("no vcpus in {answer}"),
-            })?;
-        Ok(vcpus
+        let answer: Vcpus = self.call_within(&Request::Vcpus, DIAGNOSE_TIMEOUT)?;
+        Ok(answer
+            .vcpus
             .iter()
-            .map(|v| v.to_string())
+            .map(|v| serde_json::to_string(v).expect("a vCPU report is plain data"))
             .collect::<Vec<_>>()
             .join("\n"))
     }
 
-    fn call_typed<T: serde::de::DeserializeOwned>(
-        &self,
-        req: &Request<'_>,
-    ) -> Result<T, ControlError> {
-        let value = self.call(req)?;
-        serde_json::from_value(value).map_err(|e| ControlError::Malformed {
-            op: req.op(),
-            detail: e.to_string(),
-        })
-    }
-
     /// Sends `req`; returns the answer of an `"ok":true` response.
-    pub fn call(&self, req: &Request<'_>) -> Result<serde_json::Value, ControlError> {
+    pub fn call<T: DeserializeOwned>(&self, req: &Request) -> Result<T, ControlError> {
         self.call_within(req, ANSWER_TIMEOUT)
     }
 
-    fn call_within(
+    fn call_within<T: DeserializeOwned>(
         &self,
-        req: &Request<'_>,
+        req: &Request,
         timeout: Duration,
-    ) -> Result<serde_json::Value, ControlError> {
+    ) -> Result<T, ControlError> {
         let op = req.op();
         let stream = self.connect()?;
         let io_err = |source| ControlError::Io { op, source };
         stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-        let mut line = serde_json::to_vec(req).expect("control requests always serialise");
-        line.push(b'\n');
-        (&stream).write_all(&line).map_err(io_err)?;
+        (&stream).write_all(&req.to_line()).map_err(io_err)?;
         let mut answer = String::new();
         BufReader::new(&stream)
             .read_line(&mut answer)
             .map_err(io_err)?;
-        parse_answer(op, &answer)
+        decode_answer(&answer).map_err(|e| ControlError::answer(op, e))
     }
 
     fn connect(&self) -> Result<UnixStream, ControlError> {
@@ -268,89 +170,33 @@ impl Control {
     }
 }
 
-fn parse_answer(op: &'static str, answer: &str) -> Result<serde_json::Value, ControlError> {
-    if answer.is_empty() {
-        return Err(ControlError::Malformed {
-            op,
-            detail: "the VMM closed the connection without answering".into(),
-        });
-    }
-    let value: serde_json::Value =
-        serde_json::from_str(answer.trim_end()).map_err(|e| ControlError::Malformed {
-            op,
-            detail: format!("{e}: {:?}", answer.trim_end()),
-        })?;
-    match value.get("ok").and_then(serde_json::Value::as_bool) {
-        Some(true) => Ok(value),
-        Some(false) => Err(ControlError::Refused {
-            op,
-            error: value
-                .get("error")
-                .and_then(serde_json::Value::as_str)
-                .unwrap_or("(no error text)")
-                .to_string(),
-        }),
-        None => Err(ControlError::Malformed {
-            op,
-            detail: format!("no `ok` field: {:?}", answer.trim_end()),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn fork_request_serialises_as_the_vmm_expects() {
-        let children = [ChildPaths {
-            control: "/c".into(),
-            vsock_uds: "/v".into(),
-            serial_log: "/s".into(),
-            net_log: None,
-            net_broker: None,
-        }];
-        let req = Request::Fork {
-            children: &children,
-            then: Then::Pause,
-        };
-        assert_eq!(
-            serde_json::to_string(&req).expect("json"),
-            r#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s"}],"then":"pause"}"#
+    fn control_error_refusal_carries_op_and_error_text() {
+        let err = ControlError::answer(
+            "pause",
+            AnswerError::Refused {
+                error: "already paused".into(),
+            },
         );
-        assert_eq!(
-            serde_json::to_string(&Request::Status).expect("json"),
-            r#"{"op":"status"}"#
-        );
-    }
-
-    #[test]
-    fn parse_answer_refusal_carries_error_text() {
-        let err = parse_answer("pause", "{\"ok\":false,\"error\":\"already paused\"}\n")
-            .expect_err("refused");
         assert!(
-            matches!(err, ControlError::Refused { ref error, .. } if error == "already paused"),
+            matches!(err, ControlError::Refused { op: "pause", ref error } if error == "already paused"),
             "{err}"
         );
+        assert_eq!(err.to_string(), "the VMM refused `pause`: already paused");
     }
 
     #[test]
-    fn fork_answer_mixes_pids_and_errors() {
-        let v = parse_answer(
-            "fork",
-            r#"{"ok":true,"children":[{"pid":42},{"error":"no memory"}]}"#,
-        )
-        .expect("ok");
-        let f: Forked = serde_json::from_value(v).expect("typed");
-        assert!(matches!(f.children[0], ForkedChild::Ok { pid: 42 }));
-        assert!(matches!(f.children[1], ForkedChild::Err { ref error } if error == "no memory"));
-    }
-
-    #[test]
-    fn parse_answer_empty_is_malformed() {
-        assert!(matches!(
-            parse_answer("status", ""),
-            Err(ControlError::Malformed { .. })
-        ));
+    fn control_error_malformed_names_op() {
+        let err = ControlError::answer(
+            "status",
+            AnswerError::Malformed {
+                detail: "nothing".into(),
+            },
+        );
+        assert!(matches!(err, ControlError::Malformed { op: "status", .. }));
     }
 }

@@ -14,8 +14,8 @@ use crate::net::NetConfig;
 
 use clap::Parser;
 
-use crate::layout::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 use crate::{Echo, Endpoints, VmConfig};
+use forkbox_vmm_api::shape::{ShapeError, VmShape};
 
 #[derive(Debug, Parser)]
 #[command(name = "forkbox-vmm", about = "Run one forkbox microVM on KVM")]
@@ -36,12 +36,11 @@ pub struct Args {
     /// Serve the control socket (JSON lines) at this path.
     #[arg(long)]
     pub control: Option<PathBuf>,
-    /// Number of vCPUs (1-8).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    /// Number of vCPUs (1-8: `forkbox_vmm_api::shape`).
+    #[arg(long, default_value_t = 1)]
     pub vcpus: u8,
-    /// Guest RAM in MiB (128-16384).
-    #[arg(long, default_value_t = 512,
-          value_parser = clap::value_parser!(u64).range(MIN_MEMORY_MIB..=MAX_MEMORY_MIB))]
+    /// Guest RAM in MiB (128-16384: `forkbox_vmm_api::shape`).
+    #[arg(long, default_value_t = 512)]
     pub memory_mib: u64,
     /// Read-only virtio-blk disk; repeat for more (first = /dev/vda).
     #[arg(long = "disk")]
@@ -78,31 +77,43 @@ pub enum CliError {
         #[source]
         source: std::io::Error,
     },
+    #[error("this VM cannot run")]
+    Shape(#[source] ShapeError),
 }
 
-/// What the command line asks for.
+/// How this VMM process was asked to run: boot a kernel, or restore a
+/// snapshot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Command {
+pub enum Invocation {
     Boot(VmConfig),
     Restore { dir: PathBuf, endpoints: Endpoints },
 }
 
-impl Command {
+impl Invocation {
     /// Whether the VMM opens connections itself: a network without a
     /// broker (it connects to the host's loopback). Every other VMM talks
     /// only over unix sockets named by path, which work from any network
     /// namespace.
     pub fn needs_host_network(&self) -> bool {
         let net = match self {
-            Command::Boot(c) => &c.net,
-            Command::Restore { endpoints, .. } => &endpoints.net,
+            Invocation::Boot(c) => &c.net,
+            Invocation::Restore { endpoints, .. } => &endpoints.net,
         };
         net.as_ref().is_some_and(|n| n.broker.is_none())
     }
 }
 
 impl Args {
-    pub fn into_command(self) -> Result<Command, CliError> {
+    pub fn into_invocation(self) -> Result<Invocation, CliError> {
+        // Restoring takes the shape from the snapshot, not from these.
+        if self.restore.is_none() {
+            VmShape {
+                vcpus: self.vcpus,
+                memory_mib: self.memory_mib,
+            }
+            .validate()
+            .map_err(CliError::Shape)?;
+        }
         let net = match &self.net_policy {
             Some(path) => Some(NetConfig {
                 policy_json: std::fs::read_to_string(path).map_err(|source| {
@@ -123,21 +134,23 @@ impl Args {
         };
         Ok(
             match (self.restore, self.kernel, self.initramfs, self.cmdline) {
-                (None, Some(kernel), Some(initramfs), Some(cmdline)) => Command::Boot(VmConfig {
-                    kernel,
-                    initramfs,
-                    cmdline,
-                    vcpus: self.vcpus,
-                    memory_mib: self.memory_mib,
-                    disks: self.disks,
-                    vsock_uds: self.vsock_uds,
-                    serial_log: self.serial_log,
-                    echo,
-                    control: self.control,
-                    net,
-                }),
+                (None, Some(kernel), Some(initramfs), Some(cmdline)) => {
+                    Invocation::Boot(VmConfig {
+                        kernel,
+                        initramfs,
+                        cmdline,
+                        vcpus: self.vcpus,
+                        memory_mib: self.memory_mib,
+                        disks: self.disks,
+                        vsock_uds: self.vsock_uds,
+                        serial_log: self.serial_log,
+                        echo,
+                        control: self.control,
+                        net,
+                    })
+                }
                 // clap enforces: either --restore, or all three boot options.
-                (restore, ..) => Command::Restore {
+                (restore, ..) => Invocation::Restore {
                     dir: restore.unwrap_or_default(),
                     endpoints: Endpoints {
                         control: self.control,
@@ -155,6 +168,7 @@ impl Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use forkbox_vmm_api::shape::{MAX_MEMORY_MIB, MAX_VCPUS, MIN_MEMORY_MIB, MIN_VCPUS};
 
     const BASE: [&str; 7] = [
         "forkbox-vmm",
@@ -166,12 +180,12 @@ mod tests {
         "console=ttyS0 panic=-1",
     ];
 
-    fn parse(extra: &[&str]) -> Result<VmConfig, clap::Error> {
+    fn parse(extra: &[&str]) -> Result<VmConfig, Box<dyn std::error::Error>> {
         let argv = BASE.iter().chain(extra).copied();
-        Args::try_parse_from(argv).map(|a| match a.into_command().expect("no files named") {
-            Command::Boot(c) => c,
+        match Args::try_parse_from(argv)?.into_invocation()? {
+            Invocation::Boot(c) => Ok(c),
             other => panic!("not a boot: {other:?}"),
-        })
+        }
     }
 
     #[test]
@@ -224,6 +238,22 @@ mod tests {
         assert!(parse(&["--vcpus", "9"]).is_err());
         assert!(parse(&["--memory-mib", "127"]).is_err());
         assert!(parse(&["--memory-mib", "16385"]).is_err());
+        assert!(parse(&["--vcpus", "300"]).is_err());
+    }
+
+    #[test]
+    fn parse_shape_bounds_are_the_api_limits() {
+        let vcpus = |n: u8| parse(&["--vcpus", &n.to_string()]).map(|c| c.vcpus);
+        let mib = |n: u64| parse(&["--memory-mib", &n.to_string()]).map(|c| c.memory_mib);
+        assert_eq!(vcpus(MIN_VCPUS).expect("min"), MIN_VCPUS);
+        assert_eq!(vcpus(MAX_VCPUS).expect("max"), MAX_VCPUS);
+        assert_eq!(mib(MIN_MEMORY_MIB).expect("min"), MIN_MEMORY_MIB);
+        assert_eq!(mib(MAX_MEMORY_MIB).expect("max"), MAX_MEMORY_MIB);
+        let e = parse(&["--vcpus", "9"]).expect_err("too many");
+        assert_eq!(
+            e.source().map(ToString::to_string).as_deref(),
+            Some("vcpus must be 1-8, not 9")
+        );
     }
 
     #[test]
@@ -241,8 +271,8 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!(
-            a.into_command().expect("no files named"),
-            Command::Restore {
+            a.into_invocation().expect("no files named"),
+            Invocation::Restore {
                 dir: "/snap".into(),
                 endpoints: Endpoints {
                     control: Some("/c".into()),
@@ -283,7 +313,7 @@ mod tests {
                 .copied(),
         )
         .expect("parses");
-        assert!(missing.into_command().is_err());
+        assert!(missing.into_invocation().is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

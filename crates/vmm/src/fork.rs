@@ -11,8 +11,12 @@
 //! closes the descriptors, which only drops the child's references.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{OwnedFd, RawFd};
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::pipe::PipeFlags;
+use rustix::process::{Pid, PidfdFlags, WaitOptions};
 
 /// How long a parent waits for a child to report ready.
 pub const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,13 +32,7 @@ pub enum Forked {
 }
 
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as libc::c_int; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors were just created and are owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    Ok(rustix::pipe::pipe_with(PipeFlags::CLOEXEC)?)
 }
 
 /// Forks the process with a readiness pipe between parent and child.
@@ -108,23 +106,18 @@ pub fn wait_ready(ready: OwnedFd, timeout: Duration) -> Result<(), String> {
         if left.is_zero() {
             return Err(format!("child not ready within {timeout:?}"));
         }
-        let mut pfd = libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+        // Whole milliseconds, at least one, as the wait always was.
+        let ms = left.as_millis().max(1);
+        let timeout = Timespec {
+            tv_sec: (ms / 1000) as _,
+            tv_nsec: ((ms % 1000) * 1_000_000) as _,
         };
-        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1);
-        // SAFETY: one valid pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(format!("waiting for the child: {e}"));
-        }
-        if rc == 0 {
-            continue;
+        let mut pfd = [PollFd::new(&f, PollFlags::IN)];
+        match rustix::event::poll(&mut pfd, Some(&timeout)) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(format!("waiting for the child: {e}")),
         }
         let mut buf = vec![0u8; 4096];
         let n = match f.read(&mut buf) {
@@ -142,20 +135,15 @@ pub fn wait_ready(ready: OwnedFd, timeout: Duration) -> Result<(), String> {
 
 /// A pidfd for `pid`, so the event loop can reap it when it exits.
 pub fn pidfd_open(pid: libc::pid_t) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the descriptor was just created and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    let pid = Pid::from_raw(pid).ok_or_else(|| std::io::Error::other("not a child's pid"))?;
+    Ok(rustix::process::pidfd_open(pid, PidfdFlags::empty())?)
 }
 
 /// Reaps `pid` if it has exited (never blocks).
 pub fn reap(pid: libc::pid_t) {
-    let mut status = 0;
-    // SAFETY: waitpid with WNOHANG on our own child.
-    unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+    if let Some(pid) = Pid::from_raw(pid) {
+        let _ = rustix::process::waitpid(Some(pid), WaitOptions::NOHANG);
+    }
 }
 
 #[cfg(test)]

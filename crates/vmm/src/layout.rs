@@ -7,10 +7,6 @@ pub const MIB: u64 = 1 << 20;
 /// 1 GiB.
 pub const GIB: u64 = 1 << 30;
 
-/// Smallest and largest guest RAM the VMM accepts.
-pub const MIN_MEMORY_MIB: u64 = 128;
-pub const MAX_MEMORY_MIB: u64 = 16 * 1024;
-
 /// Start of the 32-bit MMIO hole; RAM beyond this continues at 4 GiB.
 pub const MMIO_HOLE_START: u64 = 0xC000_0000;
 /// First address above the 32-bit MMIO hole.

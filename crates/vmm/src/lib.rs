@@ -1,11 +1,14 @@
 //! forkbox-vmm: one process per microVM, built on rust-vmm crates.
 //!
+//! Its contract with callers (the control protocol, exit codes, limits of a
+//! VM's shape) is `forkbox-vmm-api`'s.
+//!
 //! Owns booting a stock Debian kernel on KVM (x86_64) and running it to a
 //! typed end ([`VmExit`]). Devices beyond COM1 come from `forkbox-devices`;
 //! this crate must not be depended on by it (the direction is vmm → devices).
 //!
 //! Module map:
-//! - [`cli`]: the command-line contract, parsed into a [`VmConfig`].
+//! - [`cli`]: the command-line contract, parsed into an [`cli::Invocation`].
 //! - [`host`]: refuses software-only `/dev/kvm` (kvm_pvm) and explains why.
 //! - [`layout`]: guest-physical layout, MMIO hole, e820 (pure).
 //! - [`memory`]: memfd-backed guest RAM and its KVM slots (unsafe lives here).
@@ -19,11 +22,14 @@
 //!   the virtio-net backend, its connector (broker or loopback) and log.
 //! - [`state`]: the captured VM state (versioned, serde) and the KVM ioctls
 //!   that capture and apply it.
-//! - [`control`]: the control socket's protocol (sans-IO parsing).
+//! - [`control`]: the control socket's line framing (sans-IO); its requests
+//!   and answers are `forkbox-vmm-api`'s.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
-//! - [`vm`]: boots or restores the VM, runs the epoll loop and serves the
-//!   control socket (pause, resume, fork, zygote, snapshot).
+//! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
+//!   the epoll loop (`event_loop`), serve the control socket
+//!   (`control_server`), pause, capture and write snapshots (`snapshot`),
+//!   and fork (`forking`).
 //!
 //! Testing: unit tests beside the code need no KVM. The tests that boot
 //! real VMs (exit codes for power-off, reboot and panic among them) live in
@@ -31,6 +37,8 @@
 //! where this machine has no hardware virtualization; none skip.
 
 use std::path::PathBuf;
+
+use forkbox_vmm_api::exit_code;
 
 pub mod acpi;
 pub mod boot;
@@ -53,15 +61,6 @@ pub use pio::ResetCause;
 pub use serial::Echo;
 pub use vm::{run, run_restore, Endpoints, VmError};
 
-/// Process exit status: the guest powered off (ACPI S5).
-pub const EXIT_POWER_OFF: i32 = 0;
-/// Process exit status: the VMM itself failed.
-pub const EXIT_VMM_ERROR: i32 = 1;
-/// Process exit status: the guest reset (reboot, i8042, triple fault).
-pub const EXIT_RESET: i32 = 2;
-/// Process exit status: the guest kernel panicked (then reset, `panic=-1`).
-pub const EXIT_PANIC: i32 = 3;
-
 /// How a VM ended, as decided by the guest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VmExit {
@@ -74,9 +73,9 @@ impl VmExit {
     /// The process exit status for this end.
     pub fn code(&self) -> i32 {
         match self {
-            VmExit::PowerOff => EXIT_POWER_OFF,
-            VmExit::Reset { .. } => EXIT_RESET,
-            VmExit::Panic { .. } => EXIT_PANIC,
+            VmExit::PowerOff => exit_code::POWER_OFF,
+            VmExit::Reset { .. } => exit_code::RESET,
+            VmExit::Panic { .. } => exit_code::PANIC,
         }
     }
 }

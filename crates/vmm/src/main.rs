@@ -1,5 +1,5 @@
 //! `forkbox-vmm`: parses the command line, runs one VM, and turns its end
-//! into the process exit status (see `forkbox_vmm::EXIT_*`).
+//! into the process exit status (see `forkbox_vmm_api::exit_code`).
 
 use clap::Parser;
 use forkbox_vmm::cli::Args;
@@ -19,20 +19,20 @@ fn main() {
             // --help and --version succeed; usage errors must not look like
             // a guest reset (2), which is clap's default status.
             std::process::exit(if e.use_stderr() {
-                forkbox_vmm::EXIT_VMM_ERROR
+                forkbox_vmm_api::exit_code::VMM_ERROR
             } else {
                 0
             });
         }
     };
-    let command = match args.into_command() {
+    let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
-            std::process::exit(forkbox_vmm::EXIT_VMM_ERROR);
+            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
     };
-    if !command.needs_host_network() {
+    if !invocation.needs_host_network() {
         match forkbox_vmm::net::leave_host_network() {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
@@ -41,9 +41,9 @@ fn main() {
             Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
         }
     }
-    let result = match command {
-        forkbox_vmm::cli::Command::Boot(config) => forkbox_vmm::run(&config),
-        forkbox_vmm::cli::Command::Restore { dir, endpoints } => {
+    let result = match invocation {
+        forkbox_vmm::cli::Invocation::Boot(config) => forkbox_vmm::run(&config),
+        forkbox_vmm::cli::Invocation::Restore { dir, endpoints } => {
             forkbox_vmm::run_restore(&dir, endpoints)
         }
     };
@@ -54,7 +54,7 @@ fn main() {
         }
         Err(e) => {
             eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
-            forkbox_vmm::EXIT_VMM_ERROR
+            forkbox_vmm_api::exit_code::VMM_ERROR
         }
     };
     std::process::exit(code);

@@ -13,13 +13,14 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use forkbox_devices::GuestMemory;
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
+use rustix::fs::{MemfdFlags, SealFlags, SeekFrom};
 use vm_memory::mmap::{MmapRegionBuilder, MmapRegionError};
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap,
@@ -27,6 +28,7 @@ use vm_memory::{
 };
 
 use crate::layout::MemoryLayout;
+use crate::vcpu::Paused;
 
 /// Page size used for zero-page detection and residency checks.
 pub const PAGE: usize = 4096;
@@ -159,13 +161,11 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Each RAM range as (host bytes, offset in the memory file).
-    ///
-    /// # Safety
-    /// No vCPU may run and no device may touch guest memory while the
-    /// returned slices live (the VM is paused and the caller is the main
-    /// thread, which alone drives devices).
-    unsafe fn ranges(&self) -> Result<Vec<(&[u8], u64)>, MemoryError> {
+    /// Each RAM range as (host bytes, offset in the memory file), while
+    /// the VM is `paused`: no vCPU writes guest memory while the slices
+    /// live, and devices, which run only on the main thread (the caller's),
+    /// do not run either while it is here.
+    fn ranges<'a>(&'a self, _paused: &'a Paused<'_>) -> Result<Vec<(&'a [u8], u64)>, MemoryError> {
         let mut out = Vec::new();
         let mut offset = 0u64;
         for region in self.mem.iter() {
@@ -174,8 +174,9 @@ impl GuestRam {
                 .map_err(|_| MemoryError::Region(region.start_addr().0))?;
             let len = region.len() as usize;
             // SAFETY: `host..host+len` is mapped readable for as long as
-            // `self.mem` lives (borrowed here); nothing writes it meanwhile
-            // per this function's contract.
+            // `self.mem` lives (borrowed here for the slice's lifetime); no
+            // vCPU writes it while `_paused` lives (the slice cannot outlive
+            // it), and no device runs on the main thread, which is here.
             out.push((unsafe { std::slice::from_raw_parts(host, len) }, offset));
             offset += region.len();
         }
@@ -183,14 +184,11 @@ impl GuestRam {
     }
 
     /// Writes guest RAM to `file` (already sized to the total) without its
-    /// zero pages, which stay holes. Returns the bytes written.
-    ///
-    /// # Safety
-    /// As [`GuestRam::ranges`]: the VM is paused.
-    pub unsafe fn write_sparse_to(&self, file: &File) -> Result<u64, MemoryError> {
+    /// zero pages, which stay holes, while the VM is `paused`. Returns the
+    /// bytes written.
+    pub fn write_sparse_to(&self, file: &File, paused: &Paused<'_>) -> Result<u64, MemoryError> {
         let mut written = 0;
-        // SAFETY: forwarded from this function's contract.
-        for (bytes, offset) in unsafe { self.ranges()? } {
+        for (bytes, offset) in self.ranges(paused)? {
             let resident = self.may_hold_data(bytes, offset);
             written += write_sparse(file, offset, bytes, resident.as_deref())
                 .map_err(MemoryError::Copy)?;
@@ -202,24 +200,17 @@ impl GuestRam {
     /// memfd (no write, shrink, grow, or new seals) and maps it `MAP_PRIVATE`
     /// over the same addresses. Afterwards the process has no private guest
     /// pages, so `fork()` is O(1) in guest memory size, and children fault
-    /// pages lazily from the shared page cache.
-    ///
-    /// # Safety
-    /// As [`GuestRam::ranges`]: the VM is paused.
-    pub unsafe fn rebase_to_sealed_memfd(&mut self) -> Result<Copied, MemoryError> {
+    /// pages lazily from the shared page cache. The VM must be `paused`.
+    pub fn rebase_to_sealed_memfd(&mut self, paused: &Paused<'_>) -> Result<Copied, MemoryError> {
         let file = memfd(c"forkbox-zygote-ram")?;
         let total: u64 = self.mem.iter().map(|r| r.len()).sum();
         file.set_len(total)
             .map_err(|e| MemoryError::Resize(total, e))?;
-        // SAFETY: forwarded from this function's contract.
-        let copied = unsafe { self.copy_to_memfd(&file)? };
-        let seals =
-            libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: plain fcntl on a memfd we own; no writable shared mapping
-        // of it exists (F_SEAL_WRITE would fail otherwise).
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
-            return Err(MemoryError::Seal(io::Error::last_os_error()));
-        }
+        let copied = self.copy_to_memfd(&file, paused)?;
+        // No writable shared mapping of it is left (`copy_to_memfd` dropped
+        // its own), or F_SEAL_WRITE would fail.
+        let seals = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+        rustix::fs::fcntl_add_seals(&file, seals).map_err(|e| MemoryError::Seal(e.into()))?;
         let mut offset = 0u64;
         for region in self.mem.iter() {
             let host = region
@@ -227,8 +218,9 @@ impl GuestRam {
                 .map_err(|_| MemoryError::Region(region.start_addr().0))?;
             // SAFETY: MAP_FIXED replaces exactly the range `self.mem` owns
             // (same address and length), with a private view of the same
-            // bytes; no reference into it is live (the VM is paused, per the
-            // contract), and KVM's memory slot refers to the address range,
+            // bytes; no reference into it is live (`copy_to_memfd`'s are
+            // gone, and no vCPU runs while `paused` lives; devices run only
+            // on this thread, which is here), and KVM's memory slot refers to the address range,
             // whose contents it re-faults through its MMU notifier.
             let p = unsafe {
                 libc::mmap(
@@ -268,13 +260,9 @@ impl GuestRam {
     /// tables: fewer page faults and page tables per child. The host grants
     /// huge pages where its `shmem_enabled` allows (`advise` or more) and
     /// it has free 2 MiB blocks.
-    ///
-    /// # Safety
-    /// As [`GuestRam::ranges`]: the VM is paused.
-    unsafe fn copy_to_memfd(&self, file: &File) -> Result<Copied, MemoryError> {
+    fn copy_to_memfd(&self, file: &File, paused: &Paused<'_>) -> Result<Copied, MemoryError> {
         let mut copied = Copied::default();
-        // SAFETY: forwarded from this function's contract.
-        for (bytes, offset) in unsafe { self.ranges()? } {
+        for (bytes, offset) in self.ranges(paused)? {
             let resident = self.may_hold_data(bytes, offset);
             let data: Vec<bool> = bytes
                 .chunks(PAGE)
@@ -456,22 +444,20 @@ fn possibly_written(bytes: &[u8], file: &File, offset: u64) -> Vec<bool> {
 /// that lie in its data ranges (`SEEK_DATA`/`SEEK_HOLE`).
 pub fn file_data_pages(file: &File, offset: u64, out: &mut [bool]) -> io::Result<()> {
     let end = offset + (out.len() * PAGE) as u64;
-    let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
-        // SAFETY: lseek on a file we hold open; no memory is involved.
-        let r = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, whence) };
-        match r {
-            r if r >= 0 => Ok(Some(r as u64)),
-            // No data at or after `pos`.
-            _ if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => Ok(None),
-            _ => Err(io::Error::last_os_error()),
+    let seek = |to: SeekFrom| -> io::Result<Option<u64>> {
+        match rustix::fs::seek(file, to) {
+            Ok(at) => Ok(Some(at)),
+            // No data at or after the position.
+            Err(rustix::io::Errno::NXIO) => Ok(None),
+            Err(e) => Err(e.into()),
         }
     };
     let mut pos = offset;
     while pos < end {
-        let Some(data) = seek(pos, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+        let Some(data) = seek(SeekFrom::Data(pos))?.filter(|&d| d < end) else {
             break;
         };
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let hole = seek(SeekFrom::Hole(data))?.unwrap_or(end).min(end);
         let first = ((data - offset) / PAGE as u64) as usize;
         let last = (hole - offset).div_ceil(PAGE as u64) as usize;
         out[first..last].fill(true);
@@ -540,17 +526,9 @@ fn is_zero(page: &[u8]) -> bool {
 }
 
 fn memfd(name: &CStr) -> Result<File, MemoryError> {
-    // SAFETY: `name` is a valid NUL-terminated string for the duration of
-    // the call; the flags are valid memfd_create flags.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by memfd_create, is open, and is owned
-    // by nothing else.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    Ok(File::from(owned))
+    rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map(File::from)
+        .map_err(|e| MemoryError::Memfd(e.into()))
 }
 
 #[cfg(test)]
@@ -559,6 +537,13 @@ mod tests {
 
     use super::*;
     use crate::layout::{GIB, HIGH_RAM_START, MIB, MMIO_HOLE_START};
+    use crate::vcpu::Vcpus;
+
+    /// A VM's vCPUs, none of them: what the memory tests pause (they have
+    /// no VM) to get the witness the memory functions require.
+    fn no_vcpus() -> Vcpus {
+        Vcpus::start(Vec::new()).expect("no threads to start")
+    }
 
     #[test]
     fn new_16gib_maps_low_and_high_ranges() {
@@ -584,18 +569,14 @@ mod tests {
     }
 
     fn data_ranges(file: &File, len: u64) -> Vec<(u64, u64)> {
-        let fd = file.as_raw_fd();
         let mut out = Vec::new();
-        let mut pos = 0i64;
-        while (pos as u64) < len {
-            // SAFETY: lseek on an open file we own.
-            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-            if data < 0 {
+        let mut pos = 0u64;
+        while pos < len {
+            let Ok(data) = rustix::fs::seek(file, SeekFrom::Data(pos)) else {
                 break;
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-            out.push((data as u64, hole as u64));
+            };
+            let hole = rustix::fs::seek(file, SeekFrom::Hole(data)).expect("SEEK_HOLE");
+            out.push((data, hole));
             pos = hole;
         }
         out
@@ -668,8 +649,9 @@ mod tests {
             .expect("write");
         let (file, path) = temp_file("ram");
         file.set_len(layout.total()).expect("size");
-        // SAFETY: no vCPU or device exists in this test.
-        let n = unsafe { ram.write_sparse_to(&file) }.expect("snapshot");
+        let vcpus = no_vcpus();
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        let n = ram.write_sparse_to(&file, &paused).expect("snapshot");
         assert_eq!(n, PAGE as u64, "only the written page");
         let restored = GuestRam::from_file(&layout, &path).expect("map");
         let mem = restored.memory();
@@ -693,8 +675,9 @@ mod tests {
         ram.memory()
             .write_obj(0x1234_u64, GuestAddress(0x30_0000))
             .expect("write");
-        // SAFETY: no vCPU or device exists in this test.
-        let n = unsafe { ram.rebase_to_sealed_memfd() }.expect("rebase");
+        let vcpus = no_vcpus();
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        let n = ram.rebase_to_sealed_memfd(&paused).expect("rebase");
         assert_eq!(n.bytes, PAGE as u64);
         let mem = ram.memory();
         assert_eq!(
@@ -703,9 +686,8 @@ mod tests {
         );
         mem.write_obj(5u64, GuestAddress(0x30_0000))
             .expect("private write");
-        // SAFETY: fcntl on an fd we own.
-        let seals = unsafe { libc::fcntl(ram.file.as_raw_fd(), libc::F_GET_SEALS) };
-        assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE);
+        let seals = rustix::fs::fcntl_get_seals(&ram.file).expect("F_GET_SEALS");
+        assert!(seals.contains(SealFlags::WRITE), "{seals:?}");
         let mut probe = [0u8; 8];
         ram.file
             .read_exact_at(&mut probe, 0x30_0000)
@@ -720,15 +702,15 @@ mod tests {
         ram.memory()
             .write_obj(0x1234_u64, GuestAddress(0x30_0000))
             .expect("write");
-        // SAFETY: no vCPU or device exists in this test.
-        unsafe { ram.rebase_to_sealed_memfd() }.expect("rebase");
+        let vcpus = no_vcpus();
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        ram.rebase_to_sealed_memfd(&paused).expect("rebase");
         // Page 0x30_0000 now lives in the memfd only: this process has not
         // touched it since the rebase. Page 0x50_0000 is a private page.
         ram.memory()
             .write_obj(9u64, GuestAddress(0x50_0000))
             .expect("private write");
-        // SAFETY: as above.
-        let (bytes, offset) = unsafe { ram.ranges() }.expect("ranges")[0];
+        let (bytes, offset) = ram.ranges(&paused).expect("ranges")[0];
         let marked: Vec<usize> = possibly_written(bytes, &ram.file, offset)
             .iter()
             .enumerate()
@@ -738,8 +720,7 @@ mod tests {
         // A snapshot of the rebased RAM keeps both.
         let (file, path) = temp_file("rebased");
         file.set_len(layout.total()).expect("size");
-        // SAFETY: as above.
-        let n = unsafe { ram.write_sparse_to(&file) }.expect("snapshot");
+        let n = ram.write_sparse_to(&file, &paused).expect("snapshot");
         assert_eq!(n, 2 * PAGE as u64);
         let _ = std::fs::remove_file(path);
     }
@@ -767,8 +748,9 @@ mod tests {
                 .write_obj(pattern(page), GuestAddress(page * PAGE as u64 + 8))
                 .expect("write");
         }
-        // SAFETY: no vCPU exists; this thread alone touches the memory.
-        let copied = unsafe { ram.rebase_to_sealed_memfd() }.expect("rebase");
+        let vcpus = no_vcpus();
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        let copied = ram.rebase_to_sealed_memfd(&paused).expect("rebase");
         assert_eq!(copied.bytes, (written.len() * PAGE) as u64);
         assert!(
             copied.huge_bytes <= HUGE as u64,

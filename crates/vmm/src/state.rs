@@ -17,6 +17,7 @@
 use std::path::PathBuf;
 
 use forkbox_devices::virtio::persist::TransportState;
+use forkbox_vmm_api::VcpuReport;
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
     kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
@@ -96,34 +97,6 @@ pub struct VcpuState {
     pub debugregs: kvm_debugregs,
 }
 
-/// Where one vCPU is, for a person reading a failure (a fork child that
-/// hangs, a guest that faults): its registers, MP state, pending events and
-/// the LAPIC's pending (IRR) and in-service (ISR) vectors.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct VcpuReport {
-    pub id: u8,
-    pub rip: u64,
-    pub rsp: u64,
-    pub rflags: u64,
-    pub cs: u16,
-    pub cr0: u64,
-    pub cr2: u64,
-    pub cr3: u64,
-    pub cr4: u64,
-    pub efer: u64,
-    /// `runnable`, `halted`, ... (KVM's `mp_state`).
-    pub mp_state: String,
-    /// `nr N error 0xE (injected|pending)`, if an exception is queued.
-    pub exception: Option<String>,
-    /// The vector of an interrupt being injected, if any.
-    pub interrupt: Option<u8>,
-    pub nmi_pending: bool,
-    pub lapic_irr: Vec<u8>,
-    pub lapic_isr: Vec<u8>,
-    /// The LAPIC timer's LVT entry (mode in bits 17-18, mask bit 16).
-    pub lapic_lvtt: u32,
-}
-
 const APIC_ISR: usize = 0x100;
 const APIC_IRR: usize = 0x200;
 const APIC_LVTT: usize = 0x320;
@@ -157,40 +130,39 @@ fn mp_state_name(state: u32) -> String {
     }
 }
 
-impl From<&VcpuState> for VcpuReport {
-    fn from(s: &VcpuState) -> Self {
-        let e = &s.events;
-        let exception = (e.exception.injected != 0 || e.exception.pending != 0).then(|| {
-            format!(
-                "nr {} error {:#x} ({})",
-                e.exception.nr,
-                e.exception.error_code,
-                if e.exception.injected != 0 {
-                    "injected"
-                } else {
-                    "pending"
-                }
-            )
-        });
-        Self {
-            id: s.id,
-            rip: s.regs.rip,
-            rsp: s.regs.rsp,
-            rflags: s.regs.rflags,
-            cs: s.sregs.cs.selector,
-            cr0: s.sregs.cr0,
-            cr2: s.sregs.cr2,
-            cr3: s.sregs.cr3,
-            cr4: s.sregs.cr4,
-            efer: s.sregs.efer,
-            mp_state: mp_state_name(s.mp_state.mp_state),
-            exception,
-            interrupt: (e.interrupt.injected != 0).then_some(e.interrupt.nr),
-            nmi_pending: e.nmi.pending != 0,
-            lapic_irr: lapic_vectors(&s.lapic, APIC_IRR),
-            lapic_isr: lapic_vectors(&s.lapic, APIC_ISR),
-            lapic_lvtt: lapic_reg(&s.lapic, APIC_LVTT),
-        }
+/// Where the vCPU captured in `s` was, for a failure report.
+pub fn vcpu_report(s: &VcpuState) -> VcpuReport {
+    let e = &s.events;
+    let exception = (e.exception.injected != 0 || e.exception.pending != 0).then(|| {
+        format!(
+            "nr {} error {:#x} ({})",
+            e.exception.nr,
+            e.exception.error_code,
+            if e.exception.injected != 0 {
+                "injected"
+            } else {
+                "pending"
+            }
+        )
+    });
+    VcpuReport {
+        id: s.id,
+        rip: s.regs.rip,
+        rsp: s.regs.rsp,
+        rflags: s.regs.rflags,
+        cs: s.sregs.cs.selector,
+        cr0: s.sregs.cr0,
+        cr2: s.sregs.cr2,
+        cr3: s.sregs.cr3,
+        cr4: s.sregs.cr4,
+        efer: s.sregs.efer,
+        mp_state: mp_state_name(s.mp_state.mp_state),
+        exception,
+        interrupt: (e.interrupt.injected != 0).then_some(e.interrupt.nr),
+        nmi_pending: e.nmi.pending != 0,
+        lapic_irr: lapic_vectors(&s.lapic, APIC_IRR),
+        lapic_isr: lapic_vectors(&s.lapic, APIC_ISR),
+        lapic_lvtt: lapic_reg(&s.lapic, APIC_LVTT),
     }
 }
 
@@ -659,7 +631,7 @@ mod tests {
         vcpu.events.exception.injected = 1;
         vcpu.events.exception.nr = 14;
         vcpu.events.exception.error_code = 0x10;
-        let r = VcpuReport::from(&vcpu);
+        let r = vcpu_report(&vcpu);
         assert_eq!(r.lapic_irr, vec![236]);
         assert_eq!(r.lapic_isr, vec![33]);
         assert_eq!(r.mp_state, "halted");

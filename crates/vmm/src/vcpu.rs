@@ -12,6 +12,7 @@
 //! in the child). Only then may the main thread `fork()`: a lock held by
 //! another thread would stay locked forever in the child.
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -154,6 +155,17 @@ pub struct VcpuContext {
     pub exit: Arc<ExitSignal>,
 }
 
+/// Proof that every vCPU of a VM is parked: no vCPU runs guest code or
+/// touches guest memory while it lives. Only [`Vcpus::pause`] makes one,
+/// and it borrows those `Vcpus`, so they cannot be resumed or stopped
+/// (both take `&mut self`) before it is gone. The guest-memory functions
+/// that read or replace RAM outside KVM ([`crate::memory::GuestRam`])
+/// require it.
+#[derive(Debug)]
+pub struct Paused<'v> {
+    _vcpus: PhantomData<&'v Vcpus>,
+}
+
 /// The running vCPU threads of a VM.
 pub struct Vcpus {
     shared: Arc<Shared>,
@@ -202,9 +214,10 @@ impl Vcpus {
     }
 
     /// Parks every vCPU, then has each capture its state while all are
-    /// parked, and returns the states (in id order). A VM already paused
-    /// returns the states captured when it was paused.
-    pub fn pause(&self) -> Result<Vec<VcpuState>, PauseError> {
+    /// parked, and returns the states (in id order) and the proof that they
+    /// stay parked while it lives. A VM already paused returns the states
+    /// captured when it was paused, at once.
+    pub fn pause(&self) -> Result<(Vec<VcpuState>, Paused<'_>), PauseError> {
         let sh = &self.shared;
         {
             let mut p = relock(&sh.park);
@@ -262,11 +275,16 @@ impl Vcpus {
                 None => return Err(PauseError::Timeout(id as u8)),
             }
         }
-        Ok(out)
+        Ok((
+            out,
+            Paused {
+                _vcpus: PhantomData,
+            },
+        ))
     }
 
-    /// Lets every parked vCPU run again.
-    pub fn resume(&self) {
+    /// Lets every parked vCPU run again (no [`Paused`] may be left).
+    pub fn resume(&mut self) {
         let mut p = relock(&self.shared.park);
         p.paused = false;
         self.shared.pause.store(false, Ordering::SeqCst);

@@ -109,7 +109,7 @@ pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
         .map_err(|e| e.to_string())?;
     let code = status.and_then(|s| s.code());
     check(
-        code == Some(vmm_exit::PANICKED),
+        code == Some(vmm_exit::PANIC),
         format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
     )
 }
@@ -121,7 +121,7 @@ pub(crate) fn vm_guest_poweroff_ends_vmm_cleanly() -> TestResult {
         .wait_exit(Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
     check(
-        status.and_then(|s| s.code()) == Some(vmm_exit::POWERED_OFF),
+        status.and_then(|s| s.code()) == Some(vmm_exit::POWER_OFF),
         format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
     )
 }
@@ -135,7 +135,7 @@ pub(crate) fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
         .wait_exit(Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
     check(
-        status.and_then(|s| s.code()) == Some(vmm_exit::REBOOTED),
+        status.and_then(|s| s.code()) == Some(vmm_exit::RESET),
         format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
     )
 }

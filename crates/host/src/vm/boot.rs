@@ -30,6 +30,7 @@ impl Vm {
     /// happens now and then under load (see docs/SPEC.md). Any other
     /// failure, or one more of the same, is returned.
     pub fn boot(assets: &Assets, spec: &VmSpec) -> Result<Self, VmError> {
+        spec.shape().validate()?;
         let image = image::ensure(spec.image)?;
         // A reset costs a boot of seconds; a hang costs the boot timeout.
         let (mut resets, mut hangs) = (0, 0);
@@ -37,7 +38,7 @@ impl Vm {
             match Self::boot_once(assets, &image, spec) {
                 Err(
                     e @ VmError::DiedDuringBoot {
-                        code: Some(vmm_exit::REBOOTED),
+                        code: Some(vmm_exit::RESET),
                         ..
                     },
                 ) if resets < 2 => {
@@ -176,12 +177,7 @@ impl Vm {
         if status.pid != h.pid {
             return Err(not(format!("it has pid {}, not {}", status.pid, h.pid)));
         }
-        let state = match status.state.as_str() {
-            "running" => RunState::Running,
-            "paused" => RunState::Paused,
-            "zygote" => RunState::Zygote,
-            other => return Err(not(format!("unknown state {other:?}"))),
-        };
+        let state = status.state;
         let pidfd = pidfd_of(h.pid)?;
         let net = match network {
             Some(n) => {
@@ -287,7 +283,7 @@ impl Vm {
                 }
             }
         };
-        if status.state != "running" {
+        if status.state != RunState::Running {
             vm.resume()?;
         }
         vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;

@@ -12,8 +12,9 @@ use forkbox_proto::client::ClientError;
 use forkbox_proto::MIN_AFTER_FORK_ENTROPY;
 use rustix::process::Signal;
 
-use crate::control::{ChildPaths, Control, ForkedChild, Then};
+use crate::control::Control;
 use crate::testbed;
+use forkbox_vmm_api::{ChildResult, Then};
 
 use super::*;
 
@@ -93,7 +94,8 @@ impl Vm {
         // later request fail, the children of the earlier ones are killed.
         let mut answers = Vec::with_capacity(n);
         for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
-            match self.control.fork(batch, Then::Pause) {
+            let specs = batch.iter().map(ChildPaths::spec).collect();
+            match self.control.fork(specs, Then::Pause) {
                 Ok(a) => answers.extend(a),
                 Err(e) => {
                     kill_forked(&answers);
@@ -107,8 +109,8 @@ impl Vm {
             .into_iter()
             .enumerate()
             .map(|(index, a)| match a {
-                ForkedChild::Ok { pid } => Ok((pid, pidfd_of(pid)?)),
-                ForkedChild::Err { error } => Err(VmError::ForkChild { index, error }),
+                ChildResult::Started { pid } => Ok((pid, pidfd_of(pid)?)),
+                ChildResult::Failed { error } => Err(VmError::ForkChild { index, error }),
             })
             .collect();
         let deadline = after_fork_deadline(n);
@@ -221,9 +223,6 @@ pub(super) fn where_vcpus_are(control: &Control) -> String {
         .unwrap_or_else(|e| format!("(not readable: {:#})", anyhow::Error::new(e)))
 }
 
-/// Children per fork request the VMM accepts (it refuses more).
-pub const MAX_CHILDREN_PER_FORK: usize = 64;
-
 /// How long the children of one fork request may take to answer
 /// `AfterFork` before one is given up and replaced: seconds, growing with
 /// the children that start at once (they share the host's CPUs). On
@@ -259,9 +258,9 @@ impl Drop for PausedWhileForking<'_> {
 
 /// Kills the children a fork request started (when a later request of the
 /// same fork failed); reaped in the background.
-pub(super) fn kill_forked(answers: &[ForkedChild]) {
+pub(super) fn kill_forked(answers: &[ChildResult]) {
     for a in answers {
-        if let ForkedChild::Ok { pid } = a {
+        if let ChildResult::Started { pid } = a {
             match pidfd_of(*pid) {
                 Ok(pidfd) => {
                     let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
@@ -352,11 +351,11 @@ impl ForkedVm {
             error,
         };
         let answer = parent
-            .fork(std::slice::from_ref(&self.paths), Then::Pause)
+            .fork(vec![self.paths.spec()], Then::Pause)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
-            Some(ForkedChild::Ok { pid }) => (pid, pidfd_of(pid)?),
-            Some(ForkedChild::Err { error }) => return Err(lost(error)),
+            Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),
+            Some(ChildResult::Failed { error }) => return Err(lost(error)),
             None => return Err(lost("the VMM answered no child".into())),
         };
         match self.hook(pid, pidfd, deadline) {

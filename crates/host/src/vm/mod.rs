@@ -23,11 +23,12 @@ use forkbox_net::log::ReadLogError;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT};
 
-use crate::control::{Control, ControlError, Then, ZygoteMemory};
+use crate::control::{Control, ControlError};
 use crate::image::{ImageError, ImageName};
 use crate::initramfs::InitramfsError;
 use crate::kernel::KernelError;
 use crate::netbroker::NetBrokerError;
+use forkbox_vmm_api::{ShapeError, Then, VmShape};
 
 mod assets;
 mod boot;
@@ -36,7 +37,8 @@ mod net;
 mod process;
 
 pub use assets::Assets;
-pub use fork::{after_fork_deadline, loss_signature, ForkOptions, MAX_CHILDREN_PER_FORK};
+pub use fork::{after_fork_deadline, loss_signature, ForkOptions};
+pub use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
 pub use net::NetworkSpec;
 pub use process::{become_subreaper, describe_exit};
 
@@ -51,12 +53,8 @@ pub const GUEST_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=-1 pci=off quiet forkbox.root=/dev/vda forkbox.rootfstype=ext4";
 
 /// `forkbox-vmm` exit codes (its command-line contract).
-pub mod vmm_exit {
-    pub const POWERED_OFF: i32 = 0;
-    pub const ERROR: i32 = 1;
-    pub const REBOOTED: i32 = 2;
-    pub const PANICKED: i32 = 3;
-}
+pub use forkbox_vmm_api::exit_code as vmm_exit;
+pub use forkbox_vmm_api::{RunState, ZygoteMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -128,6 +126,8 @@ pub enum VmError {
     EgressLog(#[source] ReadLogError),
     #[error("the VMM at {dir} is not the one recorded: {why}")]
     NotAdoptable { dir: PathBuf, why: String },
+    #[error("this VM's shape cannot run")]
+    Shape(#[from] ShapeError),
     #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
     WarmUp(String),
 }
@@ -162,6 +162,16 @@ pub struct VmSpec {
     pub network: Option<NetworkSpec>,
 }
 
+impl VmSpec {
+    /// Its vCPUs and memory, as the VMM checks them.
+    pub fn shape(&self) -> VmShape {
+        VmShape {
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib.into(),
+        }
+    }
+}
+
 impl Default for VmSpec {
     fn default() -> Self {
         Self {
@@ -174,16 +184,6 @@ impl Default for VmSpec {
             network: None,
         }
     }
-}
-
-/// What the VM's vCPUs are doing, as far as we asked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
-    Running,
-    Paused,
-    /// A paused VM whose memory is a `MAP_PRIVATE` mapping of a memory
-    /// file: forks of it cost O(1) in memory size.
-    Zygote,
 }
 
 /// A running microVM. Dropping it kills the VMM (reaped in the

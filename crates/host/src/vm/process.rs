@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
-use crate::control::ChildPaths;
 use crate::testbed;
+use forkbox_vmm_api::ChildSpec;
 
 use super::*;
 
@@ -74,6 +74,32 @@ pub(super) fn vm_dir(prefix: &str) -> Result<VmDir, VmError> {
         .tempdir()
         .map(|d| VmDir(d.keep()))
         .map_err(VmError::Io)
+}
+
+/// The sockets and logs of one VM in its directory (a fork child's are
+/// chosen by us and sent with the fork request).
+#[derive(Debug, Clone)]
+pub(super) struct ChildPaths {
+    pub(super) control: PathBuf,
+    pub(super) vsock_uds: PathBuf,
+    pub(super) serial_log: PathBuf,
+    /// The child's own egress log (a VM with a network only).
+    pub(super) net_log: Option<PathBuf>,
+    /// The child's own network broker (a VM with a network only).
+    pub(super) net_broker: Option<PathBuf>,
+}
+
+impl ChildPaths {
+    /// The fork request's entry for a child in these paths.
+    pub(super) fn spec(&self) -> ChildSpec {
+        ChildSpec {
+            control: self.control.clone(),
+            vsock_uds: Some(self.vsock_uds.clone()),
+            serial_log: Some(self.serial_log.clone()),
+            net_log: self.net_log.clone(),
+            net_broker: self.net_broker.clone(),
+        }
+    }
 }
 
 pub(super) fn paths_in(dir: &Path) -> ChildPaths {
@@ -224,10 +250,10 @@ pub(super) fn reap_vmm(vmm: Vmm) {
 pub fn describe_exit(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
-        (Some(vmm_exit::POWERED_OFF), _) => "the guest powered off".into(),
-        (Some(vmm_exit::REBOOTED), _) => "the guest rebooted".into(),
-        (Some(vmm_exit::PANICKED), _) => "the guest kernel panicked".into(),
-        (Some(vmm_exit::ERROR), _) => "forkbox-vmm failed; its error is above".into(),
+        (Some(vmm_exit::POWER_OFF), _) => "the guest powered off".into(),
+        (Some(vmm_exit::RESET), _) => "the guest rebooted".into(),
+        (Some(vmm_exit::PANIC), _) => "the guest kernel panicked".into(),
+        (Some(vmm_exit::VMM_ERROR), _) => "forkbox-vmm failed; its error is above".into(),
         (Some(code), _) => format!("forkbox-vmm exited with code {code}"),
         (None, Some(sig)) => format!("forkbox-vmm was killed by signal {sig}"),
         (None, None) => "forkbox-vmm ended".into(),

@@ -1,0 +1,592 @@
+//! The control socket's protocol (`forkbox-vmm --control PATH`): one JSON
+//! request per line in, one JSON answer per line out, on a fresh
+//! connection per request. Owns the requests, the answers, the vCPU report
+//! and the encoding and decoding of one line; the sockets belong to the two
+//! ends (the VMM's event loop, forkbox's `Control`).
+//!
+//! Requests:
+//! - `{"op":"status"}`
+//! - `{"op":"pause"}`, `{"op":"resume"}`
+//! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P,"net_broker":P}, ...],"then":"resume"|"pause"}`
+//!   (`net_log`: the child's own egress log, without it the child has none;
+//!   `net_broker`: the child's own broker, without it the parent's)
+//! - `{"op":"zygote"}`
+//! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
+//! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
+//!   events, LAPIC vectors), for a failure report; a running VM is paused
+//!   for the read and resumed.
+//!
+//! Answers are `{"ok":true, ...}` with the request's fields, or
+//! `{"ok":false,"error":"..."}`.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::MAX_CHILDREN_PER_FORK;
+
+/// What the VMM does after a fork or snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Then {
+    Resume,
+    Pause,
+}
+
+/// Where one fork child listens and logs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildSpec {
+    pub control: PathBuf,
+    /// The child's hybrid-vsock socket (a VM with vsock must name one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_uds: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_log: Option<PathBuf>,
+    /// The child's own egress log; without it the child has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_log: Option<PathBuf>,
+    /// The child's own network broker; without it the parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_broker: Option<PathBuf>,
+}
+
+/// One control request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    Status,
+    Pause,
+    Resume,
+    Fork {
+        children: Vec<ChildSpec>,
+        then: Then,
+    },
+    Zygote,
+    Snapshot {
+        dir: PathBuf,
+        then: Then,
+    },
+    Vcpus,
+}
+
+/// Why a request line is not a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RequestError {
+    /// Not JSON, or not one of the requests.
+    Malformed(String),
+    /// A fork asking for no children or more than [`MAX_CHILDREN_PER_FORK`].
+    ChildCount(usize),
+}
+
+impl fmt::Display for RequestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RequestError::Malformed(e) => write!(f, "bad request: {e}"),
+            RequestError::ChildCount(n) => write!(
+                f,
+                "bad request: fork wants 1 to {MAX_CHILDREN_PER_FORK} children, got {n}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
+impl Request {
+    /// The request's `op`, for error messages.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Request::Status => "status",
+            Request::Pause => "pause",
+            Request::Resume => "resume",
+            Request::Fork { .. } => "fork",
+            Request::Zygote => "zygote",
+            Request::Snapshot { .. } => "snapshot",
+            Request::Vcpus => "vcpus",
+        }
+    }
+
+    /// Checks what the JSON cannot say: a fork's number of children.
+    pub fn check(&self) -> Result<(), RequestError> {
+        match self {
+            Request::Fork { children, .. }
+                if children.is_empty() || children.len() > MAX_CHILDREN_PER_FORK =>
+            {
+                Err(RequestError::ChildCount(children.len()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Parses one request line (without its newline).
+    pub fn from_line(line: &[u8]) -> Result<Request, RequestError> {
+        let req: Request =
+            serde_json::from_slice(line).map_err(|e| RequestError::Malformed(e.to_string()))?;
+        req.check()?;
+        Ok(req)
+    }
+
+    /// The request as one line, newline included.
+    pub fn to_line(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec(self).expect("requests are plain data and always encode");
+        v.push(b'\n');
+        v
+    }
+}
+
+/// The VM's run state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    Running,
+    Paused,
+    /// A paused VM whose memory is a `MAP_PRIVATE` mapping of a memory
+    /// file: forks of it cost O(1) in memory size.
+    Zygote,
+}
+
+/// The answer to `status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub state: RunState,
+    pub pid: u32,
+    pub vcpus: u8,
+    pub memory_mib: u64,
+}
+
+/// The answer to `pause` and `resume`: nothing but `ok`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Done {}
+
+/// One fork child's outcome: its pid, or why it failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ChildResult {
+    Started { pid: u32 },
+    Failed { error: String },
+}
+
+/// The answer to `fork`: one entry per requested child, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Forked {
+    pub children: Vec<ChildResult>,
+}
+
+/// The answer to `snapshot`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshotted {
+    pub bytes_written: u64,
+}
+
+/// The answer to `zygote`: what the VM's guest RAM became, its memory file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ZygoteMemory {
+    /// Bytes of guest RAM that are not zero pages.
+    pub bytes: u64,
+    /// Bytes of the memory file in 2 MiB pages, which a fork child maps
+    /// with one page-table entry until it writes there (docs/SPEC.md).
+    pub huge_bytes: u64,
+}
+
+/// The answer to `vcpus`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vcpus {
+    pub state: RunState,
+    pub vcpus: Vec<VcpuReport>,
+}
+
+/// Where one vCPU is, for a person reading a failure (a fork child that
+/// hangs, a guest that faults): its registers, MP state, pending events and
+/// the LAPIC's pending (IRR) and in-service (ISR) vectors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VcpuReport {
+    pub id: u8,
+    pub rip: u64,
+    pub rsp: u64,
+    pub rflags: u64,
+    pub cs: u16,
+    pub cr0: u64,
+    pub cr2: u64,
+    pub cr3: u64,
+    pub cr4: u64,
+    pub efer: u64,
+    /// `runnable`, `halted`, ... (KVM's `mp_state`).
+    pub mp_state: String,
+    /// `nr N error 0xE (injected|pending)`, if an exception is queued.
+    pub exception: Option<String>,
+    /// The vector of an interrupt being injected, if any.
+    pub interrupt: Option<u8>,
+    pub nmi_pending: bool,
+    pub lapic_irr: Vec<u8>,
+    pub lapic_isr: Vec<u8>,
+    /// The LAPIC timer's LVT entry (mode in bits 17-18, mask bit 16).
+    pub lapic_lvtt: u32,
+}
+
+/// An answer as the VMM sends it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    Status(Status),
+    Done,
+    Forked(Forked),
+    Snapshotted(Snapshotted),
+    Zygote(ZygoteMemory),
+    Vcpus(Vcpus),
+    /// The request was refused or failed; the text says why.
+    Error(String),
+}
+
+/// `{"ok":true}` followed by an answer's own fields.
+#[derive(Serialize)]
+struct Ok<'a, T: Serialize> {
+    ok: bool,
+    #[serde(flatten)]
+    answer: &'a T,
+}
+
+#[derive(Serialize)]
+struct Refusal<'a> {
+    ok: bool,
+    error: &'a str,
+}
+
+fn ok_line<T: Serialize>(answer: &T) -> serde_json::Result<Vec<u8>> {
+    serde_json::to_vec(&Ok { ok: true, answer })
+}
+
+impl Response {
+    pub fn error(e: impl fmt::Display) -> Self {
+        Response::Error(e.to_string())
+    }
+
+    /// The answer as one line, newline included.
+    pub fn to_line(&self) -> Vec<u8> {
+        let encoded = match self {
+            Response::Status(a) => ok_line(a),
+            Response::Done => ok_line(&Done {}),
+            Response::Forked(a) => ok_line(a),
+            Response::Snapshotted(a) => ok_line(a),
+            Response::Zygote(a) => ok_line(a),
+            Response::Vcpus(a) => ok_line(a),
+            Response::Error(error) => serde_json::to_vec(&Refusal { ok: false, error }),
+        };
+        let mut v = encoded
+            .unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the response"}"#.to_vec());
+        v.push(b'\n');
+        v
+    }
+}
+
+/// Why an answer line is not the answer asked for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AnswerError {
+    /// `{"ok":false}`: the VMM refused the request or failed it.
+    Refused { error: String },
+    /// Not an answer of this protocol (or none: the VMM hung up).
+    Malformed { detail: String },
+}
+
+impl fmt::Display for AnswerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AnswerError::Refused { error } => write!(f, "refused: {error}"),
+            AnswerError::Malformed { detail } => write!(f, "malformed answer: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for AnswerError {}
+
+/// Decodes one answer line (its newline may be there) into the answer `T`
+/// of an `"ok":true` response.
+pub fn decode_answer<T: DeserializeOwned>(line: &str) -> Result<T, AnswerError> {
+    let line = line.trim_end();
+    if line.is_empty() {
+        return Err(AnswerError::Malformed {
+            detail: "the VMM closed the connection without answering".into(),
+        });
+    }
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| AnswerError::Malformed {
+            detail: format!("{e}: {line:?}"),
+        })?;
+    match value.get("ok").and_then(serde_json::Value::as_bool) {
+        Some(true) => T::deserialize(value).map_err(|e| AnswerError::Malformed {
+            detail: e.to_string(),
+        }),
+        Some(false) => Err(AnswerError::Refused {
+            error: value
+                .get("error")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("(no error text)")
+                .to_string(),
+        }),
+        None => Err(AnswerError::Malformed {
+            detail: format!("no `ok` field: {line:?}"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(line: &[u8]) -> Result<Request, RequestError> {
+        Request::from_line(line)
+    }
+
+    #[test]
+    fn request_simple_ops_parse() {
+        assert_eq!(parse(br#"{"op":"status"}"#), Ok(Request::Status));
+        assert_eq!(parse(br#"{"op":"pause"}"#), Ok(Request::Pause));
+        assert_eq!(parse(br#"{"op":"resume"}"#), Ok(Request::Resume));
+        assert_eq!(parse(br#"{"op":"zygote"}"#), Ok(Request::Zygote));
+        assert_eq!(parse(br#"{"op":"vcpus"}"#), Ok(Request::Vcpus));
+    }
+
+    #[test]
+    fn request_fork_parses_children_and_then() {
+        let r = parse(
+            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n","net_broker":"/b"},{"control":"/c2"}],"then":"pause"}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            r,
+            Request::Fork {
+                children: vec![
+                    ChildSpec {
+                        control: "/c".into(),
+                        vsock_uds: Some("/v".into()),
+                        serial_log: Some("/s".into()),
+                        net_log: Some("/n".into()),
+                        net_broker: Some("/b".into()),
+                    },
+                    ChildSpec {
+                        control: "/c2".into(),
+                        vsock_uds: None,
+                        serial_log: None,
+                        net_log: None,
+                        net_broker: None,
+                    }
+                ],
+                then: Then::Pause
+            }
+        );
+    }
+
+    #[test]
+    fn request_snapshot_parses() {
+        assert_eq!(
+            parse(br#"{"op":"snapshot","dir":"/snap","then":"resume"}"#),
+            Ok(Request::Snapshot {
+                dir: "/snap".into(),
+                then: Then::Resume
+            })
+        );
+    }
+
+    #[test]
+    fn request_malformed_is_error() {
+        for bad in [
+            &b"not json"[..],
+            br#"{"op":"explode"}"#,
+            br#"{"op":"fork","children":[],"then":"resume"}"#,
+            br#"{"op":"fork","children":[{"control":"/c"}]}"#,
+            br#"{"op":"fork","children":[{"control":"/c"}],"then":"later"}"#,
+            br#"{"op":"snapshot"}"#,
+            br#"[]"#,
+            b"",
+            &[0xff, 0xfe],
+        ] {
+            assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn request_fork_child_count_bounded() {
+        let child = ChildSpec {
+            control: "/c".into(),
+            vsock_uds: None,
+            serial_log: None,
+            net_log: None,
+            net_broker: None,
+        };
+        let fork = |n| Request::Fork {
+            children: vec![child.clone(); n],
+            then: Then::Pause,
+        };
+        assert_eq!(fork(0).check(), Err(RequestError::ChildCount(0)));
+        assert_eq!(fork(1).check(), Ok(()));
+        assert_eq!(fork(MAX_CHILDREN_PER_FORK).check(), Ok(()));
+        let too_many = fork(MAX_CHILDREN_PER_FORK + 1);
+        assert_eq!(
+            parse(&too_many.to_line()[..]).map_err(|e| e.to_string()),
+            Err(format!(
+                "bad request: fork wants 1 to {MAX_CHILDREN_PER_FORK} children, got {}",
+                MAX_CHILDREN_PER_FORK + 1
+            ))
+        );
+    }
+
+    #[test]
+    fn request_fork_serialises_as_the_vmm_expects() {
+        let req = Request::Fork {
+            children: vec![ChildSpec {
+                control: "/c".into(),
+                vsock_uds: Some("/v".into()),
+                serial_log: Some("/s".into()),
+                net_log: None,
+                net_broker: None,
+            }],
+            then: Then::Pause,
+        };
+        assert_eq!(
+            req.to_line(),
+            b"{\"op\":\"fork\",\"children\":[{\"control\":\"/c\",\"vsock_uds\":\"/v\",\"serial_log\":\"/s\"}],\"then\":\"pause\"}\n"
+        );
+        assert_eq!(Request::Status.to_line(), b"{\"op\":\"status\"}\n");
+        assert_eq!(parse(&req.to_line()[..req.to_line().len() - 1]), Ok(req));
+    }
+
+    #[test]
+    fn response_lines_match_the_contract() {
+        let s = Response::Status(Status {
+            state: RunState::Zygote,
+            pid: 7,
+            vcpus: 2,
+            memory_mib: 512,
+        });
+        assert_eq!(
+            s.to_line(),
+            b"{\"ok\":true,\"state\":\"zygote\",\"pid\":7,\"vcpus\":2,\"memory_mib\":512}\n"
+        );
+        assert_eq!(Response::Done.to_line(), b"{\"ok\":true}\n");
+        let f = Response::Forked(Forked {
+            children: vec![
+                ChildResult::Started { pid: 5 },
+                ChildResult::Failed {
+                    error: "boom".into(),
+                },
+            ],
+        });
+        assert_eq!(
+            f.to_line(),
+            b"{\"ok\":true,\"children\":[{\"pid\":5},{\"error\":\"boom\"}]}\n"
+        );
+        assert_eq!(
+            Response::error("x").to_line(),
+            b"{\"ok\":false,\"error\":\"x\"}\n"
+        );
+        assert_eq!(
+            Response::Snapshotted(Snapshotted {
+                bytes_written: 4096
+            })
+            .to_line(),
+            b"{\"ok\":true,\"bytes_written\":4096}\n"
+        );
+        assert_eq!(
+            Response::Zygote(ZygoteMemory {
+                bytes: 8192,
+                huge_bytes: 0
+            })
+            .to_line(),
+            b"{\"ok\":true,\"bytes\":8192,\"huge_bytes\":0}\n"
+        );
+    }
+
+    fn line(r: &Response) -> String {
+        String::from_utf8(r.to_line()).expect("utf-8")
+    }
+
+    #[test]
+    fn answer_round_trips_every_response() {
+        let status = Status {
+            state: RunState::Paused,
+            pid: 9,
+            vcpus: 8,
+            memory_mib: 16384,
+        };
+        assert_eq!(
+            decode_answer::<Status>(&line(&Response::Status(status.clone()))),
+            Ok(status)
+        );
+        assert_eq!(decode_answer::<Done>(&line(&Response::Done)), Ok(Done {}));
+        let report = VcpuReport {
+            id: 1,
+            rip: 0xffff_ffff_8100_0000,
+            rsp: 2,
+            rflags: 0x2,
+            cs: 0x10,
+            cr0: 3,
+            cr2: 4,
+            cr3: 5,
+            cr4: 6,
+            efer: 0xd01,
+            mp_state: "halted".into(),
+            exception: None,
+            interrupt: Some(236),
+            nmi_pending: false,
+            lapic_irr: vec![236],
+            lapic_isr: vec![],
+            lapic_lvtt: 0x10000,
+        };
+        let vcpus = Vcpus {
+            state: RunState::Running,
+            vcpus: vec![report],
+        };
+        assert_eq!(
+            decode_answer::<Vcpus>(&line(&Response::Vcpus(vcpus.clone()))),
+            Ok(vcpus)
+        );
+        let zygote = ZygoteMemory {
+            bytes: 1,
+            huge_bytes: 2,
+        };
+        assert_eq!(
+            decode_answer::<ZygoteMemory>(&line(&Response::Zygote(zygote))),
+            Ok(zygote)
+        );
+    }
+
+    #[test]
+    fn answer_refusal_carries_error_text() {
+        assert_eq!(
+            decode_answer::<Done>("{\"ok\":false,\"error\":\"already paused\"}\n"),
+            Err(AnswerError::Refused {
+                error: "already paused".into()
+            })
+        );
+    }
+
+    #[test]
+    fn answer_fork_mixes_pids_and_errors() {
+        let f: Forked =
+            decode_answer(r#"{"ok":true,"children":[{"pid":42},{"error":"no memory"}]}"#)
+                .expect("ok");
+        assert_eq!(
+            f.children,
+            vec![
+                ChildResult::Started { pid: 42 },
+                ChildResult::Failed {
+                    error: "no memory".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn answer_empty_or_without_ok_is_malformed() {
+        for bad in ["", "\n", "{}", "nope", r#"{"ok":true}"#] {
+            assert!(
+                matches!(
+                    decode_answer::<Status>(bad),
+                    Err(AnswerError::Malformed { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Serving the control socket: accepting clients, reading their bounded
+//! lines, turning each request into the machine's action and its answer
+//! (`forkbox-vmm-api`'s types), and reaping fork children by pidfd.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::time::Instant;
+
+use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
+
+use forkbox_vmm_api::{
+    self as api, Request, Response, Snapshotted, Status, ZygoteMemory, MAX_LINE,
+};
+
+use crate::control::{Line, LineBuffer};
+use crate::fork;
+
+use super::forking::ChildPlan;
+use super::{chain, Machine, VmError};
+
+/// What handling one request led to.
+pub(super) enum Outcome {
+    Reply(Response),
+    Child(Box<ChildPlan>),
+}
+
+pub(super) enum CtlItem {
+    Client {
+        stream: UnixStream,
+        lines: LineBuffer,
+    },
+    /// A fork child, reaped when its pidfd becomes readable.
+    Child { pid: libc::pid_t, _pidfd: OwnedFd },
+}
+
+impl Machine {
+    pub(super) fn add_item(&mut self, fd: i32, item: CtlItem) {
+        let token = self.next_token;
+        self.next_token += 1;
+        let ev = EpollEvent::new(EventSet::IN | EventSet::READ_HANG_UP, token);
+        match self.ctl_epoll.ctl(ControlOperation::Add, fd, ev) {
+            Ok(()) => {
+                self.items.insert(token, item);
+            }
+            Err(e) => tracing::warn!("cannot watch a control item: {e}"),
+        }
+    }
+
+    pub(super) fn accept_clients(&mut self) {
+        loop {
+            let Some(l) = &self.listener else { return };
+            match l.accept() {
+                Ok((stream, _)) => {
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        tracing::warn!("control client: {e}");
+                        continue;
+                    }
+                    let fd = stream.as_raw_fd();
+                    self.add_item(
+                        fd,
+                        CtlItem::Client {
+                            stream,
+                            lines: LineBuffer::default(),
+                        },
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::warn!("control socket accept: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A client or child fd is ready. Returns a plan if this process has
+    /// just become a fork child.
+    pub(super) fn item_event(&mut self, token: u64) -> Option<Box<ChildPlan>> {
+        let mut item = self.items.remove(&token)?;
+        match &mut item {
+            CtlItem::Child { pid, .. } => {
+                fork::reap(*pid);
+                None // dropping the pidfd unwatches it
+            }
+            CtlItem::Client { stream, lines } => {
+                let mut buf = [0u8; 4096];
+                let mut open = true;
+                let mut got = Vec::new();
+                // Bounded per wake-up; the level-triggered epoll calls again.
+                let mut budget = 4 * MAX_LINE;
+                while budget > 0 {
+                    match stream.read(&mut buf) {
+                        Ok(0) => {
+                            open = false;
+                            break;
+                        }
+                        Ok(n) => {
+                            budget = budget.saturating_sub(n);
+                            got.extend(lines.push(&buf[..n]));
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => {
+                            open = false;
+                            break;
+                        }
+                    }
+                    if got.contains(&Line::TooLong) {
+                        break;
+                    }
+                }
+                for line in got {
+                    let response = match line {
+                        Line::TooLong => {
+                            open = false;
+                            Response::error(format!("request longer than {MAX_LINE} bytes"))
+                        }
+                        Line::Complete(line) => match self.handle_line(&line) {
+                            Outcome::Reply(r) => r,
+                            // Dropping `item` here only closes this
+                            // process's descriptor of the parent's client.
+                            Outcome::Child(plan) => return Some(plan),
+                        },
+                    };
+                    if stream.write_all(&response.to_line()).is_err() {
+                        open = false;
+                        break;
+                    }
+                    if !open {
+                        break;
+                    }
+                }
+                if open {
+                    self.items.insert(token, item);
+                }
+                None
+            }
+        }
+    }
+
+    pub(super) fn handle_line(&mut self, line: &[u8]) -> Outcome {
+        let request = match Request::from_line(line) {
+            Ok(r) => r,
+            Err(e) => return Outcome::Reply(Response::error(e)),
+        };
+        tracing::debug!(?request, "control request");
+        let started = Instant::now();
+        let outcome = match request {
+            Request::Status => Outcome::Reply(Response::Status(Status {
+                state: self.run_state,
+                pid: std::process::id(),
+                vcpus: self.hw.vcpus,
+                memory_mib: self.hw.memory_mib,
+            })),
+            Request::Pause => Outcome::Reply(reply(self.pause().map(|_| ()))),
+            Request::Resume => {
+                self.resume();
+                Outcome::Reply(Response::Done)
+            }
+            Request::Zygote => Outcome::Reply(match self.zygote() {
+                Ok(copied) => Response::Zygote(ZygoteMemory {
+                    bytes: copied.bytes,
+                    huge_bytes: copied.huge_bytes,
+                }),
+                Err(e) => Response::error(chain(e)),
+            }),
+            Request::Snapshot { dir, then } => Outcome::Reply(match self.snapshot(&dir, then) {
+                Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
+                Err(e) => Response::error(chain(e)),
+            }),
+            Request::Fork { children, then } => match self.fork(&children, then) {
+                Ok(o) => o,
+                Err(e) => Outcome::Reply(Response::error(chain(e))),
+            },
+            Request::Vcpus => Outcome::Reply(match self.report_vcpus() {
+                Ok(vcpus) => Response::Vcpus(api::Vcpus {
+                    state: self.run_state,
+                    vcpus,
+                }),
+                Err(e) => Response::error(chain(e)),
+            }),
+        };
+        tracing::debug!(elapsed = ?started.elapsed(), "control request done");
+        outcome
+    }
+}
+
+fn reply(r: Result<(), VmError>) -> Response {
+    match r {
+        Ok(()) => Response::Done,
+        Err(e) => Response::error(chain(e)),
+    }
+}

@@ -1,0 +1,210 @@
+//! The main thread's epoll loop: the control epoll (vCPU exits, the
+//! control socket, device work), the device epoll behind it (queue
+//! ioeventfds and device event fds, wired here), and the watch for a
+//! kernel panic that no reset follows.
+
+use std::os::fd::AsRawFd;
+
+use kvm_ioctls::{IoEventAddress, VmFd};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use forkbox_vmm_api::RunState;
+
+use crate::layout::VIRTIO_MMIO_QUEUE_NOTIFY;
+use crate::virtio::{self, VirtioSlot};
+
+use super::{eventfd, kvm_err, LoopEnd, Machine, VmError};
+
+/// How often the main loop looks at the serial tail for a kernel panic.
+const PANIC_POLL_MS: i32 = 1000;
+/// Polls a panic line may stay unanswered by a reset before the VMM stops
+/// the VM itself (a guest booted without `panic=-1` would hang forever).
+const PANIC_GRACE_POLLS: u32 = 5;
+
+/// Decides when a kernel panic without a following reset ends the VM.
+/// Driven by poll ticks, not clocks, so it is tested without sleeping.
+#[derive(Debug, Default)]
+pub struct PanicWatch {
+    polls_since_panic: u32,
+}
+
+impl PanicWatch {
+    /// Records one poll; true once a panic has been seen for longer than
+    /// [`PANIC_GRACE_POLLS`] polls.
+    pub fn poll(&mut self, panic_seen: bool) -> bool {
+        if panic_seen {
+            self.polls_since_panic += 1;
+        }
+        self.polls_since_panic > PANIC_GRACE_POLLS
+    }
+}
+
+/// Device work items, indexed by epoll token of the device epoll.
+pub(super) enum DevToken {
+    QueueNotify {
+        slot: usize,
+        queue: u16,
+        evt: EventFd,
+    },
+    DeviceEvents {
+        slot: usize,
+    },
+}
+
+/// Control-epoll tokens below this are fixed; clients and children above.
+pub(super) const TOKEN_EXIT: u64 = 0;
+pub(super) const TOKEN_LISTENER: u64 = 1;
+pub(super) const TOKEN_DEVICES: u64 = 2;
+pub(super) const FIRST_DYNAMIC_TOKEN: u64 = 16;
+
+impl Machine {
+    pub(super) fn event_loop(&mut self) -> Result<LoopEnd, VmError> {
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut panic_watch = PanicWatch::default();
+        loop {
+            let n = match self.ctl_epoll.wait(PANIC_POLL_MS, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
+            };
+            if n == 0 {
+                if self.run_state == RunState::Running {
+                    let line = self.tail.lock().ok().and_then(|t| t.panic_line());
+                    if panic_watch.poll(line.is_some()) {
+                        if let Some(line) = line {
+                            return Ok(LoopEnd::PanicWithoutReset(line));
+                        }
+                    }
+                }
+                continue;
+            }
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_EXIT => {
+                        let _ = self.exit.evt.read();
+                        if let Some((id, outcome)) = self.exit.take() {
+                            return Ok(LoopEnd::Vcpu(id, outcome));
+                        }
+                    }
+                    TOKEN_LISTENER => self.accept_clients(),
+                    TOKEN_DEVICES => self.device_events()?,
+                    token => {
+                        if let Some(plan) = self.item_event(token) {
+                            return Ok(LoopEnd::Child(plan));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn device_events(&mut self) -> Result<(), VmError> {
+        if self.run_state != RunState::Running {
+            return Ok(());
+        }
+        let mut events = vec![EpollEvent::default(); self.dev_tokens.len().max(1)];
+        let n = match self.dev_epoll.wait(0, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+            Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
+        };
+        for ev in &events[..n] {
+            match self.dev_tokens.get(ev.data() as usize) {
+                Some(DevToken::QueueNotify { slot, queue, evt }) => {
+                    let _ = evt.read();
+                    virtio::lock(&self.slots[*slot].device).queue_notify(*queue);
+                }
+                Some(DevToken::DeviceEvents { slot }) => {
+                    virtio::lock(&self.slots[*slot].device).handle_events();
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Device events are watched only while the VM runs (a paused VM's
+    /// devices do nothing; level-triggered fds would spin the loop).
+    pub(super) fn watch_devices(&self, on: bool) {
+        let op = if on {
+            ControlOperation::Add
+        } else {
+            ControlOperation::Delete
+        };
+        let ev = EpollEvent::new(EventSet::IN, TOKEN_DEVICES);
+        if let Err(e) = self.ctl_epoll.ctl(op, self.dev_epoll.as_raw_fd(), ev) {
+            tracing::warn!("cannot change the device watch: {e}");
+        }
+    }
+}
+
+/// Registers a device's irqfd and queue ioeventfds (fresh eventfds), and
+/// watches its events.
+pub(super) fn wire_device(
+    vm: &VmFd,
+    index: usize,
+    slot: &VirtioSlot,
+    epoll: &Epoll,
+    tokens: &mut Vec<DevToken>,
+) -> Result<(), VmError> {
+    let mut watch = |fd: i32, token: DevToken| -> Result<(), VmError> {
+        let ev = EpollEvent::new(EventSet::IN, tokens.len() as u64);
+        epoll
+            .ctl(ControlOperation::Add, fd, ev)
+            .map_err(|e| VmError::EventLoop("epoll_ctl", e))?;
+        tokens.push(token);
+        Ok(())
+    };
+    vm.register_irqfd(&slot.irq, slot.window.gsi)
+        .map_err(kvm_err("register a virtio irqfd"))?;
+    // A restored device whose interrupt was raised but not acknowledged at
+    // the capture may have had it still in flight (an irqfd injects
+    // asynchronously): raise it again on the fresh irqfd, or the driver can
+    // wait forever. A driver that already saw it finds the status it
+    // acknowledges, so a repeat is harmless.
+    if virtio::lock(&slot.device).interrupt_status() != 0 {
+        slot.irq
+            .write(1)
+            .map_err(|e| VmError::EventLoop("raise a restored interrupt", e))?;
+    }
+    for queue in 0..slot.queues {
+        let evt = eventfd()?;
+        let addr = IoEventAddress::Mmio(slot.window.base + VIRTIO_MMIO_QUEUE_NOTIFY);
+        vm.register_ioevent(&evt, &addr, u32::from(queue))
+            .map_err(kvm_err("register a queue ioeventfd"))?;
+        let fd = evt.as_raw_fd();
+        watch(
+            fd,
+            DevToken::QueueNotify {
+                slot: index,
+                queue,
+                evt,
+            },
+        )?;
+    }
+    if let Some(fd) = virtio::lock(&slot.device).event_fd() {
+        watch(fd, DevToken::DeviceEvents { slot: index })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_watch_without_panic_never_fires() {
+        let mut w = PanicWatch::default();
+        assert!((0..100).all(|_| !w.poll(false)));
+    }
+
+    #[test]
+    fn panic_watch_fires_after_grace_polls() {
+        let mut w = PanicWatch::default();
+        for _ in 0..PANIC_GRACE_POLLS {
+            assert!(!w.poll(true));
+        }
+        assert!(w.poll(true));
+    }
+}

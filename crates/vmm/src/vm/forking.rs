@@ -1,0 +1,166 @@
+//! Fork orchestration: forking this VMM once per requested child after one
+//! capture, answering with each child's pid once it is ready, and, in the
+//! child, breaking from the parent's objects and rebuilding the VM over
+//! the inherited copy-on-write memory. The `fork()` syscall and its
+//! readiness pipe are `crate::fork`'s.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Instant;
+
+use forkbox_vmm_api::{self as api, ChildResult, ChildSpec, Response, Then};
+
+use crate::fork::{self, Forked};
+use crate::state::MachineState;
+
+use super::control_server::{CtlItem, Outcome};
+use super::{chain, Endpoints, Machine, VmError};
+
+/// What a freshly forked child restores.
+pub(super) struct ChildPlan {
+    /// When the parent received the fork request (timing logs only).
+    requested: Instant,
+    /// Children this VMM process had forked, this one included.
+    ordinal: u64,
+    state: MachineState,
+    spec: ChildSpec,
+    ready: OwnedFd,
+}
+
+impl Machine {
+    pub(super) fn fork(&mut self, children: &[ChildSpec], then: Then) -> Result<Outcome, VmError> {
+        let started = Instant::now();
+        let vcpus = self.pause()?;
+        let paused = started.elapsed();
+        let saved = self.capture(vcpus)?;
+        tracing::debug!(?paused, captured = ?started.elapsed(), "fork: state captured");
+        // Fork every child first, then wait for all: they restore in
+        // parallel (KVM_CREATE_VM dominates a child's start).
+        let mut pending: Vec<Result<(libc::pid_t, OwnedFd), String>> = Vec::new();
+        for spec in children {
+            if self.hw.vsock && spec.vsock_uds.is_none() {
+                pending.push(Err(VmError::VsockPathMissing.to_string()));
+                continue;
+            }
+            let before_fork = Instant::now();
+            let ordinal = FORKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            // SAFETY: every vCPU thread is parked in a condition wait
+            // holding no lock, device work runs only on this thread, and the
+            // child uses none of the parent's objects (it forgets them).
+            match unsafe { fork::fork() } {
+                Err(e) => pending.push(Err(format!("fork: {e}"))),
+                Ok(Forked::Child { ready }) => {
+                    // Earlier siblings' pipe ends close with everything else
+                    // inherited (`close_inherited`).
+                    std::mem::forget(pending);
+                    return Ok(Outcome::Child(Box::new(ChildPlan {
+                        requested: started,
+                        ordinal,
+                        state: saved.clone(),
+                        spec: spec.clone(),
+                        ready,
+                    })));
+                }
+                Ok(Forked::Parent { pid, ready }) => {
+                    tracing::debug!(pid, fork_syscall = ?before_fork.elapsed(), "fork: forked");
+                    match fork::pidfd_open(pid) {
+                        Ok(pidfd) => {
+                            let fd = pidfd.as_raw_fd();
+                            self.add_item(fd, CtlItem::Child { pid, _pidfd: pidfd });
+                        }
+                        Err(e) => tracing::warn!(pid, "pidfd_open: {e}; child not reaped"),
+                    }
+                    pending.push(Ok((pid, ready)));
+                }
+            }
+        }
+        let deadline = Instant::now() + fork::CHILD_READY_TIMEOUT;
+        let results = pending
+            .into_iter()
+            .map(|p| match p {
+                Err(error) => ChildResult::Failed { error },
+                Ok((pid, ready)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let r = fork::wait_ready(ready, left.max(std::time::Duration::from_millis(1)));
+                    tracing::info!(pid, elapsed = ?started.elapsed(), ok = r.is_ok(), "fork child");
+                    match r {
+                        Ok(()) => ChildResult::Started { pid: pid as u32 },
+                        Err(error) => ChildResult::Failed { error },
+                    }
+                }
+            })
+            .collect();
+        if then == Then::Resume {
+            self.resume();
+        }
+        Ok(Outcome::Reply(Response::Forked(api::Forked {
+            children: results,
+        })))
+    }
+}
+
+/// In a fork child: forget the parent's objects (their descriptors are the
+/// parent's open files), close every inherited descriptor but guest RAM's,
+/// and rebuild the VM from the captured state over the inherited mapping.
+pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
+    let ram = Arc::clone(&parent.ram);
+    let echo = parent.endpoints.echo;
+    // Its own log (or none), its own broker if named (the broker sends
+    // the child's policy); otherwise the parent's.
+    let net = parent.endpoints.net.clone().map(|n| crate::net::NetConfig {
+        log: plan.spec.net_log.clone(),
+        broker: plan.spec.net_broker.clone().or(n.broker),
+        ..n
+    });
+    // No Drop may run on the parent's objects: KVM fds, eventfds, epolls,
+    // sockets and vCPU thread handles all belong to the parent's VM.
+    std::mem::forget(parent);
+    let mut keep = ram.fds();
+    keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
+    fork::close_inherited(&keep);
+    tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: inherited fds closed");
+    let endpoints = Endpoints {
+        control: Some(plan.spec.control.clone()),
+        vsock_uds: plan.spec.vsock_uds.clone(),
+        serial_log: plan.spec.serial_log.clone(),
+        echo,
+        net,
+    };
+    match Machine::restore(ram, &plan.state, endpoints) {
+        Ok(mut m) => {
+            tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
+            if test_hang_child(plan.ordinal) {
+                tracing::warn!(
+                    ordinal = plan.ordinal,
+                    "FORKBOX_VMM_TEST_HANG_CHILD: this fork child's vCPUs stay parked"
+                );
+                if let Err(e) = m.pause() {
+                    tracing::error!("cannot park the test's hanging child: {}", chain(e));
+                }
+            }
+            fork::report_ready(plan.ready);
+            m
+        }
+        Err(e) => {
+            let msg = chain(e);
+            tracing::error!("fork child: {msg}");
+            fork::report_failure(plan.ready, &msg);
+            std::process::exit(api::exit_code::VMM_ERROR);
+        }
+    }
+}
+
+/// Children this VMM process has forked (a fork child counts on from its
+/// parent's count).
+static FORKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: `FORKBOX_VMM_TEST_HANG_CHILD=N` (set by the host for this
+/// VMM only) makes the N-th fork child of this VMM process come up with its
+/// vCPUs parked, a child that never answers its agent's calls: how the
+/// host's handling of a hung child is tested. The guest cannot set it.
+fn test_hang_child(ordinal: u64) -> bool {
+    std::env::var("FORKBOX_VMM_TEST_HANG_CHILD")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        == Some(ordinal)
+}

@@ -1,0 +1,617 @@
+//! Assembling and running one VM: KVM objects in the order that is fast
+//! (memory slots before the irqchip), devices, ACPI, boot state, one thread
+//! per vCPU, and the main thread's epoll loop, which also serves the
+//! control socket (pause, resume, fork, zygote, snapshot).
+//!
+//! A VM comes to life in one of two ways: [`Machine::boot`] (kernel and
+//! initramfs) or [`Machine::restore`] (captured state over a memory
+//! mapping). A fork child and `--restore` both take the second path.
+//!
+//! Its submodules, one concern each:
+//! - `event_loop`: the epoll loop, device wiring, the panic watch.
+//! - `control_server`: the control socket's clients and requests.
+//! - `snapshot`: pause, resume, capture, zygote, snapshot files.
+//! - `forking`: fork requests and the fork child's rebuild.
+
+mod control_server;
+mod event_loop;
+mod forking;
+mod snapshot;
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{Bytes, GuestAddress};
+use vm_superio::serial::NoEvents;
+use vm_superio::Serial;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::signal::register_signal_handler;
+
+use forkbox_vmm_api::RunState;
+
+use crate::acpi::{self, AcpiConfig};
+use crate::boot::{self, BootSpec};
+use crate::cpu;
+use crate::host;
+use crate::layout::{
+    MemoryLayout, VirtioWindow, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, MIB, SERIAL_GSI,
+};
+use crate::memory::GuestRam;
+use crate::pio::{PortBus, PortEvent};
+use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
+use crate::state::{self, Hardware, MachineState, SerialState, StateError, VmState};
+use crate::vcpu::{self, ExitSignal, PauseError, VcpuContext, VcpuOutcome, Vcpus};
+use crate::virtio::{self, DeviceSpec, MmioBus, VirtioSlot};
+use crate::{VmConfig, VmExit};
+
+use control_server::CtlItem;
+use event_loop::{
+    wire_device, DevToken, FIRST_DYNAMIC_TOKEN, TOKEN_DEVICES, TOKEN_EXIT, TOKEN_LISTENER,
+};
+use forking::{become_child, ChildPlan};
+
+pub use event_loop::PanicWatch;
+
+pub use crate::vcpu::VcpuError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error(transparent)]
+    Host(#[from] host::HostError),
+    #[error("KVM: cannot {0}")]
+    Kvm(&'static str, #[source] kvm_ioctls::Error),
+    #[error("guest memory")]
+    Memory(#[from] crate::memory::MemoryError),
+    #[error("ACPI tables")]
+    Acpi(#[from] acpi::AcpiError),
+    #[error("cannot write ACPI tables to guest memory")]
+    AcpiWrite(#[source] vm_memory::GuestMemoryError),
+    #[error("boot")]
+    Boot(#[from] boot::BootError),
+    #[error("vCPU {id} setup")]
+    Cpu {
+        id: u8,
+        #[source]
+        source: cpu::CpuError,
+    },
+    #[error("virtio devices")]
+    Devices(#[from] virtio::DeviceError),
+    #[error("cannot open the serial log {path}")]
+    SerialLog {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot restore the serial port")]
+    SerialRestore,
+    #[error("event loop: {0}")]
+    EventLoop(&'static str, #[source] std::io::Error),
+    #[error("cannot start vCPU thread {0}")]
+    Thread(u8, #[source] std::io::Error),
+    #[error("cannot install the vCPU kick signal handler")]
+    KickSignal(#[source] vmm_sys_util::errno::Error),
+    #[error("vCPU {id} failed")]
+    Vcpu {
+        id: u8,
+        #[source]
+        source: VcpuError,
+    },
+    #[error("VM state")]
+    State(#[from] StateError),
+    #[error("cannot pause the VM")]
+    Pause(#[from] PauseError),
+    #[error("cannot listen on the control socket {path}")]
+    ControlSocket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}")]
+    SnapshotWrite {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read the state file {path}")]
+    StateFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("this VM has a vsock device: a vsock socket path is required")]
+    VsockPathMissing,
+    #[error("this VM has a network device: a network policy is required")]
+    NetConfigMissing,
+    #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
+    VcpuCount { saved: usize, hardware: u8 },
+    #[error("guest memory is shared with another owner")]
+    RamShared,
+}
+
+fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |e| VmError::Kvm(what, e)
+}
+
+fn eventfd() -> Result<EventFd, VmError> {
+    EventFd::new(EFD_NONBLOCK).map_err(|e| VmError::EventLoop("eventfd", e))
+}
+
+/// Where a VM's host-side endpoints are (per process: a fork child gets
+/// its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoints {
+    pub control: Option<PathBuf>,
+    pub vsock_uds: Option<PathBuf>,
+    pub serial_log: Option<PathBuf>,
+    pub echo: Echo,
+    /// The network's policy, broker and log (a VM with a net device).
+    pub net: Option<crate::net::NetConfig>,
+}
+
+/// Why the main loop stopped.
+enum LoopEnd {
+    Vcpu(u8, VcpuOutcome),
+    PanicWithoutReset(String),
+    /// This process is a fork child now: rebuild from the plan.
+    Child(Box<ChildPlan>),
+}
+
+/// One running VM and everything the main thread drives.
+pub struct Machine {
+    hw: Hardware,
+    endpoints: Endpoints,
+    vm: VmFd,
+    ram: Arc<GuestRam>,
+    pio: Arc<PortBus>,
+    tail: Arc<Mutex<TailBuffer>>,
+    slots: Vec<VirtioSlot>,
+    dev_epoll: Epoll,
+    dev_tokens: Vec<DevToken>,
+    ctl_epoll: Epoll,
+    listener: Option<UnixListener>,
+    items: HashMap<u64, CtlItem>,
+    next_token: u64,
+    exit: Arc<ExitSignal>,
+    vcpus: Vcpus,
+    run_state: RunState,
+    /// The VM-wide state (irqchip, PIT, kvmclock) read in the same pause as
+    /// the vCPUs' states, kept while the VM stays paused: a zygote forked
+    /// minutes after its bake gives every child the clock and the TSC of
+    /// one instant, both advanced by the same gap.
+    paused_vm: Option<VmState>,
+}
+
+/// A new VM with guest memory registered (before the irqchip: measured
+/// milliseconds faster), the TSS and identity map, the irqchip and PIT2.
+/// GSI routing and PIT reinjection stay KVM's defaults on every path, so
+/// there is nothing about them to replay.
+fn create_vm(kvm: &Kvm, ram: &GuestRam) -> Result<VmFd, VmError> {
+    let t = Instant::now();
+    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+    let created = t.elapsed();
+    ram.register(&vm)?;
+    let registered = t.elapsed();
+    vm.set_tss_address(KVM_TSS_ADDR as usize)
+        .map_err(kvm_err("set the TSS address"))?;
+    vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
+        .map_err(kvm_err("set the identity map address"))?;
+    vm.create_irq_chip()
+        .map_err(kvm_err("create the irqchip"))?;
+    let irqchip = t.elapsed();
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm.create_pit2(pit).map_err(kvm_err("create the PIT"))?;
+    tracing::debug!(?created, ?registered, ?irqchip, pit = ?t.elapsed(), "create_vm");
+    Ok(vm)
+}
+
+/// Creates vCPU `id` and keeps its `kvm_run` mapping out of fork children
+/// (there it would belong to a VM bound to the parent's mm).
+fn create_vcpu(vm: &VmFd, id: u8, mmap_size: usize) -> Result<VcpuFd, VmError> {
+    let mut vcpu = vm
+        .create_vcpu(id.into())
+        .map_err(kvm_err("create a vCPU"))?;
+    let run: *mut kvm_bindings::kvm_run = vcpu.get_kvm_run();
+    // SAFETY: `run` is the start of the vCPU's `kvm_run` mapping, which is
+    // `mmap_size` bytes long (KVM_GET_VCPU_MMAP_SIZE) and owned by `vcpu`;
+    // MADV_DONTFORK changes only what a child inherits.
+    let rc = unsafe { libc::madvise(run.cast(), mmap_size, libc::MADV_DONTFORK) };
+    if rc < 0 {
+        tracing::warn!(
+            "madvise(MADV_DONTFORK) on kvm_run: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(vcpu)
+}
+
+fn open_serial(
+    vm: &VmFd,
+    endpoints: &Endpoints,
+    saved: Option<&SerialState>,
+) -> Result<(Arc<PortBus>, Arc<Mutex<TailBuffer>>), VmError> {
+    let tail = Arc::new(Mutex::new(TailBuffer::default()));
+    let log = match &endpoints.serial_log {
+        Some(path) => Some(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| VmError::SerialLog {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
+    let irq = eventfd()?;
+    vm.register_irqfd(&irq, SERIAL_GSI)
+        .map_err(kvm_err("register the serial irqfd"))?;
+    let out = SerialOutput::new(log, Arc::clone(&tail), endpoints.echo);
+    let serial = match saved {
+        Some(s) => Serial::from_state(&s.to_superio(), IrqTrigger(irq), NoEvents, out)
+            .map_err(|_| VmError::SerialRestore)?,
+        None => Serial::new(IrqTrigger(irq), out),
+    };
+    Ok((Arc::new(PortBus::new(serial)), tail))
+}
+
+fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>, VmError> {
+    let mut specs: Vec<DeviceSpec> = hw.disks.iter().cloned().map(DeviceSpec::Block).collect();
+    if hw.vsock {
+        let uds = endpoints
+            .vsock_uds
+            .clone()
+            .ok_or(VmError::VsockPathMissing)?;
+        specs.push(DeviceSpec::Vsock { uds });
+    }
+    if hw.net {
+        let net = endpoints.net.clone().ok_or(VmError::NetConfigMissing)?;
+        specs.push(DeviceSpec::Net(net));
+    }
+    Ok(specs)
+}
+
+fn listen(path: &Path) -> Result<UnixListener, VmError> {
+    let err = |source| VmError::ControlSocket {
+        path: path.to_path_buf(),
+        source,
+    };
+    let l = UnixListener::bind(path).map_err(err)?;
+    l.set_nonblocking(true).map_err(err)?;
+    Ok(l)
+}
+
+/// The parts every new VM shares, whichever way it came to life.
+struct Parts {
+    hw: Hardware,
+    endpoints: Endpoints,
+    vm: VmFd,
+    ram: Arc<GuestRam>,
+    pio: Arc<PortBus>,
+    tail: Arc<Mutex<TailBuffer>>,
+    slots: Vec<VirtioSlot>,
+    vcpus: Vec<(VcpuFd, Vec<kvm_bindings::kvm_cpuid_entry2>)>,
+    msr_indices: Arc<Vec<u32>>,
+}
+
+impl Machine {
+    /// Boots the VM `cfg` describes.
+    pub fn boot(cfg: &VmConfig) -> Result<Machine, VmError> {
+        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let layout = MemoryLayout::new(cfg.memory_mib * MIB);
+        let ram = GuestRam::new(&layout)?;
+        let vm = create_vm(&kvm, &ram)?;
+        let endpoints = Endpoints {
+            control: cfg.control.clone(),
+            vsock_uds: cfg.vsock_uds.clone(),
+            serial_log: cfg.serial_log.clone(),
+            echo: cfg.echo,
+            net: cfg.net.clone(),
+        };
+        let hw = Hardware {
+            vcpus: cfg.vcpus,
+            memory_mib: cfg.memory_mib,
+            disks: cfg.disks.clone(),
+            vsock: cfg.vsock_uds.is_some(),
+            net: cfg.net.is_some(),
+        };
+        let (pio, tail) = open_serial(&vm, &endpoints, None)?;
+        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory())?;
+
+        // ACPI and boot state.
+        let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
+        let tables = acpi::build(&AcpiConfig {
+            vcpus: cfg.vcpus,
+            virtio: windows,
+        })?;
+        for (addr, blob) in &tables.blobs {
+            ram.memory()
+                .write_slice(blob, GuestAddress(*addr))
+                .map_err(VmError::AcpiWrite)?;
+        }
+        let entry = boot::load(
+            ram.memory(),
+            &layout,
+            &BootSpec {
+                kernel: &cfg.kernel,
+                initramfs: &cfg.initramfs,
+                cmdline: &cfg.cmdline,
+                rsdp_addr: tables.rsdp_addr,
+            },
+        )?;
+
+        // vCPUs: all configured before any runs.
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_err("get the supported CPUID"))?;
+        let mmap_size = kvm
+            .get_vcpu_mmap_size()
+            .map_err(kvm_err("get the vCPU mmap size"))?;
+        let mut vcpus = Vec::new();
+        for id in 0..cfg.vcpus {
+            let vcpu = create_vcpu(&vm, id, mmap_size)?;
+            let mut cpuid = supported.clone();
+            cpu::patch_cpuid(cpuid.as_mut_slice(), id, cfg.vcpus);
+            cpu::configure(&vcpu, &cpuid).map_err(|source| VmError::Cpu { id, source })?;
+            if id == 0 {
+                cpu::set_boot_registers(&vcpu, &entry)
+                    .map_err(|source| VmError::Cpu { id, source })?;
+            }
+            vcpus.push((vcpu, cpuid.as_slice().to_vec()));
+        }
+        let msr_indices = Arc::new(state::msr_indices(&kvm)?);
+        Machine::start(Parts {
+            hw,
+            endpoints,
+            vm,
+            ram: Arc::new(ram),
+            pio,
+            tail,
+            slots,
+            vcpus,
+            msr_indices,
+        })
+    }
+
+    /// Rebuilds a VM from `state` over `ram`: the one code path of a fork
+    /// child (`ram` is the inherited mapping, now copy-on-write) and of
+    /// `--restore` (`ram` maps the snapshot's memory file).
+    pub fn restore(
+        ram: Arc<GuestRam>,
+        saved: &MachineState,
+        endpoints: Endpoints,
+    ) -> Result<Machine, VmError> {
+        let hw = saved.hardware.clone();
+        if saved.vcpus.len() != usize::from(hw.vcpus) {
+            return Err(VmError::VcpuCount {
+                saved: saved.vcpus.len(),
+                hardware: hw.vcpus,
+            });
+        }
+        let t0 = Instant::now();
+        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let vm = create_vm(&kvm, &ram)?;
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: VM, memory slots, irqchip, PIT");
+        let mmap_size = kvm
+            .get_vcpu_mmap_size()
+            .map_err(kvm_err("get the vCPU mmap size"))?;
+        let mut vcpus = Vec::new();
+        for s in &saved.vcpus {
+            let vcpu = create_vcpu(&vm, s.id, mmap_size)?;
+            state::restore_cpuid(&vcpu, s)?;
+            vcpus.push((vcpu, s.cpuid.clone()));
+        }
+        state::restore_irqchip_and_pit(&vm, &saved.vm)?;
+        let gap_ns = state::realtime_gap_ns(&saved.vm);
+        for ((vcpu, _), s) in vcpus.iter().zip(&saved.vcpus) {
+            state::restore_vcpu(vcpu, s, gap_ns)?;
+        }
+        state::restore_clock(&vm, &saved.vm, gap_ns)?;
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
+        // Devices last: a restored device may raise its interrupt at once
+        // (vsock RSTs), which must land on the restored irqchip.
+        let (pio, tail) = open_serial(&vm, &endpoints, Some(&saved.serial))?;
+        let slots = virtio::restore(
+            &device_specs(&hw, &endpoints)?,
+            ram.memory(),
+            &saved.devices,
+        )?;
+        let msr_indices = Arc::new(state::msr_indices(&kvm)?);
+        tracing::debug!(elapsed = ?t0.elapsed(), "restore: devices");
+        Machine::start(Parts {
+            hw,
+            endpoints,
+            vm,
+            ram,
+            pio,
+            tail,
+            slots,
+            vcpus,
+            msr_indices,
+        })
+    }
+
+    /// Wires devices (fresh irqfds and ioeventfds), listens on the control
+    /// socket and starts the vCPU threads.
+    fn start(p: Parts) -> Result<Machine, VmError> {
+        let dev_epoll = Epoll::new().map_err(|e| VmError::EventLoop("epoll_create", e))?;
+        let mut dev_tokens = Vec::new();
+        for (i, slot) in p.slots.iter().enumerate() {
+            wire_device(&p.vm, i, slot, &dev_epoll, &mut dev_tokens)?;
+        }
+        let mmio = Arc::new(MmioBus::new(&p.slots));
+        let ctl_epoll = Epoll::new().map_err(|e| VmError::EventLoop("epoll_create", e))?;
+        let exit = Arc::new(ExitSignal::new(eventfd()?));
+        let add = |fd: i32, token: u64| {
+            ctl_epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(|e| VmError::EventLoop("epoll_ctl", e))
+        };
+        add(exit.evt.as_raw_fd(), TOKEN_EXIT)?;
+        add(dev_epoll.as_raw_fd(), TOKEN_DEVICES)?;
+        let listener = match &p.endpoints.control {
+            Some(path) => {
+                let l = listen(path)?;
+                add(l.as_raw_fd(), TOKEN_LISTENER)?;
+                Some(l)
+            }
+            None => None,
+        };
+        register_signal_handler(vcpu::kick_signal(), vcpu::on_kick).map_err(VmError::KickSignal)?;
+        let contexts = p
+            .vcpus
+            .into_iter()
+            .zip(0u8..)
+            .map(|((vcpu, cpuid), id)| VcpuContext {
+                vcpu,
+                id,
+                cpuid,
+                msr_indices: Arc::clone(&p.msr_indices),
+                pio: Arc::clone(&p.pio),
+                mmio: Arc::clone(&mmio),
+                exit: Arc::clone(&exit),
+            })
+            .collect();
+        let vcpus = Vcpus::start(contexts).map_err(|(id, e)| VmError::Thread(id, e))?;
+        Ok(Machine {
+            hw: p.hw,
+            endpoints: p.endpoints,
+            vm: p.vm,
+            ram: p.ram,
+            pio: p.pio,
+            tail: p.tail,
+            slots: p.slots,
+            dev_epoll,
+            dev_tokens,
+            ctl_epoll,
+            listener,
+            items: HashMap::new(),
+            next_token: FIRST_DYNAMIC_TOKEN,
+            exit,
+            vcpus,
+            run_state: RunState::Running,
+            paused_vm: None,
+        })
+    }
+
+    /// Runs the VM to its end, becoming a fork child as often as a fork
+    /// request makes this process one.
+    pub fn run(self) -> Result<VmExit, VmError> {
+        let mut m = self;
+        loop {
+            match m.event_loop() {
+                Ok(LoopEnd::Child(plan)) => m = become_child(m, plan),
+                end => return m.finish(end),
+            }
+        }
+    }
+
+    fn finish(mut self, end: Result<LoopEnd, VmError>) -> Result<VmExit, VmError> {
+        self.vcpus.stop();
+        let exit = self.conclude(end);
+        // The serial log is what a host reading a lost VM has: say there
+        // how it ended, and where the vCPU was on a triple fault.
+        let how = match &exit {
+            Ok(exit) => exit.to_string(),
+            Err(e) => format!("error: {}", chain_ref(e)),
+        };
+        let detail = self
+            .exit
+            .detail()
+            .map(|d| format!("; {d}"))
+            .unwrap_or_default();
+        self.note_in_serial_log(&format!("[forkbox-vmm] {how}{detail}"));
+        exit
+    }
+
+    fn note_in_serial_log(&self, line: &str) {
+        let Some(path) = &self.endpoints.serial_log else {
+            return;
+        };
+        let written = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(format!("\n{line}\n").as_bytes()));
+        if let Err(e) = written {
+            tracing::warn!("cannot note the VM's end in {}: {e}", path.display());
+        }
+    }
+
+    fn conclude(&mut self, end: Result<LoopEnd, VmError>) -> Result<VmExit, VmError> {
+        let end = end?;
+        let (id, outcome) = match end {
+            LoopEnd::Vcpu(id, outcome) => (id, outcome),
+            LoopEnd::PanicWithoutReset(line) => return Ok(VmExit::Panic { line }),
+            LoopEnd::Child(_) => unreachable!("handled by Machine::run"),
+        };
+        match outcome {
+            VcpuOutcome::Guest(PortEvent::PowerOff) => Ok(VmExit::PowerOff),
+            VcpuOutcome::Guest(PortEvent::Reset(cause)) => {
+                let panic = self.tail.lock().ok().and_then(|t| t.panic_line());
+                Ok(match panic {
+                    Some(line) => VmExit::Panic { line },
+                    None => VmExit::Reset { cause },
+                })
+            }
+            VcpuOutcome::Failed(source) => Err(VmError::Vcpu { id, source }),
+            VcpuOutcome::Stopped => Err(VmError::Vcpu {
+                id,
+                source: VcpuError::Unexpected("stopped without a reason".into()),
+            }),
+        }
+    }
+}
+
+fn chain(e: VmError) -> String {
+    chain_ref(&e)
+}
+
+/// The error and its causes, `a: b: c`.
+fn chain_ref(e: &VmError) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    s
+}
+
+/// Builds the VM described by `cfg`, runs it to its end and says how it ended.
+///
+/// Every vCPU thread has ended (or, after a bounded wait, been abandoned
+/// with a warning) when this returns.
+pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
+    host::check_host()?;
+    Machine::boot(cfg)?.run()
+}
+
+/// Restores the snapshot in `dir` (`memory` + `state.json`) and runs it.
+pub fn run_restore(dir: &Path, endpoints: Endpoints) -> Result<VmExit, VmError> {
+    let state_path = dir.join("state.json");
+    let bytes = std::fs::read(&state_path).map_err(|source| VmError::StateFile {
+        path: state_path,
+        source,
+    })?;
+    let saved = MachineState::from_json(&bytes)?;
+    host::check_host()?;
+    let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
+    let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
+    Machine::restore(Arc::new(ram), &saved, endpoints)?.run()
+}

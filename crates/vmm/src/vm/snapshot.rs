@@ -1,0 +1,147 @@
+//! Pausing and resuming the vCPUs, capturing the whole machine as plain
+//! data, and what is made of a paused machine here: a zygote (guest RAM
+//! moved to a sealed memfd) and a snapshot on disk (`memory`,
+//! `state.json`).
+
+use std::fs::OpenOptions;
+use std::path::Path;
+use std::sync::Arc;
+
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use forkbox_vmm_api::{self as api, RunState, Then};
+
+use crate::memory::Copied;
+use crate::state::{self, MachineState, SerialState, VcpuState, VmState};
+use crate::vcpu::Paused;
+use crate::virtio;
+
+use super::{Machine, VmError};
+
+impl Machine {
+    /// Parks the vCPUs, stops device work, and captures the vCPUs and the
+    /// VM-wide state while all are parked (a VM already paused returns what
+    /// its pause captured).
+    pub(super) fn pause(&mut self) -> Result<(Vec<VcpuState>, VmState), VmError> {
+        let (states, _) = self.vcpus.pause()?;
+        if self.run_state == RunState::Running {
+            self.watch_devices(false);
+            self.run_state = RunState::Paused;
+        }
+        let vm = match &self.paused_vm {
+            Some(vm) => vm.clone(),
+            None => {
+                let vm = state::save_vm(&self.vm)?;
+                self.paused_vm = Some(vm.clone());
+                vm
+            }
+        };
+        Ok((states, vm))
+    }
+
+    /// Where every vCPU is; a running VM is paused for the read and resumed.
+    pub(super) fn report_vcpus(&mut self) -> Result<Vec<api::VcpuReport>, VmError> {
+        let was_running = self.run_state == RunState::Running;
+        let (vcpus, _) = self.pause()?;
+        if was_running {
+            self.resume();
+        }
+        Ok(vcpus.iter().map(state::vcpu_report).collect())
+    }
+
+    pub(super) fn resume(&mut self) {
+        if self.run_state != RunState::Running {
+            self.watch_devices(true);
+            self.run_state = RunState::Running;
+        }
+        self.paused_vm = None;
+        self.vcpus.resume();
+    }
+
+    /// The whole VM as plain data (vCPUs and VM-wide state already
+    /// captured in one pause).
+    pub(super) fn capture(
+        &self,
+        (vcpus, vm): (Vec<VcpuState>, VmState),
+    ) -> Result<MachineState, VmError> {
+        Ok(MachineState {
+            format_version: state::FORMAT_VERSION,
+            state_format: state::state_format(),
+            hardware: self.hw.clone(),
+            vm,
+            vcpus,
+            serial: SerialState::from_superio(&self.pio.serial_state()),
+            devices: self
+                .slots
+                .iter()
+                .map(|s| virtio::lock(&s.device).save())
+                .collect(),
+        })
+    }
+
+    pub(super) fn zygote(&mut self) -> Result<Copied, VmError> {
+        self.pause()?;
+        // Paused already: the proof, at once.
+        let (_, paused) = self.vcpus.pause()?;
+        let ram = Arc::get_mut(&mut self.ram).ok_or(VmError::RamShared)?;
+        let copied = ram.rebase_to_sealed_memfd(&paused)?;
+        tracing::info!(
+            bytes = copied.bytes,
+            huge_bytes = copied.huge_bytes,
+            "zygote: guest RAM now a sealed memfd"
+        );
+        self.run_state = RunState::Zygote;
+        Ok(copied)
+    }
+
+    pub(super) fn snapshot(&mut self, dir: &Path, then: Then) -> Result<u64, VmError> {
+        let captured = self.pause()?;
+        let result = match self.vcpus.pause() {
+            // Paused already: the proof, at once.
+            Ok((_, paused)) => self.write_snapshot(dir, captured, &paused),
+            Err(e) => Err(e.into()),
+        };
+        if then == Then::Resume {
+            self.resume();
+        }
+        result
+    }
+
+    /// Writes `DIR/memory` (sparse) and `DIR/state.json`, each to a
+    /// temporary name first and renamed into place: the directory may be
+    /// the one this VM was restored from, whose `memory` file is mapped
+    /// here (truncating it in place would fault the guest).
+    pub(super) fn write_snapshot(
+        &self,
+        dir: &Path,
+        captured: (Vec<VcpuState>, VmState),
+        paused: &Paused<'_>,
+    ) -> Result<u64, VmError> {
+        let saved = self.capture(captured)?;
+        let werr = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| VmError::SnapshotWrite { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(werr(dir))?;
+        let mem_path = dir.join("memory");
+        let mem_tmp = dir.join(".memory.tmp");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(&mem_tmp)
+            .map_err(werr(&mem_tmp))?;
+        let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
+        file.set_len(total).map_err(werr(&mem_tmp))?;
+        let mut written = self.ram.write_sparse_to(&file, paused)?;
+        file.sync_all().map_err(werr(&mem_tmp))?;
+        std::fs::rename(&mem_tmp, &mem_path).map_err(werr(&mem_path))?;
+        let json = saved.to_json()?;
+        let state_path = dir.join("state.json");
+        let state_tmp = dir.join(".state.json.tmp");
+        std::fs::write(&state_tmp, &json).map_err(werr(&state_tmp))?;
+        std::fs::rename(&state_tmp, &state_path).map_err(werr(&state_path))?;
+        written += json.len() as u64;
+        Ok(written)
+    }
+}
