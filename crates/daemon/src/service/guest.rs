@@ -4,10 +4,10 @@
 //! on the way is marked lost.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use forkbox_proto::client::{AgentClient, ClientError};
-use forkbox_proto::{ExecRequest, ExecResult, OutputStream};
+use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
 use tokio::sync::mpsc;
 
 use super::{blocking, Daemon, DaemonError, ORD};
@@ -20,6 +20,16 @@ pub enum ExecEvent {
     Output(OutputStream, Vec<u8>),
     Exit(ExecResult),
     Failed(DaemonError),
+}
+
+/// A background process that ended, with the output the guest kept.
+#[derive(Debug)]
+pub struct ProcessEnded {
+    pub result: ExecResult,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Bytes of output the guest's bounded buffer dropped.
+    pub dropped: u64,
 }
 
 /// What reattaching to a background process yields.
@@ -125,19 +135,17 @@ impl Daemon {
                     this.inner.metrics.exec_latency.observe(start.elapsed());
                     ExecEvent::Exit(r)
                 }
-                Err(e) => {
-                    let e = this.agent_failure(&id, &machine, e);
-                    this.count_error(&e);
-                    ExecEvent::Failed(e)
-                }
+                Err(e) => ExecEvent::Failed(this.agent_failure(&id, &machine, e)),
             };
             let _ = tx.blocking_send(event);
         });
         Ok(rx)
     }
 
-    /// Runs a blocking file operation against a running sandbox's agent.
-    pub async fn files<T: Send + 'static>(
+    /// Runs a blocking call against a running sandbox's agent; a failure
+    /// is the guest's refusal or the machinery's (a VM found dead is
+    /// marked lost).
+    pub(super) async fn with_agent<T: Send + 'static>(
         &self,
         id: &SandboxId,
         op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
@@ -173,14 +181,62 @@ impl Daemon {
         spawned.map_err(|e| self.agent_failure(id, &machine, e))
     }
 
-    /// Runs a blocking call about background processes against a running
-    /// sandbox's agent (list, wait, kill, stdin).
-    pub async fn process<T: Send + 'static>(
+    /// The sandbox's background processes (running, and the last ones
+    /// that ended) and the commands running with a client.
+    pub async fn processes(&self, id: &SandboxId) -> Result<Vec<ProcessInfo>, DaemonError> {
+        self.with_agent(id, |a| a.processes()).await
+    }
+
+    /// Waits up to `timeout` (none: until it ends) for background process
+    /// `pid` to end; `None` if it still runs then. Its output is what the
+    /// guest kept.
+    pub async fn wait_process(
         &self,
         id: &SandboxId,
-        op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
-    ) -> Result<T, DaemonError> {
-        self.files(id, op).await
+        pid: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<ProcessEnded>, DaemonError> {
+        self.with_agent(id, move |a| {
+            let Some(result) = a.wait_process(pid, timeout)? else {
+                return Ok(None);
+            };
+            let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+            let (dropped, _) = a.attach_process(pid, false, &mut |s, bytes| match s {
+                OutputStream::Stdout => stdout.extend_from_slice(bytes),
+                OutputStream::Stderr => stderr.extend_from_slice(bytes),
+            })?;
+            Ok(Some(ProcessEnded {
+                result,
+                stdout,
+                stderr,
+                dropped,
+            }))
+        })
+        .await
+    }
+
+    /// Sends `signal` to process `pid`'s group.
+    pub async fn kill_process(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        signal: i32,
+    ) -> Result<(), DaemonError> {
+        self.with_agent(id, move |a| a.kill_process(pid, signal))
+            .await
+    }
+
+    /// Writes `data` to process `pid`'s stdin, then closes it with
+    /// `close`; returns the bytes written.
+    pub async fn write_stdin(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        close: bool,
+        data: impl AsRef<[u8]> + Send + 'static,
+    ) -> Result<u64, DaemonError> {
+        self.with_agent(id, move |a| a.process_stdin(pid, close, &mut data.as_ref()))
+            .await
     }
 
     /// Reattaches to background process `pid`: its buffered output, with
@@ -204,11 +260,7 @@ impl Daemon {
                 });
             let event = match r {
                 Ok((dropped, result)) => AttachEvent::End { dropped, result },
-                Err(e) => {
-                    let e = this.agent_failure(&id, &machine, e);
-                    this.count_error(&e);
-                    AttachEvent::Failed(e)
-                }
+                Err(e) => AttachEvent::Failed(this.agent_failure(&id, &machine, e)),
             };
             let _ = tx.blocking_send(event);
         });

@@ -4,9 +4,10 @@
 //!
 //! Lifecycle requests arrive as one [`Command`] enum through
 //! [`Daemon::execute`]. Commands and file transfers stream bytes both ways,
-//! so they are methods of their own ([`Daemon::exec`], [`Daemon::files`]),
-//! still taking typed requests. So are background processes
-//! ([`Daemon::spawn_process`], [`Daemon::process`], [`Daemon::attach`])
+//! so they are methods of their own ([`Daemon::exec`],
+//! [`Daemon::read_file`], ...), still taking typed requests. So are
+//! background processes ([`Daemon::spawn_process`],
+//! [`Daemon::wait_process`], [`Daemon::attach`], ...)
 //! and port forwards ([`Daemon::open_port`]: a host listener whose
 //! connections are relayed to a guest port through the agent; every
 //! forward of a sandbox closes when it dies).
@@ -27,6 +28,7 @@
 //! - [`network`]: sandboxes' egress policies and egress logs.
 //! - [`guest`]: calls into a running sandbox's guest agent: commands,
 //!   background processes, files; a dead VM found there is marked lost.
+//! - [`files`]: a running sandbox's files, through its guest agent.
 //! - [`ports`]: host listeners relayed to guest ports.
 //! - [`templates`]: the template registry, bakes and their zygotes.
 //! - [`reaper`]: TTLs and VMs that ended by themselves.
@@ -36,6 +38,7 @@
 //! - [`error`]: why a request failed ([`DaemonError`]).
 
 mod error;
+mod files;
 mod guest;
 mod lifecycle;
 mod network;
@@ -64,7 +67,7 @@ use crate::persist::Store;
 use crate::template::TemplateSpec;
 
 pub use error::{chain, DaemonError};
-pub use guest::{AttachEvent, ExecEvent};
+pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
 pub use lifecycle::{Command, CreateSandbox, Reply};
 pub use ports::PortForwardInfo;
 pub use templates::{BakeEvent, BakeFailure};
