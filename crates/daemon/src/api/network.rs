@@ -10,7 +10,7 @@ use super::error::{unexpected, ApiErrorBody, ApiResult};
 use super::extract::{policy, query, JsonBody, OnSandbox};
 use crate::core::SandboxId;
 use crate::network::NetworkPolicy;
-use crate::service::{Command, NetworkInfo, Reply};
+use crate::service::{Lifecycle, NetworkInfo, Reply};
 
 /// The egress policy of a running or paused sandbox. `active: false`: a
 /// sandbox without a network broker (re-adopted from state an older
@@ -21,7 +21,7 @@ use crate::service::{Command, NetworkInfo, Reply};
 pub(super) async fn network_get(
     OnSandbox { daemon, id }: OnSandbox,
 ) -> ApiResult<Json<NetworkInfo>> {
-    let r = daemon.execute(Command::Network { id }).await;
+    let r = daemon.execute(Lifecycle::Network { id }).await;
     network_reply(r?)
 }
 
@@ -37,7 +37,7 @@ pub(super) async fn network_set(
     JsonBody(b): JsonBody<NetworkPolicy>,
 ) -> ApiResult<Json<NetworkInfo>> {
     let policy = policy(b)?;
-    let r = daemon.execute(Command::SetNetwork { id, policy }).await;
+    let r = daemon.execute(Lifecycle::SetNetwork { id, policy }).await;
     network_reply(r?)
 }
 

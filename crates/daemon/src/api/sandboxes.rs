@@ -16,7 +16,7 @@ use super::extract::{policy, query, secs, JsonBody, OnSandbox};
 use super::AppState;
 use crate::core::{ExpiryAction, Labels, SandboxId};
 use crate::network::NetworkPolicy;
-use crate::service::{Command, CreateSandbox, Reply, SandboxInfo};
+use crate::service::{CreateSandbox, Lifecycle, Reply, SandboxInfo};
 use crate::template::TemplateInfo;
 
 /// `POST /sandboxes`.
@@ -59,7 +59,7 @@ pub(super) async fn sandbox_create(
     JsonBody(b): JsonBody<CreateBody>,
 ) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
     let network = b.network.map(policy).transpose()?;
-    let cmd = Command::Create(CreateSandbox {
+    let cmd = Lifecycle::Create(CreateSandbox {
         template: b.template,
         ttl: secs(b.timeout_secs, "timeout_secs")?,
         on_expiry: b.on_timeout,
@@ -114,7 +114,7 @@ pub(super) async fn sandbox_list(
     let include_dead = pairs.iter().any(|(k, v)| k == "all" && v == "true");
     match st
         .daemon
-        .execute(Command::List {
+        .execute(Lifecycle::List {
             labels: labels_of(&pairs)?,
             include_dead,
         })
@@ -146,7 +146,7 @@ pub(super) async fn sandbox_kill_by_label(
 ) -> ApiResult<Json<Killed>> {
     let r = st
         .daemon
-        .execute(Command::KillByLabel { labels: b.metadata })
+        .execute(Lifecycle::KillByLabel { labels: b.metadata })
         .await;
     match r? {
         Reply::Killed(killed) => Ok(Json(Killed { killed })),
@@ -161,14 +161,14 @@ pub(super) async fn sandbox_kill_by_label(
 pub(super) async fn sandbox_get(
     OnSandbox { daemon, id }: OnSandbox,
 ) -> ApiResult<Json<SandboxInfo>> {
-    one(daemon.execute(Command::Info { id }).await?)
+    one(daemon.execute(Lifecycle::Info { id }).await?)
 }
 
 /// Kills a sandbox. Its VM is stopped off the request path.
 #[utoipa::path(delete, path = "/sandboxes/{id}", params(("id" = String, Path)),
     responses((status = 204), (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
 pub(super) async fn sandbox_kill(OnSandbox { daemon, id }: OnSandbox) -> ApiResult<StatusCode> {
-    daemon.execute(Command::Kill { id }).await?;
+    daemon.execute(Lifecycle::Kill { id }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -188,7 +188,7 @@ pub(super) async fn sandbox_timeout(
     OnSandbox { daemon, id }: OnSandbox,
     JsonBody(b): JsonBody<TimeoutBody>,
 ) -> ApiResult<Json<SandboxInfo>> {
-    let cmd = Command::SetTimeout {
+    let cmd = Lifecycle::SetTimeout {
         id,
         ttl: secs(b.timeout_secs, "timeout_secs")?,
         on_expiry: b.on_timeout,
@@ -203,7 +203,7 @@ pub(super) async fn sandbox_timeout(
 pub(super) async fn sandbox_pause(
     OnSandbox { daemon, id }: OnSandbox,
 ) -> ApiResult<Json<SandboxInfo>> {
-    one(daemon.execute(Command::Pause { id }).await?)
+    one(daemon.execute(Lifecycle::Pause { id }).await?)
 }
 
 /// Resumes a paused sandbox.
@@ -212,7 +212,7 @@ pub(super) async fn sandbox_pause(
 pub(super) async fn sandbox_resume(
     OnSandbox { daemon, id }: OnSandbox,
 ) -> ApiResult<Json<SandboxInfo>> {
-    one(daemon.execute(Command::Resume { id }).await?)
+    one(daemon.execute(Lifecycle::Resume { id }).await?)
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -243,7 +243,7 @@ pub(super) async fn sandbox_fork(
     OnSandbox { daemon, id }: OnSandbox,
     JsonBody(b): JsonBody<ForkBody>,
 ) -> ApiResult<Json<Vec<ForkChild>>> {
-    let r = daemon.execute(Command::Fork { id, count: b.count }).await;
+    let r = daemon.execute(Lifecycle::Fork { id, count: b.count }).await;
     match r? {
         Reply::Forked(children) => Ok(Json(
             children
@@ -275,7 +275,7 @@ pub(super) async fn sandbox_snapshot(
     OnSandbox { daemon, id }: OnSandbox,
     JsonBody(b): JsonBody<SnapshotBody>,
 ) -> ApiResult<(StatusCode, Json<TemplateInfo>)> {
-    let r = daemon.snapshot(&id, b.name).await;
+    let r = daemon.template_from_sandbox(&id, b.name).await;
     let t = r?;
     Ok((StatusCode::CREATED, Json(t)))
 }

@@ -11,7 +11,7 @@ use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
 use tokio::sync::mpsc;
 
 use super::{blocking, Daemon, DaemonError, ORD};
-use crate::backend::Machine;
+use crate::backend::BackendVm;
 use crate::core::{CoreError, DeathCause, SandboxId, SandboxState};
 
 /// One event of a streamed command.
@@ -52,7 +52,7 @@ impl Daemon {
         &self,
         id: &SandboxId,
         req: &mut ExecRequest,
-    ) -> Result<Arc<dyn Machine>, DaemonError> {
+    ) -> Result<Arc<dyn BackendVm>, DaemonError> {
         let s = self.lock();
         s.registry.check_usable(id)?;
         let live = s
@@ -70,7 +70,7 @@ impl Daemon {
     pub(super) fn agent_failure(
         &self,
         id: &SandboxId,
-        machine: &Arc<dyn Machine>,
+        machine: &Arc<dyn BackendVm>,
         e: ClientError,
     ) -> DaemonError {
         if let ClientError::Agent(a) = e {

@@ -1,4 +1,4 @@
-//! Lifecycle commands ([`Command`] in, [`Reply`] out): creating a sandbox
+//! Lifecycle commands ([`Lifecycle`] in, [`Reply`] out): creating a sandbox
 //! as a fork of its template's zygote, admission under the caps, kills,
 //! pause and resume, time-to-live changes, and forks of running sandboxes.
 
@@ -10,7 +10,7 @@ use forkbox_net::policy::Policy;
 
 use super::view::info;
 use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo, ORD};
-use crate::backend::{BackendError, ForkOptions, Machine};
+use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
 use crate::template::TemplateSpec;
 
@@ -32,7 +32,7 @@ pub struct CreateSandbox {
 
 /// Every lifecycle request.
 #[derive(Debug, Clone)]
-pub enum Command {
+pub enum Lifecycle {
     Create(CreateSandbox),
     Info {
         id: SandboxId,
@@ -74,7 +74,7 @@ pub enum Command {
     },
 }
 
-/// What a [`Command`] returns.
+/// What a [`Lifecycle`] returns.
 #[derive(Debug)]
 pub enum Reply {
     Sandbox(Box<SandboxInfo>),
@@ -87,9 +87,9 @@ pub enum Reply {
 
 impl Daemon {
     /// Runs a lifecycle command.
-    pub async fn execute(&self, cmd: Command) -> Result<Reply, DaemonError> {
+    pub async fn execute(&self, cmd: Lifecycle) -> Result<Reply, DaemonError> {
         match cmd {
-            Command::Create(req) => {
+            Lifecycle::Create(req) => {
                 // Its own task: a client that hangs up mid-boot does not
                 // abandon a half-registered VM.
                 let this = self.clone();
@@ -98,12 +98,12 @@ impl Daemon {
                     .map_err(|e| DaemonError::infra("the creation task failed", e))?
                     .map(|i| Reply::Sandbox(Box::new(i)))
             }
-            Command::Info { id } => {
+            Lifecycle::Info { id } => {
                 let s = self.lock();
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
-            Command::List {
+            Lifecycle::List {
                 labels,
                 include_dead,
             } => {
@@ -116,11 +116,11 @@ impl Daemon {
                         .collect(),
                 ))
             }
-            Command::Kill { id } => {
+            Lifecycle::Kill { id } => {
                 self.kill(&id, DeathCause::Killed)?;
                 Ok(Reply::Killed(vec![id]))
             }
-            Command::KillByLabel { labels } => {
+            Lifecycle::KillByLabel { labels } => {
                 if labels.is_empty() {
                     return Err(DaemonError::Invalid(
                         "kill by label needs at least one label (refusing to kill everything)"
@@ -143,7 +143,7 @@ impl Daemon {
                 }
                 Ok(Reply::Killed(killed))
             }
-            Command::SetTimeout { id, ttl, on_expiry } => {
+            Lifecycle::SetTimeout { id, ttl, on_expiry } => {
                 let mut s = self.lock();
                 s.registry
                     .set_timeout(&id, ttl, on_expiry, Instant::now())?;
@@ -151,7 +151,7 @@ impl Daemon {
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
-            Command::Pause { id } => {
+            Lifecycle::Pause { id } => {
                 let m = self.machine(&id)?;
                 blocking(move || m.pause()).await??;
                 let mut s = self.lock();
@@ -160,7 +160,7 @@ impl Daemon {
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
-            Command::Resume { id } => {
+            Lifecycle::Resume { id } => {
                 let m = self.machine_any(&id)?;
                 blocking(move || m.resume()).await??;
                 let mut s = self.lock();
@@ -169,7 +169,7 @@ impl Daemon {
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
-            Command::Fork { id, count } => {
+            Lifecycle::Fork { id, count } => {
                 if count == 0 || count > 256 {
                     return Err(DaemonError::Invalid("count must be 1-256".into()));
                 }
@@ -180,8 +180,8 @@ impl Daemon {
                     .map_err(|e| DaemonError::infra("the fork task failed", e))?
                     .map(Reply::Forked)
             }
-            Command::Network { id } => self.network(&id).await.map(Reply::Network),
-            Command::SetNetwork { id, policy } => {
+            Lifecycle::Network { id } => self.network(&id).await.map(Reply::Network),
+            Lifecycle::SetNetwork { id, policy } => {
                 self.set_network(&id, policy).await.map(Reply::Network)
             }
         }
@@ -232,7 +232,7 @@ impl Daemon {
             }
             Ok(machine) => {
                 self.note_replaced(&id, &*machine);
-                let machine: Arc<dyn Machine> = Arc::from(machine);
+                let machine: Arc<dyn BackendVm> = Arc::from(machine);
                 let mut s = self.lock();
                 match s.registry.created(&id, now) {
                     Ok(()) => {
@@ -419,7 +419,7 @@ impl Daemon {
                 ))
             });
             let child = child.map_err(DaemonError::from);
-            out.push(self.adopt(&id, child, &envs, &spec, &policy, now));
+            out.push(self.record_fork_child(&id, child, &envs, &spec, &policy, now));
         }
         let ok = out.iter().filter(|r| r.is_ok()).count();
         self.inner.metrics.fork_children.fetch_add(ok as u64, ORD);
@@ -429,7 +429,7 @@ impl Daemon {
     }
 
     /// Counts and logs a fork child that replaced a lost one.
-    pub(super) fn note_replaced(&self, id: &SandboxId, machine: &dyn Machine) {
+    pub(super) fn note_replaced(&self, id: &SandboxId, machine: &dyn BackendVm) {
         if let Some(why) = machine.replaced() {
             self.inner.metrics.fork_children_replaced.fetch_add(1, ORD);
             tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
@@ -437,10 +437,10 @@ impl Daemon {
     }
 
     /// Records how one fork child's creation ended.
-    pub(super) fn adopt(
+    pub(super) fn record_fork_child(
         &self,
         id: &SandboxId,
-        child: Result<Box<dyn Machine>, DaemonError>,
+        child: Result<Box<dyn BackendVm>, DaemonError>,
         envs: &BTreeMap<String, String>,
         spec: &TemplateSpec,
         policy: &Policy,
@@ -456,7 +456,7 @@ impl Daemon {
             }
             Ok(machine) => {
                 self.note_replaced(id, &*machine);
-                let machine: Arc<dyn Machine> = Arc::from(machine);
+                let machine: Arc<dyn BackendVm> = Arc::from(machine);
                 if let Err(e) = s.registry.created(id, now) {
                     // Killed (by label, say) while it was being forked.
                     drop(s);
@@ -491,10 +491,10 @@ impl Daemon {
 /// The one child of `machine.fork_with(1, opts)`; `what` names the step
 /// in the error when the VMM answered with none.
 pub(super) fn fork_one(
-    machine: &dyn Machine,
+    machine: &dyn BackendVm,
     opts: &ForkOptions,
     what: &'static str,
-) -> Result<Box<dyn Machine>, DaemonError> {
+) -> Result<Box<dyn BackendVm>, DaemonError> {
     let child = machine
         .fork_with(1, opts)?
         .into_iter()
@@ -521,7 +521,7 @@ mod tests {
         let err = d.execute(create("minimal", None)).await.expect_err("cap");
         assert_eq!(err.kind(), "capacity");
         assert!(!err.is_infrastructure());
-        d.execute(Command::Kill { id: a.id }).await.expect("kill");
+        d.execute(Lifecycle::Kill { id: a.id }).await.expect("kill");
         created(&d, None).await;
     }
 
@@ -531,7 +531,7 @@ mod tests {
         let a = created(&d, None).await;
         let d2 = d.clone();
         let waiter = tokio::spawn(async move {
-            d2.execute(Command::Create(CreateSandbox {
+            d2.execute(Lifecycle::Create(CreateSandbox {
                 template: "minimal".into(),
                 wait: Some(Duration::from_secs(30)),
                 ..CreateSandbox::default()
@@ -539,7 +539,7 @@ mod tests {
             .await
         });
         tokio::task::yield_now().await;
-        d.execute(Command::Kill { id: a.id }).await.expect("kill");
+        d.execute(Lifecycle::Kill { id: a.id }).await.expect("kill");
         assert!(matches!(waiter.await.expect("join"), Ok(Reply::Sandbox(_))));
     }
 
@@ -574,7 +574,7 @@ mod tests {
         let world = fake.world.clone();
         let d = daemon(fake, 8);
         let mk = |run: &str| {
-            Command::Create(CreateSandbox {
+            Lifecycle::Create(CreateSandbox {
                 template: "minimal".into(),
                 labels: [("run".to_owned(), run.to_owned())].into(),
                 ..CreateSandbox::default()
@@ -584,14 +584,14 @@ mod tests {
             d.execute(mk(run)).await.expect("create");
         }
         let err = d
-            .execute(Command::KillByLabel {
+            .execute(Lifecycle::KillByLabel {
                 labels: Labels::new(),
             })
             .await
             .expect_err("empty");
         assert_eq!(err.kind(), "invalid_request");
         let killed = match d
-            .execute(Command::KillByLabel {
+            .execute(Lifecycle::KillByLabel {
                 labels: [("run".to_owned(), "1".to_owned())].into(),
             })
             .await
@@ -619,7 +619,7 @@ mod tests {
         let world = fake.world.clone();
         let d = daemon(fake, 8);
         let parent = match d
-            .execute(Command::Create(CreateSandbox {
+            .execute(Lifecycle::Create(CreateSandbox {
                 template: "minimal".into(),
                 labels: [("group".to_owned(), "g1".to_owned())].into(),
                 ttl: Some(Duration::from_secs(60)),
@@ -683,7 +683,7 @@ mod tests {
             .iter()
             .all(|k| k.as_ref().is_err_and(|e| e.kind() == "capacity")));
         let err = d
-            .execute(Command::Fork {
+            .execute(Lifecycle::Fork {
                 id: parent.id.clone(),
                 count: 0,
             })
@@ -696,7 +696,7 @@ mod tests {
     async fn paused_sandboxes_refuse_commands_until_resumed_and_can_fork() {
         let d = daemon(Fake::default(), 4);
         let a = created(&d, None).await;
-        match d.execute(Command::Pause { id: a.id.clone() }).await {
+        match d.execute(Lifecycle::Pause { id: a.id.clone() }).await {
             Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Paused),
             other => panic!("{other:?}"),
         }
@@ -706,7 +706,7 @@ mod tests {
         assert_eq!(err.kind(), "conflict");
         let kids = forked(&d, &a.id, 1).await;
         assert!(kids[0].is_ok());
-        match d.execute(Command::Resume { id: a.id.clone() }).await {
+        match d.execute(Lifecycle::Resume { id: a.id.clone() }).await {
             Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Running),
             other => panic!("{other:?}"),
         }

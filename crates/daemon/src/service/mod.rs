@@ -2,7 +2,7 @@
 //! templates, the caps' waiting, the TTL reaper and the metrics. Transports
 //! hand it typed values only.
 //!
-//! Lifecycle requests arrive as one [`Command`] enum through
+//! Lifecycle requests arrive as one [`Lifecycle`] enum through
 //! [`Daemon::execute`]. Commands and file transfers stream bytes both ways,
 //! so they are methods of their own ([`Daemon::exec`],
 //! [`Daemon::read_file`], ...), still taking typed requests. So are
@@ -14,7 +14,7 @@
 //!
 //! Every sandbox has a network, egress denied unless its policy allows: a
 //! creation brings its own policy (none: deny all), fork children inherit
-//! their parent's current one, and [`Command::SetNetwork`] replaces it.
+//! their parent's current one, and [`Lifecycle::SetNetwork`] replaces it.
 //! A template's policy holds only while it bakes; its zygote is set to
 //! deny all before it becomes one. Egress logs ([`Daemon::egress`]) are
 //! files the daemon owns (`crate::network`), kept past a sandbox's death
@@ -57,7 +57,7 @@ use std::time::{Duration, SystemTime};
 use forkbox_net::policy::Policy;
 use tokio::sync::Notify;
 
-use crate::backend::{Backend, Machine};
+use crate::backend::{Backend, BackendVm};
 use crate::core::{
     CoreError, DeathCause, Labels, Limits, Record, Registry, SandboxId, SandboxState,
 };
@@ -68,7 +68,7 @@ use crate::template::TemplateSpec;
 
 pub use error::{chain, DaemonError};
 pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
-pub use lifecycle::{Command, CreateSandbox, Reply};
+pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
 pub use templates::{BakeEvent, BakeFailure};
 pub use view::{NetworkInfo, SandboxInfo, SandboxMetrics};
@@ -99,12 +99,13 @@ impl Default for Config {
 }
 
 struct Live {
-    machine: Arc<dyn Machine>,
+    machine: Arc<dyn BackendVm>,
     /// Its egress policy as last set (what is written down; the machine
     /// says what is in force).
     policy: Policy,
     envs: BTreeMap<String, String>,
-    /// Its template's recipe and resources (a snapshot copies them).
+    /// Its template's recipe and resources (a template made from the
+    /// sandbox copies them).
     spec: TemplateSpec,
     /// Open port forwards by guest port; they close with the sandbox
     /// (dropping one stops its listener and its connections).
@@ -129,7 +130,7 @@ struct Inner {
 }
 
 impl Shared {
-    /// A sandbox that can be forked (or snapshot, or have its network
+    /// A sandbox that can be forked (or made a template, or have its network
     /// read or changed): running or paused.
     fn forkable(
         &self,
@@ -230,7 +231,7 @@ impl Daemon {
         self.inner.metrics.error(e.kind());
     }
 
-    fn machine(&self, id: &SandboxId) -> Result<Arc<dyn Machine>, DaemonError> {
+    fn machine(&self, id: &SandboxId) -> Result<Arc<dyn BackendVm>, DaemonError> {
         let s = self.lock();
         s.registry.check_usable(id)?;
         Ok(s.machines
@@ -240,7 +241,7 @@ impl Daemon {
             .clone())
     }
 
-    fn machine_any(&self, id: &SandboxId) -> Result<Arc<dyn Machine>, DaemonError> {
+    fn machine_any(&self, id: &SandboxId) -> Result<Arc<dyn BackendVm>, DaemonError> {
         let s = self.lock();
         s.registry.get(id)?;
         Ok(s.machines
@@ -262,7 +263,7 @@ impl Daemon {
         for id in &ids {
             let _ = self.kill(id, DeathCause::DaemonStopped);
         }
-        let zygotes: Vec<Arc<dyn Machine>> = {
+        let zygotes: Vec<Arc<dyn BackendVm>> = {
             let mut s = self.lock();
             s.templates
                 .values_mut()
@@ -299,7 +300,7 @@ async fn blocking<T: Send + 'static>(
 /// Stops a VM at once, whoever else still holds it (a command or file
 /// call in flight ends with its connection), and drops our hold off the
 /// request path (teardown takes tens of ms).
-fn reap(machine: Arc<dyn Machine>) {
+fn reap(machine: Arc<dyn BackendVm>) {
     let stop = move || {
         machine.kill();
         drop(machine);

@@ -126,7 +126,7 @@ mod tests {
     async fn network_of_a_dead_or_unknown_sandbox_is_refused() {
         let d = daemon(Fake::default(), 4);
         let a = created(&d, None).await;
-        d.execute(Command::Kill { id: a.id.clone() })
+        d.execute(Lifecycle::Kill { id: a.id.clone() })
             .await
             .expect("kill");
         let e = network(&d, &a.id).await.expect_err("dead");
@@ -160,7 +160,7 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].name.as_deref(), Some("c.org"));
         assert_eq!(got[0].sandbox, a.id.as_str());
-        d.execute(Command::Kill { id: a.id.clone() })
+        d.execute(Lifecycle::Kill { id: a.id.clone() })
             .await
             .expect("kill");
         d.tick(Instant::now() + Duration::from_secs(3500));

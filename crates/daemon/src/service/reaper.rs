@@ -108,7 +108,7 @@ mod tests {
     async fn expiry_with_pause_pauses_instead_of_killing() {
         let d = daemon(Fake::default(), 4);
         let a = match d
-            .execute(Command::Create(CreateSandbox {
+            .execute(Lifecycle::Create(CreateSandbox {
                 template: "minimal".into(),
                 ttl: Some(Duration::from_secs(5)),
                 on_expiry: ExpiryAction::Pause,

@@ -153,14 +153,14 @@ mod tests {
                 .await
                 .expect("set");
             let b = created(&d, None).await;
-            d.execute(Command::Pause { id: b.id.clone() })
+            d.execute(Lifecycle::Pause { id: b.id.clone() })
                 .await
                 .expect("pause");
             let kids = forked(&d, &a.id, 1).await;
             let c = kids[0].as_ref().expect("child").clone();
             let gone = created(&d, None).await;
             crate::network::tests::append(&d.inner.egress.path(&gone.id), &["x.org"]);
-            d.execute(Command::Kill {
+            d.execute(Lifecycle::Kill {
                 id: gone.id.clone(),
             })
             .await

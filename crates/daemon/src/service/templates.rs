@@ -16,7 +16,7 @@ use utoipa::ToSchema;
 
 use super::lifecycle::fork_one;
 use super::{blocking, chain, reap, Daemon, DaemonError, ORD};
-use crate::backend::{self, BackendError, ForkOptions, Machine};
+use crate::backend::{self, BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
 use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
@@ -107,7 +107,7 @@ pub(super) enum Zygote {
     },
     Baking(BakeWatch),
     Ready {
-        machine: Arc<dyn Machine>,
+        machine: Arc<dyn BackendVm>,
         bake_ms: u64,
     },
 }
@@ -146,13 +146,14 @@ pub(super) enum BakeStart {
 impl Daemon {
     /// Makes `name` a template whose zygote is a fork of the sandbox's
     /// current state (the sandbox runs on, or stays paused).
-    pub async fn snapshot(
+    pub async fn template_from_sandbox(
         &self,
         id: &SandboxId,
         name: String,
     ) -> Result<TemplateInfo, DaemonError> {
         let (machine, mut spec) = {
             let s = self.lock();
+            // "snapshot": the API's word for it, in messages and events.
             let (_, live) = s.forkable(id, "snapshot")?;
             let mut spec = live.spec.clone();
             spec.envs = live.envs.clone();
@@ -181,7 +182,7 @@ impl Daemon {
             policy: Some(Policy::deny_all()),
             egress_logs: Vec::new(),
         };
-        let made = blocking(move || -> Result<Box<dyn Machine>, DaemonError> {
+        let made = blocking(move || -> Result<Box<dyn BackendVm>, DaemonError> {
             let child = fork_one(&*machine, &opts, "forking the sandbox")?;
             // A fork child's memory is already a copy-on-write view of
             // its parent's: it stays as it is, paused, and forks of it
@@ -244,7 +245,7 @@ impl Daemon {
     /// unregistered again).
     pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         spec.validate().map_err(DaemonError::BadTemplate)?;
-        spec.machine(self.inner.config.boot_timeout)
+        spec.boot_spec(self.inner.config.boot_timeout)
             .map_err(DaemonError::BadTemplate)?;
         let name = spec.name.clone();
         self.register(
@@ -310,7 +311,7 @@ impl Daemon {
     pub(super) async fn zygote(
         &self,
         name: &str,
-    ) -> Result<(Arc<dyn Machine>, TemplateSpec), DaemonError> {
+    ) -> Result<(Arc<dyn BackendVm>, TemplateSpec), DaemonError> {
         loop {
             let mut w = match self.start_bake(name, None)? {
                 BakeStart::Ready => {
@@ -355,7 +356,7 @@ impl Daemon {
         }
         let machine_spec = t
             .spec
-            .machine(self.inner.config.boot_timeout)
+            .boot_spec(self.inner.config.boot_timeout)
             .map_err(DaemonError::BadTemplate)?;
         let (tx, rx) = watch::channel(None);
         t.zygote = Zygote::Baking(rx.clone());
@@ -372,7 +373,7 @@ impl Daemon {
             let backend = this.inner.backend.clone();
             let recipe = spec.clone();
             let send2 = send.clone();
-            let baked = blocking(move || -> Result<(Box<dyn Machine>, u64), BakeFailure> {
+            let baked = blocking(move || -> Result<(Box<dyn BackendVm>, u64), BakeFailure> {
                 send2(BakeEvent::Step {
                     step: "boot".into(),
                     detail: format!(
@@ -422,11 +423,12 @@ impl Daemon {
         Ok(BakeStart::Started(rx))
     }
 
-    /// Records how a bake (or a snapshot) ended and wakes its waiters.
+    /// Records how a bake (or a template from a sandbox) ended and wakes
+    /// its waiters.
     pub(super) fn bake_ended(
         &self,
         name: &str,
-        outcome: Result<Arc<dyn Machine>, BakeFailure>,
+        outcome: Result<Arc<dyn BackendVm>, BakeFailure>,
         took: Duration,
         done: &watch::Sender<Option<Result<(), BakeFailure>>>,
     ) -> Result<TemplateInfo, BakeFailure> {
@@ -641,20 +643,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn snapshot_makes_a_template_whose_creations_fork_it() {
+    async fn template_from_sandbox_is_a_template_whose_creations_fork_it() {
         let fake = Fake::default();
         let world = fake.world.clone();
         let d = daemon(fake, 4);
         let a = created(&d, None).await;
         let t = d
-            .snapshot(&a.id, "after-step-3".into())
+            .template_from_sandbox(&a.id, "after-step-3".into())
             .await
-            .expect("snapshot");
+            .expect("template from sandbox");
         assert_eq!(t.state, TemplateState::Ready);
         assert_eq!(t.from_sandbox.as_ref(), Some(&a.id));
         assert!(t.spec.setup.is_empty());
         let err = d
-            .snapshot(&a.id, "after-step-3".into())
+            .template_from_sandbox(&a.id, "after-step-3".into())
             .await
             .expect_err("exists");
         assert_eq!(err.kind(), "conflict");
@@ -696,11 +698,13 @@ mod tests {
         let own = created_with(&d, "mirrored", Some(policy(&["pypi.org"]))).await;
         let n = network(&d, &own.id).await.expect("network");
         assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
-        // A snapshot's zygote denies all too.
-        d.snapshot(&own.id, "snap".into()).await.expect("snapshot");
+        // The zygote of a template from a sandbox denies all too.
+        d.template_from_sandbox(&own.id, "snap".into())
+            .await
+            .expect("template from sandbox");
         let zygote_policy = match &d.lock().templates["snap"].zygote {
             Zygote::Ready { machine, .. } => machine.network_policy(),
-            _ => panic!("snapshot not ready"),
+            _ => panic!("template from sandbox not ready"),
         };
         assert_eq!(zygote_policy, Some(Policy::deny_all()));
     }

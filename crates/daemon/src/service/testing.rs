@@ -10,7 +10,7 @@ pub(super) use forkbox_proto::ExecRequest;
 
 pub(super) use super::view::info;
 pub(super) use super::{
-    Command, Config, CreateSandbox, Daemon, DaemonError, NetworkInfo, Reply, SandboxInfo, ORD,
+    Config, CreateSandbox, Daemon, DaemonError, Lifecycle, NetworkInfo, Reply, SandboxInfo, ORD,
 };
 pub(super) use crate::backend::fake::Fake;
 pub(super) use crate::core::{Limits, SandboxId, SandboxState};
@@ -35,8 +35,8 @@ pub(super) fn daemon(fake: Fake, max_live: usize) -> Daemon {
     .expect("daemon")
 }
 
-pub(super) fn create(template: &str, ttl: Option<Duration>) -> Command {
-    Command::Create(CreateSandbox {
+pub(super) fn create(template: &str, ttl: Option<Duration>) -> Lifecycle {
+    Lifecycle::Create(CreateSandbox {
         template: template.into(),
         ttl,
         ..CreateSandbox::default()
@@ -56,7 +56,7 @@ pub(super) async fn forked(
     count: u32,
 ) -> Vec<Result<SandboxInfo, DaemonError>> {
     match d
-        .execute(Command::Fork {
+        .execute(Lifecycle::Fork {
             id: id.clone(),
             count,
         })
@@ -77,7 +77,7 @@ pub(super) fn policy(allow: &[&str]) -> Policy {
 }
 
 pub(super) async fn network(d: &Daemon, id: &SandboxId) -> Result<NetworkInfo, DaemonError> {
-    match d.execute(Command::Network { id: id.clone() }).await? {
+    match d.execute(Lifecycle::Network { id: id.clone() }).await? {
         Reply::Network(n) => Ok(n),
         other => panic!("network: {other:?}"),
     }
@@ -89,7 +89,7 @@ pub(super) async fn set_network(
     p: Policy,
 ) -> Result<NetworkInfo, DaemonError> {
     match d
-        .execute(Command::SetNetwork {
+        .execute(Lifecycle::SetNetwork {
             id: id.clone(),
             policy: p,
         })
@@ -106,7 +106,7 @@ pub(super) async fn created_with(
     network: Option<Policy>,
 ) -> SandboxInfo {
     match d
-        .execute(Command::Create(CreateSandbox {
+        .execute(Lifecycle::Create(CreateSandbox {
             template: template.into(),
             network,
             ..CreateSandbox::default()
