@@ -10,7 +10,7 @@ use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
 use tokio::sync::mpsc;
 
-use super::{blocking, Daemon, DaemonError, ORD};
+use super::{blocking, Daemon, DaemonError};
 use crate::backend::BackendVm;
 use crate::core::{CoreError, DeathCause, SandboxId, SandboxState};
 
@@ -118,7 +118,7 @@ impl Daemon {
         let id = id.clone();
         tokio::task::spawn_blocking(move || {
             let start = Instant::now();
-            this.inner.metrics.execs.fetch_add(1, ORD);
+            this.inner.metrics.execs.inc();
             let agent = machine.agent();
             let mut input = stdin.map(std::io::Cursor::new);
             let stdin: Option<&mut (dyn std::io::Read + Send)> =
@@ -167,7 +167,7 @@ impl Daemon {
         stdin: Option<Vec<u8>>,
     ) -> Result<u32, DaemonError> {
         let machine = self.command_target(id, &mut req)?;
-        self.inner.metrics.execs.fetch_add(1, ORD);
+        self.inner.metrics.execs.inc();
         let m = machine.clone();
         let spawned = blocking(move || {
             let agent = m.agent();

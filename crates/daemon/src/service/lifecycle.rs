@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use forkbox_net::policy::Policy;
 
 use super::view::info;
-use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo, ORD};
+use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
 use crate::template::TemplateSpec;
@@ -194,7 +194,7 @@ impl Daemon {
             Ok(z) => z,
             Err(e) => {
                 if !matches!(e, DaemonError::NoTemplate(_)) {
-                    self.inner.metrics.creations_failed.fetch_add(1, ORD);
+                    self.inner.metrics.creations_failed.inc();
                 }
                 return Err(e);
             }
@@ -227,7 +227,7 @@ impl Daemon {
             Err(e) => {
                 let _ = self.lock().registry.creation_failed(&id, now, chain(&e));
                 self.inner.egress.retire(&id, now);
-                self.inner.metrics.creations_failed.fetch_add(1, ORD);
+                self.inner.metrics.creations_failed.inc();
                 Err(e)
             }
             Ok(machine) => {
@@ -247,7 +247,7 @@ impl Daemon {
                             },
                         );
                         self.save(&s, &id);
-                        self.inner.metrics.creations_ok.fetch_add(1, ORD);
+                        self.inner.metrics.creations_ok.inc();
                         self.inner.metrics.create_latency.observe(started.elapsed());
                         let r = s.registry.get(&id)?;
                         Ok(info(r, s.machines.get(&id)))
@@ -310,9 +310,9 @@ impl Daemon {
         }
         self.inner.egress.retire(id, Instant::now());
         if expired {
-            self.inner.metrics.expiries.fetch_add(1, ORD);
+            self.inner.metrics.expiries.inc();
         } else {
-            self.inner.metrics.kills.fetch_add(1, ORD);
+            self.inner.metrics.kills.inc();
         }
         if let Some(live) = machine {
             reap(live.machine);
@@ -369,7 +369,7 @@ impl Daemon {
             .iter()
             .filter_map(|r| r.as_ref().ok().cloned())
             .collect();
-        self.inner.metrics.forks.fetch_add(1, ORD);
+        self.inner.metrics.forks.inc();
         let n = admitted.len();
         // The parent's current policy (`None`); each child its own log.
         let opts = ForkOptions {
@@ -422,7 +422,7 @@ impl Daemon {
             out.push(self.record_fork_child(&id, child, &envs, &spec, &policy, now));
         }
         let ok = out.iter().filter(|r| r.is_ok()).count();
-        self.inner.metrics.fork_children.fetch_add(ok as u64, ORD);
+        self.inner.metrics.fork_children.inc_by(ok as u64);
         self.inner.metrics.fork_latency.observe(started.elapsed());
         self.inner.room.notify_waiters();
         Ok(out)
@@ -431,7 +431,7 @@ impl Daemon {
     /// Counts and logs a fork child that replaced a lost one.
     pub(super) fn note_replaced(&self, id: &SandboxId, machine: &dyn BackendVm) {
         if let Some(why) = machine.replaced() {
-            self.inner.metrics.fork_children_replaced.fetch_add(1, ORD);
+            self.inner.metrics.fork_children_replaced.inc();
             tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
         }
     }
@@ -451,7 +451,7 @@ impl Daemon {
             Err(e) => {
                 let _ = s.registry.creation_failed(id, now, chain(&e));
                 self.inner.egress.retire(id, now);
-                self.inner.metrics.creations_failed.fetch_add(1, ORD);
+                self.inner.metrics.creations_failed.inc();
                 Err(e)
             }
             Ok(machine) => {
@@ -474,7 +474,7 @@ impl Daemon {
                     },
                 );
                 self.save(&s, id);
-                self.inner.metrics.creations_ok.fetch_add(1, ORD);
+                self.inner.metrics.creations_ok.inc();
                 let r = s.registry.get(id)?;
                 Ok(info(r, s.machines.get(id)))
             }
@@ -654,13 +654,13 @@ mod tests {
         let world = fake.world.clone();
         let d = daemon(fake, 8);
         let parent = created(&d, None).await;
-        assert_eq!(d.inner.metrics.fork_children_replaced.load(ORD), 0);
+        assert_eq!(d.inner.metrics.fork_children_replaced.get(), 0);
         *world.replaced.lock().expect("replaced") = Some(
             "the VMM (pid 7) died before its agent answered AfterFork\n[forkbox-vmm] guest reset (triple fault or KVM reset)".into(),
         );
         let kids = forked(&d, &parent.id, 2).await;
         assert_eq!(kids.len(), 2);
-        assert_eq!(d.inner.metrics.fork_children_replaced.load(ORD), 2);
+        assert_eq!(d.inner.metrics.fork_children_replaced.get(), 2);
         let kid = kids[0].as_ref().expect("child");
         let info = d.execute_sync_info(&kid.id).expect("info");
         let shown = info.metrics.and_then(|m| m.replaced_lost_child);

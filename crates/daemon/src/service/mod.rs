@@ -286,8 +286,6 @@ impl Daemon {
     }
 }
 
-const ORD: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
-
 /// Runs `f` on the blocking pool.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{blocking, chain, Daemon, ORD};
+use super::{blocking, chain, Daemon};
 use crate::core::{DeathCause, ExpiryAction, SandboxId};
 
 impl Daemon {
@@ -46,7 +46,7 @@ impl Daemon {
                 let _ = s.registry.paused(id);
                 let _ = s.registry.expiry_paused(id);
                 self.save(&s, id);
-                self.inner.metrics.expiries.fetch_add(1, ORD);
+                self.inner.metrics.expiries.inc();
             }
             Err(e) => {
                 tracing::warn!(%id, error = %chain(&e), "cannot pause an expired sandbox; killing it");

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 use utoipa::ToSchema;
 
 use super::lifecycle::fork_one;
-use super::{blocking, chain, reap, Daemon, DaemonError, ORD};
+use super::{blocking, chain, reap, Daemon, DaemonError};
 use crate::backend::{self, BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
@@ -478,7 +478,7 @@ impl Daemon {
             Ok(_) => &self.inner.metrics.bakes_ok,
             Err(_) => &self.inner.metrics.bakes_failed,
         };
-        counter.fetch_add(1, ORD);
+        counter.inc();
         let _ = done.send(Some(result.as_ref().map(|_| ()).map_err(Clone::clone)));
         result
     }

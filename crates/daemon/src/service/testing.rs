@@ -2,6 +2,7 @@
 //! shorthands for its commands.
 
 // What most tests use, for their `use crate::service::testing::*`.
+pub(super) use std::sync::atomic::Ordering::Relaxed as ORD;
 pub(super) use std::sync::Arc;
 pub(super) use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ pub(super) use forkbox_proto::ExecRequest;
 
 pub(super) use super::view::info;
 pub(super) use super::{
-    Config, CreateSandbox, Daemon, DaemonError, Lifecycle, NetworkInfo, Reply, SandboxInfo, ORD,
+    Config, CreateSandbox, Daemon, DaemonError, Lifecycle, NetworkInfo, Reply, SandboxInfo,
 };
 pub(super) use crate::backend::fake::Fake;
 pub(super) use crate::core::{Limits, SandboxId, SandboxState};
