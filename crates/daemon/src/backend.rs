@@ -319,6 +319,7 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
+    use std::collections::BTreeMap;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed as ORD};
     use std::sync::{Arc, Mutex};
@@ -365,6 +366,18 @@ pub(crate) mod fake {
         pub zygote_policies: Mutex<Vec<Option<Policy>>>,
         /// The egress log given to each fork child (none: `None`).
         pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
+        /// VMs that ended by themselves, by pid, with how they ended.
+        pub lost: Mutex<BTreeMap<u32, String>>,
+    }
+
+    impl World {
+        /// The VM handed out last ends by itself (`how`): its `exited`
+        /// says so from now on. Returns its pid.
+        pub fn lose_last(&self, how: &str) -> u32 {
+            let pid = self.handed.load(ORD) as u32 + 1000 - 1;
+            self.lost.lock().expect("lost").insert(pid, how.into());
+            pid
+        }
     }
 
     struct FakeVm {
@@ -446,7 +459,12 @@ pub(crate) mod fake {
             None
         }
         fn exited(&self) -> Option<String> {
-            None
+            self.world
+                .lost
+                .lock()
+                .expect("lost")
+                .get(&self.pid)
+                .cloned()
         }
         fn boot_time(&self) -> Duration {
             Duration::ZERO

@@ -191,4 +191,44 @@ mod tests {
         assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
         assert_eq!(err["error"]["infrastructure"], true);
     }
+
+    #[tokio::test]
+    async fn exec_on_a_lost_vm_is_502_and_the_sandbox_is_dead_with_vm_lost() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = Daemon::new(Arc::new(fake), Config::default()).expect("daemon");
+        let app = router(d, None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        world.lose_last("the VMM died (signal 9)");
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
+        assert_eq!(err["error"]["kind"], "infrastructure");
+        assert_eq!(err["error"]["infrastructure"], true);
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&format!("sandbox {id} died")), "{msg}");
+        let (st, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(info["state"], "dead");
+        assert_eq!(
+            info["death"],
+            serde_json::json!({"vm_lost": {"reason": "the VMM died (signal 9)"}})
+        );
+        // Dead now: a second command is refused as the caller's mistake.
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::CONFLICT, "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+    }
 }

@@ -271,6 +271,7 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::chain;
     use crate::service::testing::*;
 
     #[tokio::test]
@@ -284,5 +285,33 @@ mod tests {
             Some(ExecEvent::Failed(e)) => assert!(e.is_infrastructure(), "{e:?}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn exec_on_a_vm_that_ended_by_itself_marks_the_sandbox_lost() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        world.lose_last("the VMM died (signal 9)");
+        let mut rx = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect("starts");
+        match rx.recv().await {
+            Some(ExecEvent::Failed(e)) => {
+                assert!(e.is_infrastructure(), "{e:?}");
+                assert!(chain(&e).contains("died: the VMM died (signal 9)"), "{e:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead);
+        assert_eq!(
+            i.death,
+            Some(DeathCause::VmLost {
+                reason: "the VMM died (signal 9)".into()
+            })
+        );
+        assert_eq!(d.lock().registry.live(), 0);
     }
 }

@@ -124,4 +124,27 @@ mod tests {
         assert_eq!(i.state, SandboxState::Paused);
         assert_eq!(i.expires_in_ms, None);
     }
+
+    #[tokio::test]
+    async fn tick_marks_a_vm_that_ended_by_itself_lost_and_frees_its_slot() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 1);
+        let a = created(&d, None).await;
+        d.tick(Instant::now());
+        assert_eq!(
+            d.execute_sync_info(&a.id).expect("info").state,
+            SandboxState::Running
+        );
+        world.lose_last("guest reset (triple fault or KVM reset)");
+        d.tick(Instant::now());
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead);
+        assert!(
+            matches!(i.death, Some(DeathCause::VmLost { ref reason }) if reason.starts_with("guest reset")),
+            "{i:?}"
+        );
+        // Its slot under the live cap of 1 is free again.
+        created(&d, None).await;
+    }
 }
