@@ -10,18 +10,18 @@
 //! This module owns the router, its bearer-token check and the OpenAPI
 //! document; the handlers are grouped by resource:
 //!
-//! - [`templates`]: `/templates`: list, register and bake, delete.
-//! - [`sandboxes`]: `/sandboxes`: create, list, kill, time-to-live, pause,
+//! - `templates`: `/templates`: list, register and bake, delete.
+//! - `sandboxes`: `/sandboxes`: create, list, kill, time-to-live, pause,
 //!   fork, templates from a sandbox, console logs.
-//! - [`network`]: a sandbox's egress policy and egress log.
-//! - [`commands`]: running commands (buffered, streamed, background).
-//! - [`processes`]: background processes: list, wait, kill, stdin, output.
-//! - [`ports`]: port forwards.
-//! - [`files`]: guest files and tar archives.
+//! - `network`: a sandbox's egress policy and egress log.
+//! - `commands`: running commands (buffered, streamed, background).
+//! - `processes`: background processes: list, wait, kill, stdin, output.
+//! - `ports`: port forwards.
+//! - `files`: guest files and tar archives.
 //!
-//! and the parts they share: [`extract`] (what every handler parses
-//! first), [`error`] (statuses, JSON errors, the one place they are
-//! counted), [`stream`] (NDJSON and SSE framing).
+//! and the parts they share: `extract` (what every handler parses
+//! first), `error` (statuses, JSON errors, the one place they are
+//! counted), `stream` (NDJSON and SSE framing).
 
 mod commands;
 mod error;

@@ -23,7 +23,7 @@ pub struct CreateSandbox {
     pub labels: Labels,
     /// Environment for every command run in the sandbox.
     pub envs: BTreeMap<String, String>,
-    /// Overrides [`Config::create_wait`] (zero: fail at once when full).
+    /// Overrides [`Config::create_wait`](super::Config::create_wait) (zero: fail at once when full).
     pub wait: Option<Duration>,
     /// Its egress policy; `None`: deny all. Never the template's (that
     /// one holds only while the template bakes).

@@ -24,18 +24,18 @@
 //! VMs, the templates) and the helpers every part uses; each concern is a
 //! module of its own:
 //!
-//! - [`lifecycle`]: typed lifecycle commands: create, kill, pause, fork.
-//! - [`network`]: sandboxes' egress policies and egress logs.
-//! - [`guest`]: calls into a running sandbox's guest agent: commands,
+//! - `lifecycle`: typed lifecycle commands: create, kill, pause, fork.
+//! - `network`: sandboxes' egress policies and egress logs.
+//! - `guest`: calls into a running sandbox's guest agent: commands,
 //!   background processes, files; a dead VM found there is marked lost.
-//! - [`files`]: a running sandbox's files, through its guest agent.
-//! - [`ports`]: host listeners relayed to guest ports.
-//! - [`templates`]: the template registry, bakes and their zygotes.
-//! - [`reaper`]: TTLs and VMs that ended by themselves.
-//! - [`recovery`]: writing live VMs down, and re-adopting them after a
+//! - `files`: a running sandbox's files, through its guest agent.
+//! - `ports`: host listeners relayed to guest ports.
+//! - `templates`: the template registry, bakes and their zygotes.
+//! - `reaper`: TTLs and VMs that ended by themselves.
+//! - `recovery`: writing live VMs down, and re-adopting them after a
 //!   restart.
-//! - [`view`]: sandboxes as the API shows them.
-//! - [`error`]: why a request failed ([`DaemonError`]).
+//! - `view`: sandboxes as the API shows them.
+//! - `error`: why a request failed ([`DaemonError`]).
 
 mod error;
 mod files;
