@@ -331,4 +331,63 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));
     }
+
+    async fn metrics_text(app: &Router) -> String {
+        let req = axum::http::Request::builder()
+            .uri("/metrics")
+            .body(Body::empty())
+            .expect("req");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8_lossy(&text).into_owned()
+    }
+
+    #[tokio::test]
+    async fn errors_are_counted_once_whether_answered_streamed_or_per_fork_child() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        // The fake has no agent: a buffered command fails as an error
+        // response, a streamed one in its last event.
+        let uri = format!("/sandboxes/{id}/commands");
+        assert_eq!(
+            call(&app, "POST", &uri, r#"{"cmd":"true"}"#).await.0,
+            StatusCode::BAD_GATEWAY
+        );
+        let req = axum::http::Request::builder()
+            .method("POST")
+            .uri(&uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "application/x-ndjson")
+            .body(Body::from(r#"{"cmd":"true"}"#))
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let last: serde_json::Value = serde_json::from_slice(
+            body.split(|b| *b == b'\n')
+                .rfind(|l| !l.is_empty())
+                .expect("an event"),
+        )
+        .expect("json");
+        assert_eq!(last["type"], "error", "{last}");
+        // Past the live cap of 4: the fourth child fails alone.
+        let (_, kids) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            r#"{"count":4}"#,
+        )
+        .await;
+        assert_eq!(kids[3]["error"]["kind"], "capacity", "{kids}");
+        let text = metrics_text(&app).await;
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"infrastructure\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"capacity\"} 1"),
+            "{text}"
+        );
+    }
 }

@@ -21,8 +21,7 @@ use crate::service::{Lifecycle, NetworkInfo, Reply};
 pub(super) async fn network_get(
     OnSandbox { daemon, id }: OnSandbox,
 ) -> ApiResult<Json<NetworkInfo>> {
-    let r = daemon.execute(Lifecycle::Network { id }).await;
-    network_reply(r?)
+    network_reply(daemon.execute(Lifecycle::Network { id }).await?)
 }
 
 /// Replaces a running or paused sandbox's egress policy: new connections
@@ -37,8 +36,7 @@ pub(super) async fn network_set(
     JsonBody(b): JsonBody<NetworkPolicy>,
 ) -> ApiResult<Json<NetworkInfo>> {
     let policy = policy(b)?;
-    let r = daemon.execute(Lifecycle::SetNetwork { id, policy }).await;
-    network_reply(r?)
+    network_reply(daemon.execute(Lifecycle::SetNetwork { id, policy }).await?)
 }
 
 pub(super) fn network_reply(r: Reply) -> ApiResult<Json<NetworkInfo>> {

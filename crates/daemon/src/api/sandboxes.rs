@@ -144,11 +144,8 @@ pub(super) async fn sandbox_kill_by_label(
     State(st): State<AppState>,
     JsonBody(b): JsonBody<KillByLabelBody>,
 ) -> ApiResult<Json<Killed>> {
-    let r = st
-        .daemon
-        .execute(Lifecycle::KillByLabel { labels: b.metadata })
-        .await;
-    match r? {
+    let labels = b.metadata;
+    match st.daemon.execute(Lifecycle::KillByLabel { labels }).await? {
         Reply::Killed(killed) => Ok(Json(Killed { killed })),
         other => Err(unexpected(other)),
     }
@@ -243,8 +240,10 @@ pub(super) async fn sandbox_fork(
     OnSandbox { daemon, id }: OnSandbox,
     JsonBody(b): JsonBody<ForkBody>,
 ) -> ApiResult<Json<Vec<ForkChild>>> {
-    let r = daemon.execute(Lifecycle::Fork { id, count: b.count }).await;
-    match r? {
+    match daemon
+        .execute(Lifecycle::Fork { id, count: b.count })
+        .await?
+    {
         Reply::Forked(children) => Ok(Json(
             children
                 .into_iter()
@@ -275,8 +274,7 @@ pub(super) async fn sandbox_snapshot(
     OnSandbox { daemon, id }: OnSandbox,
     JsonBody(b): JsonBody<SnapshotBody>,
 ) -> ApiResult<(StatusCode, Json<TemplateInfo>)> {
-    let r = daemon.template_from_sandbox(&id, b.name).await;
-    let t = r?;
+    let t = daemon.template_from_sandbox(&id, b.name).await?;
     Ok((StatusCode::CREATED, Json(t)))
 }
 
