@@ -18,7 +18,7 @@ use forkbox_proto::client::AgentClient;
 /// has a network device; `network` says what it may reach while it runs
 /// as booted (a template's bake) and where its egress log goes.
 #[derive(Debug, Clone)]
-pub struct MachineSpec {
+pub struct BackendVmSpec {
     pub image: ImageName,
     pub vcpus: u8,
     pub memory_mib: u32,
@@ -57,7 +57,7 @@ pub enum BackendError {
 /// Makes VMs.
 pub trait Backend: Send + Sync + 'static {
     /// Boots a fresh VM and waits for its agent. Blocking.
-    fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError>;
+    fn boot(&self, spec: &BackendVmSpec) -> Result<Box<dyn BackendVm>, BackendError>;
     /// Takes back a VM an earlier daemon run started; with `network`, one
     /// that has a network is served a broker again (the earlier run's
     /// died with it) with that policy and egress log.
@@ -65,14 +65,15 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         handle: &VmHandle,
         network: Option<&NetworkSpec>,
-    ) -> Result<Box<dyn Machine>, BackendError>;
+    ) -> Result<Box<dyn BackendVm>, BackendError>;
     /// Clears away what is left of a VM that cannot be adopted.
     fn discard(&self, handle: &VmHandle);
 }
 
-/// One running VM. Dropping it stops the VM (blocking: call drop off the
+/// One running VM as the daemon drives it (the VMM crate's `Machine` is
+/// another thing). Dropping it stops the VM (blocking: call drop off the
 /// async runtime).
-pub trait Machine: Send + Sync {
+pub trait BackendVm: Send + Sync {
     /// A client for its guest agent (cheap; one connection per call).
     fn agent(&self) -> AgentClient;
     /// The VMM's process id, if it is a process.
@@ -100,7 +101,7 @@ pub trait Machine: Send + Sync {
     /// the request as a whole failed; otherwise one entry per child.
     /// Children get `opts.policy` (default: the parent's current one) and
     /// log their egress to `opts.egress_logs[i]` when given.
-    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ForkedMachine>, BackendError>;
+    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError>;
     /// Replaces the egress policy: new connections and DNS lookups follow
     /// it, open connections stay.
     fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError>;
@@ -116,8 +117,8 @@ pub trait Machine: Send + Sync {
     fn console(&self, lines: usize) -> String;
 }
 
-/// One child of [`Machine::fork`].
-pub type ForkedMachine = Result<Box<dyn Machine>, BackendError>;
+/// One child of [`BackendVm::fork_with`]: the VM, or why it did not come up.
+pub type ChildVm = Result<Box<dyn BackendVm>, BackendError>;
 
 /// The real thing: `forkbox_host::vm::Vm`.
 pub struct VmBackend {
@@ -134,7 +135,7 @@ impl VmBackend {
 }
 
 impl Backend for VmBackend {
-    fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
+    fn boot(&self, spec: &BackendVmSpec) -> Result<Box<dyn BackendVm>, BackendError> {
         let vm_spec = VmSpec {
             image: spec.image,
             vcpus: spec.vcpus,
@@ -145,16 +146,16 @@ impl Backend for VmBackend {
             network: Some(spec.network.clone()),
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
-        Ok(VmMachine::boxed(vm))
+        Ok(ForkboxVm::boxed(vm))
     }
 
     fn adopt(
         &self,
         handle: &VmHandle,
         network: Option<&NetworkSpec>,
-    ) -> Result<Box<dyn Machine>, BackendError> {
+    ) -> Result<Box<dyn BackendVm>, BackendError> {
         let vm = Vm::adopt(handle, network).map_err(BackendError::Adopt)?;
-        Ok(VmMachine::boxed(vm))
+        Ok(ForkboxVm::boxed(vm))
     }
 
     fn discard(&self, handle: &VmHandle) {
@@ -164,7 +165,7 @@ impl Backend for VmBackend {
 
 /// A `Vm` behind a lock: forks share it (`read`), run-state changes take
 /// it whole (`write`).
-struct VmMachine {
+struct ForkboxVm {
     vm: RwLock<Vm>,
     agent: AgentClient,
     pid: u32,
@@ -173,8 +174,8 @@ struct VmMachine {
     handle: VmHandle,
 }
 
-impl VmMachine {
-    fn boxed(vm: Vm) -> Box<dyn Machine> {
+impl ForkboxVm {
+    fn boxed(vm: Vm) -> Box<dyn BackendVm> {
         Box::new(Self {
             // Its handshake bound suits a loaded host (`forkbox_host::vm`).
             agent: vm.agent().clone(),
@@ -196,7 +197,7 @@ impl VmMachine {
     }
 }
 
-impl Machine for VmMachine {
+impl BackendVm for ForkboxVm {
     fn agent(&self) -> AgentClient {
         self.agent.clone()
     }
@@ -279,14 +280,14 @@ impl Machine for VmMachine {
             .network_policy()
     }
 
-    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ForkedMachine>, BackendError> {
+    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
         let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
         let children = vm.fork_with(n, opts).map_err(BackendError::Fork)?;
         Ok(children
             .into_iter()
             .enumerate()
             .map(|(index, c)| {
-                c.map(VmMachine::boxed)
+                c.map(ForkboxVm::boxed)
                     .map_err(|source| BackendError::ForkChild { index, source })
             })
             .collect())
@@ -318,6 +319,7 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
+    use std::collections::BTreeMap;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed as ORD};
     use std::sync::{Arc, Mutex};
@@ -327,7 +329,7 @@ pub(crate) mod fake {
     use forkbox_proto::client::AgentClient;
 
     use super::{
-        Backend, BackendError, ForkOptions, ForkedMachine, Machine, MachineSpec, NetworkSpec,
+        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
         VmHandle,
     };
 
@@ -364,22 +366,34 @@ pub(crate) mod fake {
         pub zygote_policies: Mutex<Vec<Option<Policy>>>,
         /// The egress log given to each fork child (none: `None`).
         pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
+        /// VMs that ended by themselves, by pid, with how they ended.
+        pub lost: Mutex<BTreeMap<u32, String>>,
     }
 
-    struct FakeMachine {
+    impl World {
+        /// The VM handed out last ends by itself (`how`): its `exited`
+        /// says so from now on. Returns its pid.
+        pub fn lose_last(&self, how: &str) -> u32 {
+            let pid = self.handed.load(ORD) as u32 + 1000 - 1;
+            self.lost.lock().expect("lost").insert(pid, how.into());
+            pid
+        }
+    }
+
+    struct FakeVm {
         world: Arc<World>,
         pid: u32,
         /// `None`: no network (re-adopted without one).
         policy: Mutex<Option<Policy>>,
     }
 
-    impl FakeMachine {
-        fn boxed(world: &Arc<World>, policy: Option<Policy>) -> Box<dyn Machine> {
+    impl FakeVm {
+        fn boxed(world: &Arc<World>, policy: Option<Policy>) -> Box<dyn BackendVm> {
             let pid = world.handed.fetch_add(1, ORD) as u32 + 1000;
             Self::with_pid(world, pid, policy)
         }
 
-        fn with_pid(world: &Arc<World>, pid: u32, policy: Option<Policy>) -> Box<dyn Machine> {
+        fn with_pid(world: &Arc<World>, pid: u32, policy: Option<Policy>) -> Box<dyn BackendVm> {
             world.alive.fetch_add(1, ORD);
             Box::new(Self {
                 world: world.clone(),
@@ -394,7 +408,7 @@ pub(crate) mod fake {
     }
 
     impl Backend for Fake {
-        fn boot(&self, spec: &MachineSpec) -> Result<Box<dyn Machine>, BackendError> {
+        fn boot(&self, spec: &BackendVmSpec) -> Result<Box<dyn BackendVm>, BackendError> {
             if self.fail {
                 return Err(BackendError::Unsupported("booting in this test"));
             }
@@ -405,20 +419,20 @@ pub(crate) mod fake {
                 .lock()
                 .expect("boot_policies")
                 .push(policy.clone());
-            Ok(FakeMachine::boxed(&self.world, Some(policy)))
+            Ok(FakeVm::boxed(&self.world, Some(policy)))
         }
 
         fn adopt(
             &self,
             handle: &VmHandle,
             network: Option<&NetworkSpec>,
-        ) -> Result<Box<dyn Machine>, BackendError> {
+        ) -> Result<Box<dyn BackendVm>, BackendError> {
             let gone = self.world.gone.lock().expect("gone").contains(&handle.pid);
             if gone {
                 return Err(BackendError::Unsupported("adopting a VM that is gone"));
             }
             let policy = network.map(|n| n.policy.clone());
-            Ok(FakeMachine::with_pid(&self.world, handle.pid, policy))
+            Ok(FakeVm::with_pid(&self.world, handle.pid, policy))
         }
 
         fn discard(&self, handle: &VmHandle) {
@@ -430,13 +444,13 @@ pub(crate) mod fake {
         }
     }
 
-    impl Drop for FakeMachine {
+    impl Drop for FakeVm {
         fn drop(&mut self) {
             self.world.alive.fetch_sub(1, ORD);
         }
     }
 
-    impl Machine for FakeMachine {
+    impl BackendVm for FakeVm {
         fn agent(&self) -> AgentClient {
             let sock = self.world.agent_sock.lock().expect("agent_sock").clone();
             AgentClient::unix(sock.unwrap_or_else(|| "/nonexistent/forkbox-test.sock".into()))
@@ -445,7 +459,12 @@ pub(crate) mod fake {
             None
         }
         fn exited(&self) -> Option<String> {
-            None
+            self.world
+                .lost
+                .lock()
+                .expect("lost")
+                .get(&self.pid)
+                .cloned()
         }
         fn boot_time(&self) -> Duration {
             Duration::ZERO
@@ -494,11 +513,7 @@ pub(crate) mod fake {
         fn network_policy(&self) -> Option<Policy> {
             self.policy().clone()
         }
-        fn fork_with(
-            &self,
-            n: usize,
-            opts: &ForkOptions,
-        ) -> Result<Vec<ForkedMachine>, BackendError> {
+        fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
             self.world.forks.fetch_add(1, ORD);
             // As `Vm::fork_with`: a parent without a network ignores
             // `opts`, and its children have none either.
@@ -519,7 +534,7 @@ pub(crate) mod fake {
                     if failing == Some(i) {
                         Err(BackendError::Unsupported("this fork child in this test"))
                     } else {
-                        Ok(FakeMachine::boxed(&self.world, policy.clone()))
+                        Ok(FakeVm::boxed(&self.world, policy.clone()))
                     }
                 })
                 .collect())

@@ -8,7 +8,8 @@
 //!   VMs, implemented on `forkbox_host::vm`.
 //! - [`service`]: the daemon proper: typed commands in, VMs driven through
 //!   the backend on the blocking pool, the TTL reaper, metrics.
-//! - [`metrics`]: counters and histograms in Prometheus' text format.
+//! - [`metrics`]: counters, gauges and histograms in Prometheus' text
+//!   format (`prometheus-client`).
 //! - [`persist`]: the state directory a restarted daemon re-adopts its
 //!   VMs from.
 //! - [`network`]: the egress policy's API spelling and the sandboxes'

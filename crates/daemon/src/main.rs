@@ -1,4 +1,5 @@
 //! `forkboxd`: parse flags, check this host can run microVMs, listen.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;

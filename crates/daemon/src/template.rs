@@ -4,8 +4,9 @@
 //!
 //! Baking runs the recipe once in a fresh VM and keeps that VM, paused, as
 //! the template's zygote; every sandbox created from the template is a
-//! copy-on-write fork of it, so the recipe never runs again. A sandbox's
-//! snapshot is a template too: its zygote is a fork of that sandbox.
+//! copy-on-write fork of it, so the recipe never runs again. A template
+//! can also be made from a sandbox (the API's `POST
+//! /sandboxes/{id}/snapshot`): its zygote is a fork of that sandbox.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use forkbox_vmm_api::{ShapeError, VmShape};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::backend::{MachineSpec, NetworkSpec};
+use crate::backend::{BackendVmSpec, NetworkSpec};
 
 /// When a booted template counts as ready.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -117,6 +118,7 @@ pub struct TemplateInfo {
     #[serde(flatten)]
     pub spec: TemplateSpec,
     pub state: TemplateState,
+    // The API document shows this comment; it keeps the API's word.
     /// For a sandbox's snapshot: the sandbox whose state it holds.
     pub from_sandbox: Option<crate::core::SandboxId>,
     /// Why the last bake failed.
@@ -184,8 +186,8 @@ impl TemplateSpec {
         Ok(())
     }
 
-    pub fn machine(&self, boot_timeout: Duration) -> Result<MachineSpec, TemplateError> {
-        Ok(MachineSpec {
+    pub fn boot_spec(&self, boot_timeout: Duration) -> Result<BackendVmSpec, TemplateError> {
+        Ok(BackendVmSpec {
             image: self.image_name()?,
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
@@ -299,14 +301,14 @@ mod tests {
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         let boot = Duration::from_secs(1);
         assert_eq!(
-            t.machine(boot).expect("machine").network.policy,
+            t.boot_spec(boot).expect("boot spec").network.policy,
             Policy::deny_all()
         );
         t = serde_json::from_str(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["mirror.local:80"]}}"#,
         )
         .expect("parse");
-        let policy = t.machine(boot).expect("machine").network.policy;
+        let policy = t.boot_spec(boot).expect("boot spec").network.policy;
         assert_eq!(policy.allow_rules().len(), 1);
         let bad = serde_json::from_str::<TemplateSpec>(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["x:99999"]}}"#,

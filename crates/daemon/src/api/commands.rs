@@ -1,0 +1,234 @@
+//! `POST /sandboxes/{id}/commands`: runs a command, its answer buffered,
+//! streamed (NDJSON or SSE) or, in the background, its pid at once.
+
+use std::collections::BTreeMap;
+
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use forkbox_proto::{ExecRequest, ExecResult, ExitStatus, OutputStream, User};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::error::{report, ApiError, ApiErrorBody, ApiResult};
+use super::extract::{secs, JsonBody, OnSandbox};
+use super::stream::{output_event, relay, streamed, unexpected_end, Framing, StreamEvent};
+use crate::service::ExecEvent;
+
+/// `POST /sandboxes/{id}/commands`: `cmd` (run by `/bin/sh -c`) or `argv`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecBody {
+    #[serde(default)]
+    pub cmd: Option<String>,
+    #[serde(default)]
+    pub argv: Option<Vec<String>>,
+    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// A user name or a numeric uid; default root.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Wall-clock limit in seconds; on expiry the process group is killed
+    /// and `timed_out` is true.
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    /// Bytes given to the command's standard input (UTF-8 text).
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Per-stream output cap in bytes (buffered form default: 16 MiB).
+    #[serde(default)]
+    pub output_cap: Option<u64>,
+    /// Start it in the background and answer at once with its `pid`
+    /// (`ProcessStarted`); then see `/processes`. Its stdin (after
+    /// `stdin`, if given) stays open for `/processes/{pid}/stdin`; the
+    /// guest keeps its last 1 MiB of output.
+    #[serde(default)]
+    pub background: bool,
+}
+
+/// A background process started.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProcessStarted {
+    /// Its process id (and process group id) in the guest.
+    pub pid: u32,
+}
+
+/// The result of a command. A non-zero exit is not an error.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExecOutput {
+    /// Absent in streams (the output came as events).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<String>,
+    /// `null` if a signal ended the command.
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: f64,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+const DEFAULT_BUFFERED_CAP: u64 = 16 << 20;
+
+pub(super) fn exec_request(
+    b: ExecBody,
+    buffered: bool,
+) -> ApiResult<(ExecRequest, Option<Vec<u8>>)> {
+    let mut req = match (b.cmd, b.argv) {
+        (Some(c), None) => ExecRequest::shell(c),
+        (None, Some(a)) if !a.is_empty() => ExecRequest::argv(a),
+        _ => {
+            return Err(ApiError::BadRequest(
+                "give exactly one of `cmd` (a shell command) or `argv` (non-empty)".into(),
+            ))
+        }
+    };
+    req.env = b.envs;
+    req.cwd = b.cwd;
+    req.user = b.user.map(|u| match u.parse::<u32>() {
+        Ok(uid) => User::Uid(uid),
+        Err(_) => User::Name(u),
+    });
+    req.timeout = secs(b.timeout_secs, "timeout_secs")?;
+    req.output_cap = b.output_cap.or(buffered.then_some(DEFAULT_BUFFERED_CAP));
+    Ok((req, b.stdin.map(String::into_bytes)))
+}
+
+pub(super) fn exit_output(
+    r: &ExecResult,
+    stdout: Option<String>,
+    stderr: Option<String>,
+) -> ExecOutput {
+    ExecOutput {
+        stdout,
+        stderr,
+        exit_code: match r.status {
+            ExitStatus::Code(c) => Some(c),
+            ExitStatus::Signal(_) => None,
+        },
+        signal: r.signal(),
+        timed_out: r.timed_out,
+        duration_ms: r.duration.as_secs_f64() * 1000.0,
+        stdout_truncated: r.stdout.truncated,
+        stderr_truncated: r.stderr.truncated,
+    }
+}
+
+/// Runs a command. With `Accept: application/x-ndjson` (or
+/// `text/event-stream`) output streams as [`StreamEvent`]s while it is
+/// produced, ending with `exit` (or `error`); otherwise the answer is one
+/// [`ExecOutput`] once it ends. A non-zero exit is a 200. With
+/// `background: true` the answer is a [`ProcessStarted`] at once.
+#[utoipa::path(post, path = "/sandboxes/{id}/commands", params(("id" = String, Path)), request_body = ExecBody,
+    responses((status = 200, body = ExecOutput, description = "buffered result, an NDJSON/SSE stream of StreamEvent, or (background) a ProcessStarted"),
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
+pub(super) async fn command_run(
+    OnSandbox { daemon, id }: OnSandbox,
+    headers: HeaderMap,
+    JsonBody(b): JsonBody<ExecBody>,
+) -> ApiResult<Response> {
+    let framing = Framing::accepted(&headers, &[Framing::Ndjson, Framing::Sse]);
+    if b.background {
+        let (req, stdin) = exec_request(b, false)?;
+        let pid = daemon.spawn_process(&id, req, stdin).await?;
+        return Ok(Json(ProcessStarted { pid }).into_response());
+    }
+    let (req, stdin) = exec_request(b, framing.is_none())?;
+    let mut rx = daemon.exec(&id, req, stdin)?;
+    let Some(framing) = framing else {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                ExecEvent::Output(OutputStream::Stdout, b) => out.extend(b),
+                ExecEvent::Output(OutputStream::Stderr, b) => err.extend(b),
+                ExecEvent::Exit(r) => {
+                    return Ok(Json(exit_output(
+                        &r,
+                        Some(String::from_utf8_lossy(&out).into_owned()),
+                        Some(String::from_utf8_lossy(&err).into_owned()),
+                    ))
+                    .into_response())
+                }
+                ExecEvent::Failed(e) => return Err(e.into()),
+            }
+        }
+        return Err(unexpected_end());
+    };
+    let mut carry = [Vec::new(), Vec::new()];
+    let events = relay(rx, move |ev| {
+        Some(match ev {
+            ExecEvent::Output(s, bytes) => output_event(&mut carry, s, bytes),
+            ExecEvent::Exit(r) => StreamEvent::Exit(exit_output(&r, None, None)),
+            ExecEvent::Failed(e) => StreamEvent::Error {
+                error: report(&daemon, &e.into()),
+            },
+        })
+    });
+    Ok(streamed(events, framing))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::api::testing::*;
+
+    #[tokio::test]
+    async fn exec_with_dead_agent_is_502_infrastructure() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
+        assert_eq!(err["error"]["infrastructure"], true);
+    }
+
+    #[tokio::test]
+    async fn exec_on_a_lost_vm_is_502_and_the_sandbox_is_dead_with_vm_lost() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = Daemon::new(Arc::new(fake), Config::default()).expect("daemon");
+        let app = router(d, None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        world.lose_last("the VMM died (signal 9)");
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_GATEWAY, "{err}");
+        assert_eq!(err["error"]["kind"], "infrastructure");
+        assert_eq!(err["error"]["infrastructure"], true);
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&format!("sandbox {id} died")), "{msg}");
+        let (st, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(info["state"], "dead");
+        assert_eq!(
+            info["death"],
+            serde_json::json!({"vm_lost": {"reason": "the VMM died (signal 9)"}})
+        );
+        // Dead now: a second command is refused as the caller's mistake.
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::CONFLICT, "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+    }
+}

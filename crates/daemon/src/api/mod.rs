@@ -1,0 +1,393 @@
+//! The HTTP+JSON edge: parses requests into typed calls of [`Daemon`],
+//! turns replies and errors into responses, and describes itself in an
+//! OpenAPI document (`/openapi.json`). Handlers only translate: HTTP in,
+//! a service call, HTTP out.
+//!
+//! Errors are JSON: `{"error": {"kind", "message", "infrastructure"}}`;
+//! `infrastructure: true` means the sandbox machinery failed, not the
+//! request or the user's command.
+//!
+//! This module owns the router, its bearer-token check and the OpenAPI
+//! document; the handlers are grouped by resource:
+//!
+//! - `templates`: `/templates`: list, register and bake, delete.
+//! - `sandboxes`: `/sandboxes`: create, list, kill, time-to-live, pause,
+//!   fork, templates from a sandbox, console logs.
+//! - `network`: a sandbox's egress policy and egress log.
+//! - `commands`: running commands (buffered, streamed, background).
+//! - `processes`: background processes: list, wait, kill, stdin, output.
+//! - `ports`: port forwards.
+//! - `files`: guest files and tar archives.
+//!
+//! and the parts they share: `extract` (what every handler parses
+//! first), `error` (statuses, JSON errors, the one place they are
+//! counted), `stream` (NDJSON and SSE framing).
+
+mod commands;
+mod error;
+mod extract;
+mod files;
+mod network;
+mod ports;
+mod processes;
+mod sandboxes;
+mod stream;
+mod templates;
+#[cfg(test)]
+mod testing;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use utoipa::OpenApi;
+
+use crate::core::{DeathCause, ExpiryAction, SandboxId, SandboxState};
+use crate::network::NetworkPolicy;
+use crate::service::{
+    BakeEvent, BakeFailure, Daemon, NetworkInfo, PortForwardInfo, SandboxInfo, SandboxMetrics,
+};
+use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
+
+// The handlers and their OpenAPI paths (`__path_*`), by name: the
+// document's operations carry no tag (`paths(module::handler)` would tag
+// each with its module).
+use commands::*;
+use error::*;
+use files::*;
+use network::*;
+use ports::*;
+use processes::*;
+use sandboxes::*;
+use stream::StreamEvent;
+use templates::*;
+
+/// Largest request body for file and tar uploads.
+pub const MAX_UPLOAD: usize = 1 << 30;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "forkboxd",
+        description = "The forkbox daemon: sandboxes, commands, background processes, files, ports, templates."
+    ),
+    paths(
+        health,
+        metrics,
+        templates_list,
+        template_create,
+        template_get,
+        template_bake,
+        template_delete,
+        sandbox_create,
+        sandbox_list,
+        sandbox_kill_by_label,
+        sandbox_get,
+        sandbox_kill,
+        sandbox_timeout,
+        sandbox_pause,
+        sandbox_resume,
+        sandbox_fork,
+        sandbox_snapshot,
+        sandbox_logs,
+        network_get,
+        network_set,
+        egress_log,
+        command_run,
+        process_list,
+        process_wait,
+        process_kill,
+        process_stdin,
+        process_output,
+        ports_list,
+        port_open,
+        port_close,
+        file_read,
+        file_write,
+        file_remove,
+        file_list,
+        file_stat,
+        file_mkdir,
+        tar_download,
+        tar_upload
+    ),
+    components(schemas(
+        ApiErrorBody,
+        ErrorDetail,
+        SandboxInfo,
+        SandboxMetrics,
+        SandboxState,
+        ExpiryAction,
+        DeathCause,
+        TemplateSpec,
+        TemplateInfo,
+        TemplateState,
+        Readiness,
+        BakeEvent,
+        BakeFailure,
+        ForkChild,
+        SnapshotBody,
+        CreateBody,
+        TimeoutBody,
+        ForkBody,
+        KillByLabelBody,
+        Killed,
+        ExecBody,
+        ExecOutput,
+        StreamEvent,
+        ProcessStarted,
+        ProcessJson,
+        WaitBody,
+        KillBody,
+        StdinWritten,
+        ProcessOutput,
+        PortBody,
+        PortForwardInfo,
+        FileStatJson,
+        DirEntryJson,
+        Written,
+        SandboxId,
+        NetworkPolicy,
+        NetworkInfo,
+        EgressLog,
+        EgressRecordDoc
+    ))
+)]
+pub struct ApiDoc;
+
+/// The generated OpenAPI document, pretty-printed (what `docs/openapi.json`
+/// holds).
+pub fn openapi_json() -> String {
+    let mut s = ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("the OpenAPI document serializes");
+    s.push('\n');
+    s
+}
+
+#[derive(Clone)]
+struct AppState {
+    daemon: Daemon,
+    token: Option<String>,
+}
+
+/// The whole API. With `token`, every request but `/health` needs
+/// `Authorization: Bearer <token>`.
+pub fn router(daemon: Daemon, token: Option<String>) -> Router {
+    let state = AppState { daemon, token };
+    let sandbox = Router::new()
+        .route("/", get(sandbox_get).delete(sandbox_kill))
+        .route("/timeout", post(sandbox_timeout))
+        .route("/pause", post(sandbox_pause))
+        .route("/resume", post(sandbox_resume))
+        .route("/fork", post(sandbox_fork))
+        .route("/snapshot", post(sandbox_snapshot))
+        .route("/logs", get(sandbox_logs))
+        .route("/network", get(network_get).post(network_set))
+        .route("/egress", get(egress_log))
+        .route("/commands", post(command_run))
+        .route("/processes", get(process_list))
+        .route("/processes/{pid}/wait", post(process_wait))
+        .route("/processes/{pid}/kill", post(process_kill))
+        .route("/processes/{pid}/stdin", post(process_stdin))
+        .route("/processes/{pid}/output", get(process_output))
+        .route("/ports", get(ports_list).post(port_open))
+        .route("/ports/{port}", delete(port_close))
+        .route("/files", get(file_read).put(file_write).delete(file_remove))
+        .route("/files/list", get(file_list))
+        .route("/files/stat", get(file_stat))
+        .route("/files/mkdir", post(file_mkdir))
+        .route("/files/tar", get(tar_download).put(tar_upload));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], openapi_json()) }),
+        )
+        .route("/templates", get(templates_list).post(template_create))
+        .route(
+            "/templates/{name}",
+            get(template_get).delete(template_delete),
+        )
+        .route("/templates/{name}/bake", post(template_bake))
+        .route("/sandboxes", get(sandbox_list).post(sandbox_create))
+        .route("/sandboxes/kill", post(sandbox_kill_by_label))
+        .nest("/sandboxes/{id}", sandbox)
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .layer(DefaultBodyLimit::max(MAX_UPLOAD))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(middleware::from_fn_with_state(state.clone(), report_errors))
+        .with_state(state)
+}
+
+/// Without a valid token (when one is set), every route but `/health`
+/// answers 401.
+async fn authorize(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(token) = &st.token {
+        if req.uri().path() != "/health" {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
+                return ApiError::Unauthorized.into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+    version: &'static str,
+}
+
+/// Liveness; needs no token.
+#[utoipa::path(get, path = "/health", responses((status = 200, description = "the daemon is up")))]
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!(Health {
+        status: "ok",
+        version: env!("CARGO_PKG_VERSION"),
+    }))
+}
+
+/// Prometheus text format.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "metrics", content_type = "text/plain")))]
+async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.daemon.metrics_text(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::testing::*;
+
+    #[test]
+    fn openapi_document_matches_docs_openapi_json() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == openapi_json(),
+            "docs/openapi.json is stale: regenerate it with `target/release/forkboxd openapi > docs/openapi.json`"
+        );
+    }
+
+    #[tokio::test]
+    async fn token_is_required_except_for_health() {
+        let app = app(Some("s3cret"));
+        let (st, _) = call(&app, "GET", "/health", "").await;
+        assert_eq!(st, StatusCode::OK);
+        let (st, err) = call(&app, "GET", "/sandboxes", "").await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED);
+        assert_eq!(err["error"]["kind"], "unauthorized");
+        let req = axum::http::Request::builder()
+            .uri("/sandboxes")
+            .header(header::AUTHORIZATION, "Bearer s3cret")
+            .body(Body::empty())
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn metrics_count_creations_and_errors() {
+        let app = app(None);
+        call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        call(&app, "DELETE", "/sandboxes/sb-0000000000000000", "").await;
+        let req = axum::http::Request::builder()
+            .uri("/metrics")
+            .body(Body::empty())
+            .expect("req");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        let text = String::from_utf8_lossy(&text);
+        assert!(text.contains("forkbox_sandboxes_live 1"), "{text}");
+        assert!(
+            text.contains("forkbox_sandbox_creations_total{outcome=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"not_found\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn constant_time_eq_compares_whole_tokens() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+
+    async fn metrics_text(app: &Router) -> String {
+        let req = axum::http::Request::builder()
+            .uri("/metrics")
+            .body(Body::empty())
+            .expect("req");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8_lossy(&text).into_owned()
+    }
+
+    #[tokio::test]
+    async fn errors_are_counted_once_whether_answered_streamed_or_per_fork_child() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        // The fake has no agent: a buffered command fails as an error
+        // response, a streamed one in its last event.
+        let uri = format!("/sandboxes/{id}/commands");
+        assert_eq!(
+            call(&app, "POST", &uri, r#"{"cmd":"true"}"#).await.0,
+            StatusCode::BAD_GATEWAY
+        );
+        let req = axum::http::Request::builder()
+            .method("POST")
+            .uri(&uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "application/x-ndjson")
+            .body(Body::from(r#"{"cmd":"true"}"#))
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let last: serde_json::Value = serde_json::from_slice(
+            body.split(|b| *b == b'\n')
+                .rfind(|l| !l.is_empty())
+                .expect("an event"),
+        )
+        .expect("json");
+        assert_eq!(last["type"], "error", "{last}");
+        // Past the live cap of 4: the fourth child fails alone.
+        let (_, kids) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            r#"{"count":4}"#,
+        )
+        .await;
+        assert_eq!(kids[3]["error"]["kind"], "capacity", "{kids}");
+        let text = metrics_text(&app).await;
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"infrastructure\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"capacity\"} 1"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,69 @@
+//! `/templates`: the templates, registering and baking one (its bake
+//! streamed as NDJSON), deleting one.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::Json;
+
+use super::error::{ApiErrorBody, ApiResult};
+use super::extract::JsonBody;
+use super::stream::{streamed, Framing};
+use super::AppState;
+use crate::service::BakeEvent;
+use crate::template::{TemplateInfo, TemplateSpec};
+
+/// Built-in, baked and snapshot templates, with their zygotes' state.
+#[utoipa::path(get, path = "/templates", responses((status = 200, body = [TemplateInfo])))]
+pub(super) async fn templates_list(State(st): State<AppState>) -> Json<Vec<TemplateInfo>> {
+    Json(st.daemon.templates())
+}
+
+/// Registers and bakes a template: boot, setup commands, readiness check,
+/// then the VM is paused as the template's zygote, which every sandbox
+/// created from it forks. Streams NDJSON [`BakeEvent`]s; the last line is
+/// `done` or `failed` (a failed template is unregistered again).
+#[utoipa::path(post, path = "/templates", request_body = TemplateSpec,
+    responses((status = 200, description = "NDJSON stream of bake events", body = BakeEvent, content_type = "application/x-ndjson"),
+              (status = 400, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
+pub(super) async fn template_create(
+    State(st): State<AppState>,
+    JsonBody(spec): JsonBody<TemplateSpec>,
+) -> ApiResult<Response> {
+    let rx = st.daemon.bake(spec)?;
+    Ok(streamed(rx, Framing::Ndjson))
+}
+
+#[utoipa::path(get, path = "/templates/{name}", params(("name" = String, Path)),
+    responses((status = 200, body = TemplateInfo), (status = 404, body = ApiErrorBody)))]
+pub(super) async fn template_get(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<TemplateInfo>> {
+    Ok(Json(st.daemon.template(&name)?))
+}
+
+/// Bakes a registered template that has no zygote yet (the built-in
+/// `minimal` and `debian`, or one whose last bake failed). Streams the
+/// same NDJSON events as `POST /templates`; a template already baked
+/// answers with one `done` line, one being baked is waited for.
+#[utoipa::path(post, path = "/templates/{name}/bake", params(("name" = String, Path)),
+    responses((status = 200, description = "NDJSON stream of bake events", body = BakeEvent, content_type = "application/x-ndjson"),
+              (status = 404, body = ApiErrorBody)))]
+pub(super) async fn template_bake(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    let rx = st.daemon.bake_named(&name)?;
+    Ok(streamed(rx, Framing::Ndjson))
+}
+
+#[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),
+    responses((status = 204), (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody)))]
+pub(super) async fn template_delete(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    st.daemon.delete_template(&name)?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,317 @@
+//! Calls into a running sandbox's guest agent: commands (streamed),
+//! background processes, files. Each runs on the blocking pool; a failed
+//! call is the guest's refusal or the machinery's, and a VM found dead
+//! on the way is marked lost.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use forkbox_proto::client::{AgentClient, ClientError};
+use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
+use tokio::sync::mpsc;
+
+use super::{blocking, Daemon, DaemonError};
+use crate::backend::BackendVm;
+use crate::core::{CoreError, DeathCause, SandboxId, SandboxState};
+
+/// One event of a streamed command.
+#[derive(Debug)]
+pub enum ExecEvent {
+    Output(OutputStream, Vec<u8>),
+    Exit(ExecResult),
+    Failed(DaemonError),
+}
+
+/// A background process that ended, with the output the guest kept.
+#[derive(Debug)]
+pub struct ProcessEnded {
+    pub result: ExecResult,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Bytes of output the guest's bounded buffer dropped.
+    pub dropped: u64,
+}
+
+/// What reattaching to a background process yields.
+#[derive(Debug)]
+pub enum AttachEvent {
+    Output(OutputStream, Vec<u8>),
+    /// `dropped` bytes had left the guest's bounded buffer; `result` is
+    /// `None` while the process runs.
+    End {
+        dropped: u64,
+        result: Option<ExecResult>,
+    },
+    Failed(DaemonError),
+}
+
+impl Daemon {
+    /// The running sandbox a command goes to; the sandbox's environment
+    /// fills in what `req` does not set itself.
+    pub(super) fn command_target(
+        &self,
+        id: &SandboxId,
+        req: &mut ExecRequest,
+    ) -> Result<Arc<dyn BackendVm>, DaemonError> {
+        let s = self.lock();
+        s.registry.check_usable(id)?;
+        let live = s
+            .machines
+            .get(id)
+            .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
+        for (k, v) in &live.envs {
+            req.env.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        Ok(live.machine.clone())
+    }
+
+    /// Turns an agent-call failure into a guest error or an infrastructure
+    /// one; a VM found dead is marked so.
+    pub(super) fn agent_failure(
+        &self,
+        id: &SandboxId,
+        machine: &Arc<dyn BackendVm>,
+        e: ClientError,
+    ) -> DaemonError {
+        if let ClientError::Agent(a) = e {
+            return DaemonError::Guest(a);
+        }
+        // Killed (or expired) while the call ran: the caller's doing, not
+        // the machinery's.
+        if let Ok(r) = self.lock().registry.get(id) {
+            if r.state == SandboxState::Dead {
+                return DaemonError::State(CoreError::WrongState {
+                    id: id.clone(),
+                    state: r.state,
+                    wanted: "finish the call",
+                    needs: "running",
+                });
+            }
+        }
+        if let Some(how) = machine.exited() {
+            let _ = self.kill(
+                id,
+                DeathCause::VmLost {
+                    reason: how.clone(),
+                },
+            );
+            return DaemonError::Infrastructure {
+                what: format!("sandbox {id} died: {how}"),
+                cause: Some(Box::new(e)),
+            };
+        }
+        DaemonError::infra(format!("the agent channel of sandbox {id} failed"), e)
+    }
+
+    /// Starts a command; its output and exit status arrive on the
+    /// returned channel. Checks that the sandbox exists and runs before
+    /// returning, so those errors come first and alone.
+    pub fn exec(
+        &self,
+        id: &SandboxId,
+        mut req: ExecRequest,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<mpsc::Receiver<ExecEvent>, DaemonError> {
+        let machine = self.command_target(id, &mut req)?;
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        let id = id.clone();
+        tokio::task::spawn_blocking(move || {
+            let start = Instant::now();
+            this.inner.metrics.execs.inc();
+            let agent = machine.agent();
+            let mut input = stdin.map(std::io::Cursor::new);
+            let stdin: Option<&mut (dyn std::io::Read + Send)> =
+                input.as_mut().map(|c| c as &mut (dyn std::io::Read + Send));
+            // A client gone mid-stream drops the receiver: sends fail, the
+            // output is discarded and the command runs to its end (its
+            // timeout bounds that).
+            let out_tx = tx.clone();
+            let result = agent.exec(&req, stdin, &mut |stream, bytes| {
+                let _ = out_tx.blocking_send(ExecEvent::Output(stream, bytes.to_vec()));
+            });
+            let event = match result {
+                Ok(r) => {
+                    this.inner.metrics.exec_latency.observe(start.elapsed());
+                    ExecEvent::Exit(r)
+                }
+                Err(e) => ExecEvent::Failed(this.agent_failure(&id, &machine, e)),
+            };
+            let _ = tx.blocking_send(event);
+        });
+        Ok(rx)
+    }
+
+    /// Runs a blocking call against a running sandbox's agent; a failure
+    /// is the guest's refusal or the machinery's (a VM found dead is
+    /// marked lost).
+    pub(super) async fn with_agent<T: Send + 'static>(
+        &self,
+        id: &SandboxId,
+        op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
+    ) -> Result<T, DaemonError> {
+        let machine = self.machine(id)?;
+        let m = machine.clone();
+        match blocking(move || op(&m.agent())).await? {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.agent_failure(id, &machine, e)),
+        }
+    }
+
+    /// Starts a command in the background; returns its guest pid. `stdin`
+    /// is written to it (its stdin stays open for more).
+    pub async fn spawn_process(
+        &self,
+        id: &SandboxId,
+        mut req: ExecRequest,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<u32, DaemonError> {
+        let machine = self.command_target(id, &mut req)?;
+        self.inner.metrics.execs.inc();
+        let m = machine.clone();
+        let spawned = blocking(move || {
+            let agent = m.agent();
+            let pid = agent.spawn(&req)?;
+            if let Some(bytes) = stdin {
+                agent.process_stdin(pid, false, &mut bytes.as_slice())?;
+            }
+            Ok(pid)
+        })
+        .await?;
+        spawned.map_err(|e| self.agent_failure(id, &machine, e))
+    }
+
+    /// The sandbox's background processes (running, and the last ones
+    /// that ended) and the commands running with a client.
+    pub async fn processes(&self, id: &SandboxId) -> Result<Vec<ProcessInfo>, DaemonError> {
+        self.with_agent(id, |a| a.processes()).await
+    }
+
+    /// Waits up to `timeout` (none: until it ends) for background process
+    /// `pid` to end; `None` if it still runs then. Its output is what the
+    /// guest kept.
+    pub async fn wait_process(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<ProcessEnded>, DaemonError> {
+        self.with_agent(id, move |a| {
+            let Some(result) = a.wait_process(pid, timeout)? else {
+                return Ok(None);
+            };
+            let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+            let (dropped, _) = a.attach_process(pid, false, &mut |s, bytes| match s {
+                OutputStream::Stdout => stdout.extend_from_slice(bytes),
+                OutputStream::Stderr => stderr.extend_from_slice(bytes),
+            })?;
+            Ok(Some(ProcessEnded {
+                result,
+                stdout,
+                stderr,
+                dropped,
+            }))
+        })
+        .await
+    }
+
+    /// Sends `signal` to process `pid`'s group.
+    pub async fn kill_process(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        signal: i32,
+    ) -> Result<(), DaemonError> {
+        self.with_agent(id, move |a| a.kill_process(pid, signal))
+            .await
+    }
+
+    /// Writes `data` to process `pid`'s stdin, then closes it with
+    /// `close`; returns the bytes written.
+    pub async fn write_stdin(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        close: bool,
+        data: impl AsRef<[u8]> + Send + 'static,
+    ) -> Result<u64, DaemonError> {
+        self.with_agent(id, move |a| a.process_stdin(pid, close, &mut data.as_ref()))
+            .await
+    }
+
+    /// Reattaches to background process `pid`: its buffered output, with
+    /// `follow` then its output as it comes, then how it ended.
+    pub fn attach(
+        &self,
+        id: &SandboxId,
+        pid: u32,
+        follow: bool,
+    ) -> Result<mpsc::Receiver<AttachEvent>, DaemonError> {
+        let machine = self.machine(id)?;
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        let id = id.clone();
+        tokio::task::spawn_blocking(move || {
+            let out_tx = tx.clone();
+            let r = machine
+                .agent()
+                .attach_process(pid, follow, &mut |stream, bytes| {
+                    let _ = out_tx.blocking_send(AttachEvent::Output(stream, bytes.to_vec()));
+                });
+            let event = match r {
+                Ok((dropped, result)) => AttachEvent::End { dropped, result },
+                Err(e) => AttachEvent::Failed(this.agent_failure(&id, &machine, e)),
+            };
+            let _ = tx.blocking_send(event);
+        });
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::chain;
+    use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn exec_on_unreachable_agent_is_infrastructure() {
+        let d = daemon(Fake::default(), 4);
+        let a = created(&d, None).await;
+        let mut rx = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect("starts");
+        match rx.recv().await {
+            Some(ExecEvent::Failed(e)) => assert!(e.is_infrastructure(), "{e:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn exec_on_a_vm_that_ended_by_itself_marks_the_sandbox_lost() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        world.lose_last("the VMM died (signal 9)");
+        let mut rx = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect("starts");
+        match rx.recv().await {
+            Some(ExecEvent::Failed(e)) => {
+                assert!(e.is_infrastructure(), "{e:?}");
+                assert!(chain(&e).contains("died: the VMM died (signal 9)"), "{e:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead);
+        assert_eq!(
+            i.death,
+            Some(DeathCause::VmLost {
+                reason: "the VMM died (signal 9)".into()
+            })
+        );
+        assert_eq!(d.lock().registry.live(), 0);
+    }
+}

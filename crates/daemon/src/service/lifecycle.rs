@@ -1,0 +1,714 @@
+//! Lifecycle commands ([`Lifecycle`] in, [`Reply`] out): creating a sandbox
+//! as a fork of its template's zygote, admission under the caps, kills,
+//! pause and resume, time-to-live changes, and forks of running sandboxes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use forkbox_net::policy::Policy;
+
+use super::view::info;
+use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
+use crate::backend::{BackendError, BackendVm, ForkOptions};
+use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
+use crate::template::TemplateSpec;
+
+/// A sandbox creation.
+#[derive(Debug, Clone, Default)]
+pub struct CreateSandbox {
+    pub template: String,
+    pub ttl: Option<Duration>,
+    pub on_expiry: ExpiryAction,
+    pub labels: Labels,
+    /// Environment for every command run in the sandbox.
+    pub envs: BTreeMap<String, String>,
+    /// Overrides [`Config::create_wait`](super::Config::create_wait) (zero: fail at once when full).
+    pub wait: Option<Duration>,
+    /// Its egress policy; `None`: deny all. Never the template's (that
+    /// one holds only while the template bakes).
+    pub network: Option<Policy>,
+}
+
+/// Every lifecycle request.
+#[derive(Debug, Clone)]
+pub enum Lifecycle {
+    Create(CreateSandbox),
+    Info {
+        id: SandboxId,
+    },
+    List {
+        labels: Labels,
+        include_dead: bool,
+    },
+    Kill {
+        id: SandboxId,
+    },
+    KillByLabel {
+        labels: Labels,
+    },
+    SetTimeout {
+        id: SandboxId,
+        ttl: Option<Duration>,
+        on_expiry: Option<ExpiryAction>,
+    },
+    Pause {
+        id: SandboxId,
+    },
+    Resume {
+        id: SandboxId,
+    },
+    Fork {
+        id: SandboxId,
+        count: u32,
+    },
+    /// The egress policy of a running or paused sandbox.
+    Network {
+        id: SandboxId,
+    },
+    /// Replaces it: new connections and DNS lookups follow the new
+    /// policy, open connections stay.
+    SetNetwork {
+        id: SandboxId,
+        policy: Policy,
+    },
+}
+
+/// What a [`Lifecycle`] returns.
+#[derive(Debug)]
+pub enum Reply {
+    Sandbox(Box<SandboxInfo>),
+    Sandboxes(Vec<SandboxInfo>),
+    Killed(Vec<SandboxId>),
+    /// One entry per fork child, in order.
+    Forked(Vec<Result<SandboxInfo, DaemonError>>),
+    Network(NetworkInfo),
+}
+
+impl Daemon {
+    /// Runs a lifecycle command.
+    pub async fn execute(&self, cmd: Lifecycle) -> Result<Reply, DaemonError> {
+        match cmd {
+            Lifecycle::Create(req) => {
+                // Its own task: a client that hangs up mid-boot does not
+                // abandon a half-registered VM.
+                let this = self.clone();
+                let task = tokio::spawn(async move { this.create(req).await });
+                task.await
+                    .map_err(|e| DaemonError::infra("the creation task failed", e))?
+                    .map(|i| Reply::Sandbox(Box::new(i)))
+            }
+            Lifecycle::Info { id } => {
+                let s = self.lock();
+                let r = s.registry.get(&id)?;
+                Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
+            }
+            Lifecycle::List {
+                labels,
+                include_dead,
+            } => {
+                let s = self.lock();
+                Ok(Reply::Sandboxes(
+                    s.registry
+                        .select(&labels, include_dead)
+                        .into_iter()
+                        .map(|r| info(r, s.machines.get(&r.id)))
+                        .collect(),
+                ))
+            }
+            Lifecycle::Kill { id } => {
+                self.kill(&id, DeathCause::Killed)?;
+                Ok(Reply::Killed(vec![id]))
+            }
+            Lifecycle::KillByLabel { labels } => {
+                if labels.is_empty() {
+                    return Err(DaemonError::Invalid(
+                        "kill by label needs at least one label (refusing to kill everything)"
+                            .into(),
+                    ));
+                }
+                let ids: Vec<SandboxId> = self
+                    .lock()
+                    .registry
+                    .select(&labels, false)
+                    .into_iter()
+                    .map(|r| r.id.clone())
+                    .collect();
+                let mut killed = Vec::new();
+                for id in ids {
+                    // Another request may have killed it meanwhile.
+                    if self.kill(&id, DeathCause::Killed).is_ok() {
+                        killed.push(id);
+                    }
+                }
+                Ok(Reply::Killed(killed))
+            }
+            Lifecycle::SetTimeout { id, ttl, on_expiry } => {
+                let mut s = self.lock();
+                s.registry
+                    .set_timeout(&id, ttl, on_expiry, Instant::now())?;
+                self.save(&s, &id);
+                let r = s.registry.get(&id)?;
+                Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
+            }
+            Lifecycle::Pause { id } => {
+                let m = self.machine(&id)?;
+                blocking(move || m.pause()).await??;
+                let mut s = self.lock();
+                s.registry.paused(&id)?;
+                self.save(&s, &id);
+                let r = s.registry.get(&id)?;
+                Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
+            }
+            Lifecycle::Resume { id } => {
+                let m = self.machine_any(&id)?;
+                blocking(move || m.resume()).await??;
+                let mut s = self.lock();
+                s.registry.resumed(&id, Instant::now())?;
+                self.save(&s, &id);
+                let r = s.registry.get(&id)?;
+                Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
+            }
+            Lifecycle::Fork { id, count } => {
+                if count == 0 || count > 256 {
+                    return Err(DaemonError::Invalid("count must be 1-256".into()));
+                }
+                // Its own task, as for creations.
+                let this = self.clone();
+                let task = tokio::spawn(async move { this.fork(id, count as usize).await });
+                task.await
+                    .map_err(|e| DaemonError::infra("the fork task failed", e))?
+                    .map(Reply::Forked)
+            }
+            Lifecycle::Network { id } => self.network(&id).await.map(Reply::Network),
+            Lifecycle::SetNetwork { id, policy } => {
+                self.set_network(&id, policy).await.map(Reply::Network)
+            }
+        }
+    }
+
+    /// A sandbox from a template: a fork of the template's zygote, baked
+    /// first if it is not yet.
+    pub(super) async fn create(&self, req: CreateSandbox) -> Result<SandboxInfo, DaemonError> {
+        let (zygote, template) = match self.zygote(&req.template).await {
+            Ok(z) => z,
+            Err(e) => {
+                if !matches!(e, DaemonError::NoTemplate(_)) {
+                    self.inner.metrics.creations_failed.inc();
+                }
+                return Err(e);
+            }
+        };
+        let id = self
+            .admit(
+                Admission {
+                    template: template.name.clone(),
+                    labels: req.labels,
+                    ttl: req.ttl,
+                    on_expiry: req.on_expiry,
+                    parent: None,
+                },
+                req.wait.unwrap_or(self.inner.config.create_wait),
+            )
+            .await?;
+        let started = Instant::now();
+        let mut envs = template.envs.clone();
+        envs.extend(req.envs);
+        let policy = req.network.unwrap_or_else(Policy::deny_all);
+        let opts = ForkOptions {
+            policy: Some(policy.clone()),
+            egress_logs: vec![self.inner.egress.path(&id)],
+        };
+        let forked = blocking(move || fork_one(&*zygote, &opts, "forking the template's zygote"))
+            .await
+            .and_then(|r| r);
+        let now = Instant::now();
+        let result = match forked {
+            Err(e) => {
+                let _ = self.lock().registry.creation_failed(&id, now, chain(&e));
+                self.inner.egress.retire(&id, now);
+                self.inner.metrics.creations_failed.inc();
+                Err(e)
+            }
+            Ok(machine) => {
+                self.note_replaced(&id, &*machine);
+                let machine: Arc<dyn BackendVm> = Arc::from(machine);
+                let mut s = self.lock();
+                match s.registry.created(&id, now) {
+                    Ok(()) => {
+                        s.machines.insert(
+                            id.clone(),
+                            Live {
+                                machine,
+                                policy,
+                                envs,
+                                spec: template,
+                                ports: BTreeMap::new(),
+                            },
+                        );
+                        self.save(&s, &id);
+                        self.inner.metrics.creations_ok.inc();
+                        self.inner.metrics.create_latency.observe(started.elapsed());
+                        let r = s.registry.get(&id)?;
+                        Ok(info(r, s.machines.get(&id)))
+                    }
+                    Err(e) => {
+                        // Killed while it was booting.
+                        drop(s);
+                        reap(machine);
+                        Err(e.into())
+                    }
+                }
+            }
+        };
+        self.inner.room.notify_waiters();
+        result
+    }
+
+    /// Admits under the caps, waiting up to `wait` for room.
+    pub(super) async fn admit(
+        &self,
+        adm: Admission,
+        wait: Duration,
+    ) -> Result<SandboxId, DaemonError> {
+        let start = Instant::now();
+        loop {
+            let notified = self.inner.room.notified();
+            let attempt =
+                self.lock()
+                    .registry
+                    .admit(adm.clone(), Instant::now(), SystemTime::now());
+            match attempt {
+                Ok(id) => return Ok(id),
+                Err(e) if e.is_capacity() => {
+                    let left = wait.saturating_sub(start.elapsed());
+                    if left.is_zero() {
+                        return Err(DaemonError::Capacity {
+                            waited_ms: start.elapsed().as_millis() as u64,
+                            cause: e,
+                        });
+                    }
+                    // Woken when room frees; the bound also covers a
+                    // wake-up that raced the check above.
+                    let _ =
+                        tokio::time::timeout(left.min(Duration::from_millis(250)), notified).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    pub(super) fn kill(&self, id: &SandboxId, cause: DeathCause) -> Result<(), DaemonError> {
+        let expired = cause == DeathCause::Expired;
+        let machine = {
+            let mut s = self.lock();
+            s.registry.kill(id, Instant::now(), cause)?;
+            s.machines.remove(id)
+        };
+        if let Some(store) = &self.inner.store {
+            store.forget_sandbox(id);
+        }
+        self.inner.egress.retire(id, Instant::now());
+        if expired {
+            self.inner.metrics.expiries.inc();
+        } else {
+            self.inner.metrics.kills.inc();
+        }
+        if let Some(live) = machine {
+            reap(live.machine);
+        }
+        self.inner.room.notify_waiters();
+        Ok(())
+    }
+
+    /// Forks a running (or paused) sandbox into `count` children that
+    /// inherit its labels, time-to-live, environment and current egress
+    /// policy. Children past the live cap, or that fail to come up, fail
+    /// alone.
+    pub(super) async fn fork(
+        &self,
+        parent: SandboxId,
+        count: usize,
+    ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
+        let (machine, envs, spec, policy, adm) = {
+            let s = self.lock();
+            let (r, live) = s.forkable(&parent, "fork")?;
+            let adm = Admission {
+                template: r.template.clone(),
+                labels: r.labels.clone(),
+                ttl: r.ttl,
+                on_expiry: r.on_expiry,
+                parent: Some(parent.clone()),
+            };
+            (
+                live.machine.clone(),
+                live.envs.clone(),
+                live.spec.clone(),
+                live.policy.clone(),
+                adm,
+            )
+        };
+        let started = Instant::now();
+        let mut slots: Vec<Result<SandboxId, DaemonError>> = {
+            let mut s = self.lock();
+            (0..count)
+                .map(|_| {
+                    s.registry
+                        .admit(adm.clone(), Instant::now(), SystemTime::now())
+                        .map_err(|e| match e {
+                            e if e.is_capacity() => DaemonError::Capacity {
+                                waited_ms: 0,
+                                cause: e,
+                            },
+                            e => e.into(),
+                        })
+                })
+                .collect()
+        };
+        let admitted: Vec<SandboxId> = slots
+            .iter()
+            .filter_map(|r| r.as_ref().ok().cloned())
+            .collect();
+        self.inner.metrics.forks.inc();
+        let n = admitted.len();
+        // The parent's current policy (`None`); each child its own log.
+        let opts = ForkOptions {
+            policy: None,
+            egress_logs: admitted
+                .iter()
+                .map(|id| self.inner.egress.path(id))
+                .collect(),
+        };
+        let children = if n == 0 {
+            Ok((Vec::new(), None))
+        } else {
+            blocking(move || {
+                let children = machine.fork_with(n, &opts)?;
+                Ok((children, machine.network_policy()))
+            })
+            .await
+            .and_then(|r| r.map_err(|e: BackendError| DaemonError::from(e)))
+        };
+        let now = Instant::now();
+        let (mut made, policy) = match children {
+            Ok((c, in_force)) => (c.into_iter(), in_force.unwrap_or(policy)),
+            Err(e) => {
+                // The request as a whole failed: no child exists.
+                let mut s = self.lock();
+                for id in &admitted {
+                    let _ = s.registry.creation_failed(id, now, chain(&e));
+                    self.inner.egress.retire(id, now);
+                }
+                drop(s);
+                self.inner.room.notify_waiters();
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(count);
+        for slot in slots.drain(..) {
+            let id = match slot {
+                Ok(id) => id,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let child = made.next().unwrap_or_else(|| {
+                Err(crate::backend::BackendError::Unsupported(
+                    "a fork that answered with fewer children",
+                ))
+            });
+            let child = child.map_err(DaemonError::from);
+            out.push(self.record_fork_child(&id, child, &envs, &spec, &policy, now));
+        }
+        let ok = out.iter().filter(|r| r.is_ok()).count();
+        self.inner.metrics.fork_children.inc_by(ok as u64);
+        self.inner.metrics.fork_latency.observe(started.elapsed());
+        self.inner.room.notify_waiters();
+        Ok(out)
+    }
+
+    /// Counts and logs a fork child that replaced a lost one.
+    pub(super) fn note_replaced(&self, id: &SandboxId, machine: &dyn BackendVm) {
+        if let Some(why) = machine.replaced() {
+            self.inner.metrics.fork_children_replaced.inc();
+            tracing::warn!(sandbox = %id, "fork child replaced a lost one: {why}");
+        }
+    }
+
+    /// Records how one fork child's creation ended.
+    pub(super) fn record_fork_child(
+        &self,
+        id: &SandboxId,
+        child: Result<Box<dyn BackendVm>, DaemonError>,
+        envs: &BTreeMap<String, String>,
+        spec: &TemplateSpec,
+        policy: &Policy,
+        now: Instant,
+    ) -> Result<SandboxInfo, DaemonError> {
+        let mut s = self.lock();
+        match child {
+            Err(e) => {
+                let _ = s.registry.creation_failed(id, now, chain(&e));
+                self.inner.egress.retire(id, now);
+                self.inner.metrics.creations_failed.inc();
+                Err(e)
+            }
+            Ok(machine) => {
+                self.note_replaced(id, &*machine);
+                let machine: Arc<dyn BackendVm> = Arc::from(machine);
+                if let Err(e) = s.registry.created(id, now) {
+                    // Killed (by label, say) while it was being forked.
+                    drop(s);
+                    reap(machine);
+                    return Err(e.into());
+                }
+                s.machines.insert(
+                    id.clone(),
+                    Live {
+                        machine,
+                        policy: policy.clone(),
+                        envs: envs.clone(),
+                        spec: spec.clone(),
+                        ports: BTreeMap::new(),
+                    },
+                );
+                self.save(&s, id);
+                self.inner.metrics.creations_ok.inc();
+                let r = s.registry.get(id)?;
+                Ok(info(r, s.machines.get(id)))
+            }
+        }
+    }
+
+    /// The last `lines` lines of a live sandbox's serial console.
+    pub async fn console(&self, id: &SandboxId, lines: usize) -> Result<String, DaemonError> {
+        let machine = self.machine_any(id)?;
+        blocking(move || machine.console(lines)).await
+    }
+}
+
+/// The one child of `machine.fork_with(1, opts)`; `what` names the step
+/// in the error when the VMM answered with none.
+pub(super) fn fork_one(
+    machine: &dyn BackendVm,
+    opts: &ForkOptions,
+    what: &'static str,
+) -> Result<Box<dyn BackendVm>, DaemonError> {
+    let child = machine
+        .fork_with(1, opts)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| {
+            DaemonError::infra(
+                what,
+                std::io::Error::other("the VMM answered with no child"),
+            )
+        })?;
+    Ok(child?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn create_beyond_live_cap_fails_with_capacity() {
+        let d = daemon(Fake::default(), 1);
+        let a = created(&d, None).await;
+        assert_eq!(a.state, SandboxState::Running);
+        let err = d.execute(create("minimal", None)).await.expect_err("cap");
+        assert_eq!(err.kind(), "capacity");
+        assert!(!err.is_infrastructure());
+        d.execute(Lifecycle::Kill { id: a.id }).await.expect("kill");
+        created(&d, None).await;
+    }
+
+    #[tokio::test]
+    async fn create_waits_for_room_freed_by_a_kill() {
+        let d = daemon(Fake::default(), 1);
+        let a = created(&d, None).await;
+        let d2 = d.clone();
+        let waiter = tokio::spawn(async move {
+            d2.execute(Lifecycle::Create(CreateSandbox {
+                template: "minimal".into(),
+                wait: Some(Duration::from_secs(30)),
+                ..CreateSandbox::default()
+            }))
+            .await
+        });
+        tokio::task::yield_now().await;
+        d.execute(Lifecycle::Kill { id: a.id }).await.expect("kill");
+        assert!(matches!(waiter.await.expect("join"), Ok(Reply::Sandbox(_))));
+    }
+
+    #[tokio::test]
+    async fn create_unknown_template_is_not_found() {
+        let d = daemon(Fake::default(), 4);
+        let err = d.execute(create("nope", None)).await.expect_err("404");
+        assert_eq!(err.kind(), "not_found");
+    }
+
+    #[tokio::test]
+    async fn create_fork_failure_frees_the_slot_and_counts() {
+        let fake = Fake::default();
+        fake.world.fail_children.store(true, ORD);
+        let d = Daemon::new(Arc::new(fake), Config::default()).expect("daemon");
+        let err = d
+            .execute(create("minimal", None))
+            .await
+            .expect_err("fork fails");
+        // The fake says "unsupported"; a real fork failure is infrastructure.
+        assert_eq!(err.kind(), "unsupported");
+        assert_eq!(d.lock().registry.creating(), 0);
+        assert_eq!(d.lock().registry.live(), 0);
+        assert!(d
+            .metrics_text()
+            .contains("forkbox_sandbox_creations_total{outcome=\"failed\"} 1"));
+    }
+
+    #[tokio::test]
+    async fn kill_by_label_kills_only_matching_and_refuses_empty_filter() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
+        let mk = |run: &str| {
+            Lifecycle::Create(CreateSandbox {
+                template: "minimal".into(),
+                labels: [("run".to_owned(), run.to_owned())].into(),
+                ..CreateSandbox::default()
+            })
+        };
+        for run in ["1", "1", "2"] {
+            d.execute(mk(run)).await.expect("create");
+        }
+        let err = d
+            .execute(Lifecycle::KillByLabel {
+                labels: Labels::new(),
+            })
+            .await
+            .expect_err("empty");
+        assert_eq!(err.kind(), "invalid_request");
+        let killed = match d
+            .execute(Lifecycle::KillByLabel {
+                labels: [("run".to_owned(), "1".to_owned())].into(),
+            })
+            .await
+        {
+            Ok(Reply::Killed(k)) => k,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(killed.len(), 2);
+        assert_eq!(d.lock().registry.live(), 1);
+        // Their VMs are stopped outright, not just dropped (a command in
+        // flight may still hold one).
+        for _ in 0..200 {
+            if world.kills.load(ORD) == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(world.kills.load(ORD), 2);
+    }
+
+    #[tokio::test]
+    async fn fork_children_inherit_labels_and_fail_alone() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
+        let parent = match d
+            .execute(Lifecycle::Create(CreateSandbox {
+                template: "minimal".into(),
+                labels: [("group".to_owned(), "g1".to_owned())].into(),
+                ttl: Some(Duration::from_secs(60)),
+                ..CreateSandbox::default()
+            }))
+            .await
+        {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        world.fail_child.store(1, ORD);
+        world.fail_children.store(true, ORD);
+        let kids = forked(&d, &parent.id, 3).await;
+        assert_eq!(kids.len(), 3);
+        assert!(kids[1].as_ref().is_err_and(|e| e.kind() == "unsupported"));
+        for k in [&kids[0], &kids[2]] {
+            let k = k.as_ref().expect("child");
+            assert_eq!(k.state, SandboxState::Running);
+            assert_eq!(k.parent.as_ref(), Some(&parent.id));
+            assert_eq!(k.metadata.get("group").map(String::as_str), Some("g1"));
+            assert_eq!(k.timeout_secs, Some(60.0));
+        }
+        let p = d.execute_sync_info(&parent.id).expect("parent");
+        assert_eq!(p.children.len(), 3, "lineage lists every attempt");
+        assert_eq!(d.lock().registry.live(), 3);
+        assert_eq!(d.lock().registry.creating(), 0);
+    }
+
+    #[tokio::test]
+    async fn fork_child_that_replaced_a_lost_one_is_counted_and_shown() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 8);
+        let parent = created(&d, None).await;
+        assert_eq!(d.inner.metrics.fork_children_replaced.get(), 0);
+        *world.replaced.lock().expect("replaced") = Some(
+            "the VMM (pid 7) died before its agent answered AfterFork\n[forkbox-vmm] guest reset (triple fault or KVM reset)".into(),
+        );
+        let kids = forked(&d, &parent.id, 2).await;
+        assert_eq!(kids.len(), 2);
+        assert_eq!(d.inner.metrics.fork_children_replaced.get(), 2);
+        let kid = kids[0].as_ref().expect("child");
+        let info = d.execute_sync_info(&kid.id).expect("info");
+        let shown = info.metrics.and_then(|m| m.replaced_lost_child);
+        assert_eq!(shown.as_deref(), Some("triple fault"));
+        assert!(d
+            .inner
+            .metrics
+            .render(0, 0)
+            .contains("forkbox_fork_children_replaced_total 2"));
+    }
+
+    #[tokio::test]
+    async fn fork_past_the_live_cap_fails_only_the_extra_children() {
+        let d = daemon(Fake::default(), 3);
+        let parent = created(&d, None).await;
+        let kids = forked(&d, &parent.id, 4).await;
+        let ok = kids.iter().filter(|k| k.is_ok()).count();
+        assert_eq!(ok, 2);
+        assert!(kids[2..]
+            .iter()
+            .all(|k| k.as_ref().is_err_and(|e| e.kind() == "capacity")));
+        let err = d
+            .execute(Lifecycle::Fork {
+                id: parent.id.clone(),
+                count: 0,
+            })
+            .await
+            .expect_err("count 0");
+        assert_eq!(err.kind(), "invalid_request");
+    }
+
+    #[tokio::test]
+    async fn paused_sandboxes_refuse_commands_until_resumed_and_can_fork() {
+        let d = daemon(Fake::default(), 4);
+        let a = created(&d, None).await;
+        match d.execute(Lifecycle::Pause { id: a.id.clone() }).await {
+            Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Paused),
+            other => panic!("{other:?}"),
+        }
+        let err = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect_err("paused");
+        assert_eq!(err.kind(), "conflict");
+        let kids = forked(&d, &a.id, 1).await;
+        assert!(kids[0].is_ok());
+        match d.execute(Lifecycle::Resume { id: a.id.clone() }).await {
+            Ok(Reply::Sandbox(i)) => assert_eq!(i.state, SandboxState::Running),
+            other => panic!("{other:?}"),
+        }
+    }
+}

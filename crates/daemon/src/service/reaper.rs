@@ -1,0 +1,150 @@
+//! The reaper: kills (or pauses) sandboxes whose time ran out, notices
+//! VMs that ended by themselves, and deletes egress logs past their TTL.
+
+use std::time::{Duration, Instant};
+
+use super::{blocking, chain, Daemon};
+use crate::core::{DeathCause, ExpiryAction, SandboxId};
+
+impl Daemon {
+    /// Kills expired sandboxes, notices VMs that ended by themselves and
+    /// deletes egress logs past their TTL. The reaper task calls it; tests
+    /// call it with their own `now`.
+    pub fn tick(&self, now: Instant) {
+        let expired = self.lock().registry.expired(now);
+        for (id, action) in expired {
+            match action {
+                ExpiryAction::Kill => {
+                    let _ = self.kill(&id, DeathCause::Expired);
+                }
+                ExpiryAction::Pause => self.expiry_pause(&id),
+            }
+        }
+        let lost: Vec<(SandboxId, String)> = {
+            let s = self.lock();
+            s.machines
+                .iter()
+                .filter_map(|(id, live)| live.machine.exited().map(|how| (id.clone(), how)))
+                .collect()
+        };
+        for (id, reason) in lost {
+            tracing::warn!(%id, %reason, "sandbox VM ended by itself");
+            let _ = self.kill(&id, DeathCause::VmLost { reason });
+        }
+        self.inner.egress.sweep(now);
+    }
+
+    /// Pauses a sandbox whose time ran out; one that cannot be paused is
+    /// killed rather than left running past its time.
+    pub(super) fn expiry_pause(&self, id: &SandboxId) {
+        let Ok(machine) = self.machine(id) else {
+            return;
+        };
+        match machine.pause() {
+            Ok(()) => {
+                let mut s = self.lock();
+                let _ = s.registry.paused(id);
+                let _ = s.registry.expiry_paused(id);
+                self.save(&s, id);
+                self.inner.metrics.expiries.inc();
+            }
+            Err(e) => {
+                tracing::warn!(%id, error = %chain(&e), "cannot pause an expired sandbox; killing it");
+                let _ = self.kill(id, DeathCause::Expired);
+            }
+        }
+    }
+
+    /// Enforces TTLs even when no client comes back.
+    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                every.tick().await;
+                let this = this.clone();
+                let _ = blocking(move || this.tick(Instant::now())).await;
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn tick_kills_expired_sandboxes_and_stops_their_vms() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let alive = || world.alive.load(ORD) - 1; // the zygote
+        let d = daemon(fake, 4);
+        let a = created(&d, Some(Duration::from_secs(5))).await;
+        let b = created(&d, None).await;
+        assert_eq!(alive(), 2);
+        d.tick(Instant::now() + Duration::from_secs(4));
+        assert_eq!(d.lock().registry.live(), 2);
+        d.tick(Instant::now() + Duration::from_secs(6));
+        let info = |id: &SandboxId| match d.execute_sync_info(id) {
+            Some(i) => i,
+            None => panic!("info"),
+        };
+        assert_eq!(info(&a.id).state, SandboxState::Dead);
+        assert_eq!(info(&a.id).death, Some(DeathCause::Expired));
+        assert_eq!(info(&b.id).state, SandboxState::Running);
+        // Reaping runs on the blocking pool.
+        for _ in 0..100 {
+            if alive() == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(alive(), 1);
+    }
+
+    #[tokio::test]
+    async fn expiry_with_pause_pauses_instead_of_killing() {
+        let d = daemon(Fake::default(), 4);
+        let a = match d
+            .execute(Lifecycle::Create(CreateSandbox {
+                template: "minimal".into(),
+                ttl: Some(Duration::from_secs(5)),
+                on_expiry: ExpiryAction::Pause,
+                ..CreateSandbox::default()
+            }))
+            .await
+        {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        d.tick(Instant::now() + Duration::from_secs(6));
+        let i = d.execute_sync_info(&a.id).expect("info");
+        assert_eq!(i.state, SandboxState::Paused);
+        assert_eq!(i.expires_in_ms, None);
+    }
+
+    #[tokio::test]
+    async fn tick_marks_a_vm_that_ended_by_itself_lost_and_frees_its_slot() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 1);
+        let a = created(&d, None).await;
+        d.tick(Instant::now());
+        assert_eq!(
+            d.execute_sync_info(&a.id).expect("info").state,
+            SandboxState::Running
+        );
+        world.lose_last("guest reset (triple fault or KVM reset)");
+        d.tick(Instant::now());
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead);
+        assert!(
+            matches!(i.death, Some(DeathCause::VmLost { ref reason }) if reason.starts_with("guest reset")),
+            "{i:?}"
+        );
+        // Its slot under the live cap of 1 is free again.
+        created(&d, None).await;
+    }
+}

@@ -1,0 +1,234 @@
+//! The daemon's side of `crate::persist`: writes each live sandbox down as
+//! it changes, and re-adopts what an earlier run wrote down after a
+//! restart.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use forkbox_net::policy::Policy;
+
+use super::{chain, Daemon, Live, Shared, Template, Zygote};
+use crate::backend::NetworkSpec;
+use crate::core::{SandboxId, SandboxState};
+use crate::persist::SavedSandbox;
+
+impl Daemon {
+    /// Writes a live sandbox down (when the daemon keeps state).
+    pub(super) fn save(&self, s: &Shared, id: &SandboxId) {
+        let Some(store) = &self.inner.store else {
+            return;
+        };
+        let (Ok(r), Some(live)) = (s.registry.get(id), s.machines.get(id)) else {
+            return;
+        };
+        let Some(vm) = live.machine.handle() else {
+            return;
+        };
+        store.save_sandbox(&SavedSandbox {
+            id: id.clone(),
+            template: r.template.clone(),
+            paused: r.state == SandboxState::Paused,
+            labels: r.labels.clone(),
+            ttl_secs: r.ttl.map(|t| t.as_secs_f64()),
+            on_expiry: r.on_expiry,
+            deadline_unix_ms: SavedSandbox::deadline_of(r, Instant::now(), SystemTime::now()),
+            parent: r.parent.clone(),
+            created_unix: r.created_unix,
+            envs: live.envs.clone(),
+            spec: live.spec.clone(),
+            vm,
+            network: Some(live.policy.clone()),
+        });
+    }
+
+    /// Takes back every VM an earlier run of the daemon wrote down: baked
+    /// templates' zygotes first, then sandboxes (parents before children).
+    /// A VM that cannot be adopted (its VMM died, or its pid is another
+    /// process now) is cleared away and forgotten. Blocking; call it before
+    /// serving. Returns (adopted, cleared away).
+    ///
+    /// The network brokers of the earlier run died with it: each VM
+    /// re-adopted is served a new one with its recorded policy (a zygote:
+    /// deny all) and egress log; its VMM reconnects on the guest's next
+    /// connection or lookup. A VM recorded without a policy (state an
+    /// older daemon wrote) is adopted without a network: it opens no new
+    /// connection, and its `network` says `active: false`. Egress logs of
+    /// sandboxes not re-adopted are kept until the log TTL from their
+    /// last write.
+    pub fn recover(&self) -> (usize, usize) {
+        let Some(store) = self.inner.store.clone() else {
+            return (0, 0);
+        };
+        let backend = self.inner.backend.clone();
+        let (templates, mut sandboxes) = store.load();
+        let (mut adopted, mut cleared) = (0, 0);
+        for t in templates {
+            let network = t.network.map(|policy| NetworkSpec {
+                policy,
+                egress_log: None,
+            });
+            match backend.adopt(&t.vm, network.as_ref()) {
+                Ok(m) => {
+                    adopted += 1;
+                    let name = t.spec.name.clone();
+                    self.lock().templates.insert(
+                        name,
+                        Template {
+                            spec: t.spec,
+                            from_sandbox: t.from_sandbox,
+                            drop_on_failure: t.drop_on_failure,
+                            zygote: Zygote::Ready {
+                                machine: Arc::from(m),
+                                bake_ms: t.bake_ms,
+                            },
+                        },
+                    );
+                }
+                Err(e) => {
+                    cleared += 1;
+                    tracing::warn!(template = %t.spec.name, error = %chain(&e), "cannot re-adopt a template's zygote; clearing it away");
+                    backend.discard(&t.vm);
+                    store.forget_template(&t.spec.name);
+                }
+            }
+        }
+        sandboxes.sort_by_key(|s| (s.created_unix, s.parent.is_some()));
+        for saved in sandboxes {
+            let network = saved.network.clone().map(|policy| NetworkSpec {
+                policy,
+                egress_log: Some(self.inner.egress.path(&saved.id)),
+            });
+            match backend.adopt(&saved.vm, network.as_ref()) {
+                Ok(m) => {
+                    adopted += 1;
+                    let mut s = self.lock();
+                    s.registry
+                        .restore(saved.record(Instant::now(), SystemTime::now()));
+                    s.machines.insert(
+                        saved.id.clone(),
+                        Live {
+                            machine: Arc::from(m),
+                            policy: saved.network.unwrap_or_else(Policy::deny_all),
+                            envs: saved.envs,
+                            spec: saved.spec,
+                            ports: BTreeMap::new(),
+                        },
+                    );
+                }
+                Err(e) => {
+                    cleared += 1;
+                    tracing::warn!(id = %saved.id, error = %chain(&e), "cannot re-adopt a sandbox's VM; clearing it away");
+                    backend.discard(&saved.vm);
+                    store.forget_sandbox(&saved.id);
+                }
+            }
+        }
+        let s = self.lock();
+        self.inner
+            .egress
+            .retire_leftovers(&|id| s.machines.contains_key(id), Instant::now());
+        (adopted, cleared)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn a_restarted_daemon_re_adopts_what_it_wrote_down_and_clears_the_rest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = || Some(Store::open(dir.path()).expect("store"));
+        let egress = || {
+            EgressLogs::open(&dir.path().join("egress"), Duration::from_secs(60)).expect("egress")
+        };
+        let first_world = {
+            let fake = Fake::default();
+            let world = fake.world.clone();
+            let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
+            let a = created(&d, Some(Duration::from_secs(600))).await;
+            set_network(&d, &a.id, policy(&["pypi.org"]))
+                .await
+                .expect("set");
+            let b = created(&d, None).await;
+            d.execute(Lifecycle::Pause { id: b.id.clone() })
+                .await
+                .expect("pause");
+            let kids = forked(&d, &a.id, 1).await;
+            let c = kids[0].as_ref().expect("child").clone();
+            let gone = created(&d, None).await;
+            crate::network::tests::append(&d.inner.egress.path(&gone.id), &["x.org"]);
+            d.execute(Lifecycle::Kill {
+                id: gone.id.clone(),
+            })
+            .await
+            .expect("kill");
+            // The daemon "crashes": no shutdown; its state stays written.
+            (world, a, b, c, gone)
+        };
+        let (old, a, b, c, gone) = first_world;
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        // Sandbox c's VMM died while no daemon ran.
+        let c_pid = old.handed.load(ORD) as u32 + 1000 - 1 - 1;
+        world.gone.lock().expect("gone").push(c_pid);
+        // Sandbox b's state is as an older daemon wrote it: no policy.
+        let b_file = dir.path().join(format!("sandboxes/{}.json", b.id));
+        let mut b_state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&b_file).expect("read")).expect("json");
+        b_state.as_object_mut().expect("object").remove("network");
+        std::fs::write(&b_file, b_state.to_string()).expect("write");
+        let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
+        let (adopted, cleared) = d.recover();
+        assert_eq!(
+            (adopted, cleared),
+            (3, 1),
+            "zygote, a, b adopted; c cleared"
+        );
+        assert_eq!(*world.discarded.lock().expect("discarded"), vec![c_pid]);
+        let info = |id: &SandboxId| d.execute_sync_info(id).expect("known");
+        assert_eq!(info(&a.id).state, SandboxState::Running);
+        assert!(info(&a.id).expires_in_ms.is_some_and(|ms| ms > 590_000));
+        assert_eq!(info(&b.id).state, SandboxState::Paused);
+        assert!(d.execute_sync_info(&c.id).is_none(), "cleared away");
+        // A new broker serves its recorded policy, which can change.
+        let n = network(&d, &a.id).await.expect("network");
+        assert!(n.active);
+        assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
+        set_network(&d, &a.id, Policy::deny_all())
+            .await
+            .expect("set");
+        // Without a recorded policy: no broker, said so, no changes.
+        let n = network(&d, &b.id).await.expect("network");
+        assert!(!n.active);
+        assert_eq!(n.policy, NetworkPolicy::default());
+        let e = set_network(&d, &b.id, Policy::deny_all())
+            .await
+            .expect_err("no broker");
+        assert_eq!(e.kind(), "conflict");
+        // A dead sandbox's log outlives the daemon (until its TTL).
+        assert_eq!(d.egress(&gone.id, 10).await.expect("log").len(), 1);
+        // The re-adopted zygote has a broker: its forks have networks.
+        let fresh = created(&d, None).await;
+        assert!(network(&d, &fresh.id).await.expect("network").active);
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::Ready
+        );
+        // Adopted sandboxes work as before: fork one, no new bake.
+        assert!(forked(&d, &a.id, 1).await[0].is_ok());
+        created(&d, None).await;
+        assert_eq!(world.boots.load(ORD), 0, "the zygote was re-adopted");
+        // What was cleared is forgotten: a third run finds the zygote and
+        // 5 sandboxes.
+        let d3 = Daemon::with_store(
+            Arc::new(Fake::default()),
+            Config::default(),
+            store(),
+            egress(),
+        );
+        assert_eq!(d3.recover(), (6, 0));
+    }
+}

@@ -1,0 +1,711 @@
+//! Templates and their zygotes: the registry of templates, the bake
+//! runner (boot, setup, readiness, then the VM becomes a zygote), the
+//! waiting of concurrent creations on one bake, and templates made from a
+//! sandbox's current state.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use forkbox_net::policy::Policy;
+use forkbox_proto::client::AgentClient;
+use forkbox_proto::{ExecRequest, OutputStream};
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use utoipa::ToSchema;
+
+use super::lifecycle::fork_one;
+use super::{blocking, chain, reap, Daemon, DaemonError};
+use crate::backend::{self, BackendError, BackendVm, ForkOptions};
+use crate::core::SandboxId;
+use crate::persist::SavedTemplate;
+use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
+
+/// One event of a template bake.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum BakeEvent {
+    /// A step began: `boot`, `setup[N]`, `ready`, `stop`.
+    Step {
+        step: String,
+        detail: String,
+    },
+    /// Output of a setup or readiness command.
+    Output {
+        stream: String,
+        data: String,
+    },
+    /// The zygote is up: sandboxes from the template fork it.
+    Done {
+        template: Box<TemplateInfo>,
+        /// The bake's boot, and the whole bake (0 and 0 when it was baked
+        /// before this request).
+        boot_ms: u64,
+        total_ms: u64,
+    },
+    Failed(BakeFailure),
+}
+
+/// Why a bake failed, as its stream's last event says.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct BakeFailure {
+    pub step: String,
+    pub kind: String,
+    pub message: String,
+    pub output: String,
+}
+
+impl BakeFailure {
+    pub(super) fn of(step: String, e: &DaemonError) -> Self {
+        Self {
+            step,
+            kind: e.kind().into(),
+            message: chain(e),
+            output: match e {
+                DaemonError::Recipe { output, .. } => output.clone(),
+                _ => String::new(),
+            },
+        }
+    }
+
+    /// The error a creation that waited on this bake returns.
+    pub(super) fn to_error(&self, template: &str) -> DaemonError {
+        if self.kind == "template_failed" {
+            DaemonError::Recipe {
+                step: self.step.clone(),
+                message: format!("baking template {template:?}: {}", self.message),
+                output: self.output.clone(),
+            }
+        } else {
+            DaemonError::Infrastructure {
+                what: format!(
+                    "baking template {template:?} failed at {}: {}",
+                    self.step, self.message
+                ),
+                cause: None,
+            }
+        }
+    }
+}
+
+/// `None` while the bake runs, then its outcome.
+pub(super) type BakeWatch = watch::Receiver<Option<Result<(), BakeFailure>>>;
+
+/// A template and its zygote.
+pub(super) struct Template {
+    pub(super) spec: TemplateSpec,
+    pub(super) from_sandbox: Option<SandboxId>,
+    /// Made by a request (not built in): a failed first bake unregisters
+    /// it, so the same name can be tried again.
+    pub(super) drop_on_failure: bool,
+    pub(super) zygote: Zygote,
+}
+
+pub(super) enum Zygote {
+    None {
+        error: Option<String>,
+    },
+    Baking(BakeWatch),
+    Ready {
+        machine: Arc<dyn BackendVm>,
+        bake_ms: u64,
+    },
+}
+
+impl Template {
+    pub(super) fn info(&self) -> TemplateInfo {
+        let (state, error, bake_ms, pid) = match &self.zygote {
+            Zygote::None { error: None } => (TemplateState::NotBaked, None, None, None),
+            Zygote::None { error } => (TemplateState::Failed, error.clone(), None, None),
+            Zygote::Baking(_) => (TemplateState::Baking, None, None, None),
+            Zygote::Ready { machine, bake_ms } => {
+                (TemplateState::Ready, None, Some(*bake_ms), machine.pid())
+            }
+        };
+        TemplateInfo {
+            spec: self.spec.clone(),
+            state,
+            from_sandbox: self.from_sandbox.clone(),
+            error,
+            bake_ms,
+            zygote_pid: pid,
+            zygote_rss_kib: pid.and_then(backend::rss_kib),
+        }
+    }
+}
+
+/// What asking for a bake found.
+pub(super) enum BakeStart {
+    Ready,
+    /// This call started it: the events go to the sender it was given.
+    Started(BakeWatch),
+    /// Another bake of the template runs.
+    InProgress(BakeWatch),
+}
+
+impl Daemon {
+    /// Makes `name` a template whose zygote is a fork of the sandbox's
+    /// current state (the sandbox runs on, or stays paused).
+    pub async fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        name: String,
+    ) -> Result<TemplateInfo, DaemonError> {
+        let (machine, mut spec) = {
+            let s = self.lock();
+            // "snapshot": the API's word for it, in messages and events.
+            let (_, live) = s.forkable(id, "snapshot")?;
+            let mut spec = live.spec.clone();
+            spec.envs = live.envs.clone();
+            (live.machine.clone(), spec)
+        };
+        // Its state holds what the recipe did; it is never baked.
+        spec.name = name.clone();
+        spec.setup.clear();
+        spec.ready = None;
+        spec.network = None;
+        spec.validate().map_err(DaemonError::BadTemplate)?;
+        let (tx, rx) = watch::channel(None);
+        self.register(
+            Template {
+                spec,
+                from_sandbox: Some(id.clone()),
+                drop_on_failure: true,
+                zygote: Zygote::Baking(rx),
+            },
+            false,
+        )?;
+        let start = Instant::now();
+        // A zygote denies all egress: each sandbox forked from it gets the
+        // policy of its own creation.
+        let opts = ForkOptions {
+            policy: Some(Policy::deny_all()),
+            egress_logs: Vec::new(),
+        };
+        let made = blocking(move || -> Result<Box<dyn BackendVm>, DaemonError> {
+            let child = fork_one(&*machine, &opts, "forking the sandbox")?;
+            // A fork child's memory is already a copy-on-write view of
+            // its parent's: it stays as it is, paused, and forks of it
+            // share it the same way.
+            child.pause()?;
+            Ok(child)
+        })
+        .await
+        .and_then(|r| r);
+        let outcome = match made {
+            Ok(z) => Ok(Arc::from(z)),
+            Err(e) => Err(BakeFailure::of("snapshot".into(), &e)),
+        };
+        let result = self.bake_ended(&name, outcome, start.elapsed(), &tx);
+        result.map_err(|f| f.to_error(&name))
+    }
+
+    pub fn templates(&self) -> Vec<TemplateInfo> {
+        self.lock().templates.values().map(Template::info).collect()
+    }
+
+    pub fn template(&self, name: &str) -> Result<TemplateInfo, DaemonError> {
+        self.lock()
+            .templates
+            .get(name)
+            .map(Template::info)
+            .ok_or_else(|| DaemonError::NoTemplate(name.into()))
+    }
+
+    /// Unregisters a template and stops its zygote (sandboxes forked from
+    /// it live on). Built-in templates stay registered: deleting one only
+    /// drops its zygote.
+    pub fn delete_template(&self, name: &str) -> Result<(), DaemonError> {
+        let mut s = self.lock();
+        let t = s
+            .templates
+            .get_mut(name)
+            .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+        if matches!(t.zygote, Zygote::Baking(_)) {
+            return Err(DaemonError::Busy(format!(
+                "template {name:?} is baking; delete it once the bake ends"
+            )));
+        }
+        let old = std::mem::replace(&mut t.zygote, Zygote::None { error: None });
+        if t.drop_on_failure {
+            s.templates.remove(name);
+        }
+        drop(s);
+        if let Some(store) = &self.inner.store {
+            store.forget_template(name);
+        }
+        if let Zygote::Ready { machine, .. } = old {
+            reap(machine);
+        }
+        Ok(())
+    }
+
+    /// Registers a new template and bakes it: progress arrives on the
+    /// channel, ending in `Done` (its zygote is up) or `Failed` (it is
+    /// unregistered again).
+    pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
+        spec.validate().map_err(DaemonError::BadTemplate)?;
+        spec.boot_spec(self.inner.config.boot_timeout)
+            .map_err(DaemonError::BadTemplate)?;
+        let name = spec.name.clone();
+        self.register(
+            Template {
+                spec,
+                from_sandbox: None,
+                drop_on_failure: true,
+                zygote: Zygote::None { error: None },
+            },
+            false,
+        )?;
+        self.bake_named(&name)
+    }
+
+    /// Bakes a registered template (a built-in one, say) unless it is
+    /// baked. A bake already running is waited for.
+    pub fn bake_named(&self, name: &str) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
+        let (tx, rx) = mpsc::channel(64);
+        let waiting = match self.start_bake(name, Some(tx.clone()))? {
+            BakeStart::Started(_) => return Ok(rx),
+            BakeStart::Ready => None,
+            BakeStart::InProgress(w) => Some(w),
+        };
+        let this = self.clone();
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            if let Some(mut w) = waiting {
+                let _ = tx
+                    .send(BakeEvent::Step {
+                        step: "wait".into(),
+                        detail: "another request is baking this template".into(),
+                    })
+                    .await;
+                let outcome = w.wait_for(Option::is_some).await.map(|v| v.clone());
+                if let Ok(Some(Err(f))) = outcome {
+                    let _ = tx.send(BakeEvent::Failed(f)).await;
+                    return;
+                }
+            }
+            let event = match this.template(&name) {
+                Ok(template) => BakeEvent::Done {
+                    template: Box::new(template),
+                    boot_ms: 0,
+                    total_ms: 0,
+                },
+                Err(e) => BakeEvent::Failed(BakeFailure::of("register".into(), &e)),
+            };
+            let _ = tx.send(event).await;
+        });
+        Ok(rx)
+    }
+
+    pub(super) fn register(&self, t: Template, replace: bool) -> Result<(), DaemonError> {
+        let mut s = self.lock();
+        if !replace && s.templates.contains_key(&t.spec.name) {
+            return Err(DaemonError::TemplateExists(t.spec.name));
+        }
+        s.templates.insert(t.spec.name.clone(), t);
+        Ok(())
+    }
+
+    /// The zygote of `name` and its spec, baking it first when needed.
+    pub(super) async fn zygote(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<dyn BackendVm>, TemplateSpec), DaemonError> {
+        loop {
+            let mut w = match self.start_bake(name, None)? {
+                BakeStart::Ready => {
+                    let s = self.lock();
+                    let t = s
+                        .templates
+                        .get(name)
+                        .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+                    if let Zygote::Ready { machine, .. } = &t.zygote {
+                        return Ok((machine.clone(), t.spec.clone()));
+                    }
+                    continue;
+                }
+                BakeStart::Started(w) | BakeStart::InProgress(w) => w,
+            };
+            let outcome = w
+                .wait_for(Option::is_some)
+                .await
+                .map(|v| v.clone())
+                .map_err(|e| DaemonError::infra("waiting for the template's bake", e))?;
+            if let Some(Err(f)) = outcome {
+                return Err(f.to_error(name));
+            }
+        }
+    }
+
+    /// Starts baking `name` unless its zygote is up or being made.
+    pub(super) fn start_bake(
+        &self,
+        name: &str,
+        events: Option<mpsc::Sender<BakeEvent>>,
+    ) -> Result<BakeStart, DaemonError> {
+        let mut s = self.lock();
+        let t = s
+            .templates
+            .get_mut(name)
+            .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+        match &t.zygote {
+            Zygote::Ready { .. } => return Ok(BakeStart::Ready),
+            Zygote::Baking(w) => return Ok(BakeStart::InProgress(w.clone())),
+            Zygote::None { .. } => {}
+        }
+        let machine_spec = t
+            .spec
+            .boot_spec(self.inner.config.boot_timeout)
+            .map_err(DaemonError::BadTemplate)?;
+        let (tx, rx) = watch::channel(None);
+        t.zygote = Zygote::Baking(rx.clone());
+        let spec = t.spec.clone();
+        drop(s);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let send = move |e: BakeEvent| {
+                if let Some(events) = &events {
+                    let _ = events.blocking_send(e);
+                }
+            };
+            let start = Instant::now();
+            let backend = this.inner.backend.clone();
+            let recipe = spec.clone();
+            let send2 = send.clone();
+            let baked = blocking(move || -> Result<(Box<dyn BackendVm>, u64), BakeFailure> {
+                send2(BakeEvent::Step {
+                    step: "boot".into(),
+                    detail: format!(
+                        "image {}, {} vCPU, {} MiB",
+                        recipe.image, recipe.vcpus, recipe.memory_mib
+                    ),
+                });
+                let machine = backend
+                    .boot(&machine_spec)
+                    .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
+                let boot_ms = machine.boot_time().as_millis() as u64;
+                run_recipe(&machine.agent(), &recipe, &recipe.envs, &mut |e| send2(e))
+                    .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
+                send2(BakeEvent::Step {
+                    step: "zygote".into(),
+                    detail: "denying all egress (each sandbox gets its own policy), a warm-up \
+                             `sh -c true` (the shell into the page cache every fork \
+                             shares), pausing the VM; its memory becomes copy-on-write \
+                             for every fork"
+                        .into(),
+                });
+                let zygote_failed =
+                    |e: BackendError| BakeFailure::of("zygote".into(), &DaemonError::from(e));
+                machine
+                    .set_network_policy(&Policy::deny_all())
+                    .map_err(zygote_failed)?;
+                machine.make_zygote().map_err(zygote_failed)?;
+                Ok((machine, boot_ms))
+            })
+            .await;
+            let (outcome, boot_ms) = match baked {
+                Ok(Ok((m, boot_ms))) => (Ok(Arc::from(m)), boot_ms),
+                Ok(Err(f)) => (Err(f), 0),
+                Err(e) => (Err(BakeFailure::of("task".into(), &e)), 0),
+            };
+            let name = spec.name.clone();
+            let event = match this.bake_ended(&name, outcome, start.elapsed(), &tx) {
+                Ok(template) => BakeEvent::Done {
+                    template: Box::new(template),
+                    boot_ms,
+                    total_ms: start.elapsed().as_millis() as u64,
+                },
+                Err(f) => BakeEvent::Failed(f),
+            };
+            let _ = blocking(move || send(event)).await;
+        });
+        Ok(BakeStart::Started(rx))
+    }
+
+    /// Records how a bake (or a template from a sandbox) ended and wakes
+    /// its waiters.
+    pub(super) fn bake_ended(
+        &self,
+        name: &str,
+        outcome: Result<Arc<dyn BackendVm>, BakeFailure>,
+        took: Duration,
+        done: &watch::Sender<Option<Result<(), BakeFailure>>>,
+    ) -> Result<TemplateInfo, BakeFailure> {
+        let zygote_policy = outcome.as_ref().ok().and_then(|m| m.network_policy());
+        let mut s = self.lock();
+        let result = match (outcome, s.templates.get_mut(name)) {
+            (Ok(machine), Some(t)) => {
+                if let (Some(store), Some(vm)) = (&self.inner.store, machine.handle()) {
+                    store.save_template(&SavedTemplate {
+                        spec: t.spec.clone(),
+                        from_sandbox: t.from_sandbox.clone(),
+                        drop_on_failure: t.drop_on_failure,
+                        bake_ms: took.as_millis() as u64,
+                        vm,
+                        network: zygote_policy,
+                    });
+                }
+                t.zygote = Zygote::Ready {
+                    machine,
+                    bake_ms: took.as_millis() as u64,
+                };
+                Ok(t.info())
+            }
+            (Ok(machine), None) => {
+                reap(machine);
+                Err(BakeFailure {
+                    step: "register".into(),
+                    kind: "not_found".into(),
+                    message: format!("template {name:?} was deleted while it baked"),
+                    output: String::new(),
+                })
+            }
+            (Err(f), Some(t)) => {
+                if t.drop_on_failure {
+                    s.templates.remove(name);
+                } else {
+                    t.zygote = Zygote::None {
+                        error: Some(format!("{}: {}", f.step, f.message)),
+                    };
+                }
+                Err(f)
+            }
+            (Err(f), None) => Err(f),
+        };
+        drop(s);
+        let counter = match &result {
+            Ok(_) => &self.inner.metrics.bakes_ok,
+            Err(_) => &self.inner.metrics.bakes_failed,
+        };
+        counter.inc();
+        let _ = done.send(Some(result.as_ref().map(|_| ()).map_err(Clone::clone)));
+        result
+    }
+}
+
+pub(super) fn step_of(e: &DaemonError) -> String {
+    match e {
+        DaemonError::Recipe { step, .. } => step.clone(),
+        _ => "recipe".into(),
+    }
+}
+
+/// Setup commands in order, then the readiness check until it passes or
+/// its timeout ends. Blocking.
+pub(super) fn run_recipe(
+    agent: &AgentClient,
+    t: &TemplateSpec,
+    envs: &BTreeMap<String, String>,
+    progress: &mut dyn FnMut(BakeEvent),
+) -> Result<(), DaemonError> {
+    for (i, cmd) in t.setup.iter().enumerate() {
+        let step = format!("setup[{i}]");
+        progress(BakeEvent::Step {
+            step: step.clone(),
+            detail: cmd.clone(),
+        });
+        let mut req = ExecRequest::shell(cmd.clone());
+        req.env = envs.clone();
+        let mut output = Vec::new();
+        let r = agent
+            .exec(&req, None, &mut |stream, bytes| {
+                output.extend_from_slice(bytes);
+                progress(BakeEvent::Output {
+                    stream: stream_name(stream).into(),
+                    data: String::from_utf8_lossy(bytes).into_owned(),
+                });
+            })
+            .map_err(|e| DaemonError::infra(format!("running {step}"), e))?;
+        if !r.success() {
+            return Err(DaemonError::Recipe {
+                step,
+                message: format!("`{cmd}` ended with {:?}", r.status),
+                output: tail(&output),
+            });
+        }
+    }
+    if let Some(ready) = &t.ready {
+        progress(BakeEvent::Step {
+            step: "ready".into(),
+            detail: format!("{ready:?}, up to {} s", t.ready_timeout_secs),
+        });
+        let timeout = Duration::from_secs(t.ready_timeout_secs);
+        let start = Instant::now();
+        let mut req = ExecRequest::shell(ready.script()).timeout(Duration::from_secs(10));
+        req.env = envs.clone();
+        loop {
+            let mut output = Vec::new();
+            let r = agent
+                .exec(&req, None, &mut |_, b| output.extend_from_slice(b))
+                .map_err(|e| DaemonError::infra("running the readiness check", e))?;
+            if r.success() {
+                break;
+            }
+            if start.elapsed() >= timeout {
+                return Err(DaemonError::Recipe {
+                    step: "ready".into(),
+                    message: format!("{ready:?} not ready after {} s", t.ready_timeout_secs),
+                    output: tail(&output),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn stream_name(s: OutputStream) -> &'static str {
+    match s {
+        OutputStream::Stdout => "stdout",
+        OutputStream::Stderr => "stderr",
+    }
+}
+
+/// The last 4 KiB of a command's output, for error reports.
+pub(super) fn tail(out: &[u8]) -> String {
+    String::from_utf8_lossy(&out[out.len().saturating_sub(4096)..]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn creations_bake_the_template_once_and_fork_its_zygote() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::NotBaked
+        );
+        let (a, b) = tokio::join!(created(&d, None), created(&d, None));
+        assert_ne!(a.id, b.id);
+        assert_eq!(world.boots.load(ORD), 1, "one bake for both");
+        assert_eq!(world.forks.load(ORD), 2);
+        assert_eq!(world.alive.load(ORD), 3, "zygote + 2");
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::Ready
+        );
+        assert_eq!(a.started_by, "fork");
+        // Deleting a built-in drops its zygote only; the sandboxes live on.
+        d.delete_template("minimal").expect("delete");
+        assert_eq!(
+            d.template("minimal").expect("t").state,
+            TemplateState::NotBaked
+        );
+        assert_eq!(d.lock().registry.live(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_failed_bake_fails_the_creation_and_is_retried_by_the_next() {
+        let d = daemon(
+            Fake {
+                fail: true,
+                ..Fake::default()
+            },
+            4,
+        );
+        let err = d.execute(create("minimal", None)).await.expect_err("bake");
+        assert!(err.is_infrastructure(), "{err:?}");
+        let t = d.template("minimal").expect("still registered");
+        assert_eq!(t.state, TemplateState::Failed);
+        assert!(t.error.is_some_and(|e| e.starts_with("boot:")));
+        assert_eq!(d.lock().registry.live(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_failed_bake_of_a_new_template_unregisters_it() {
+        let d = daemon(
+            Fake {
+                fail: true,
+                ..Fake::default()
+            },
+            4,
+        );
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
+        spec.name = "mine".into();
+        let mut rx = d.bake(spec.clone()).expect("starts");
+        let mut last = None;
+        while let Some(e) = rx.recv().await {
+            last = Some(e);
+        }
+        assert!(
+            matches!(last, Some(BakeEvent::Failed(ref f)) if f.step == "boot"),
+            "{last:?}"
+        );
+        assert_eq!(d.template("mine").expect_err("gone").kind(), "not_found");
+        // The name is free again.
+        d.bake(spec).expect("starts again");
+    }
+
+    #[tokio::test]
+    async fn template_from_sandbox_is_a_template_whose_creations_fork_it() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        let t = d
+            .template_from_sandbox(&a.id, "after-step-3".into())
+            .await
+            .expect("template from sandbox");
+        assert_eq!(t.state, TemplateState::Ready);
+        assert_eq!(t.from_sandbox.as_ref(), Some(&a.id));
+        assert!(t.spec.setup.is_empty());
+        let err = d
+            .template_from_sandbox(&a.id, "after-step-3".into())
+            .await
+            .expect_err("exists");
+        assert_eq!(err.kind(), "conflict");
+        let forks = world.forks.load(ORD);
+        let b = match d.execute(create("after-step-3", None)).await {
+            Ok(Reply::Sandbox(i)) => *i,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(b.template, "after-step-3");
+        assert_eq!(world.forks.load(ORD), forks + 1);
+        assert_eq!(world.boots.load(ORD), 1, "no new boot");
+    }
+
+    #[tokio::test]
+    async fn bake_policy_holds_while_baking_only_and_the_zygote_denies_all() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
+        spec.name = "mirrored".into();
+        spec.network = Some(policy(&["mirror.local:80"]));
+        let mut rx = d.bake(spec).expect("bake");
+        let mut last = None;
+        while let Some(e) = rx.recv().await {
+            last = Some(e);
+        }
+        assert!(matches!(last, Some(BakeEvent::Done { .. })), "{last:?}");
+        assert_eq!(
+            *world.boot_policies.lock().expect("boots"),
+            vec![policy(&["mirror.local:80"])]
+        );
+        assert_eq!(
+            *world.zygote_policies.lock().expect("zygotes"),
+            vec![Some(Policy::deny_all())]
+        );
+        let plain = created_with(&d, "mirrored", None).await;
+        let n = network(&d, &plain.id).await.expect("network");
+        assert_eq!(n.policy, NetworkPolicy::default(), "not the bake's");
+        let own = created_with(&d, "mirrored", Some(policy(&["pypi.org"]))).await;
+        let n = network(&d, &own.id).await.expect("network");
+        assert_eq!(n.policy.allow_out, vec!["pypi.org".to_owned()]);
+        // The zygote of a template from a sandbox denies all too.
+        d.template_from_sandbox(&own.id, "snap".into())
+            .await
+            .expect("template from sandbox");
+        let zygote_policy = match &d.lock().templates["snap"].zygote {
+            Zygote::Ready { machine, .. } => machine.network_policy(),
+            _ => panic!("template from sandbox not ready"),
+        };
+        assert_eq!(zygote_policy, Some(Policy::deny_all()));
+    }
+}
