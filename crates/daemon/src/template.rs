@@ -64,9 +64,13 @@ pub struct TemplateSpec {
     pub name: String,
     /// `minimal` or `debian`.
     pub image: String,
+    /// vCPUs, 1-8 (the VMM's limits, `forkbox_vmm_api::shape`).
     #[serde(default = "default_vcpus")]
+    #[schema(minimum = 1, maximum = 8)]
     pub vcpus: u8,
+    /// Guest memory in MiB, 128-16384.
     #[serde(default = "default_memory")]
+    #[schema(minimum = 128, maximum = 16384)]
     pub memory_mib: u32,
     /// Shell commands run in order as root after boot; each must exit 0.
     #[serde(default)]

@@ -14,6 +14,8 @@
 //!   (the host's shmem huge-page setting).
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
 //! - [`measure`]: what `/proc` says about VMM processes and memory.
+//! - [`isolation`]: the memory-isolation check a fork's children and
+//!   parent run (a guest process writing a known pattern).
 //! - [`socket`]: where forkboxd listens by default.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
@@ -27,6 +29,7 @@ pub mod debs;
 pub mod hugepages;
 pub mod image;
 pub mod initramfs;
+pub mod isolation;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;

@@ -33,7 +33,7 @@
 //!
 //! Testing: unit tests beside the code need no KVM. The tests that boot
 //! real VMs (exit codes for power-off, reboot and panic among them) live in
-//! `crates/forkbox/tests/vm.rs`, which runs them inside the emulated host
+//! `crates/forkbox/tests/vm/`, which runs them inside the emulated host
 //! where this machine has no hardware virtualization; none skip.
 
 use std::path::PathBuf;

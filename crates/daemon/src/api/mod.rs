@@ -285,6 +285,19 @@ mod tests {
         );
     }
 
+    /// The template limits the document shows are the VMM's own.
+    #[test]
+    fn openapi_template_limits_are_the_vmm_s() {
+        use forkbox_vmm_api::shape::{MAX_MEMORY_MIB, MAX_VCPUS, MIN_MEMORY_MIB, MIN_VCPUS};
+        let doc: serde_json::Value =
+            serde_json::from_str(&openapi_json()).expect("the document is JSON");
+        let props = &doc["components"]["schemas"]["TemplateSpec"]["properties"];
+        assert_eq!(props["vcpus"]["minimum"], u64::from(MIN_VCPUS));
+        assert_eq!(props["vcpus"]["maximum"], u64::from(MAX_VCPUS));
+        assert_eq!(props["memory_mib"]["minimum"], MIN_MEMORY_MIB);
+        assert_eq!(props["memory_mib"]["maximum"], MAX_MEMORY_MIB);
+    }
+
     #[tokio::test]
     async fn token_is_required_except_for_health() {
         let app = app(Some("s3cret"));

@@ -4,12 +4,13 @@
 //! baseline (a tight loop and fork+exec) in the same environment, so that
 //! figures can be compared across environments.
 //!
-//! One file per benchmark: [`fork`], [`churn`], [`net`], [`service`] (the
+//! One file per benchmark: [`fork`], [`churn`], [`isolation`], [`net`], [`service`] (the
 //! daemon's API), [`vm`] (boot and exec), [`testbed`]; here the command
 //! line, the statistics and the calibration they share.
 
 pub mod churn;
 pub mod fork;
+pub mod isolation;
 pub mod net;
 pub mod service;
 pub mod testbed;
@@ -32,6 +33,10 @@ pub enum BenchCmd {
     /// Churn: fork → exec → kill cycles, concurrent, from a zygote and from
     /// running parents: percentiles per phase, lost children by cause, leaks.
     Churn(churn::Options),
+    /// Memory isolation: a guest writes a pattern while it is forked (running
+    /// and paused, in turn); every child must hold one instant of it, the
+    /// parent none of the children's writes.
+    Isolation(isolation::Options),
     /// Network: guest ↔ host-loopback TCP throughput and connect latency
     /// (allowed and denied) in one `debian` microVM.
     Net(net::Options),
@@ -89,6 +94,15 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
             let report = fork::run(&opts)?;
             print_report(opts.json, report);
             Ok(0)
+        }
+        BenchCmd::Isolation(opts) => {
+            if let Some(code) = crate::delegate(ImageName::Debian)? {
+                return Ok(code);
+            }
+            let report = isolation::run(&opts)?;
+            let clean = report["clean"] == true;
+            print_report(opts.json, report);
+            Ok(if clean { 0 } else { 1 })
         }
         BenchCmd::Churn(opts) => {
             if let Some(code) = crate::delegate(ImageName::Minimal)? {

@@ -262,89 +262,19 @@ pub(crate) fn fork_smp_ipi_load_200_children_all_answer() -> TestResult {
     check(out == "alive\n", format!("the parent answered {out:?}"))
 }
 
-/// A guest process writing a counter into each of 4096 pages, in page
-/// order, round after round. At any instant its memory is rounds r on
-/// pages [0, k) and r-1 on [k, 4096): a fork child's copy must be such an
-/// instant, and nothing a child writes may reach the parent. SIGUSR1 makes
-/// it check its own memory between two page writes (`/tmp/verdict`:
-/// `ok ROUND PAGE` or `BAD ...`); SIGUSR2 makes it write a marker no round
-/// reaches into every page and stop writing.
-const PATTERN_WRITER: &str = r#"
-import mmap, os, signal, sys
-N, PAGE, MARK = 4096, 4096, 1 << 62
-mem = mmap.mmap(-1, N * PAGE)
-state = {"r": 0, "p": 0, "marked": False}
-def word(p):
-    return int.from_bytes(mem[p * PAGE:p * PAGE + 8], "little")
-def verify(signum, frame):
-    v = [word(p) for p in range(N)]
-    r = max(v)
-    bad = [p for p in range(N) if v[p] not in (r, r - 1)]
-    steps = [p for p in range(1, N) if v[p] != v[p - 1]]
-    ok = not bad and len(steps) <= 1 and (not steps or v[steps[0] - 1] == r) and r < MARK
-    msg = "ok %d %d" % (r, steps[0] if steps else N) if ok else "BAD max %d pages %s steps %s" % (r, bad[:8], steps[:8])
-    with open("/tmp/verdict.new", "w") as f:
-        print(msg, file=f)
-    os.rename("/tmp/verdict.new", "/tmp/verdict")
-def mark(signum, frame):
-    state["marked"] = True
-    for p in range(N):
-        mem[p * PAGE:p * PAGE + 8] = (MARK + os.getpid()).to_bytes(8, "little")
-    with open("/tmp/marked", "w") as f:
-        print("marked", file=f)
-signal.signal(signal.SIGUSR1, verify)
-signal.signal(signal.SIGUSR2, mark)
-with open("/tmp/writer.pid", "w") as f:
-    f.write(str(os.getpid()))
-while True:
-    if state["marked"]:
-        signal.pause()
-        continue
-    state["r"] += 1
-    b = state["r"].to_bytes(8, "little")
-    for p in range(N):
-        if state["marked"]:
-            break
-        mem[p * PAGE:p * PAGE + 8] = b
-    if state["r"] == 2:
-        open("/tmp/writer.ready", "w").close()
-"#;
-
-/// Asks the pattern writer to check its memory; its verdict.
-pub(crate) fn pattern_verdict(agent: &AgentClient) -> Result<String, Failed> {
-    sh(
-        agent,
-        "rm -f /tmp/verdict; kill -USR1 $(cat /tmp/writer.pid); \
-         for i in $(seq 600); do [ -f /tmp/verdict ] && break; sleep 0.1; done; cat /tmp/verdict",
-    )
-}
-
 /// DESIGN.md, fork: a child is a copy of one instant of its parent, and the
 /// two never share a write. A running parent's pattern writer (see
-/// [`PATTERN_WRITER`]) is forked while it writes; every child's copy must
+/// [`forkbox_host::isolation`]) is forked while it writes; every child's copy must
 /// be one instant of it, each child then marks all its pages, and the
 /// parent's memory must stay its own. Then the same from the parent paused.
 pub(crate) fn fork_memory_pattern_is_one_instant_in_children_never_in_parent() -> TestResult {
+    use forkbox_host::isolation::{mark, start_writer, verdict};
     let mut parent = boot(VmSpec {
         image: ImageName::Debian,
         ..VmSpec::default()
     });
     let agent = parent.agent().clone();
-    let (r, _, err) = exec(
-        &agent,
-        &ExecRequest::shell(format!(
-            "cat > /tmp/writer.py <<'EOF'\n{PATTERN_WRITER}\nEOF\n\
-             nohup python3 /tmp/writer.py >/tmp/writer.log 2>&1 &\n\
-             for i in $(seq 1200); do [ -f /tmp/writer.ready ] && exit 0; sleep 0.1; done; cat /tmp/writer.log; exit 1"
-        )),
-    );
-    check(
-        r.success(),
-        format!(
-            "the pattern writer did not start: {r:?} {}",
-            String::from_utf8_lossy(&err)
-        ),
-    )?;
+    start_writer(&agent)?;
     let mut checked = 0;
     for (round, paused) in [(0, false), (1, false), (2, true)] {
         if paused {
@@ -355,23 +285,18 @@ pub(crate) fn fork_memory_pattern_is_one_instant_in_children_never_in_parent() -
             parent.resume().map_err(|e| format!("resume: {e:#}"))?;
         }
         for (i, child) in children.iter().enumerate() {
-            let verdict = pattern_verdict(child.agent())?;
+            let v = verdict(child.agent())?;
             check(
-                verdict.starts_with("ok "),
-                format!("round {round} (parent paused: {paused}), child {i}: {verdict:?}"),
+                v.is_consistent(),
+                format!("round {round} (parent paused: {paused}), child {i}: {v:?}"),
             )?;
-            sh(
-                child.agent(),
-                "kill -USR2 $(cat /tmp/writer.pid); for i in $(seq 600); do [ -f /tmp/marked ] && exit 0; sleep 0.1; done; exit 1",
-            )?;
+            mark(child.agent())?;
             checked += 1;
         }
-        let verdict = pattern_verdict(&agent)?;
+        let v = verdict(&agent)?;
         check(
-            verdict.starts_with("ok "),
-            format!(
-                "round {round}: the parent after its children marked their memory: {verdict:?}"
-            ),
+            v.is_consistent(),
+            format!("round {round}: the parent after its children marked their memory: {v:?}"),
         )?;
     }
     check(checked == 12, format!("{checked} children checked"))
