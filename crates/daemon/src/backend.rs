@@ -294,28 +294,6 @@ impl BackendVm for ForkboxVm {
     }
 }
 
-/// Resident memory of a process in KiB (`VmRSS`), if readable.
-pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-/// CPU time (user + system) of a process, if readable.
-pub fn cpu_time(pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may
-    // contain spaces.
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = f.get(11)?.parse().ok()?;
-    let stime: u64 = f.get(12)?.parse().ok()?;
-    // In USER_HZ clock ticks, which Linux fixes at 100 on x86.
-    Some(Duration::from_millis((utime + stime) * 10))
-}
-
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
@@ -539,20 +517,5 @@ pub(crate) mod fake {
                 })
                 .collect())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rss_kib_of_self_is_positive() {
-        assert!(rss_kib(std::process::id()).is_some_and(|k| k > 0));
-    }
-
-    #[test]
-    fn cpu_time_of_self_is_readable() {
-        assert!(cpu_time(std::process::id()).is_some());
     }
 }

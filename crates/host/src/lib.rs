@@ -13,7 +13,8 @@
 //!   [`image`] (the `minimal` and `debian` root filesystems), [`hugepages`]
 //!   (the host's shmem huge-page setting).
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
-//! - [`measure`]: what `/proc` says about VMM processes and memory.
+//! - [`measure`]: what `/proc` says about VMM processes, memory and the CPU
+//!   (the one `/proc` parser of forkbox's host side).
 //! - [`socket`]: where forkboxd listens by default.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a

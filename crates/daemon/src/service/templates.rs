@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use forkbox_host::measure;
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, OutputStream};
@@ -16,7 +17,7 @@ use utoipa::ToSchema;
 
 use super::lifecycle::fork_one;
 use super::{blocking, chain, reap, Daemon, DaemonError};
-use crate::backend::{self, BackendError, BackendVm, ForkOptions};
+use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
 use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
@@ -129,7 +130,7 @@ impl Template {
             error,
             bake_ms,
             zygote_pid: pid,
-            zygote_rss_kib: pid.and_then(backend::rss_kib),
+            zygote_rss_kib: pid.and_then(measure::rss_kib),
         }
     }
 }

@@ -6,14 +6,13 @@
 //! directories, host memory).
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::Stats;
 use anyhow::Context;
-use forkbox_host::measure::mem_available_kib;
+use forkbox_host::measure::{exited, mem_available_kib};
 use forkbox_host::testbed::Environment;
 use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::ExecRequest;
@@ -70,7 +69,8 @@ impl Held {
                     })
                     .filter(|e| {
                         // A zombie is gone but not yet reaped: not held.
-                        !exited(&e.path().join("stat"))
+                        let pid = e.file_name().to_str().and_then(|n| n.parse().ok());
+                        pid.is_some_and(|pid| !exited(pid))
                     })
                     .count()
             })
@@ -104,20 +104,11 @@ fn is_vm_dir(name: &str) -> bool {
     })
 }
 
-/// Whether the process whose `/proc/PID/stat` is `stat` has exited: gone,
-/// or a zombie (or dead) waiting to be reaped.
-fn exited(stat: &Path) -> bool {
-    std::fs::read_to_string(stat).map_or(true, |s| {
-        s.rsplit_once(')')
-            .is_some_and(|(_, r)| r.trim().starts_with(['Z', 'X']))
-    })
-}
-
 /// Waits for a killed VMM's process to be gone (exited: a zombie counts).
 fn wait_gone(pid: u32, limit: Duration) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
-        if exited(Path::new(&format!("/proc/{pid}/stat"))) {
+        if exited(pid) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(1));

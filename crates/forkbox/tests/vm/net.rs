@@ -515,7 +515,7 @@ pub(crate) fn vmm_memory_kib(vm: &Vm) -> Result<(u64, u64), Failed> {
         .map_err(|e| format!("the VMM's smaps: {e}"))?;
     let status = std::fs::read_to_string(format!("/proc/{}/status", vm.pid()))
         .map_err(|e| format!("the VMM's status: {e}"))?;
-    let rss = forkbox_host::measure::meminfo_kib(&status, "VmRSS:").ok_or("no VmRSS")?;
+    let rss = forkbox_host::measure::kib_field(&status, "VmRSS:").ok_or("no VmRSS")?;
     Ok((outside, rss))
 }
 
