@@ -11,7 +11,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::{calibrate, progress, Stats};
+use super::{calibrate, percentile, progress, Stats};
 use anyhow::Context;
 use forkbox_host::image::ImageName;
 use forkbox_host::testbed::Environment;
@@ -198,13 +198,9 @@ fn mbit_s(bytes: u64, d: Duration) -> f64 {
 fn rate_json(mib: u32, rates: &[f64]) -> Value {
     let mut sorted = rates.to_vec();
     sorted.sort_by(f64::total_cmp);
-    let p50 = sorted
-        .get(sorted.len().div_ceil(2).saturating_sub(1))
-        .copied()
-        .unwrap_or(f64::NAN);
     json!({
         "mib": mib, "runs": rates.len(),
-        "mbit_s_p50": p50,
+        "mbit_s_p50": percentile(&sorted, 50.0),
         "mbit_s_best": sorted.last().copied().unwrap_or(f64::NAN),
         "mbit_s_runs": rates,
     })
