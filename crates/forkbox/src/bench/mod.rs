@@ -192,6 +192,14 @@ impl Stats {
         }
     }
 
+    /// The summary as a report shows it (without the mean).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "runs": self.runs, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
+            "min_ms": self.min_ms, "max_ms": self.max_ms,
+        })
+    }
+
     pub fn line(&self, what: &str) -> String {
         format!(
             "{what}: p50 {:.2} ms  p99 {:.2} ms  min {:.2} ms  max {:.2} ms  ({} runs)",

@@ -206,10 +206,6 @@ fn rate_json(mib: u32, rates: &[f64]) -> Value {
     })
 }
 
-fn stats_json(s: &Stats) -> Value {
-    json!({"runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms})
-}
-
 fn seconds(v: &Value, key: &str) -> anyhow::Result<Vec<Duration>> {
     v[key]
         .as_array()
@@ -320,8 +316,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         "image": "debian", "vcpus": spec.vcpus, "memory_mib": spec.memory_mib,
         "guest_to_host": rate_json(o.mib, &up_rates),
         "host_to_guest": rate_json(o.mib, &down_rates),
-        "connect": stats_json(&ok),
-        "denied_connect": { "errors": errors, "stats": stats_json(&no) },
+        "connect": ok.json(),
+        "denied_connect": { "errors": errors, "stats": no.json() },
         "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
         "connect_p50_in_fork_execs": ok.p50_ms * 1000.0 / c.fork_exec_us,
     }))
