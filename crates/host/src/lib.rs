@@ -16,6 +16,7 @@
 //! - [`measure`]: what `/proc` says about VMM processes, memory and the CPU
 //!   (the one `/proc` parser of forkbox's host side).
 //! - [`socket`]: where forkboxd listens by default.
+//! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
@@ -31,6 +32,7 @@ pub mod initramfs;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;
+pub mod poll;
 pub mod socket;
 pub mod testbed;
 pub mod vm;

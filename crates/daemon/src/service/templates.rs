@@ -4,10 +4,12 @@
 //! sandbox's current state.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use forkbox_host::measure;
+use forkbox_host::poll::{self, TimedOut};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, OutputStream};
@@ -531,27 +533,26 @@ pub(super) fn run_recipe(
             step: "ready".into(),
             detail: format!("{ready:?}, up to {} s", t.ready_timeout_secs),
         });
-        let timeout = Duration::from_secs(t.ready_timeout_secs);
-        let start = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(t.ready_timeout_secs);
         let mut req = ExecRequest::shell(ready.script()).timeout(Duration::from_secs(10));
         req.env = envs.clone();
-        loop {
+        poll::until(deadline, Duration::from_millis(200), || {
             let mut output = Vec::new();
-            let r = agent
-                .exec(&req, None, &mut |_, b| output.extend_from_slice(b))
-                .map_err(|e| DaemonError::infra("running the readiness check", e))?;
-            if r.success() {
-                break;
+            match agent.exec(&req, None, &mut |_, b| output.extend_from_slice(b)) {
+                Ok(r) if r.success() => ControlFlow::Break(Ok(())),
+                Ok(_) => ControlFlow::Continue(output),
+                Err(e) => {
+                    ControlFlow::Break(Err(DaemonError::infra("running the readiness check", e)))
+                }
             }
-            if start.elapsed() >= timeout {
-                return Err(DaemonError::Recipe {
-                    step: "ready".into(),
-                    message: format!("{ready:?} not ready after {} s", t.ready_timeout_secs),
-                    output: tail(&output),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        })
+        .unwrap_or_else(|TimedOut(output)| {
+            Err(DaemonError::Recipe {
+                step: "ready".into(),
+                message: format!("{ready:?} not ready after {} s", t.ready_timeout_secs),
+                output: tail(&output),
+            })
+        })?;
     }
     Ok(())
 }
