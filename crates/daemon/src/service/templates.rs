@@ -587,7 +587,7 @@ mod tests {
         assert_ne!(a.id, b.id);
         assert_eq!(world.boots.load(ORD), 1, "one bake for both");
         assert_eq!(world.forks.load(ORD), 2);
-        assert_eq!(world.alive.load(ORD), 3, "zygote + 2");
+        assert_eq!(world.vms().alive, 3, "zygote + 2");
         assert_eq!(
             d.template("minimal").expect("t").state,
             TemplateState::Ready
