@@ -294,28 +294,6 @@ impl BackendVm for ForkboxVm {
     }
 }
 
-/// Resident memory of a process in KiB (`VmRSS`), if readable.
-pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-/// CPU time (user + system) of a process, if readable.
-pub fn cpu_time(pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may
-    // contain spaces.
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = f.get(11)?.parse().ok()?;
-    let stime: u64 = f.get(12)?.parse().ok()?;
-    // In USER_HZ clock ticks, which Linux fixes at 100 on x86.
-    Some(Duration::from_millis((utime + stime) * 10))
-}
-
 /// A backend for tests without KVM.
 #[cfg(test)]
 pub(crate) mod fake {
@@ -327,6 +305,7 @@ pub(crate) mod fake {
 
     use forkbox_net::policy::Policy;
     use forkbox_proto::client::AgentClient;
+    use tokio::sync::watch;
 
     use super::{
         Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
@@ -344,7 +323,9 @@ pub(crate) mod fake {
     /// What the fake VMs share with the test.
     #[derive(Default)]
     pub struct World {
-        pub alive: AtomicUsize,
+        /// VMs alive and stopped, sent as they change: a test reads them
+        /// ([`World::vms`]) or awaits a count ([`World::vms_until`]).
+        pub vms: watch::Sender<Vms>,
         pub boots: AtomicUsize,
         pub forks: AtomicUsize,
         /// Every child of a fork with this index fails.
@@ -354,7 +335,6 @@ pub(crate) mod fake {
         pub fail_children: AtomicBool,
         /// Handles given out (each machine's pid is its index here).
         pub handed: AtomicUsize,
-        pub kills: AtomicUsize,
         /// Pids of VMs discarded; adopting a pid listed in `gone` fails.
         pub discarded: std::sync::Mutex<Vec<u32>>,
         pub gone: std::sync::Mutex<Vec<u32>>,
@@ -370,7 +350,38 @@ pub(crate) mod fake {
         pub lost: Mutex<BTreeMap<u32, String>>,
     }
 
+    /// What became of the fake VMs.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    pub struct Vms {
+        /// Made (booted, forked or adopted) and not yet dropped.
+        pub alive: usize,
+        /// Stopped with [`BackendVm::kill`].
+        pub kills: usize,
+    }
+
     impl World {
+        pub fn vms(&self) -> Vms {
+            *self.vms.borrow()
+        }
+
+        /// Waits until `done` holds for the VMs' counts, which change
+        /// where the daemon stops VMs: on its blocking pool. The bound is
+        /// a hang guard, not a timing: past it the test fails saying what
+        /// it waited for.
+        pub async fn vms_until(&self, what: &str, done: impl FnMut(&Vms) -> bool) -> Vms {
+            const HANG_GUARD: Duration = Duration::from_secs(30);
+            let mut changes = self.vms.subscribe();
+            // Copied out before returning: the answer borrows `changes`.
+            let vms = match tokio::time::timeout(HANG_GUARD, changes.wait_for(done)).await {
+                Ok(vms) => *vms.expect("the world holds the sender"),
+                Err(_) => panic!(
+                    "{what}: not so after {HANG_GUARD:?} (hang guard): {:?}",
+                    self.vms()
+                ),
+            };
+            vms
+        }
+
         /// The VM handed out last ends by itself (`how`): its `exited`
         /// says so from now on. Returns its pid.
         pub fn lose_last(&self, how: &str) -> u32 {
@@ -394,7 +405,7 @@ pub(crate) mod fake {
         }
 
         fn with_pid(world: &Arc<World>, pid: u32, policy: Option<Policy>) -> Box<dyn BackendVm> {
-            world.alive.fetch_add(1, ORD);
+            world.vms.send_modify(|v| v.alive += 1);
             Box::new(Self {
                 world: world.clone(),
                 pid,
@@ -446,7 +457,7 @@ pub(crate) mod fake {
 
     impl Drop for FakeVm {
         fn drop(&mut self) {
-            self.world.alive.fetch_sub(1, ORD);
+            self.world.vms.send_modify(|v| v.alive -= 1);
         }
     }
 
@@ -488,7 +499,7 @@ pub(crate) mod fake {
             Ok(())
         }
         fn kill(&self) {
-            self.world.kills.fetch_add(1, ORD);
+            self.world.vms.send_modify(|v| v.kills += 1);
         }
         fn console(&self, lines: usize) -> String {
             (0..lines).map(|i| format!("line {i}\n")).collect()
@@ -539,20 +550,5 @@ pub(crate) mod fake {
                 })
                 .collect())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rss_kib_of_self_is_positive() {
-        assert!(rss_kib(std::process::id()).is_some_and(|k| k > 0));
-    }
-
-    #[test]
-    fn cpu_time_of_self_is_readable() {
-        assert!(cpu_time(std::process::id()).is_some());
     }
 }

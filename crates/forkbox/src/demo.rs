@@ -39,7 +39,8 @@ const TEMPLATE: &str = "demo-python";
 /// fork has it running already. It serves `/` (the readiness check),
 /// `/run?n=N` (runs /tmp/solution.py on task N in an `os.fork()` of
 /// itself: no interpreter start-up) and `/grade?n=N` (the grader: it
-/// recomputes the answer its own way and says the reward).
+/// recomputes the answer its own way and says the reward). Once it
+/// listens it prints its port on stdout (the template's `runner.log`).
 const RUNNER: &str = r#"import collections, fractions, http.server, json, os, pathlib, re, urllib.parse
 
 def reference(n):
@@ -81,7 +82,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.answer("1.0" if got == reference(n) else "0.0")
         self.send_error(404)
 
-http.server.HTTPServer(("127.0.0.1", 8000), Handler).serve_forever()
+server = http.server.HTTPServer(("127.0.0.1", 8000), Handler)
+# Listening: says so with its port (the unit test's runner binds port 0).
+print(server.server_address[1], flush=True)
+server.serve_forever()
 "#;
 
 /// Candidate solutions to "count the primes below n", as a policy might
@@ -360,51 +364,64 @@ fn ms(d: Duration) -> f64 {
 mod tests {
     use super::*;
 
+    /// A child process killed and reaped when dropped, so that a failed
+    /// test leaves no runner behind.
+    struct Reaped(std::process::Child);
+
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
     #[test]
     fn runner_grades_right_and_wrong_solutions() {
-        // The runner and solutions with the host's python3, on a free port
-        // of this machine's loopback.
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+
+        // The runner and solutions with the host's python3, on a loopback
+        // port the runner picks and announces on its stdout once it
+        // listens: asked after that, it answers the first time.
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path().display().to_string();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("port")
-            .port();
-        let here = |s: &str| {
-            s.replace("/tmp/", &format!("{d}/"))
-                .replace("8000", &port.to_string())
-        };
-        std::fs::write(dir.path().join("runner.py"), here(RUNNER)).expect("runner");
-        let mut server = std::process::Command::new("python3")
-            .arg(dir.path().join("runner.py"))
-            .spawn()
-            .expect("python3 is needed (make deps installs it)");
+        let in_dir = |s: &str| s.replace("/tmp/", &format!("{d}/"));
+        let runner = in_dir(RUNNER).replace("8000", "0");
+        std::fs::write(dir.path().join("runner.py"), runner).expect("runner");
+        let mut server = Reaped(
+            Command::new("python3")
+                .arg(dir.path().join("runner.py"))
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("python3 is needed (make deps installs it)"),
+        );
+        let mut listening = String::new();
+        BufReader::new(server.0.stdout.take().expect("the runner's stdout"))
+            .read_line(&mut listening)
+            .expect("read the runner's stdout");
+        let port: u16 = listening
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("the runner ended or did not say its port: {listening:?}"));
         let ask = |path: &str| -> String {
-            for _ in 0..200 {
-                if let Ok(out) = std::process::Command::new("sh")
-                    .arg("-c")
-                    .arg(here(&ask_runner(path)))
-                    .output()
-                {
-                    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                    if !text.is_empty() {
-                        return text;
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            panic!("the runner never answered {path}");
+            let out = Command::new("sh")
+                .arg("-c")
+                .arg(ask_runner(path).replace("8000", &port.to_string()))
+                .output()
+                .expect("run sh");
+            assert!(
+                out.status.success(),
+                "asking the runner for {path}: {out:?}"
+            );
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
         };
         assert_eq!(ask("/"), "forkbox");
         let grade = |i: usize| -> String {
-            std::fs::write(dir.path().join("solution.py"), here(solution(i))).expect("solution");
+            std::fs::write(dir.path().join("solution.py"), in_dir(solution(i))).expect("solution");
             let n = 1000 + 37 * i;
             assert_eq!(ask(&format!("/run?n={n}")), "ran");
             ask(&format!("/grade?n={n}"))
         };
-        let results = [grade(0), grade(3), grade(6)];
-        let _ = server.kill();
-        let _ = server.wait();
-        assert_eq!(results, ["1.0", "0.0", "0.0"]);
+        assert_eq!([grade(0), grade(3), grade(6)], ["1.0", "0.0", "0.0"]);
     }
 }

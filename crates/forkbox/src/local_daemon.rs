@@ -2,11 +2,13 @@
 //! started on a socket in a fresh temporary directory, so it never meets
 //! the user's daemon, and stopped (with every sandbox it owns) on drop.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use forkbox_host::poll::{self, TimedOut};
 
 use crate::client::{Client, Endpoint};
 
@@ -58,25 +60,29 @@ impl LocalDaemon {
             .spawn()
             .with_context(|| format!("starting {}", exe.display()))?;
         let mut me = Self { child, socket, dir };
-        let start = Instant::now();
-        loop {
-            if let Some(status) = me.child.try_wait()? {
-                bail!(
-                    "forkboxd exited at start ({status}); its log:\n{}",
-                    me.log_tail(40)
-                );
-            }
-            if me.socket.exists() && me.client()?.get::<serde_json::Value>("/health").is_ok() {
-                return Ok(me);
-            }
-            if start.elapsed() > Duration::from_secs(60) {
-                bail!(
-                    "forkboxd did not answer within 60 s; its log:\n{}",
-                    me.log_tail(40)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let answered = poll::until(deadline, Duration::from_millis(20), || match me.answers() {
+            Ok(false) => ControlFlow::Continue(()),
+            done => ControlFlow::Break(done),
+        });
+        match answered {
+            Ok(answered) => answered.map(|_| me),
+            Err(TimedOut(())) => bail!(
+                "forkboxd did not answer within 60 s; its log:\n{}",
+                me.log_tail(40)
+            ),
         }
+    }
+
+    /// Whether the daemon answers `/health` yet; an error once it exited.
+    fn answers(&mut self) -> anyhow::Result<bool> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "forkboxd exited at start ({status}); its log:\n{}",
+                self.log_tail(40)
+            );
+        }
+        Ok(self.socket.exists() && self.client()?.get::<serde_json::Value>("/health").is_ok())
     }
 
     /// A client of this daemon (one per thread: a client owns a runtime).
@@ -98,12 +104,11 @@ impl Drop for LocalDaemon {
                 let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
             }
         }
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(30) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        if poll::holds_by(deadline, Duration::from_millis(20), || {
+            matches!(self.child.try_wait(), Ok(Some(_)))
+        }) {
+            return;
         }
         let _ = self.child.kill();
         let _ = self.child.wait();

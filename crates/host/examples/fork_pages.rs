@@ -84,10 +84,7 @@ fn child_regions(pid: u32) -> anyhow::Result<(usize, u64)> {
     let pages = forkbox_host::measure::guest_pages(pid)?;
     let regions: BTreeSet<u64> = pages.mapped.iter().map(|p| p / 512).collect();
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
-    let pmd = forkbox_host::measure::parse_meminfo(&smaps)
-        .get("ShmemPmdMapped")
-        .copied()
-        .unwrap_or(0);
+    let pmd = forkbox_host::measure::kib_field(&smaps, "ShmemPmdMapped:").unwrap_or(0);
     Ok((regions.len(), pmd))
 }
 

@@ -3,6 +3,7 @@
 //! `forkbox-vmm-api`'s; this module only carries them.
 
 use std::io::{self, BufRead, BufReader, Write};
+use std::ops::ControlFlow;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -12,6 +13,8 @@ use forkbox_vmm_api::{
     Then, Vcpus, ZygoteMemory,
 };
 use serde::de::DeserializeOwned;
+
+use crate::poll::{self, TimedOut};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -146,27 +149,26 @@ impl Control {
     }
 
     fn connect(&self) -> Result<UnixStream, ControlError> {
-        let start = Instant::now();
-        loop {
+        let deadline = Instant::now() + CONNECT_RETRY;
+        poll::until(deadline, Duration::from_millis(5), || {
             match UnixStream::connect(&self.path) {
-                Ok(s) => return Ok(s),
+                // Not listening yet.
                 Err(e)
-                    if start.elapsed() < CONNECT_RETRY
-                        && matches!(
-                            e.kind(),
-                            io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
-                        ) =>
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
+                    ) =>
                 {
-                    std::thread::sleep(Duration::from_millis(5));
+                    ControlFlow::Continue(e)
                 }
-                Err(source) => {
-                    return Err(ControlError::Connect {
-                        path: self.path.clone(),
-                        source,
-                    })
-                }
+                done => ControlFlow::Break(done),
             }
-        }
+        })
+        .unwrap_or_else(|TimedOut(e)| Err(e))
+        .map_err(|source| ControlError::Connect {
+            path: self.path.clone(),
+            source,
+        })
     }
 }
 

@@ -13,10 +13,12 @@
 //!   [`image`] (the `minimal` and `debian` root filesystems), [`hugepages`]
 //!   (the host's shmem huge-page setting).
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
-//! - [`measure`]: what `/proc` says about VMM processes and memory.
+//! - [`measure`]: what `/proc` says about VMM processes, memory and the CPU
+//!   (the one `/proc` parser of forkbox's host side).
 //! - [`isolation`]: the memory-isolation check a fork's children and
 //!   parent run (a guest process writing a known pattern).
 //! - [`socket`]: where forkboxd listens by default.
+//! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
@@ -33,6 +35,7 @@ pub mod isolation;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;
+pub mod poll;
 pub mod socket;
 pub mod testbed;
 pub mod vm;

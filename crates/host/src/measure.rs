@@ -1,6 +1,9 @@
 //! What the host's `/proc` says about VMM processes and memory (a VMM's
-//! guest pages, its own overhead, a process's PSS, `/proc/meminfo`), and
-//! the guest's own clock: the figures benchmarks and VM trials measure.
+//! guest pages, its own overhead, a process's PSS and RSS, its state and
+//! CPU time, `/proc/meminfo`, the CPU's flags), and the guest's own clock:
+//! the figures benchmarks, VM trials and forkboxd's status measure. The
+//! one reader of `/proc` in forkbox-host and its users (the VMM keeps its
+//! own: it must not depend on this crate).
 
 /// The guest's CLOCK_REALTIME in seconds, to the microsecond: busybox
 /// `date` has no `%N`, its `adjtimex` prints `time.tv_sec` and
@@ -25,16 +28,20 @@ pub fn guest_clock(agent: &forkbox_proto::AgentClient) -> anyhow::Result<f64> {
     }
 }
 
-/// A `Key:   N kB` field of `/proc/meminfo` or a `smaps_rollup`, in KiB.
-pub fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+/// A `Key:   N kB` field (`key` with its colon) of `/proc/meminfo`,
+/// `/proc/PID/status` or a `smaps_rollup`, in KiB.
+pub fn kib_field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| kib(l.strip_prefix(key)?))
+}
+
+/// The `N kB` after a field's colon, in KiB.
+fn kib(value: &str) -> Option<u64> {
+    value.trim().trim_end_matches("kB").trim().parse().ok()
 }
 
 /// The host's `MemAvailable`, in KiB.
 pub fn mem_available_kib() -> Option<u64> {
-    meminfo_kib(
+    kib_field(
         &std::fs::read_to_string("/proc/meminfo").ok()?,
         "MemAvailable:",
     )
@@ -45,7 +52,13 @@ pub fn mem_available_kib() -> Option<u64> {
 /// siblings).
 pub fn pss_kib(pid: u32) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    meminfo_kib(&text, "Pss:")
+    kib_field(&text, "Pss:")
+}
+
+/// A process's resident memory in KiB (`VmRSS`), if readable.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    kib_field(&text, "VmRSS:")
 }
 
 /// The whole of `/proc/meminfo`, in KiB by field name (`HugePages_*`
@@ -60,12 +73,77 @@ pub fn parse_meminfo(text: &str) -> std::collections::BTreeMap<String, u64> {
         .filter(|l| l.ends_with(" kB"))
         .filter_map(|l| {
             let (k, v) = l.split_once(':')?;
-            Some((
-                k.to_owned(),
-                v.trim().trim_end_matches("kB").trim().parse().ok()?,
-            ))
+            Some((k.to_owned(), kib(v)?))
         })
         .collect()
+}
+
+/// The fields of `/proc/PID/stat` forkbox reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    /// `R`, `S`, `D`, `Z` (a zombie), `X` (dead)...
+    pub state: char,
+    /// Time spent in user mode, in clock ticks.
+    pub utime: u64,
+    /// Time spent in kernel mode, in clock ticks.
+    pub stime: u64,
+}
+
+impl Stat {
+    /// Parses `/proc/PID/stat`'s text.
+    pub fn parse(text: &str) -> Option<Self> {
+        // The fields after the command name, which is in parentheses and
+        // may contain spaces and parentheses itself.
+        let rest = text.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some(Self {
+            state: f.first()?.chars().next()?,
+            utime: f.get(11)?.parse().ok()?,
+            stime: f.get(12)?.parse().ok()?,
+        })
+    }
+
+    /// `pid`'s, if it is there to read.
+    pub fn of(pid: u32) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    /// A zombie (or dead) waiting to be reaped.
+    pub fn exited(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+
+    /// CPU time, user plus system. Clock ticks are `USER_HZ`, which Linux
+    /// fixes at 100 on x86.
+    pub fn cpu_time(&self) -> std::time::Duration {
+        std::time::Duration::from_millis((self.utime + self.stime) * 10)
+    }
+}
+
+/// Whether process `pid` has exited: gone, or a zombie (or dead) waiting
+/// to be reaped.
+pub fn exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |text| Stat::parse(&text).is_some_and(|s| s.exited()))
+}
+
+/// CPU time (user plus system) of process `pid`, if readable.
+pub fn cpu_time(pid: u32) -> Option<std::time::Duration> {
+    Stat::of(pid).map(|s| s.cpu_time())
+}
+
+/// Whether `/proc/cpuinfo`'s text lists any of `flags` on a `flags` line.
+pub fn cpuinfo_has_flag(cpuinfo: &str, flags: &[&str]) -> bool {
+    cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|f| flags.contains(&f)))
+}
+
+/// Whether this host's CPU has any of `flags` (false if `/proc/cpuinfo`
+/// is unreadable).
+pub fn cpu_has_flag(flags: &[&str]) -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| cpuinfo_has_flag(&c, flags))
 }
 
 /// Guest RAM a VMM process holds privately, in KiB: the pages of its
@@ -160,11 +238,7 @@ fn overhead_from_smaps(smaps: &str) -> u64 {
             guest_ram = GUEST_RAM_MEMFDS.iter().any(|m| line.contains(m));
         } else if let Some(rest) = line.strip_prefix("Rss:") {
             if !guest_ram {
-                total += rest
-                    .split_whitespace()
-                    .next()
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .unwrap_or(0);
+                total += kib(rest).unwrap_or(0);
             }
         }
     }
@@ -176,18 +250,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn meminfo_kib_reads_a_field() {
+    fn kib_field_reads_a_field() {
         let text = "MemTotal:       24000000 kB\nMemAvailable:   12345 kB\n";
-        assert_eq!(meminfo_kib(text, "MemAvailable:"), Some(12345));
-        assert_eq!(meminfo_kib(text, "Pss:"), None);
+        assert_eq!(kib_field(text, "MemAvailable:"), Some(12345));
+        assert_eq!(kib_field(text, "Pss:"), None);
         assert!(mem_available_kib().is_some_and(|k| k > 0));
         assert!(pss_kib(std::process::id()).is_some_and(|k| k > 0));
+        assert!(rss_kib(std::process::id()).is_some_and(|k| k > 0));
         let m = parse_meminfo(&format!("{text}HugePages_Total:       0\nHugetlb:  0 kB\n"));
         assert_eq!(m.get("MemAvailable"), Some(&12345));
         assert_eq!(m.get("MemTotal"), Some(&24_000_000));
         assert_eq!(m.get("Hugetlb"), Some(&0));
         assert!(!m.contains_key("HugePages_Total"));
         assert!(meminfo().is_ok_and(|m| m.contains_key("MemAvailable")));
+    }
+
+    #[test]
+    fn stat_parse_reads_state_and_times_past_a_command_with_parentheses() {
+        let text =
+            "4242 (a (b) c) Z 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 9 0 0\n";
+        let s = Stat::parse(text).expect("parses");
+        assert_eq!((s.state, s.utime, s.stime), ('Z', 250, 50));
+        assert!(s.exited());
+        assert_eq!(s.cpu_time(), std::time::Duration::from_secs(3));
+        assert_eq!(Stat::parse("4242 (sh) R 1"), None);
+        let me = Stat::of(std::process::id()).expect("our own stat");
+        assert!(!me.exited());
+        assert!(!exited(std::process::id()));
+        assert!(cpu_time(std::process::id()).is_some());
+        assert!(exited(u32::MAX));
+    }
+
+    #[test]
+    fn cpuinfo_has_flag_reads_flags_lines_only() {
+        let text = "model name\t: vmx inside\nflags\t\t: fpu sse2 svm\n";
+        assert!(cpuinfo_has_flag(text, &["vmx", "svm"]));
+        assert!(!cpuinfo_has_flag(text, &["vmx"]));
     }
 
     /// Guest RAM as the VMM maps it (a private mapping of a memfd): the

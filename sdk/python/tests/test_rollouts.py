@@ -38,28 +38,39 @@ def test_group_of_4_collects_results_and_errors_in_order_and_kills_all(daemon_ur
 
 def test_group_from_template_times_out_and_still_kills(daemon_url: str) -> None:
     seen: List[Sandbox] = []
+    returned = threading.Event()
     ended: "queue.Queue[object]" = queue.Queue()
 
     def fn(sb: Sandbox) -> int:
         seen.append(sb)
         try:
-            # Short enough to end by itself: see the test below.
-            code = sb.commands.run("sleep 8").exit_code
-            ended.put(code)
-            return code or 0
-        except BaseException as e:
+            # Outlives the group's 1 s; ends by itself (8 s) if the kill does
+            # not cut it off, so that `fn` goes on.
+            sb.commands.run("sleep 8")
+            # `group` killed every child before it returned: from then on,
+            # calls to the sandbox fail.
+            if not returned.wait(120):
+                ended.put("the group had not returned after 120 s")
+                return 1
+            sb.commands.run("true")
+        except ForkboxError as e:
             ended.put(e)
             raise
+        ended.put("the killed sandbox ran a command")
+        return 0
 
     results = rollouts.group("minimal", 2, fn, timeout=1, metadata={"suite": "rollout-tmo"})
+    returned.set()
+    assert len(results) == 2
     assert all(isinstance(r, TimeoutError) for r in results), results
-    assert not any(sb.is_running() for sb in seen)
     assert Sandbox.list(metadata={"suite": "rollout-tmo"}) == []
-    late = [ended.get(timeout=120) for _ in seen]
-    # What the late `fn`s saw. The daemon (9e77c50) lets a command already
-    # running in a killed sandbox run to its end (exit 0 here); once kill
-    # cuts it off they fail instead.
-    assert all(r == 0 or isinstance(r, ForkboxError) for r in late), late
+    # Each child's `fn` ran (each puts exactly one entry), and each ended on
+    # a call to its killed sandbox: the command cut off by the kill, or the
+    # next call after it. The caller's doing, not the machinery's.
+    late = [ended.get(timeout=120) for _ in range(2)]
+    assert len(seen) == 2
+    assert not any(sb.is_running() for sb in seen)
+    assert all(isinstance(r, ForkboxError) and not r.infrastructure for r in late), late
 
 
 def test_agroup_runs_coroutines_in_forks(daemon_url: str) -> None:

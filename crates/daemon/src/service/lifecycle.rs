@@ -602,15 +602,12 @@ mod tests {
         assert_eq!(killed.len(), 2);
         assert_eq!(d.lock().registry.live(), 1);
         // Their VMs are stopped outright, not just dropped (a command in
-        // flight may still hold one).
-        for _ in 0..200 {
-            if world.kills.load(ORD) == 2 {
-                break;
-            }
-            tokio::task::yield_now().await;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(world.kills.load(ORD), 2);
+        // flight may still hold one), on the blocking pool; the zygote's
+        // and run 2's live on.
+        let vms = world
+            .vms_until("both killed sandboxes' VMs dropped", |v| v.alive == 2)
+            .await;
+        assert_eq!(vms.kills, 2, "stopped before they were dropped: {vms:?}");
     }
 
     #[tokio::test]

@@ -3,8 +3,10 @@
 //! closes when it dies (its [`PortForward`] is dropped with it).
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
+use forkbox_host::poll::{self, TimedOut};
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::ErrorKind as GuestKind;
 use serde::Serialize;
@@ -125,18 +127,18 @@ pub(super) fn probe_port(
     port: u16,
     wait: Duration,
 ) -> Result<(), ClientError> {
-    let start = Instant::now();
-    loop {
-        match agent.connect_port(port) {
-            Ok(_probe) => return Ok(()),
-            Err(ClientError::Agent(a))
-                if a.kind == GuestKind::ConnectionRefused && start.elapsed() < wait =>
-            {
-                std::thread::sleep(Duration::from_millis(100));
+    poll::until(
+        Instant::now() + wait,
+        Duration::from_millis(100),
+        || match agent.connect_port(port) {
+            Ok(_probe) => ControlFlow::Break(Ok(())),
+            Err(ClientError::Agent(a)) if a.kind == GuestKind::ConnectionRefused => {
+                ControlFlow::Continue(ClientError::Agent(a))
             }
-            Err(e) => return Err(e),
-        }
-    }
+            Err(e) => ControlFlow::Break(Err(e)),
+        },
+    )
+    .unwrap_or_else(|TimedOut(refused)| Err(refused))
 }
 
 /// Accepts connections forever, relaying each to guest `port`. Aborting

@@ -78,11 +78,10 @@ mod tests {
     async fn tick_kills_expired_sandboxes_and_stops_their_vms() {
         let fake = Fake::default();
         let world = fake.world.clone();
-        let alive = || world.alive.load(ORD) - 1; // the zygote
         let d = daemon(fake, 4);
         let a = created(&d, Some(Duration::from_secs(5))).await;
         let b = created(&d, None).await;
-        assert_eq!(alive(), 2);
+        assert_eq!(world.vms().alive, 3, "the zygote and two sandboxes");
         d.tick(Instant::now() + Duration::from_secs(4));
         assert_eq!(d.lock().registry.live(), 2);
         d.tick(Instant::now() + Duration::from_secs(6));
@@ -93,15 +92,11 @@ mod tests {
         assert_eq!(info(&a.id).state, SandboxState::Dead);
         assert_eq!(info(&a.id).death, Some(DeathCause::Expired));
         assert_eq!(info(&b.id).state, SandboxState::Running);
-        // Reaping runs on the blocking pool.
-        for _ in 0..100 {
-            if alive() == 1 {
-                break;
-            }
-            tokio::task::yield_now().await;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(alive(), 1);
+        // Reaping runs on the blocking pool: it stops the VM, then drops it.
+        let vms = world
+            .vms_until("the expired sandbox's VM dropped", |v| v.alive == 2)
+            .await;
+        assert_eq!(vms.kills, 1, "stopped before it was dropped: {vms:?}");
     }
 
     #[tokio::test]

@@ -4,9 +4,12 @@
 //! sandbox's current state.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use forkbox_host::measure;
+use forkbox_host::poll::{self, TimedOut};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, OutputStream};
@@ -16,7 +19,7 @@ use utoipa::ToSchema;
 
 use super::lifecycle::fork_one;
 use super::{blocking, chain, reap, Daemon, DaemonError};
-use crate::backend::{self, BackendError, BackendVm, ForkOptions};
+use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
 use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
@@ -129,7 +132,7 @@ impl Template {
             error,
             bake_ms,
             zygote_pid: pid,
-            zygote_rss_kib: pid.and_then(backend::rss_kib),
+            zygote_rss_kib: pid.and_then(measure::rss_kib),
         }
     }
 }
@@ -530,27 +533,26 @@ pub(super) fn run_recipe(
             step: "ready".into(),
             detail: format!("{ready:?}, up to {} s", t.ready_timeout_secs),
         });
-        let timeout = Duration::from_secs(t.ready_timeout_secs);
-        let start = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(t.ready_timeout_secs);
         let mut req = ExecRequest::shell(ready.script()).timeout(Duration::from_secs(10));
         req.env = envs.clone();
-        loop {
+        poll::until(deadline, Duration::from_millis(200), || {
             let mut output = Vec::new();
-            let r = agent
-                .exec(&req, None, &mut |_, b| output.extend_from_slice(b))
-                .map_err(|e| DaemonError::infra("running the readiness check", e))?;
-            if r.success() {
-                break;
+            match agent.exec(&req, None, &mut |_, b| output.extend_from_slice(b)) {
+                Ok(r) if r.success() => ControlFlow::Break(Ok(())),
+                Ok(_) => ControlFlow::Continue(output),
+                Err(e) => {
+                    ControlFlow::Break(Err(DaemonError::infra("running the readiness check", e)))
+                }
             }
-            if start.elapsed() >= timeout {
-                return Err(DaemonError::Recipe {
-                    step: "ready".into(),
-                    message: format!("{ready:?} not ready after {} s", t.ready_timeout_secs),
-                    output: tail(&output),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        })
+        .unwrap_or_else(|TimedOut(output)| {
+            Err(DaemonError::Recipe {
+                step: "ready".into(),
+                message: format!("{ready:?} not ready after {} s", t.ready_timeout_secs),
+                output: tail(&output),
+            })
+        })?;
     }
     Ok(())
 }
@@ -585,7 +587,7 @@ mod tests {
         assert_ne!(a.id, b.id);
         assert_eq!(world.boots.load(ORD), 1, "one bake for both");
         assert_eq!(world.forks.load(ORD), 2);
-        assert_eq!(world.alive.load(ORD), 3, "zygote + 2");
+        assert_eq!(world.vms().alive, 3, "zygote + 2");
         assert_eq!(
             d.template("minimal").expect("t").state,
             TemplateState::Ready

@@ -3,12 +3,12 @@
 
 use std::time::Instant;
 
+use forkbox_host::measure;
 use forkbox_net::policy::Policy;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::Live;
-use crate::backend;
 use crate::core::{DeathCause, ExpiryAction, Labels, Record, SandboxId, SandboxState};
 use crate::network::NetworkPolicy;
 
@@ -84,9 +84,9 @@ pub(super) fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
         let pid = l.machine.pid();
         SandboxMetrics {
             vmm_pid: pid,
-            memory_rss_kib: pid.and_then(backend::rss_kib),
+            memory_rss_kib: pid.and_then(measure::rss_kib),
             cpu_ms: pid
-                .and_then(backend::cpu_time)
+                .and_then(measure::cpu_time)
                 .map(|d| d.as_millis() as u64),
             boot_ms: l.machine.boot_time().as_millis() as u64,
             replaced_lost_child: l

@@ -6,14 +6,15 @@
 //! directories, host memory).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::Stats;
 use anyhow::Context;
-use forkbox_host::measure::mem_available_kib;
+use forkbox_host::measure::{exited, mem_available_kib};
+use forkbox_host::poll::{self, TimedOut};
 use forkbox_host::testbed::Environment;
 use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::ExecRequest;
@@ -70,7 +71,8 @@ impl Held {
                     })
                     .filter(|e| {
                         // A zombie is gone but not yet reaped: not held.
-                        !exited(&e.path().join("stat"))
+                        let pid = e.file_name().to_str().and_then(|n| n.parse().ok());
+                        pid.is_some_and(|pid| !exited(pid))
                     })
                     .count()
             })
@@ -104,25 +106,11 @@ fn is_vm_dir(name: &str) -> bool {
     })
 }
 
-/// Whether the process whose `/proc/PID/stat` is `stat` has exited: gone,
-/// or a zombie (or dead) waiting to be reaped.
-fn exited(stat: &Path) -> bool {
-    std::fs::read_to_string(stat).map_or(true, |s| {
-        s.rsplit_once(')')
-            .is_some_and(|(_, r)| r.trim().starts_with(['Z', 'X']))
-    })
-}
-
 /// Waits for a killed VMM's process to be gone (exited: a zombie counts).
 fn wait_gone(pid: u32, limit: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if exited(Path::new(&format!("/proc/{pid}/stat"))) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    false
+    poll::holds_by(Instant::now() + limit, Duration::from_millis(1), || {
+        exited(pid)
+    })
 }
 
 /// One cycle from `source`: fork, exec, kill.
@@ -246,16 +234,19 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     // Give the background reapers their time (a pidfd is held until its
     // VMM has exited), then count what is left: a leak is what is still
     // there after 30 s.
-    let settle = Instant::now();
-    let mut after = Held::now();
-    while settle.elapsed() < Duration::from_secs(30)
-        && (after.vmm_processes > before.vmm_processes
-            || after.fds > before.fds
-            || after.vm_dirs.iter().any(|d| !before.vm_dirs.contains(d)))
-    {
-        std::thread::sleep(Duration::from_millis(200));
-        after = Held::now();
-    }
+    let settle = Instant::now() + Duration::from_secs(30);
+    let mut after = poll::until(settle, Duration::from_millis(200), || {
+        let now = Held::now();
+        if now.vmm_processes > before.vmm_processes
+            || now.fds > before.fds
+            || now.vm_dirs.iter().any(|d| !before.vm_dirs.contains(d))
+        {
+            ControlFlow::Continue(now)
+        } else {
+            ControlFlow::Break(now)
+        }
+    })
+    .unwrap_or_else(|TimedOut(last)| last);
     // Memory comes back as the last VMMs finish exiting: read it after.
     std::thread::sleep(Duration::from_secs(2));
     after.mem_available_kib = mem_available_kib().unwrap_or(0);

@@ -126,14 +126,10 @@ fn fork_stats_json(samples: &[ForkSample]) -> (Stats, Value) {
     let vmm: Vec<Duration> = samples.iter().map(|s| s.vmm).collect();
     let hook: Vec<Duration> = samples.iter().map(|s| s.hook).collect();
     let s = Stats::from_durations(&total);
-    let mut v = stats_json(&s);
+    let mut v = s.json();
     v["vmm_answer_p50_ms"] = json!(Stats::from_durations(&vmm).p50_ms);
     v["after_fork_hook_p50_ms"] = json!(Stats::from_durations(&hook).p50_ms);
     (s, v)
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({"runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms})
 }
 
 fn meminfo() -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
@@ -248,7 +244,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             progress("fork", "restore baseline", i + 1, o.restore_runs);
         }
         let s = Stats::from_durations(&samples);
-        let mut v = stats_json(&s);
+        let mut v = s.json();
         v["memory_mib"] = json!(mib);
         record(&mut report, "restore_per_rollout", v);
         record(
@@ -266,7 +262,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             progress("fork", "cold boot baseline", i + 1, o.boot_runs);
         }
         let s = Stats::from_durations(&samples);
-        let mut v = stats_json(&s);
+        let mut v = s.json();
         v["memory_mib"] = json!(mib);
         record(&mut report, "cold_boot_per_rollout", v);
         record(

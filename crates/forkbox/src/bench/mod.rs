@@ -164,6 +164,18 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
     }
 }
 
+/// The nearest-rank `p`th percentile (0 to 100) of `sorted` (ascending);
+/// NaN when there are no samples. The p50 of an even count is the lower
+/// middle sample.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let n = sorted.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * n as f64).ceil() as usize;
+    sorted[rank.clamp(1, n) - 1]
+}
+
 /// Summary of a set of samples, in milliseconds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
@@ -180,18 +192,10 @@ impl Stats {
         let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
         ms.sort_by(f64::total_cmp);
         let n = ms.len();
-        let pct = |p: f64| -> f64 {
-            if n == 0 {
-                return f64::NAN;
-            }
-            // Nearest-rank percentile.
-            let rank = ((p / 100.0) * n as f64).ceil() as usize;
-            ms[rank.clamp(1, n) - 1]
-        };
         Self {
             runs: n,
-            p50_ms: pct(50.0),
-            p99_ms: pct(99.0),
+            p50_ms: percentile(&ms, 50.0),
+            p99_ms: percentile(&ms, 99.0),
             min_ms: ms.first().copied().unwrap_or(f64::NAN),
             max_ms: ms.last().copied().unwrap_or(f64::NAN),
             mean_ms: if n == 0 {
@@ -200,6 +204,14 @@ impl Stats {
                 ms.iter().sum::<f64>() / n as f64
             },
         }
+    }
+
+    /// The summary as a report shows it (without the mean).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "runs": self.runs, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
+            "min_ms": self.min_ms, "max_ms": self.max_ms,
+        })
     }
 
     pub fn line(&self, what: &str) -> String {
@@ -270,5 +282,14 @@ mod tests {
         assert_eq!(s.min_ms, 1.0);
         assert_eq!(s.max_ms, 100.0);
         assert_eq!(s.runs, 100);
+    }
+
+    #[test]
+    fn percentile_nearest_rank_takes_the_lower_middle_and_nan_for_none() {
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), 2.0);
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 50.0), 3.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+        assert_eq!(percentile(&[1.0, 2.0], 0.0), 1.0);
+        assert!(percentile(&[], 50.0).is_nan());
     }
 }

@@ -11,7 +11,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::{calibrate, progress, Stats};
+use super::{calibrate, percentile, progress, Stats};
 use anyhow::Context;
 use forkbox_host::image::ImageName;
 use forkbox_host::testbed::Environment;
@@ -198,20 +198,12 @@ fn mbit_s(bytes: u64, d: Duration) -> f64 {
 fn rate_json(mib: u32, rates: &[f64]) -> Value {
     let mut sorted = rates.to_vec();
     sorted.sort_by(f64::total_cmp);
-    let p50 = sorted
-        .get(sorted.len().div_ceil(2).saturating_sub(1))
-        .copied()
-        .unwrap_or(f64::NAN);
     json!({
         "mib": mib, "runs": rates.len(),
-        "mbit_s_p50": p50,
+        "mbit_s_p50": percentile(&sorted, 50.0),
         "mbit_s_best": sorted.last().copied().unwrap_or(f64::NAN),
         "mbit_s_runs": rates,
     })
-}
-
-fn stats_json(s: &Stats) -> Value {
-    json!({"runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms})
 }
 
 fn seconds(v: &Value, key: &str) -> anyhow::Result<Vec<Duration>> {
@@ -324,8 +316,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         "image": "debian", "vcpus": spec.vcpus, "memory_mib": spec.memory_mib,
         "guest_to_host": rate_json(o.mib, &up_rates),
         "host_to_guest": rate_json(o.mib, &down_rates),
-        "connect": stats_json(&ok),
-        "denied_connect": { "errors": errors, "stats": stats_json(&no) },
+        "connect": ok.json(),
+        "denied_connect": { "errors": errors, "stats": no.json() },
         "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
         "connect_p50_in_fork_execs": ok.p50_ms * 1000.0 / c.fork_exec_us,
     }))

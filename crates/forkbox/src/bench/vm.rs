@@ -11,7 +11,7 @@ use forkbox_host::vm::{Assets, Vm, VmSpec};
 use forkbox_proto::{ExecRequest, OutputStream};
 use serde_json::json;
 
-use super::{calibrate, print_report, Calibration, Stats};
+use super::{calibrate, percentile, print_report, Calibration, Stats};
 
 /// Cold boot: VMM start to the agent's handshake, `runs` times.
 pub fn boot(image: ImageName, runs: usize, json: bool) -> anyhow::Result<i32> {
@@ -87,7 +87,7 @@ pub fn exec(runs: usize, json: bool) -> anyhow::Result<i32> {
         json!({
             "bench": "exec", "environment": env.label(),
             "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "min_ms": s.min_ms, "max_ms": s.max_ms,
-            "stdout_16mib_mib_per_s": rates[rates.len() / 2],
+            "stdout_16mib_mib_per_s": percentile(&rates, 50.0),
             "vmm_overhead_mib": overhead as f64 / 1024.0,
             "loop_ns_per_iter": c.loop_ns_per_iter, "fork_exec_us": c.fork_exec_us,
             "p50_in_fork_execs": s.p50_ms * 1000.0 / c.fork_exec_us,

@@ -116,20 +116,26 @@ pub(crate) fn net_allowed_connects_denied_refused_and_both_logged() -> TestResul
         format!("allowed record: {r:?}"),
     )?;
 
-    // A loopback port off the allowlist: refused at once (no 20 s wait),
-    // never reaching the server, on the record as denied.
-    let t = std::time::Instant::now();
+    // A loopback port off the allowlist: refused (the gateway answers the
+    // SYN with an RST, so the guest's connect fails with ECONNREFUSED, which
+    // a dropped SYN never gives), never reaching the server, on the record
+    // as denied. How fast the refusal comes is `forkbox bench net`'s
+    // "connect, denied (refused)" figure, not this trial's. The agent's
+    // time limit is only a hang guard: generous, so that a connect left
+    // waiting for its SYN retries fails the trial with a clear message.
+    let hang_guard = Duration::from_secs(120);
     let (res, _, err) = exec(
         agent,
-        &ExecRequest::shell(format!("echo x | timeout 20 nc 10.0.2.2 {denied}")),
+        &ExecRequest::shell(format!("echo x | nc 10.0.2.2 {denied}")).timeout(hang_guard),
     );
-    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&err);
     check(
-        !res.success() && took < Duration::from_secs(10),
-        format!(
-            "denied connect: {res:?} after {took:?}, stderr {:?}",
-            String::from_utf8_lossy(&err)
-        ),
+        !res.timed_out,
+        format!("the denied connect was still waiting after {hang_guard:?} (hang guard): stderr {err:?}"),
+    )?;
+    check(
+        !res.success() && err.contains("Connection refused"),
+        format!("denied connect not refused: {res:?}, stderr {err:?}"),
     )?;
     check(
         matches!(other.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
@@ -515,7 +521,7 @@ pub(crate) fn vmm_memory_kib(vm: &Vm) -> Result<(u64, u64), Failed> {
         .map_err(|e| format!("the VMM's smaps: {e}"))?;
     let status = std::fs::read_to_string(format!("/proc/{}/status", vm.pid()))
         .map_err(|e| format!("the VMM's status: {e}"))?;
-    let rss = forkbox_host::measure::meminfo_kib(&status, "VmRSS:").ok_or("no VmRSS")?;
+    let rss = forkbox_host::measure::kib_field(&status, "VmRSS:").ok_or("no VmRSS")?;
     Ok((outside, rss))
 }
 

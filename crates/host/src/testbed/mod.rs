@@ -64,13 +64,7 @@ pub fn hardware_virtualization() -> bool {
     if !Path::new("/dev/kvm").exists() || Path::new("/sys/module/kvm_pvm").exists() {
         return false;
     }
-    std::fs::read_to_string("/proc/cpuinfo")
-        .map(|c| {
-            c.lines()
-                .filter(|l| l.starts_with("flags"))
-                .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
-        })
-        .unwrap_or(false)
+    crate::measure::cpu_has_flag(&["vmx", "svm"])
 }
 
 /// Where this process can run microVMs.

@@ -2,6 +2,7 @@
 //! the emulated host resets or stalls a guest before its agent is up), a
 //! restore from a snapshot, and adopting a VM another process started.
 
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ use rustix::process::Signal;
 
 use crate::control::Control;
 use crate::image::{self};
+use crate::poll::{self, TimedOut};
 use crate::testbed;
 
 use super::*;
@@ -112,37 +114,37 @@ impl Vm {
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
         let agent = AgentClient::hybrid_vsock(&vsock, AGENT_PORT);
-        loop {
+        let ready = poll::until(start + spec.boot_timeout, Duration::from_millis(5), || {
             if let Ok(Some(status)) = child.try_wait() {
-                return Err(VmError::DiedDuringBoot {
+                return ControlFlow::Break(Err(VmError::DiedDuringBoot {
                     how: describe_exit(status),
                     serial_tail: testbed::tail(&serial, 30),
                     code: status.code(),
-                });
+                }));
             }
-            if start.elapsed() > spec.boot_timeout {
-                let vcpus = where_vcpus_are(&Control::new(paths.control.clone()));
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(VmError::NeverReady {
-                    secs: spec.boot_timeout.as_secs(),
-                    vcpus,
-                    serial_tail: testbed::tail(&serial, 30),
-                });
+            if !vsock.exists() {
+                return ControlFlow::Continue(());
             }
-            if vsock.exists() {
-                match agent.wait_ready(Duration::from_millis(500)) {
-                    Ok(_) => break,
-                    Err(e @ ClientError::VersionMismatch { .. }) => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return Err(VmError::Handshake(e));
-                    }
-                    Err(_) => {}
+            match agent.wait_ready(Duration::from_millis(500)) {
+                Ok(_) => ControlFlow::Break(Ok(())),
+                Err(e @ ClientError::VersionMismatch { .. }) => {
+                    ControlFlow::Break(Err(VmError::Handshake(e)))
                 }
-            } else {
-                std::thread::sleep(Duration::from_millis(5));
+                Err(_) => ControlFlow::Continue(()),
             }
+        })
+        .unwrap_or_else(|TimedOut(())| {
+            Err(VmError::NeverReady {
+                secs: spec.boot_timeout.as_secs(),
+                vcpus: where_vcpus_are(&Control::new(paths.control.clone())),
+                serial_tail: testbed::tail(&serial, 30),
+            })
+        });
+        if let Err(e) = ready {
+            // Reaps a VMM that died; stops one that never answered.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
         }
         Ok(Self {
             vmm: Some(Vmm::Spawned(child)),
@@ -268,21 +270,20 @@ impl Vm {
             replaced: None,
             net: None,
         };
-        let status = loop {
-            match vm.control.status() {
-                Ok(s) => break s,
-                Err(e) => {
-                    if vm.has_exited() || start.elapsed() > AFTER_FORK_TIMEOUT {
-                        return Err(VmError::DiedDuringBoot {
-                            how: format!("no control socket: {e}"),
-                            serial_tail: vm.serial_tail(30),
-                            code: None,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            }
-        };
+        let status = poll::until(
+            start + AFTER_FORK_TIMEOUT,
+            Duration::from_millis(5),
+            || match vm.control.status() {
+                Err(e) if !vm.has_exited() => ControlFlow::Continue(e),
+                done => ControlFlow::Break(done),
+            },
+        )
+        .unwrap_or_else(|TimedOut(e)| Err(e))
+        .map_err(|e| VmError::DiedDuringBoot {
+            how: format!("no control socket: {e}"),
+            serial_tail: vm.serial_tail(30),
+            code: None,
+        })?;
         if status.state != RunState::Running {
             vm.resume()?;
         }

@@ -3,6 +3,7 @@
 //! it is handed out, and a child that does not answer in time replaced
 //! once by a new child of the same state.
 
+use std::ops::ControlFlow;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -13,6 +14,7 @@ use forkbox_proto::MIN_AFTER_FORK_ENTROPY;
 use rustix::process::Signal;
 
 use crate::control::Control;
+use crate::poll::{self, TimedOut};
 use crate::testbed;
 use forkbox_vmm_api::{ChildResult, Then};
 
@@ -157,44 +159,46 @@ impl Vm {
     /// Sends `AfterFork` (host time, fresh host entropy), retrying while
     /// the child's agent is not reachable yet; keeps the report.
     pub(super) fn after_fork_hook(&mut self, timeout: Duration) -> Result<(), VmError> {
-        let start = Instant::now();
+        let deadline = Instant::now() + timeout;
         let pid = self.pid();
-        loop {
+        let report = poll::until(deadline, Duration::from_millis(2), || {
             let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
-            rustix::rand::getrandom(&mut entropy[..], rustix::rand::GetRandomFlags::empty())
-                .map_err(|e| VmError::Entropy(e.into()))?;
+            if let Err(e) =
+                rustix::rand::getrandom(&mut entropy[..], rustix::rand::GetRandomFlags::empty())
+            {
+                return ControlFlow::Break(Err(VmError::Entropy(e.into())));
+            }
             // A guest that hangs must not hold an attempt past the deadline.
-            let left = timeout
-                .saturating_sub(start.elapsed())
+            let left = deadline
+                .saturating_duration_since(Instant::now())
                 .clamp(Duration::from_secs(1), AGENT_HANDSHAKE);
             let agent = self.agent.clone().with_handshake_timeout(left);
             match agent.after_fork(unix_now_ns(), entropy) {
-                Ok(report) => {
-                    self.after_fork = Some(report);
-                    return Ok(());
-                }
+                Ok(report) => ControlFlow::Break(Ok(report)),
                 // Not delivered: nothing listens yet, or the VMM refused
-                // the connection. Safe to retry.
+                // the connection. Safe to retry while the VMM lives.
                 Err(ClientError::Connect { .. } | ClientError::NotReady { .. }) => {
                     if self.has_exited() {
-                        return Err(VmError::DiedBeforeAfterFork {
+                        return ControlFlow::Break(Err(VmError::DiedBeforeAfterFork {
                             pid,
                             serial_tail: self.serial_tail(30),
-                        });
+                        }));
                     }
-                    if start.elapsed() > timeout {
-                        return Err(VmError::AfterForkTimeout {
-                            pid,
-                            secs: timeout.as_secs(),
-                            vcpus: where_vcpus_are(&self.control),
-                            serial_tail: self.serial_tail(30),
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
+                    ControlFlow::Continue(())
                 }
-                Err(source) => return Err(VmError::AfterFork { pid, source }),
+                Err(source) => ControlFlow::Break(Err(VmError::AfterFork { pid, source })),
             }
-        }
+        })
+        .unwrap_or_else(|TimedOut(())| {
+            Err(VmError::AfterForkTimeout {
+                pid,
+                secs: timeout.as_secs(),
+                vcpus: where_vcpus_are(&self.control),
+                serial_tail: self.serial_tail(30),
+            })
+        })?;
+        self.after_fork = Some(report);
+        Ok(())
     }
 }
 

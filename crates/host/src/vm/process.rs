@@ -3,6 +3,7 @@
 //! signalled, waited for and reaped off the caller's path; and the VM's
 //! directory, which outlives a process that dies without dropping it.
 
+use std::ops::ControlFlow;
 use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
-use crate::testbed;
+use crate::{poll, testbed};
 use forkbox_vmm_api::ChildSpec;
 
 use super::*;
@@ -156,14 +157,14 @@ impl Vm {
     pub fn wait_exit(&mut self, timeout: Duration) -> std::io::Result<Option<ExitStatus>> {
         match &mut self.vmm {
             Some(Vmm::Spawned(child)) => {
-                let start = Instant::now();
-                while start.elapsed() < timeout {
-                    if let Some(status) = child.try_wait()? {
-                        return Ok(Some(status));
+                let deadline = Instant::now() + timeout;
+                poll::until(deadline, Duration::from_millis(20), || {
+                    match child.try_wait().transpose() {
+                        Some(exited) => ControlFlow::Break(exited.map(Some)),
+                        None => ControlFlow::Continue(()),
                     }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Ok(None)
+                })
+                .unwrap_or(Ok(None))
             }
             Some(Vmm::Forked { pid, pidfd }) => {
                 if !pidfd_exited(pidfd, timeout) {
