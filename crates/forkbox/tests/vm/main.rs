@@ -43,6 +43,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .without_time()
         .init();
     let args = Arguments::from_args();
