@@ -140,7 +140,7 @@ fn main() -> ExitCode {
 
 /// The host library's diagnostics (`tracing` events) as plain lines on
 /// stderr: warnings by default, `FORKBOX_LOG` (or `RUST_LOG`) to change
-/// that, e.g. `FORKBOX_LOG=forkbox_host=debug`.
+/// that, e.g. `FORKBOX_LOG=warn,forkbox_host=debug`.
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("FORKBOX_LOG")
