@@ -8,11 +8,13 @@
 use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
+use forkbox_host::control::Control;
 use forkbox_host::image::ImageName;
 use forkbox_host::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
+use forkbox_vmm_api::VmmCounters;
 
 /// What a VM boots: the part of a template the backend needs. Every VM
 /// has a network device; `network` says what it may reach while it runs
@@ -115,6 +117,10 @@ pub trait BackendVm: Send + Sync {
     /// The last `lines` lines of its serial console (kernel and agent
     /// messages since it started, or since it was forked).
     fn console(&self, lines: usize) -> String;
+    /// What its VMM has counted (exits, control requests, vsock
+    /// connections, network frames; `None` from a VMM older than its
+    /// counters), waiting at most `within` for the answer. Blocking.
+    fn vmm_counters(&self, within: Duration) -> Result<Option<VmmCounters>, BackendError>;
 }
 
 /// One child of [`BackendVm::fork_with`]: the VM, or why it did not come up.
@@ -172,6 +178,9 @@ struct ForkboxVm {
     boot_time: Duration,
     replaced: Option<String>,
     handle: VmHandle,
+    /// Its control socket, asked without the lock (a fork or pause in
+    /// progress must not hold up a metrics scrape).
+    control: Control,
 }
 
 impl ForkboxVm {
@@ -183,6 +192,7 @@ impl ForkboxVm {
             boot_time: vm.boot_time,
             replaced: vm.replaced.clone(),
             handle: vm.handle(),
+            control: vm.control().clone(),
             vm: RwLock::new(vm),
         })
     }
@@ -262,6 +272,15 @@ impl BackendVm for ForkboxVm {
             .serial_tail(lines)
     }
 
+    fn vmm_counters(&self, within: Duration) -> Result<Option<VmmCounters>, BackendError> {
+        self.control
+            .counters(within)
+            .map_err(|e| BackendError::Control {
+                what: "reading the VMM's counters",
+                source: VmError::from(e),
+            })
+    }
+
     fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
         self.vm
             .read()
@@ -305,6 +324,7 @@ pub(crate) mod fake {
 
     use forkbox_net::policy::Policy;
     use forkbox_proto::client::AgentClient;
+    use forkbox_vmm_api::VmmCounters;
     use tokio::sync::watch;
 
     use super::{
@@ -348,6 +368,14 @@ pub(crate) mod fake {
         pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
         /// VMs that ended by themselves, by pid, with how they ended.
         pub lost: Mutex<BTreeMap<u32, String>>,
+        /// What every machine's VMM counted (`None`: an older VMM).
+        pub vmm_counters: Mutex<Option<VmmCounters>>,
+        /// Machines (by pid) whose VMM does not answer: they fail at once.
+        pub vmm_silent: Mutex<Vec<u32>>,
+        /// Machines (by pid) whose VMM hangs: they block until the test
+        /// sets `vmm_hang_over`, longer than any wait for them.
+        pub vmm_hung: Mutex<Vec<u32>>,
+        pub vmm_hang_over: (Mutex<bool>, std::sync::Condvar),
     }
 
     /// What became of the fake VMs.
@@ -503,6 +531,31 @@ pub(crate) mod fake {
         }
         fn console(&self, lines: usize) -> String {
             (0..lines).map(|i| format!("line {i}\n")).collect()
+        }
+        fn vmm_counters(&self, _within: Duration) -> Result<Option<VmmCounters>, BackendError> {
+            if self
+                .world
+                .vmm_hung
+                .lock()
+                .expect("vmm_hung")
+                .contains(&self.pid)
+            {
+                let (over, cond) = &self.world.vmm_hang_over;
+                let mut over = over.lock().expect("vmm_hang_over");
+                while !*over {
+                    over = cond.wait(over).expect("vmm_hang_over");
+                }
+            }
+            if self
+                .world
+                .vmm_silent
+                .lock()
+                .expect("vmm_silent")
+                .contains(&self.pid)
+            {
+                return Err(BackendError::Unsupported("a silent VMM in this test"));
+            }
+            Ok(*self.world.vmm_counters.lock().expect("vmm_counters"))
         }
         fn handle(&self) -> Option<VmHandle> {
             Some(VmHandle {

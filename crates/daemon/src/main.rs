@@ -65,10 +65,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // The host library's events too (a fork child replaced, a second
+    // boot, the network broker's failures).
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "forkboxd=info".into()),
+                .unwrap_or_else(|_| "forkboxd=info,forkbox_host=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

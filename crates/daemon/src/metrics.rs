@@ -1,7 +1,11 @@
 //! The daemon's counters, gauges and latency histograms, rendered in
-//! Prometheus' text format (0.0.4) by `prometheus-client`.
+//! Prometheus' text format (0.0.4) by `prometheus-client`; and the VMMs'
+//! own counters (`forkbox_vmm_*`), summed over live sandboxes at a scrape.
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+use forkbox_vmm_api::VmmCounters;
 
 use prometheus_client::encoding::{prometheus_text, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -41,6 +45,127 @@ struct KindLabel {
     kind: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+/// The VMMs' own counters summed over the live sandboxes asked at one
+/// scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmmTotals {
+    pub counters: VmmCounters,
+    /// VMMs whose counters are in the sums.
+    pub reporting: usize,
+    /// VMMs that did not answer in time, or failed to: left out.
+    pub unanswered: usize,
+}
+
+/// Gauges, not counters: a sum over live sandboxes falls when one ends.
+#[derive(Debug)]
+struct VmmGauges {
+    exits: Family<KindLabel, Gauge>,
+    control_requests: Gauge,
+    control_seconds: Gauge<f64, AtomicU64>,
+    vsock_connections: Gauge,
+    net_frames: Family<DirectionLabel, Gauge>,
+    net_bytes: Family<DirectionLabel, Gauge>,
+    reporting: Gauge,
+    unanswered: Gauge,
+    /// Every VMM that did not answer, over all scrapes.
+    unanswered_total: Counter,
+}
+
+impl VmmGauges {
+    fn register(registry: &mut Registry) -> Self {
+        let r = registry.sub_registry_with_prefix("forkbox_vmm");
+        let g = Self {
+            exits: Family::default(),
+            control_requests: Gauge::default(),
+            control_seconds: Gauge::default(),
+            vsock_connections: Gauge::default(),
+            net_frames: Family::default(),
+            net_bytes: Family::default(),
+            reporting: Gauge::default(),
+            unanswered: Gauge::default(),
+            unanswered_total: Counter::default(),
+        };
+        r.register(
+            "exits",
+            "vCPU exits to the VMM by kind (io, mmio, other), summed over live sandboxes",
+            g.exits.clone(),
+        );
+        r.register(
+            "control_requests",
+            "Control requests (pause, fork, ...) the VMMs served, summed over live sandboxes",
+            g.control_requests.clone(),
+        );
+        r.register(
+            "control_seconds",
+            "Time the VMMs spent serving control requests, summed over live sandboxes",
+            g.control_seconds.clone(),
+        );
+        r.register(
+            "vsock_connections",
+            "Host connections to guest vsock ports, summed over live sandboxes",
+            g.vsock_connections.clone(),
+        );
+        r.register(
+            "net_frames",
+            "Ethernet frames between guest and gateway by direction (tx: from the guest), summed over live sandboxes",
+            g.net_frames.clone(),
+        );
+        r.register(
+            "net_bytes",
+            "Bytes of those frames by direction, summed over live sandboxes",
+            g.net_bytes.clone(),
+        );
+        r.register(
+            "reporting",
+            "Live sandboxes' VMMs whose counters are in the forkbox_vmm sums of this scrape",
+            g.reporting.clone(),
+        );
+        r.register(
+            "unanswered",
+            "Live sandboxes' VMMs left out of this scrape's sums: no answer in time",
+            g.unanswered.clone(),
+        );
+        r.register(
+            "unanswered_scrapes",
+            "VMMs left out of a scrape's sums for want of an answer, over all scrapes",
+            g.unanswered_total.clone(),
+        );
+        g
+    }
+
+    fn set(&self, t: &VmmTotals) {
+        let v = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let c = &t.counters;
+        for (kind, n) in [
+            ("io", c.exits_io),
+            ("mmio", c.exits_mmio),
+            ("other", c.exits_other),
+        ] {
+            self.exits.get_or_create(&KindLabel { kind }).set(v(n));
+        }
+        self.control_requests.set(v(c.control_requests));
+        self.control_seconds
+            .set(Duration::from_micros(c.control_micros).as_secs_f64());
+        self.vsock_connections.set(v(c.vsock_connections));
+        for (direction, frames, bytes) in [
+            ("tx", c.net_tx_frames, c.net_tx_bytes),
+            ("rx", c.net_rx_frames, c.net_rx_bytes),
+        ] {
+            let label = DirectionLabel { direction };
+            self.net_frames.get_or_create(&label).set(v(frames));
+            self.net_bytes.get_or_create(&label).set(v(bytes));
+        }
+        self.reporting.set(v(t.reporting as u64));
+        self.unanswered.set(v(t.unanswered as u64));
+        self.unanswered_total.inc_by(t.unanswered as u64);
+    }
+}
+
 /// Everything `/metrics` shows. The counters are handles into the
 /// registry: counting is `inc()`.
 #[derive(Debug)]
@@ -66,6 +191,7 @@ pub struct Metrics {
     pub fork_latency: Latency,
     pub exec_latency: Latency,
     errors: Family<KindLabel, Counter>,
+    vmm: VmmGauges,
 }
 
 impl Default for Metrics {
@@ -136,6 +262,7 @@ impl Default for Metrics {
             "Failed requests by error kind",
             errors.clone(),
         );
+        let vmm = VmmGauges::register(&mut registry);
         let outcome = |family: &Family<OutcomeLabel, Counter>, outcome| {
             family.get_or_create(&OutcomeLabel { outcome }).clone()
         };
@@ -157,6 +284,7 @@ impl Default for Metrics {
             fork_latency,
             exec_latency,
             errors,
+            vmm,
         }
     }
 }
@@ -165,6 +293,12 @@ impl Metrics {
     /// Counts a failed request of this kind.
     pub fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// Sets the `forkbox_vmm_*` gauges from one scrape's sums (and counts
+    /// its unanswered VMMs); the next [`Metrics::render`] shows them.
+    pub fn set_vmm(&self, totals: &VmmTotals) {
+        self.vmm.set(totals);
     }
 
     /// The text format, with the gauges the caller reads from the registry.
@@ -213,6 +347,51 @@ mod tests {
         assert!(text.contains("forkbox_errors_total{kind=\"infrastructure\"} 2"));
         assert!(text.contains("forkbox_errors_total{kind=\"not_found\"} 1"));
         assert!(text.contains("forkbox_sandboxes_live 3"));
+    }
+
+    #[test]
+    fn vmm_totals_render_as_forkbox_vmm_gauges() {
+        let m = Metrics::default();
+        let totals = VmmTotals {
+            counters: VmmCounters {
+                exits_io: 10,
+                exits_mmio: 20,
+                exits_other: 30,
+                control_requests: 4,
+                control_micros: 1_500_000,
+                vsock_connections: 5,
+                net_tx_frames: 6,
+                net_tx_bytes: 600,
+                net_rx_frames: 7,
+                net_rx_bytes: 700,
+            },
+            reporting: 2,
+            unanswered: 1,
+        };
+        m.set_vmm(&totals);
+        m.set_vmm(&totals);
+        let text = m.render(3, 0);
+        for line in [
+            "# TYPE forkbox_vmm_exits gauge",
+            "forkbox_vmm_exits{kind=\"io\"} 10",
+            "forkbox_vmm_exits{kind=\"mmio\"} 20",
+            "forkbox_vmm_exits{kind=\"other\"} 30",
+            "forkbox_vmm_control_requests 4",
+            "forkbox_vmm_control_seconds 1.5",
+            "forkbox_vmm_vsock_connections 5",
+            "forkbox_vmm_net_frames{direction=\"tx\"} 6",
+            "forkbox_vmm_net_frames{direction=\"rx\"} 7",
+            "forkbox_vmm_net_bytes{direction=\"tx\"} 600",
+            "forkbox_vmm_net_bytes{direction=\"rx\"} 700",
+            "forkbox_vmm_reporting 2",
+            "# TYPE forkbox_vmm_unanswered gauge",
+            "forkbox_vmm_unanswered 1",
+            // Counted at each of the two scrapes.
+            "# TYPE forkbox_vmm_unanswered_scrapes_total counter",
+            "forkbox_vmm_unanswered_scrapes_total 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
     }
 
     #[test]

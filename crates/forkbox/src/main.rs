@@ -127,6 +127,7 @@ enum TestbedCmd {
 }
 
 fn main() -> ExitCode {
+    init_logging();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -135,6 +136,22 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// The host library's diagnostics (`tracing` events) as plain lines on
+/// stderr: warnings by default, `FORKBOX_LOG` (or `RUST_LOG`) to change
+/// that, e.g. `FORKBOX_LOG=warn,forkbox_host=debug`.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("FORKBOX_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .init();
 }
 
 fn run(cli: Cli) -> anyhow::Result<i32> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use forkbox_vmm_api::{
     decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, Snapshotted, Status,
-    Then, Vcpus, ZygoteMemory,
+    Then, Vcpus, VmmCounters, ZygoteMemory,
 };
 use serde::de::DeserializeOwned;
 
@@ -126,6 +126,14 @@ impl Control {
             .join("\n"))
     }
 
+    /// What the VMM has counted (`status`; `None` from a VMM older than
+    /// its counters), waiting at most `within` for the answer: for
+    /// metrics, where a hung VMM must not hold its caller.
+    pub fn counters(&self, within: Duration) -> Result<Option<VmmCounters>, ControlError> {
+        let status: Status = self.call_within(&Request::Status, within)?;
+        Ok(status.counters)
+    }
+
     /// Sends `req`; returns the answer of an `"ok":true` response.
     pub fn call<T: DeserializeOwned>(&self, req: &Request) -> Result<T, ControlError> {
         self.call_within(req, ANSWER_TIMEOUT)
@@ -189,6 +197,77 @@ mod tests {
             "{err}"
         );
         assert_eq!(err.to_string(), "the VMM refused `pause`: already paused");
+    }
+
+    /// A VMM's control socket in `dir` that reads one request and
+    /// answers `answer` (without it: never).
+    fn one_answer(dir: &Path, answer: Option<&'static str>) -> Control {
+        let path = dir.join("control.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        std::thread::spawn(move || {
+            let (stream, _) = listener.accept().expect("accept");
+            let mut line = String::new();
+            BufReader::new(&stream)
+                .read_line(&mut line)
+                .expect("request");
+            assert_eq!(line, "{\"op\":\"status\"}\n");
+            match answer {
+                Some(a) => (&stream).write_all(a.as_bytes()).expect("answer"),
+                // Holds the connection open until the client gives up.
+                None => {
+                    let _ = BufReader::new(&stream).read_line(&mut line);
+                }
+            }
+        });
+        Control::new(path)
+    }
+
+    #[test]
+    fn control_counters_reads_the_status_answers_counters() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let control = one_answer(
+            dir.path(),
+            Some("{\"ok\":true,\"state\":\"running\",\"pid\":7,\"vcpus\":1,\"memory_mib\":256,\"counters\":{\"exits_mmio\":12,\"vsock_connections\":3}}\n"),
+        );
+        let counters = control
+            .counters(Duration::from_secs(30))
+            .expect("an answer");
+        assert_eq!(
+            counters,
+            Some(VmmCounters {
+                exits_mmio: 12,
+                vsock_connections: 3,
+                ..VmmCounters::default()
+            })
+        );
+    }
+
+    #[test]
+    fn control_counters_of_an_older_vmm_are_none() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let control = one_answer(
+            dir.path(),
+            Some("{\"ok\":true,\"state\":\"paused\",\"pid\":7,\"vcpus\":1,\"memory_mib\":256}\n"),
+        );
+        assert_eq!(
+            control
+                .counters(Duration::from_secs(30))
+                .expect("an answer"),
+            None
+        );
+    }
+
+    #[test]
+    fn control_counters_of_a_silent_vmm_fail_after_within() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let control = one_answer(dir.path(), None);
+        let err = control
+            .counters(Duration::from_millis(20))
+            .expect_err("no answer");
+        assert!(
+            matches!(err, ControlError::Io { op: "status", .. }),
+            "{err}"
+        );
     }
 
     #[test]

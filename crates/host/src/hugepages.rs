@@ -61,15 +61,20 @@ pub fn allow(path: &Path) -> Outcome {
 pub fn allow_for_zygotes() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| match allow(Path::new(SHMEM_ENABLED)) {
-        Outcome::Enabled => eprintln!(
-            "forkbox: {SHMEM_ENABLED}: never -> advise, so that zygote memory can use \
-             2 MiB pages (faster forks); memory that does not ask for them is unchanged; \
-             write `deny` there to keep forkbox from them"
+        // A warning although it worked: a host-wide setting changed, which
+        // the user should hear of at the default level (docs/SPEC.md).
+        Outcome::Enabled => tracing::warn!(
+            path = SHMEM_ENABLED,
+            "never -> advise, so that zygote memory can use 2 MiB pages (faster forks); \
+             memory that does not ask for them is unchanged; write `deny` there to keep \
+             forkbox from them"
         ),
-        Outcome::Failed(e) => eprintln!(
-            "forkbox: warning: zygote memory stays in 4 KiB pages: {SHMEM_ENABLED} is \
-             `never` and cannot be set to `advise` ({e}); forks work, with more page \
-             faults each. As root: echo advise > {SHMEM_ENABLED}"
+        Outcome::Failed(e) => tracing::warn!(
+            path = SHMEM_ENABLED,
+            cause = %e,
+            "zygote memory stays in 4 KiB pages: the setting is `never` and cannot be \
+             set to `advise`; forks work, with more page faults each. As root: echo \
+             advise > {SHMEM_ENABLED}"
         ),
         Outcome::Unsupported | Outcome::Kept(_) => {}
     });

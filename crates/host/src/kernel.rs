@@ -65,8 +65,11 @@ impl Kernel {
             Ok(dir) => dir,
             Err(first) => match debs::resolve_metapackage(meta) {
                 Some(current) if current != package => {
-                    eprintln!(
-                        "forkbox: warning: pinned kernel {package} is not available ({first}); using {current}"
+                    tracing::warn!(
+                        pinned = package,
+                        using = %current,
+                        cause = %first,
+                        "the pinned kernel is not available; using the current one"
                     );
                     debs::unpacked(&current).map_err(|source| KernelError::Fetch {
                         package: current.clone(),

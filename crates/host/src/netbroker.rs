@@ -175,7 +175,7 @@ impl NetBroker {
         conns.retain(|c| match c.upgrade() {
             Some(conn) => {
                 if let Err(e) = rustix::net::send(&*conn, message, SendFlags::NOSIGNAL) {
-                    eprintln!("forkbox: net broker: cannot send the new policy: {e}");
+                    tracing::warn!(error = %e, "net broker: cannot send the new policy");
                 }
                 true
             }
@@ -213,7 +213,7 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
                     let mut pushed = shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
                     if let Err(e) = rustix::net::send(&*conn, &pushed.message, SendFlags::NOSIGNAL)
                     {
-                        eprintln!("forkbox: net broker: cannot send the policy: {e}");
+                        tracing::warn!(error = %e, "net broker: cannot send the policy");
                     }
                     pushed.conns.retain(|c| c.strong_count() > 0);
                     pushed.conns.push(Arc::downgrade(&conn));
@@ -223,7 +223,7 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
                     .name("net-broker-conn".into())
                     .spawn(move || serve(conn, &shared));
                 if let Err(e) = spawned {
-                    eprintln!("forkbox: net broker: cannot start a thread: {e}");
+                    tracing::warn!(error = %e, "net broker: cannot start a thread");
                 }
             }
             Err(rustix::io::Errno::INTR) => {}
@@ -247,7 +247,7 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
             Ok(r) => r,
             Err(e) => {
                 // Nothing to name in a reply: drop the connection.
-                eprintln!("forkbox: net broker: bad request: {e}");
+                tracing::warn!(error = %e, "net broker: bad request; dropping the connection");
                 return;
             }
         };
@@ -287,12 +287,12 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
                             Err(e) => send(&*conn, BrokerReply::failed(id, e), None),
                         };
                         if let Err(e) = reply {
-                            eprintln!("forkbox: net broker: cannot answer: {e}");
+                            tracing::warn!(error = %e, "net broker: cannot answer");
                         }
                         in_flight.fetch_sub(1, Ordering::SeqCst);
                     });
                 if let Err(e) = spawned {
-                    eprintln!("forkbox: net broker: cannot start a thread: {e}");
+                    tracing::warn!(error = %e, "net broker: cannot start a thread");
                 }
             }
         }

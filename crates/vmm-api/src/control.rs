@@ -5,7 +5,8 @@
 //! ends (the VMM's event loop, forkbox's `Control`).
 //!
 //! Requests:
-//! - `{"op":"status"}`
+//! - `{"op":"status"}`: the run state, shape, and what the VMM counted
+//!   (`counters`, [`VmmCounters`]; absent from an older VMM)
 //! - `{"op":"pause"}`, `{"op":"resume"}`
 //! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P,"net_broker":P}, ...],"then":"resume"|"pause"}`
 //!   (`net_log`: the child's own egress log, without it the child has none;
@@ -155,6 +156,63 @@ pub struct Status {
     pub pid: u32,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// What the VMM counted; absent from a VMM older than them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<VmmCounters>,
+}
+
+/// What one VMM process has counted since it started (a fork child:
+/// since it was forked; a restored VM: since it was restored). Every
+/// field defaults to 0, so either end may know fields the other does not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VmmCounters {
+    /// vCPU exits to the VMM for port I/O.
+    pub exits_io: u64,
+    /// vCPU exits to the VMM for MMIO (virtio registers).
+    pub exits_mmio: u64,
+    /// Every other vCPU exit (a signal's kick, an interrupt window, ...).
+    pub exits_other: u64,
+    /// Control requests served (this `status` not included).
+    pub control_requests: u64,
+    /// Time spent serving them, in microseconds.
+    pub control_micros: u64,
+    /// Host connections to a guest vsock port (the agent's included).
+    pub vsock_connections: u64,
+    /// Ethernet frames from the guest to the network gateway, and bytes.
+    pub net_tx_frames: u64,
+    pub net_tx_bytes: u64,
+    /// Ethernet frames from the gateway to the guest, and bytes.
+    pub net_rx_frames: u64,
+    pub net_rx_bytes: u64,
+}
+
+impl VmmCounters {
+    /// The sum, field by field (saturating), for totals over VMMs.
+    pub fn add(&mut self, other: &VmmCounters) {
+        let VmmCounters {
+            exits_io,
+            exits_mmio,
+            exits_other,
+            control_requests,
+            control_micros,
+            vsock_connections,
+            net_tx_frames,
+            net_tx_bytes,
+            net_rx_frames,
+            net_rx_bytes,
+        } = other;
+        self.exits_io = self.exits_io.saturating_add(*exits_io);
+        self.exits_mmio = self.exits_mmio.saturating_add(*exits_mmio);
+        self.exits_other = self.exits_other.saturating_add(*exits_other);
+        self.control_requests = self.control_requests.saturating_add(*control_requests);
+        self.control_micros = self.control_micros.saturating_add(*control_micros);
+        self.vsock_connections = self.vsock_connections.saturating_add(*vsock_connections);
+        self.net_tx_frames = self.net_tx_frames.saturating_add(*net_tx_frames);
+        self.net_tx_bytes = self.net_tx_bytes.saturating_add(*net_tx_bytes);
+        self.net_rx_frames = self.net_rx_frames.saturating_add(*net_rx_frames);
+        self.net_rx_bytes = self.net_rx_bytes.saturating_add(*net_rx_bytes);
+    }
 }
 
 /// The answer to `pause` and `resume`: nothing but `ok`.
@@ -458,6 +516,7 @@ mod tests {
             pid: 7,
             vcpus: 2,
             memory_mib: 512,
+            counters: None,
         });
         assert_eq!(
             s.to_line(),
@@ -508,6 +567,18 @@ mod tests {
             pid: 9,
             vcpus: 8,
             memory_mib: 16384,
+            counters: Some(VmmCounters {
+                exits_io: 1,
+                exits_mmio: 2,
+                exits_other: 3,
+                control_requests: 4,
+                control_micros: 5,
+                vsock_connections: 6,
+                net_tx_frames: 7,
+                net_tx_bytes: 8,
+                net_rx_frames: 9,
+                net_rx_bytes: 10,
+            }),
         };
         assert_eq!(
             decode_answer::<Status>(&line(&Response::Status(status.clone()))),
@@ -549,6 +620,55 @@ mod tests {
             decode_answer::<ZygoteMemory>(&line(&Response::Zygote(zygote))),
             Ok(zygote)
         );
+    }
+
+    #[test]
+    fn status_without_counters_parses_as_none() {
+        let old = "{\"ok\":true,\"state\":\"running\",\"pid\":7,\"vcpus\":2,\"memory_mib\":512}\n";
+        let status = decode_answer::<Status>(old).expect("an older VMM's status");
+        assert_eq!(status.counters, None);
+    }
+
+    #[test]
+    fn status_counters_with_unknown_and_missing_fields_parse() {
+        // A newer VMM's extra counter is ignored; a missing one is 0.
+        let newer = "{\"ok\":true,\"state\":\"running\",\"pid\":7,\"vcpus\":2,\"memory_mib\":512,\
+                     \"counters\":{\"exits_io\":3,\"exits_from_the_future\":1}}";
+        let status = decode_answer::<Status>(newer).expect("a newer VMM's status");
+        assert_eq!(
+            status.counters,
+            Some(VmmCounters {
+                exits_io: 3,
+                ..VmmCounters::default()
+            })
+        );
+    }
+
+    #[test]
+    fn vmm_counters_add_sums_every_field() {
+        let one = VmmCounters {
+            exits_io: 1,
+            exits_mmio: 1,
+            exits_other: 1,
+            control_requests: 1,
+            control_micros: 1,
+            vsock_connections: 1,
+            net_tx_frames: 1,
+            net_tx_bytes: 1,
+            net_rx_frames: 1,
+            net_rx_bytes: 1,
+        };
+        let mut sum = one;
+        sum.add(&one);
+        let two = serde_json::to_value(sum).expect("plain data");
+        let fields = two.as_object().expect("an object");
+        assert!(fields.values().all(|v| v == 2), "{two}");
+        let mut top = VmmCounters {
+            exits_io: u64::MAX,
+            ..VmmCounters::default()
+        };
+        top.add(&one);
+        assert_eq!(top.exits_io, u64::MAX);
     }
 
     #[test]

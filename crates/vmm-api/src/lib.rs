@@ -22,7 +22,7 @@ pub mod shape;
 
 pub use control::{
     decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, RequestError,
-    Response, RunState, Snapshotted, Status, Then, VcpuReport, Vcpus, ZygoteMemory,
+    Response, RunState, Snapshotted, Status, Then, VcpuReport, Vcpus, VmmCounters, ZygoteMemory,
 };
 pub use shape::{ShapeError, VmShape};
 

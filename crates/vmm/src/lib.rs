@@ -24,6 +24,8 @@
 //!   that capture and apply it.
 //! - [`control`]: the control socket's line framing (sans-IO); its requests
 //!   and answers are `forkbox-vmm-api`'s.
+//! - [`counters`]: what the VMM counts (exits, control requests, network
+//!   frames) for the `status` answer.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
 //! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
@@ -44,6 +46,7 @@ pub mod acpi;
 pub mod boot;
 pub mod cli;
 pub mod control;
+pub mod counters;
 pub mod cpu;
 pub mod fork;
 pub mod host;

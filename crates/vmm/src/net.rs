@@ -47,6 +47,8 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
+use crate::counters::{Counters, COUNTERS};
+
 /// The guest's MAC address (locally administered; every VM has the same:
 /// no two VMs share a network).
 pub const GUEST_MAC: [u8; 6] = [0x02, 0x46, 0x42, 0x00, 0x00, 0x0f];
@@ -556,6 +558,8 @@ fn now_since(started: Instant) -> Now {
 
 impl FrameBackend for GatewayBackend {
     fn send(&mut self, frame: &[u8]) {
+        Counters::bump(&COUNTERS.net_tx_frames);
+        Counters::add(&COUNTERS.net_tx_bytes, frame.len() as u64);
         let now = self.now();
         self.gateway.receive_frame(frame, now);
     }
@@ -565,7 +569,10 @@ impl FrameBackend for GatewayBackend {
     }
 
     fn recv(&mut self) -> Option<Vec<u8>> {
-        self.gateway.take_frame()
+        let frame = self.gateway.take_frame()?;
+        Counters::bump(&COUNTERS.net_rx_frames);
+        Counters::add(&COUNTERS.net_rx_bytes, frame.len() as u64);
+        Some(frame)
     }
 
     fn event_fd(&self) -> Option<RawFd> {

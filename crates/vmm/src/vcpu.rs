@@ -23,6 +23,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{Killable, SIGRTMIN};
 
+use crate::counters::{Counters, COUNTERS};
 use crate::pio::{PortBus, PortEvent, ResetCause};
 use crate::state::{self, VcpuState};
 use crate::virtio::MmioBus;
@@ -391,7 +392,13 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
             continue;
         }
         let (pio, mmio) = (&ctx.pio, &ctx.mmio);
-        match ctx.vcpu.run() {
+        let run = ctx.vcpu.run();
+        Counters::bump(match &run {
+            Ok(VcpuExit::IoIn(..) | VcpuExit::IoOut(..)) => &COUNTERS.exits_io,
+            Ok(VcpuExit::MmioRead(..) | VcpuExit::MmioWrite(..)) => &COUNTERS.exits_mmio,
+            _ => &COUNTERS.exits_other,
+        });
+        match run {
             Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
             Ok(VcpuExit::IoOut(port, data)) => {
                 if let Some(event) = pio.write(port, data) {

@@ -266,7 +266,7 @@ async fn health() -> Json<serde_json::Value> {
 async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        st.daemon.metrics_text(),
+        st.daemon.scrape().await,
     )
 }
 

@@ -35,6 +35,7 @@
 //! - `recovery`: writing live VMs down, and re-adopting them after a
 //!   restart.
 //! - `view`: sandboxes as the API shows them.
+//! - `vmm_metrics`: the VMMs' own counters, summed for `/metrics`.
 //! - `error`: why a request failed ([`DaemonError`]).
 
 mod error;
@@ -49,6 +50,7 @@ mod templates;
 #[cfg(test)]
 mod testing;
 mod view;
+mod vmm_metrics;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -72,6 +74,7 @@ pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
 pub use templates::{BakeEvent, BakeFailure};
 pub use view::{NetworkInfo, SandboxInfo, SandboxMetrics};
+pub use vmm_metrics::VMM_COUNTERS_WAIT;
 
 use ports::PortForward;
 use templates::{Template, Zygote};
@@ -127,6 +130,8 @@ struct Inner {
     shared: Mutex<Shared>,
     room: Notify,
     metrics: Metrics,
+    /// Sandboxes whose VMM has a metrics question out.
+    asking: vmm_metrics::Asking,
 }
 
 impl Shared {
@@ -210,6 +215,7 @@ impl Daemon {
                 }),
                 room: Notify::new(),
                 metrics: Metrics::default(),
+                asking: vmm_metrics::Asking::default(),
             }),
         }
     }
@@ -218,6 +224,8 @@ impl Daemon {
         self.inner.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The metrics as they are, the VMMs' counters as the last
+    /// [`scrape`](Self::scrape) found them.
     pub fn metrics_text(&self) -> String {
         let (live, creating) = {
             let s = self.lock();

@@ -35,6 +35,17 @@ use net::*;
 type TestResult = Result<(), Failed>;
 
 fn main() {
+    // The host library's warnings (a fork child replaced, a second boot)
+    // stay in the suite's output; `FORKBOX_LOG` changes the level.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FORKBOX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .init();
     let args = Arguments::from_args();
     if Environment::detect() == Environment::NeedsEmulatedHost {
         // Build the assets out here: the emulated host sees our files

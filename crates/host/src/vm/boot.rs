@@ -46,11 +46,11 @@ impl Vm {
                 ) if resets < 2 => {
                     resets += 1;
                     // The error's text carries the serial tail.
-                    eprintln!("forkbox: warning: {e}; booting once more");
+                    tracing::warn!(cause = %e, "booting once more");
                 }
                 Err(e @ VmError::NeverReady { .. }) if hangs < 1 => {
                     hangs += 1;
-                    eprintln!("forkbox: warning: {e}; booting once more");
+                    tracing::warn!(cause = %e, "booting once more");
                 }
                 other => return other,
             }

@@ -142,7 +142,7 @@ impl Vm {
                             Err(lost) => lost,
                         };
                         let why = format!("{lost:#}");
-                        eprintln!("forkbox: fork child {index} was lost ({why}); replacing it with a new child of the same state");
+                        tracing::warn!(index, cause = %why, "fork child was lost; replacing it with a new child of the same state");
                         (*child).replace(&self.control, deadline, why)
                     })
                 })
@@ -255,7 +255,7 @@ impl<'a> PausedWhileForking<'a> {
 impl Drop for PausedWhileForking<'_> {
     fn drop(&mut self) {
         if let Err(e) = self.0.resume() {
-            eprintln!("forkbox: cannot resume the fork's parent: {e}");
+            tracing::warn!(error = %e, "cannot resume the fork's parent");
         }
     }
 }
@@ -273,7 +273,7 @@ pub(super) fn kill_forked(answers: &[ChildResult]) {
                         .name("vm-reap".into())
                         .spawn(move || reap_vmm(vmm));
                 }
-                Err(e) => eprintln!("forkbox: cannot kill fork child {pid}: {e}"),
+                Err(e) => tracing::warn!(pid, error = %e, "cannot kill a fork child"),
             }
         }
     }

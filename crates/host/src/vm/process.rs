@@ -227,7 +227,7 @@ impl Drop for Vm {
             .name("vm-reap".into())
             .spawn(move || reap_vmm(vmm));
         if let Err(e) = reaped {
-            eprintln!("forkbox: cannot start a reaper thread: {e}");
+            tracing::warn!(error = %e, "cannot start a reaper thread");
         }
     }
 }

@@ -14,6 +14,7 @@ use forkbox_vmm_api::{
 };
 
 use crate::control::{Line, LineBuffer};
+use crate::counters::{Counters, COUNTERS};
 use crate::fork;
 
 use super::forking::ChildPlan;
@@ -147,12 +148,15 @@ impl Machine {
         };
         tracing::debug!(?request, "control request");
         let started = Instant::now();
+        // `status` is how the counters are read: not counted itself.
+        let counted = !matches!(request, Request::Status);
         let outcome = match request {
             Request::Status => Outcome::Reply(Response::Status(Status {
                 state: self.run_state,
                 pid: std::process::id(),
                 vcpus: self.hw.vcpus,
                 memory_mib: self.hw.memory_mib,
+                counters: Some(COUNTERS.snapshot()),
             })),
             Request::Pause => Outcome::Reply(reply(self.pause().map(|_| ()))),
             Request::Resume => {
@@ -182,7 +186,13 @@ impl Machine {
                 Err(e) => Response::error(chain(e)),
             }),
         };
-        tracing::debug!(elapsed = ?started.elapsed(), "control request done");
+        let elapsed = started.elapsed();
+        tracing::debug!(?elapsed, "control request done");
+        if counted {
+            Counters::bump(&COUNTERS.control_requests);
+            let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+            Counters::add(&COUNTERS.control_micros, micros);
+        }
         outcome
     }
 }

@@ -54,6 +54,10 @@ use crate::virtio::persist::{DeviceState, RestoreError, VsockState};
 use crate::virtio::{ActivateError, VirtioDevice};
 use crate::{EventSource, GuestMemory, Interrupt};
 
+/// Host connections this process's vsock devices have taken (one VM per
+/// VMM process), for the VMM's counters; it resets this in a fork child.
+pub static HOST_CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Queue indices.
 pub const RX_QUEUE: u16 = 0;
 pub const TX_QUEUE: u16 = 1;
@@ -377,6 +381,7 @@ impl Backend {
                     shut_write: false,
                 },
             );
+            HOST_CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.read_connect_line(port);
         }
     }
