@@ -1,4 +1,5 @@
 //! The `forkbox` command.
+#![forbid(unsafe_code)]
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;

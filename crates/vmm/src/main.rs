@@ -1,5 +1,6 @@
 //! `forkbox-vmm`: parses the command line, runs one VM, and turns its end
 //! into the process exit status (see `forkbox_vmm_api::exit_code`).
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 use forkbox_vmm::cli::Args;

@@ -231,8 +231,10 @@ pub enum ForkChild {
 /// Forks a running or paused sandbox into `count` copy-on-write children,
 /// which inherit its labels, time-to-live, environment and current egress
 /// policy (each logs its egress on its own) and run at once; the parent
-/// keeps its state. One entry per child, in order. The request as a whole
-/// fails (an error status) only when no child could be made.
+/// keeps its state. One entry per child, in order: a child the caps do
+/// not admit is its own entry's error (200 even when that is every child).
+/// The request as a whole fails (an error status) when the parent is not
+/// there or cannot fork (its VMM refused or is gone).
 #[utoipa::path(post, path = "/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = ForkBody,
     responses((status = 200, body = [ForkChild]), (status = 404, body = ApiErrorBody),
               (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
