@@ -235,9 +235,10 @@ pub(crate) fn fork_smp_ipi_load_200_children_all_answer() -> TestResult {
         vcpus: 2,
         ..VmSpec::default()
     });
-    sh(
-        parent.agent(),
+    answer_within(
+        &parent,
         "(while :; do yes | head -c 20000 > /dev/null; /bin/true; sleep 0.05; done) >/dev/null 2>&1 & echo started",
+        Duration::from_secs(300),
     )?;
     for wave in 0..25 {
         let children = fork(&mut parent, 8)?;
@@ -275,7 +276,7 @@ pub(crate) fn fork_smp_ipi_load_200_children_all_answer() -> TestResult {
             )?;
         }
     }
-    let out = sh(parent.agent(), "echo alive")?;
+    let out = answer_within(&parent, "echo alive", Duration::from_secs(300))?;
     check(out == "alive\n", format!("the parent answered {out:?}"))
 }
 

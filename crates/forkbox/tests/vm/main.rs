@@ -380,8 +380,34 @@ fn exec(agent: &AgentClient, req: &ExecRequest) -> (forkbox_proto::ExecResult, V
     (result, out, err)
 }
 
-/// Runs a shell script that must succeed; returns its stdout.
+/// Longest any guest command of a trial may go unanswered: a hang guard,
+/// not a timing (the longest script here loops for two minutes). A guest
+/// that stops answering fails its trial instead of holding the suite until
+/// the emulated host's limit.
+const SH_HANG_GUARD: Duration = Duration::from_secs(600);
+
+/// Runs a shell script that must succeed; returns its stdout. Fails after
+/// [`SH_HANG_GUARD`] without an answer; [`answer_within`] says more (the
+/// VM's vCPUs and serial log) where the trial has the `Vm`.
 fn sh(agent: &AgentClient, script: &str) -> Result<String, Failed> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (agent, owned) = (agent.clone(), script.to_owned());
+    // Left behind if the guest never answers: the VM's end ends it.
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            sh_unbounded(&agent, &owned).map_err(|e| e.message().unwrap_or_default().to_owned()),
+        );
+    });
+    match rx.recv_timeout(SH_HANG_GUARD) {
+        Ok(r) => r.map_err(Failed::from),
+        Err(_) => Err(format!(
+            "`{script}`: no answer within {SH_HANG_GUARD:?} (hang guard): the guest or its agent stopped answering"
+        )
+        .into()),
+    }
+}
+
+fn sh_unbounded(agent: &AgentClient, script: &str) -> Result<String, Failed> {
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let r = agent
         .exec(&ExecRequest::shell(script), None, &mut |s, b| match s {
@@ -406,7 +432,9 @@ fn answer_within(vm: &Vm, script: &str, limit: Duration) -> Result<String, Faile
     let (agent, owned) = (vm.agent().clone(), script.to_owned());
     // Left behind if the guest never answers: the VM's end ends it.
     std::thread::spawn(move || {
-        let _ = tx.send(sh(&agent, &owned).map_err(|e| e.message().unwrap_or_default().to_owned()));
+        let _ = tx.send(
+            sh_unbounded(&agent, &owned).map_err(|e| e.message().unwrap_or_default().to_owned()),
+        );
     });
     match rx.recv_timeout(limit) {
         Ok(r) => r.map_err(Failed::from),
