@@ -73,6 +73,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "forkboxd=info,forkbox_host=info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal, not for a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
