@@ -390,21 +390,25 @@ const SH_HANG_GUARD: Duration = Duration::from_secs(600);
 /// [`SH_HANG_GUARD`] without an answer; [`answer_within`] says more (the
 /// VM's vCPUs and serial log) where the trial has the `Vm`.
 fn sh(agent: &AgentClient, script: &str) -> Result<String, Failed> {
+    sh_within(agent, script, SH_HANG_GUARD).unwrap_or_else(|| {
+        Err(format!(
+            "`{script}`: no answer within {SH_HANG_GUARD:?} (hang guard): the guest or its agent stopped answering"
+        )
+        .into())
+    })
+}
+
+/// [`sh_unbounded`] on a thread of its own; `None` if no answer came
+/// within `limit` (the thread is left behind: the VM's end ends it).
+fn sh_within(agent: &AgentClient, script: &str, limit: Duration) -> Option<Result<String, Failed>> {
     let (tx, rx) = std::sync::mpsc::channel();
     let (agent, owned) = (agent.clone(), script.to_owned());
-    // Left behind if the guest never answers: the VM's end ends it.
     std::thread::spawn(move || {
         let _ = tx.send(
             sh_unbounded(&agent, &owned).map_err(|e| e.message().unwrap_or_default().to_owned()),
         );
     });
-    match rx.recv_timeout(SH_HANG_GUARD) {
-        Ok(r) => r.map_err(Failed::from),
-        Err(_) => Err(format!(
-            "`{script}`: no answer within {SH_HANG_GUARD:?} (hang guard): the guest or its agent stopped answering"
-        )
-        .into()),
-    }
+    rx.recv_timeout(limit).ok().map(|r| r.map_err(Failed::from))
 }
 
 fn sh_unbounded(agent: &AgentClient, script: &str) -> Result<String, Failed> {
@@ -428,17 +432,8 @@ fn sh_unbounded(agent: &AgentClient, script: &str) -> Result<String, Failed> {
 /// [`sh`] in `vm`, failing after `limit` with where the VM's vCPUs are and
 /// its serial log instead of waiting on a guest that does not answer.
 fn answer_within(vm: &Vm, script: &str, limit: Duration) -> Result<String, Failed> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (agent, owned) = (vm.agent().clone(), script.to_owned());
-    // Left behind if the guest never answers: the VM's end ends it.
-    std::thread::spawn(move || {
-        let _ = tx.send(
-            sh_unbounded(&agent, &owned).map_err(|e| e.message().unwrap_or_default().to_owned()),
-        );
-    });
-    match rx.recv_timeout(limit) {
-        Ok(r) => r.map_err(Failed::from),
-        Err(_) => Err(format!(
+    sh_within(vm.agent(), script, limit).unwrap_or_else(|| {
+        Err(format!(
             "no answer to `{script}` within {limit:?} from VMM {}\n--- vCPUs ---\n{}\n--- serial log (tail) ---\n{}",
             vm.pid(),
             vm.control()
@@ -446,8 +441,8 @@ fn answer_within(vm: &Vm, script: &str, limit: Duration) -> Result<String, Faile
                 .unwrap_or_else(|e| format!("(not readable: {e})")),
             vm.serial_tail(20)
         )
-        .into()),
-    }
+        .into())
+    })
 }
 
 /// Forks `vm` into `n` children, all of which must come up.
