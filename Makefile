@@ -41,7 +41,7 @@ qemu: deps
 # PIP_BREAK_SYSTEM_PACKAGES: Debian's python3 refuses system-wide pip
 # installs otherwise (PEP 668); older pips ignore it.
 python-deps: deps
-	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --disable-pip-version-check httpx pytest gymnasium
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --disable-pip-version-check httpx pytest pytest-timeout gymnasium
 
 # The guest agent is PID 1 in an initramfs with no libc: link it statically.
 agent: deps
@@ -64,10 +64,12 @@ test: build lint
 # The Python SDK against a real forkboxd. Without hardware virtualization
 # the whole pytest session runs inside the emulated KVM host (QEMU TCG; its
 # root is this machine's, read-only), so the image is built out here first.
+# A test that hangs fails after 10 minutes with where it waited (pytest-timeout)
+# and the suite goes on, instead of the whole session hitting its limit.
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
 	$(FORKBOX) testbed run --if-needed --timeout 1800 --host-crash-retries 2 -- env PYTHONDONTWRITEBYTECODE=1 \
-		python3 -m pytest -p no:cacheprovider -q sdk/python/tests
+		python3 -m pytest -p no:cacheprovider -q --timeout 600 sdk/python/tests
 
 fmt:
 	$(CARGO) fmt --all
