@@ -651,7 +651,9 @@ fn vsock_random_tx_packets_do_not_panic() {
             (rnd() % 8) as u16,
             (rnd() % 300) as u16,
         );
-        h.tx.publish((rnd() % 300) as u16);
+        // Heads inside the queue: one outside it needs a reset (tested
+        // on its own), after which nothing would be served.
+        h.tx.publish((rnd() % 256) as u16);
         h.dev.queue_notify(TX_QUEUE);
         h.tx.used();
         if r & 0x1000 != 0 {
