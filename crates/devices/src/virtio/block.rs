@@ -571,6 +571,38 @@ mod tests {
     }
 
     #[test]
+    fn block_requests_past_the_offered_limits_are_ioerr_and_not_read() {
+        let (mut blk, mem, _f, _, irq) = setup("limits", 64);
+        let mut drv = Driver::new(&mem, 0, 32);
+        let irq = Interrupt::new(irq);
+        blk.activate(mem.clone(), vec![drv.queue()], irq.clone())
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_IN, 0);
+        // One segment larger than size_max.
+        mem.write_slice(&[0xee; 16], GuestAddress(DATA))
+            .expect("marker");
+        drv.add(&[ro(HDR, 16), wo(DATA, SIZE_MAX + 512), wo(STATUS, 1)]);
+        assert_eq!(blk.queue_notify(0), Work::Done);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        let mut marker = [0u8; 16];
+        mem.read_slice(&mut marker, GuestAddress(DATA))
+            .expect("marker");
+        assert_eq!(marker, [0xee; 16], "nothing was read into the buffer");
+        // More than MAX_REQUEST_BYTES in segments of size_max each (all
+        // over the same guest buffer: only the lengths matter).
+        let n = (MAX_REQUEST_BYTES / u64::from(SIZE_MAX)) as usize + 1;
+        let mut bufs = vec![ro(HDR, 16)];
+        bufs.extend(std::iter::repeat(wo(DATA, SIZE_MAX)).take(n));
+        bufs.push(wo(STATUS, 1));
+        mem.write_obj(0xffu8, GuestAddress(STATUS)).expect("status");
+        drv.add(&bufs);
+        assert_eq!(blk.queue_notify(0), Work::Done);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        assert_eq!(drv.used().iter().map(|u| u.1).collect::<Vec<_>>(), [1, 1]);
+        assert_eq!(irq.guest_errors(), 2);
+    }
+
+    #[test]
     fn block_malformed_chains_are_returned_without_panic() {
         let (mut blk, mem, _f, _, irq) = setup("bad", 4);
         let mut drv = Driver::new(&mem, 0, 16);

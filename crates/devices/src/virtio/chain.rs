@@ -300,3 +300,197 @@ impl Chain {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use vm_memory::Bytes;
+
+    use super::*;
+    use crate::virtio::testutil::{memory, Driver};
+
+    const TABLE: u64 = 0x8000;
+    const BUF: u64 = 0x2_0000;
+
+    fn table(size: u16, indirect: bool) -> DescTable {
+        DescTable {
+            addr: GuestAddress(0),
+            size,
+            indirect,
+        }
+    }
+
+    /// Writes an indirect table of `n` descriptors at `at`, each 16 bytes
+    /// device-readable, chained 0 -> 1 -> ... -> n-1.
+    fn indirect_table(mem: &GuestMemory, at: u64, n: u16, flags_of_first: u16) {
+        for i in 0..n {
+            let mut raw = [0u8; 16];
+            raw[0..8].copy_from_slice(&(BUF + u64::from(i) * 16).to_le_bytes());
+            raw[8..12].copy_from_slice(&16u32.to_le_bytes());
+            let mut flags = if i + 1 < n { DESC_F_NEXT } else { 0 };
+            if i == 0 {
+                flags |= flags_of_first;
+            }
+            raw[12..14].copy_from_slice(&flags.to_le_bytes());
+            raw[14..16].copy_from_slice(&(i + 1).to_le_bytes());
+            mem.write_slice(&raw, GuestAddress(at + u64::from(i) * 16))
+                .expect("indirect descriptor");
+        }
+    }
+
+    #[test]
+    fn chain_walk_flattens_readable_then_writable() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        drv.write_desc(0, BUF, 100, DESC_F_NEXT, 5);
+        drv.write_desc(5, BUF + 0x1000, 0, DESC_F_NEXT, 2);
+        drv.write_desc(2, BUF + 0x2000, 50, DESC_F_WRITE, 9);
+        let c = Chain::walk(&mem, table(16, false), 0).expect("good chain");
+        assert_eq!((c.readable.len(), c.readable.count()), (100, 1));
+        assert_eq!((c.writable.len(), c.writable.count()), (50, 1));
+    }
+
+    #[test]
+    fn chain_walk_bounds_loops_and_indices() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        // A loop 0 -> 1 -> 0.
+        drv.write_desc(0, BUF, 16, DESC_F_NEXT, 1);
+        drv.write_desc(1, BUF, 16, DESC_F_NEXT, 0);
+        assert!(matches!(
+            Chain::walk(&mem, table(16, false), 0),
+            Err(ChainError::TooLong { max: 16 })
+        ));
+        // A next index outside the table.
+        drv.write_desc(1, BUF, 16, DESC_F_NEXT, 16);
+        assert!(matches!(
+            Chain::walk(&mem, table(16, false), 0),
+            Err(ChainError::BadIndex {
+                index: 16,
+                size: 16
+            })
+        ));
+        // A head outside the table.
+        assert!(matches!(
+            Chain::walk(&mem, table(16, false), u16::MAX),
+            Err(ChainError::BadIndex { .. })
+        ));
+        // A chain of exactly the queue size is fine.
+        for i in 0..16u16 {
+            let flags = if i < 15 { DESC_F_NEXT } else { 0 };
+            drv.write_desc(i, BUF, 16, flags, i + 1);
+        }
+        let c = Chain::walk(&mem, table(16, false), 0).expect("16 descriptors");
+        assert_eq!(c.readable.count(), 16);
+    }
+
+    #[test]
+    fn chain_walk_refuses_indirect_unless_negotiated() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        indirect_table(&mem, TABLE, 4, 0);
+        drv.write_desc(0, TABLE, 4 * 16, DESC_F_INDIRECT, 0);
+        assert!(matches!(
+            Chain::walk(&mem, table(16, false), 0),
+            Err(ChainError::IndirectNotNegotiated)
+        ));
+        let c = Chain::walk(&mem, table(16, true), 0).expect("negotiated");
+        assert_eq!((c.readable.count(), c.readable.len()), (4, 64));
+    }
+
+    #[test]
+    fn chain_walk_bounds_indirect_tables() {
+        let mem = memory(0x10_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        let walk = || Chain::walk(&mem, table(16, true), 0);
+        // More descriptors than the queue size, inside an indirect table.
+        indirect_table(&mem, TABLE, 17, 0);
+        drv.write_desc(0, TABLE, 17 * 16, DESC_F_INDIRECT, 0);
+        assert!(matches!(walk(), Err(ChainError::TooLong { max: 16 })));
+        // A loop inside the table.
+        indirect_table(&mem, TABLE, 2, 0);
+        let mut raw = [0u8; 16];
+        raw[0..8].copy_from_slice(&BUF.to_le_bytes());
+        raw[8..12].copy_from_slice(&16u32.to_le_bytes());
+        raw[12..14].copy_from_slice(&DESC_F_NEXT.to_le_bytes());
+        mem.write_slice(&raw, GuestAddress(TABLE + 16))
+            .expect("looping entry");
+        drv.write_desc(0, TABLE, 2 * 16, DESC_F_INDIRECT, 0);
+        assert!(matches!(walk(), Err(ChainError::TooLong { .. })));
+        // Nested indirect.
+        indirect_table(&mem, TABLE, 2, DESC_F_INDIRECT);
+        assert!(matches!(walk(), Err(ChainError::NestedIndirect)));
+        // INDIRECT together with NEXT.
+        indirect_table(&mem, TABLE, 2, 0);
+        drv.write_desc(0, TABLE, 2 * 16, DESC_F_INDIRECT | DESC_F_NEXT, 1);
+        assert!(matches!(walk(), Err(ChainError::IndirectWithNext)));
+        // Tables of a bad length, or outside memory.
+        for (addr, len) in [
+            (TABLE, 0u32),
+            (TABLE, 24),
+            (u64::MAX - 15, 16),
+            (0x10_0000, 16),
+        ] {
+            drv.write_desc(0, addr, len, DESC_F_INDIRECT, 0);
+            assert!(
+                matches!(walk(), Err(ChainError::BadIndirectTable { .. })),
+                "{addr:#x}+{len}"
+            );
+        }
+        // A table longer than 65535 entries (4 GiB - 16 bytes) is refused
+        // without being read.
+        drv.write_desc(0, 0, 0xffff_fff0, DESC_F_INDIRECT, 0);
+        assert!(matches!(walk(), Err(ChainError::BadIndirectTable { .. })));
+    }
+
+    #[test]
+    fn chain_walk_refuses_more_than_4_gib() {
+        // 8 GiB of address space, never touched beyond the descriptors
+        // (an anonymous mapping: pages come only when written).
+        let mem = memory(0x2_0000_0000);
+        let drv = Driver::new(&mem, 0, 16);
+        drv.write_desc(0, BUF, u32::MAX, DESC_F_NEXT, 1);
+        drv.write_desc(1, BUF, 1, 0, 0);
+        let c = Chain::walk(&mem, table(16, false), 0).expect("exactly 4 GiB");
+        assert_eq!(c.readable.len(), MAX_CHAIN_BYTES);
+        drv.write_desc(1, BUF, 2, 0, 0);
+        assert!(matches!(
+            Chain::walk(&mem, table(16, false), 0),
+            Err(ChainError::TooManyBytes)
+        ));
+    }
+
+    #[test]
+    fn chain_walk_random_tables_never_panic() {
+        let mem = memory(0x10_0000);
+        let mut x: u64 = 0x0123_4567_89ab_cdef;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let drv = Driver::new(&mem, 0, 16);
+            for i in 0..16u16 {
+                let r = rnd();
+                let addr = match r % 4 {
+                    0 => rnd(),
+                    1 => TABLE,
+                    _ => rnd() % 0x10_0000,
+                };
+                drv.write_desc(
+                    i,
+                    addr,
+                    (rnd() >> 40) as u32,
+                    (rnd() % 8) as u16,
+                    (rnd() % 20) as u16,
+                );
+            }
+            let mut junk = [0u8; 64];
+            junk.iter_mut().for_each(|b| *b = rnd() as u8);
+            mem.write_slice(&junk, GuestAddress(TABLE))
+                .expect("junk table");
+            let _ = Chain::walk(&mem, table(16, rnd() & 1 == 0), (rnd() % 18) as u16);
+        }
+    }
+}

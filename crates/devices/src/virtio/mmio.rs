@@ -836,6 +836,51 @@ mod tests {
     }
 
     #[test]
+    fn mmio_device_needing_reset_shows_it_until_the_driver_resets() {
+        let (mut t, _, mem) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, &mem, 0, 0x1000);
+        setup_queue(&mut t, &mem, 1, 0x2000);
+        w(&mut t, reg::STATUS, ALL_OK);
+        assert_eq!(r(&mut t, reg::STATUS), ALL_OK);
+        t.interrupt().set_needs_reset();
+        assert_eq!(r(&mut t, reg::STATUS), ALL_OK | status::DEVICE_NEEDS_RESET);
+        assert_ne!(
+            r(&mut t, reg::INTERRUPT_STATUS) & crate::VIRTIO_MMIO_INT_CONFIG,
+            0
+        );
+        // Saved and restored with the flag.
+        let saved = t.save();
+        assert_ne!(saved.status & status::DEVICE_NEEDS_RESET, 0);
+        w(&mut t, reg::STATUS, 0);
+        assert_eq!(r(&mut t, reg::STATUS), 0);
+        assert!(!t.interrupt().needs_reset());
+    }
+
+    #[test]
+    fn mmio_misaligned_or_null_rings_are_not_activated() {
+        for (reg_low, value) in [
+            (reg::QUEUE_DESC_LOW, 0x1008),
+            (reg::QUEUE_DRIVER_LOW, 0x1001),
+            (reg::QUEUE_DEVICE_LOW, 0x1002),
+            (reg::QUEUE_DRIVER_LOW, 0),
+        ] {
+            let (mut t, _, mem) = transport();
+            negotiate(&mut t);
+            setup_queue(&mut t, &mem, 0, 0x1000);
+            setup_queue(&mut t, &mem, 1, 0x2000);
+            w(&mut t, reg::QUEUE_SEL, 1);
+            w(&mut t, reg::QUEUE_READY, 0);
+            w(&mut t, reg_low, value);
+            w(&mut t, reg::QUEUE_READY, 1);
+            w(&mut t, reg::STATUS, ALL_OK);
+            assert!(!t.is_activated(), "{reg_low:#x} = {value:#x}");
+            assert_ne!(r(&mut t, reg::STATUS) & status::DEVICE_NEEDS_RESET, 0);
+            assert_eq!(t.interrupt().guest_errors(), 1);
+        }
+    }
+
+    #[test]
     fn mmio_queue_outside_memory_is_not_activated() {
         let (mut t, _, mem) = transport();
         negotiate(&mut t);

@@ -629,6 +629,32 @@ mod tests {
     }
 
     #[test]
+    fn net_rx_and_tx_serve_one_budget_per_turn() {
+        use crate::virtio::BUDGET_CHAINS;
+        let mem = memory(0x40_0000);
+        let (mut net, backend, mut rx, mut tx, _irq) = setup_sized(&mem, 256);
+        let frames = BUDGET_CHAINS + 36;
+        for i in 0..frames {
+            backend.wire().to_guest.push_back(frame(60, i as u8));
+            rx.add(&[wo(BUF + (i as u64) * 0x100, 0x100)]);
+        }
+        assert_eq!(net.handle_events(), Work::More);
+        assert_eq!(rx.used().len(), BUDGET_CHAINS);
+        assert_eq!(net.handle_events(), Work::Done);
+        assert_eq!(rx.used().len(), 36);
+        // The same on tx: a queue of frames is sent one budget per turn.
+        for i in 0..frames {
+            let at = BUF + 0x2_0000 + (i as u64) * 0x100;
+            tx.add(&[ro(at, (HDR_LEN + 60) as u32)]);
+        }
+        assert_eq!(net.queue_notify(1), Work::More);
+        assert_eq!(tx.used().len(), BUDGET_CHAINS);
+        assert_eq!(net.queue_notify(1), Work::Done);
+        assert_eq!(tx.used().len(), 36);
+        assert_eq!(backend.wire().from_guest.len(), frames);
+    }
+
+    #[test]
     fn net_rx_small_buffer_drops_frame() {
         let mem = memory(0x40_0000);
         let (mut net, backend, mut rx, _tx, _irq) = setup(&mem);
