@@ -592,7 +592,7 @@ mod tests {
         // over the same guest buffer: only the lengths matter).
         let n = (MAX_REQUEST_BYTES / u64::from(SIZE_MAX)) as usize + 1;
         let mut bufs = vec![ro(HDR, 16)];
-        bufs.extend(std::iter::repeat(wo(DATA, SIZE_MAX)).take(n));
+        bufs.extend(std::iter::repeat_n(wo(DATA, SIZE_MAX), n));
         bufs.push(wo(STATUS, 1));
         mem.write_obj(0xffu8, GuestAddress(STATUS)).expect("status");
         drv.add(&bufs);
