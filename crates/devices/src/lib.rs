@@ -22,6 +22,7 @@
 //!     - [`virtio::vsock::conn`]: one connection's state and credit, sans-IO.
 //!   - [`virtio::persist`]: serialisable device and transport state for
 //!     snapshot, restore and fork (required `save`/`restore` on every device).
+//! - [`warnings`]: the rate limit on warnings a guest causes.
 //!
 //! No `unsafe` here: guest memory is touched through `vm-memory`'s volatile
 //! slices, sockets through `std`, epoll through `vmm-sys-util`.
@@ -33,14 +34,18 @@
 
 #![forbid(unsafe_code)]
 
+use std::fmt::Display;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 pub use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod virtio;
+pub mod warnings;
+
+use self::warnings::Warnings;
 
 /// Guest memory as every device sees it.
 pub type GuestMemory = GuestMemoryMmap<()>;
@@ -52,6 +57,26 @@ pub trait BusDevice: Send {
     fn write(&mut self, offset: u64, data: &[u8]);
 }
 
+/// Whether a device stopped because its budget for this turn of the
+/// VMM's event loop ran out ([`Work::More`]: call it again next turn, even
+/// without a new event) or because it had nothing left to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    Done,
+    More,
+}
+
+impl std::ops::BitOr for Work {
+    type Output = Work;
+    fn bitor(self, other: Work) -> Work {
+        if self == Work::More || other == Work::More {
+            Work::More
+        } else {
+            Work::Done
+        }
+    }
+}
+
 /// Host-side events a device waits for (sockets, timers), beside the guest's
 /// queue notifications. The VMM's event loop adds `fd` to its epoll set and
 /// calls `handle_events` when it is readable. A device that needs several
@@ -59,15 +84,27 @@ pub trait BusDevice: Send {
 /// VMM watches never changes.
 pub trait EventSource: Send {
     fn event_fd(&self) -> Option<RawFd>;
-    fn handle_events(&mut self);
+    /// Does the host-side work, within the device's per-turn budget.
+    fn handle_events(&mut self) -> Work;
 }
 
 /// The interrupt line of one virtio-mmio device: the InterruptStatus bits
 /// shared with the transport, plus the eventfd behind the device's irqfd.
+/// It also carries what else the device tells its transport, for as long
+/// as the transport lives (a driver reset does not renew it): that the
+/// device needs a reset, and the rate limit on its guest-caused warnings.
 #[derive(Clone)]
 pub struct Interrupt {
     status: Arc<AtomicU32>,
     irq: Arc<EventFd>,
+    health: Arc<Health>,
+}
+
+/// The device's side of the Status register and its warnings.
+#[derive(Default)]
+struct Health {
+    needs_reset: AtomicBool,
+    warnings: Mutex<Warnings>,
 }
 
 /// InterruptStatus bit: a queue's used ring was updated.
@@ -80,6 +117,7 @@ impl Interrupt {
         Self {
             status: Arc::new(AtomicU32::new(0)),
             irq,
+            health: Arc::default(),
         }
     }
 
@@ -113,6 +151,44 @@ impl Interrupt {
     /// Sets InterruptStatus as saved (restore only; no interrupt is raised).
     pub fn restore_status(&self, bits: u32) {
         self.status.store(bits, Ordering::SeqCst);
+    }
+
+    /// The guest broke the device's protocol in a way it cannot go on from
+    /// (virtio 1.x §2.1.2): the transport shows DEVICE_NEEDS_RESET and the
+    /// device serves nothing until the driver resets it. The driver hears
+    /// of it through a configuration-change interrupt.
+    pub fn set_needs_reset(&self) {
+        if !self.health.needs_reset.swap(true, Ordering::SeqCst) {
+            self.signal_config();
+        }
+    }
+
+    /// Whether [`Interrupt::set_needs_reset`] was called since the last reset.
+    pub fn needs_reset(&self) -> bool {
+        self.health.needs_reset.load(Ordering::SeqCst)
+    }
+
+    /// The driver reset the device (or a restore put the flag back).
+    pub fn restore_needs_reset(&self, on: bool) {
+        self.health.needs_reset.store(on, Ordering::SeqCst);
+    }
+
+    /// Logs a guest-caused error of `device`, rate-limited
+    /// ([`warnings::Warnings`]).
+    pub fn guest_error(&self, device: &str, what: &dyn Display) {
+        let mut w = match self.health.warnings.lock() {
+            Ok(w) => w,
+            Err(p) => p.into_inner(),
+        };
+        w.warn(device, what);
+    }
+
+    /// Guest-caused errors seen so far, logged or not.
+    pub fn guest_errors(&self) -> u64 {
+        match self.health.warnings.lock() {
+            Ok(w) => w.total(),
+            Err(p) => p.into_inner().total(),
+        }
     }
 
     /// The eventfd behind this line, for the VMM to register as an irqfd.

@@ -11,7 +11,7 @@ use forkbox_devices::virtio::net::Net;
 use forkbox_devices::virtio::persist::{RestoreError, TransportState};
 use forkbox_devices::virtio::vsock::Vsock;
 use forkbox_devices::virtio::VirtioDevice;
-use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt};
+use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt, Work};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::layout::VirtioWindow;
@@ -22,8 +22,9 @@ pub const GUEST_CID: u64 = 3;
 
 /// A virtio-mmio transport: register accesses, host events, queue kicks.
 pub trait VirtioMmio: BusDevice + EventSource {
-    /// The driver kicked queue `index` (delivered through an ioeventfd).
-    fn queue_notify(&mut self, index: u16);
+    /// The driver kicked queue `index` (delivered through an ioeventfd);
+    /// [`Work::More`]: the device's budget for this turn ran out.
+    fn queue_notify(&mut self, index: u16) -> Work;
     /// The transport's and its device's state.
     fn save(&self) -> TransportState;
     /// The interrupt status register: non-zero while an interrupt the
@@ -77,8 +78,8 @@ pub struct VirtioSlot {
 }
 
 impl VirtioMmio for MmioTransport {
-    fn queue_notify(&mut self, index: u16) {
-        MmioTransport::queue_notify(self, index);
+    fn queue_notify(&mut self, index: u16) -> Work {
+        MmioTransport::queue_notify(self, index)
     }
 
     fn save(&self) -> TransportState {

@@ -27,7 +27,7 @@ use crate::virtio::chain::{Chain, ChainError};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
 use crate::virtio::persist::{BlockState, DeviceState, RestoreError};
 use crate::virtio::{ActivateError, Active, VirtioDevice};
-use crate::{EventSource, GuestMemory, Interrupt};
+use crate::{EventSource, GuestMemory, Interrupt, Work};
 
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR_SIZE: u64 = 512;
@@ -38,6 +38,13 @@ pub const SIZE_MAX: u32 = 1 << 20;
 /// Most data segments in one request (`seg_max`): the queue minus the
 /// header and status descriptors.
 pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// Most data bytes in one request. Linux asks for at most
+/// `max_sectors_kb` (1280 KiB by default) per request; a guest that raises
+/// it past this gets IOERR rather than a main loop busy copying hundreds
+/// of MiB for one request.
+pub const MAX_REQUEST_BYTES: u64 = 8 << 20;
+/// Name in log lines.
+const DEVICE: &str = "virtio-blk";
 /// Length of the request header (`virtio_blk_outhdr`).
 const HEADER_LEN: usize = 16;
 /// Bounce buffer size for reads.
@@ -62,6 +69,12 @@ pub enum BlockError {
     ReadOnly,
     #[error("unsupported request type {0}")]
     Unsupported(u32),
+    #[error("request has {0} data segments, more than seg_max {SEG_MAX}")]
+    TooManySegments(usize),
+    #[error("data segment of {0} bytes is larger than size_max {SIZE_MAX}")]
+    SegmentTooLarge(u32),
+    #[error("request of {0} data bytes is larger than {MAX_REQUEST_BYTES}")]
+    TooLarge(u64),
 }
 
 /// A read-only virtio block device backed by a file.
@@ -117,11 +130,12 @@ impl Block {
         c
     }
 
-    fn process_queue(&mut self) {
+    fn process_queue(&mut self) -> Work {
         let Some(active) = self.active.as_mut() else {
-            return;
+            return Work::Done;
         };
-        let used = active.serve_all(0, |mem, chain| match chain {
+        let irq = active.interrupt.clone();
+        let (used, work) = active.serve(0, |mem, chain| match chain {
             Ok(c) => handle_request(
                 &self.file,
                 self.capacity,
@@ -129,16 +143,48 @@ impl Block {
                 &mut self.bounce,
                 mem,
                 &c,
+                &irq,
             ),
             Err(e) => {
-                tracing::debug!("virtio-blk: {}", BlockError::Chain(e));
+                irq.guest_error(DEVICE, &BlockError::Chain(e));
                 0
             }
         });
         if used {
             active.interrupt.signal_used_queue();
         }
+        work
     }
+}
+
+/// Checks the data buffers of a request against what the device offers:
+/// at most [`SEG_MAX`] segments of at most [`SIZE_MAX`] bytes each, and at
+/// most [`MAX_REQUEST_BYTES`] in all. `data` is the request's data part
+/// (without header and status byte).
+fn check_segments(chain: &Chain, data: u64) -> Result<(), BlockError> {
+    // The header is one readable region at least, the status byte is the
+    // last writable one; everything else is data.
+    let segments = chain.readable.count() + chain.writable.count();
+    let segments = segments.saturating_sub(2);
+    if segments > SEG_MAX as usize {
+        return Err(BlockError::TooManySegments(segments));
+    }
+    let largest = chain
+        .readable
+        .iter()
+        .chain(chain.writable.iter())
+        .map(|r| r.len)
+        .max()
+        .unwrap_or(0);
+    // The header (16) and status (1) descriptors are far below SIZE_MAX,
+    // so the largest region is a data one whenever it is over the limit.
+    if largest > SIZE_MAX {
+        return Err(BlockError::SegmentTooLarge(largest));
+    }
+    if data > MAX_REQUEST_BYTES {
+        return Err(BlockError::TooLarge(data));
+    }
+    Ok(())
 }
 
 /// Serves one request; returns the number of bytes written into the chain.
@@ -149,17 +195,18 @@ fn handle_request(
     bounce: &mut Vec<u8>,
     mem: &GuestMemory,
     chain: &Chain,
+    irq: &Interrupt,
 ) -> u32 {
     let mut hdr = [0u8; HEADER_LEN];
     let status_offset = match chain.writable.len().checked_sub(1) {
         Some(o) => o,
         None => {
-            tracing::debug!("virtio-blk: {}", BlockError::NoStatus);
+            irq.guest_error(DEVICE, &BlockError::NoStatus);
             return 0;
         }
     };
     let result = match chain.readable.read_at(mem, 0, &mut hdr) {
-        Ok(HEADER_LEN) => {
+        Ok(HEADER_LEN) => check_segments(chain, status_offset).and_then(|()| {
             let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
             let mut sector = [0u8; 8];
             sector.copy_from_slice(&hdr[8..16]);
@@ -175,23 +222,30 @@ fn handle_request(
                 sector,
                 status_offset,
             )
-        }
+        }),
         Ok(n) => Err(BlockError::ShortHeader(n)),
         Err(e) => Err(BlockError::Chain(e)),
     };
     let (status, data_len) = match result {
         Ok(n) => (VIRTIO_BLK_S_OK, n),
-        Err(BlockError::Unsupported(kind)) => {
-            tracing::debug!(kind, "virtio-blk: unsupported request");
+        Err(e @ BlockError::Unsupported(_)) => {
+            irq.guest_error(DEVICE, &e);
             (VIRTIO_BLK_S_UNSUPP, 0)
         }
+        Err(e @ BlockError::Io(_)) => {
+            // The host's file failed, not the guest: not rate-limited as
+            // the guest's, but it cannot repeat faster than requests do.
+            tracing::warn!("{DEVICE}: {e}");
+            (VIRTIO_BLK_S_IOERR, 0)
+        }
+        Err(BlockError::ReadOnly) => (VIRTIO_BLK_S_IOERR, 0),
         Err(e) => {
-            tracing::debug!("virtio-blk: request failed: {e}");
+            irq.guest_error(DEVICE, &e);
             (VIRTIO_BLK_S_IOERR, 0)
         }
     };
     if let Err(e) = chain.writable.write_at(mem, status_offset, &[status as u8]) {
-        tracing::debug!("virtio-blk: cannot write status: {e}");
+        irq.guest_error(DEVICE, &BlockError::Chain(e));
         return 0;
     }
     // data_len <= status_offset < writable length, which fits the used
@@ -259,7 +313,9 @@ impl EventSource for Block {
         None
     }
 
-    fn handle_events(&mut self) {}
+    fn handle_events(&mut self) -> Work {
+        Work::Done
+    }
 }
 
 impl VirtioDevice for Block {
@@ -293,13 +349,15 @@ impl VirtioDevice for Block {
         queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        self.active = Some(Active::new(mem, queues, interrupt)?);
+        self.active = Some(Active::new(mem, queues, interrupt, self.acked_features)?);
         Ok(())
     }
 
-    fn queue_notify(&mut self, index: u16) {
+    fn queue_notify(&mut self, index: u16) -> Work {
         if index == 0 {
-            self.process_queue();
+            self.process_queue()
+        } else {
+            Work::Done
         }
     }
 
@@ -325,10 +383,12 @@ impl VirtioDevice for Block {
             return Err(state.wrong_device("block"));
         };
         self.acked_features = state.acked_features & self.features();
-        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
+        self.active =
+            Active::restore(mem, interrupt, state.queues.as_deref(), self.acked_features)?;
         // A kick the guest sent just before the capture went to the old
-        // process's ioeventfd: serve whatever the ring holds now.
-        self.process_queue();
+        // process's ioeventfd: serve whatever the ring holds now (the VMM
+        // calls every queue once more when its loop starts, for the rest).
+        let _ = self.process_queue();
         Ok(())
     }
 }
@@ -511,6 +571,38 @@ mod tests {
     }
 
     #[test]
+    fn block_requests_past_the_offered_limits_are_ioerr_and_not_read() {
+        let (mut blk, mem, _f, _, irq) = setup("limits", 64);
+        let mut drv = Driver::new(&mem, 0, 32);
+        let irq = Interrupt::new(irq);
+        blk.activate(mem.clone(), vec![drv.queue()], irq.clone())
+            .expect("activate");
+        header(&mem, VIRTIO_BLK_T_IN, 0);
+        // One segment larger than size_max.
+        mem.write_slice(&[0xee; 16], GuestAddress(DATA))
+            .expect("marker");
+        drv.add(&[ro(HDR, 16), wo(DATA, SIZE_MAX + 512), wo(STATUS, 1)]);
+        assert_eq!(blk.queue_notify(0), Work::Done);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        let mut marker = [0u8; 16];
+        mem.read_slice(&mut marker, GuestAddress(DATA))
+            .expect("marker");
+        assert_eq!(marker, [0xee; 16], "nothing was read into the buffer");
+        // More than MAX_REQUEST_BYTES in segments of size_max each (all
+        // over the same guest buffer: only the lengths matter).
+        let n = (MAX_REQUEST_BYTES / u64::from(SIZE_MAX)) as usize + 1;
+        let mut bufs = vec![ro(HDR, 16)];
+        bufs.extend(std::iter::repeat_n(wo(DATA, SIZE_MAX), n));
+        bufs.push(wo(STATUS, 1));
+        mem.write_obj(0xffu8, GuestAddress(STATUS)).expect("status");
+        drv.add(&bufs);
+        assert_eq!(blk.queue_notify(0), Work::Done);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        assert_eq!(drv.used().iter().map(|u| u.1).collect::<Vec<_>>(), [1, 1]);
+        assert_eq!(irq.guest_errors(), 2);
+    }
+
+    #[test]
     fn block_malformed_chains_are_returned_without_panic() {
         let (mut blk, mem, _f, _, irq) = setup("bad", 4);
         let mut drv = Driver::new(&mem, 0, 16);
@@ -568,7 +660,7 @@ mod tests {
             h[0] = [0u8, 1, 4, 8, 99][round % 5];
             mem.write_slice(&h, GuestAddress((rnd() % 0x40_0000) & !0xf))
                 .expect("hdr");
-            drv.publish((rnd() % 20) as u16);
+            drv.publish((rnd() % 16) as u16);
             blk.queue_notify(0);
         }
     }

@@ -13,7 +13,7 @@ use vm_memory::GuestAddress;
 
 use crate::virtio::persist::{QueueConfigState, RestoreError, TransportState};
 use crate::virtio::{ActivateError, VirtioDevice};
-use crate::{BusDevice, EventSource, GuestMemory, Interrupt};
+use crate::{BusDevice, EventSource, GuestMemory, Interrupt, Work};
 
 /// "virt" in little endian.
 pub const MMIO_MAGIC_VALUE: u32 = 0x7472_6976;
@@ -129,7 +129,7 @@ impl MmioTransport {
     /// Captures the registers, InterruptStatus and the device's state.
     pub fn save(&self) -> TransportState {
         TransportState {
-            status: self.status,
+            status: self.status_reg(),
             device_features_sel: self.device_features_sel,
             driver_features_sel: self.driver_features_sel,
             driver_features: self.driver_features,
@@ -167,6 +167,7 @@ impl MmioTransport {
             });
         }
         interrupt.restore_status(state.interrupt_status);
+        interrupt.restore_needs_reset(state.status & status::DEVICE_NEEDS_RESET != 0);
         device.restore(mem.clone(), interrupt.clone(), &state.device)?;
         Ok(Self {
             device,
@@ -209,7 +210,17 @@ impl MmioTransport {
 
     /// The Status register.
     pub fn status(&self) -> u32 {
-        self.status
+        self.status_reg()
+    }
+
+    /// Status as the driver reads it: what it wrote, plus
+    /// DEVICE_NEEDS_RESET if the device asked for a reset.
+    fn status_reg(&self) -> u32 {
+        if self.interrupt.needs_reset() {
+            self.status | status::DEVICE_NEEDS_RESET
+        } else {
+            self.status
+        }
     }
 
     /// Whether the driver set DRIVER_OK and the device accepted its queues.
@@ -220,13 +231,14 @@ impl MmioTransport {
     /// The driver kicked queue `index`: either a QueueNotify write that
     /// reached [`BusDevice::write`], or the VMM's ioeventfd on
     /// window+0x50 (datamatch = queue index). Ignored before activation and
-    /// for queues the device does not have.
-    pub fn queue_notify(&mut self, index: u16) {
+    /// for queues the device does not have. [`Work::More`]: the device's
+    /// budget for this turn ran out, call it again next turn.
+    pub fn queue_notify(&mut self, index: u16) -> Work {
         if !self.activated || usize::from(index) >= self.queues.len() {
             tracing::debug!(index, "ignoring notification of inactive queue");
-            return;
+            return Work::Done;
         }
-        self.device.queue_notify(index);
+        self.device.queue_notify(index)
     }
 
     fn selected_queue(&mut self) -> Option<&mut QueueConfig> {
@@ -265,7 +277,7 @@ impl MmioTransport {
                 .get(self.queue_sel as usize)
                 .map_or(0, |q| u32::from(q.ready)),
             reg::INTERRUPT_STATUS => self.interrupt.status(),
-            reg::STATUS => self.status,
+            reg::STATUS => self.status_reg(),
             // No shared memory regions: length all ones means "absent".
             reg::SHM_LEN_LOW | reg::SHM_LEN_HIGH | reg::SHM_BASE_LOW | reg::SHM_BASE_HIGH => {
                 u32::MAX
@@ -318,8 +330,13 @@ impl MmioTransport {
                     q.ready = v == 1;
                 }
             }
+            // A kick that did not go through the VMM's ioeventfd (there
+            // is one per queue): served within the budget like any other;
+            // work left waits for the next kick.
             reg::QUEUE_NOTIFY => match u16::try_from(v) {
-                Ok(index) => self.queue_notify(index),
+                Ok(index) => {
+                    let _ = self.queue_notify(index);
+                }
                 Err(_) => tracing::debug!(v, "ignoring QueueNotify of a queue out of range"),
             },
             reg::INTERRUPT_ACK => self.interrupt.ack(v),
@@ -403,7 +420,10 @@ impl MmioTransport {
             }
             self.status = v;
             if let Err(e) = self.activate() {
-                tracing::warn!("cannot activate virtio device: {e}");
+                self.interrupt.guest_error(
+                    "virtio-mmio",
+                    &format_args!("cannot activate the device: {e}"),
+                );
                 self.status |= status::DEVICE_NEEDS_RESET;
                 self.interrupt.signal_config();
             }
@@ -420,6 +440,11 @@ impl MmioTransport {
             .get(index)
             .copied()
             .ok_or(ActivateError::BadQueue(index))?;
+        // Checked here first: `virtio-queue` logs an error line for each of
+        // these, and a guest may reset and activate in a loop.
+        if !queue_fits(&self.mem, cfg, max) {
+            return Err(ActivateError::BadQueue(index));
+        }
         let mut q = Queue::new(max).map_err(bad)?;
         q.try_set_size(cfg.size).map_err(bad)?;
         q.try_set_desc_table_address(GuestAddress(cfg.desc))
@@ -429,9 +454,6 @@ impl MmioTransport {
         q.try_set_used_ring_address(GuestAddress(cfg.device))
             .map_err(bad)?;
         q.set_ready(cfg.ready);
-        if !q.is_valid(&self.mem) {
-            return Err(ActivateError::BadQueue(index));
-        }
         Ok(q)
     }
 
@@ -452,6 +474,7 @@ impl MmioTransport {
         if self.activated || self.status != 0 {
             self.device.reset();
         }
+        self.interrupt.restore_needs_reset(false);
         self.activated = false;
         self.status = 0;
         self.device_features_sel = 0;
@@ -466,6 +489,31 @@ impl MmioTransport {
         }
         self.interrupt.ack(u32::MAX);
     }
+}
+
+/// Whether a queue as the driver set it up can be used: ready, a size the
+/// device allows, rings aligned as virtio 1.x §2.7 asks (16, 2, 4), the
+/// available ring not at guest-physical 0 (where `virtio-queue` sees "not
+/// set up"), and all inside guest memory.
+fn queue_fits(mem: &GuestMemory, cfg: &QueueConfig, max: u16) -> bool {
+    use vm_memory::GuestMemoryBackend;
+    let n = u64::from(cfg.size);
+    let parts = [
+        (cfg.desc, 16, 16 * n),
+        (cfg.driver, 2, 6 + 2 * n),
+        (cfg.device, 4, 6 + 8 * n),
+    ];
+    if cfg.driver == 0 {
+        return false;
+    }
+    cfg.ready
+        && cfg.size != 0
+        && cfg.size <= max
+        && cfg.size.is_power_of_two()
+        && parts.iter().all(|&(addr, align, len)| {
+            addr % align == 0
+                && usize::try_from(len).is_ok_and(|len| mem.check_range(GuestAddress(addr), len))
+        })
 }
 
 impl BusDevice for MmioTransport {
@@ -503,8 +551,8 @@ impl EventSource for MmioTransport {
         self.device.event_fd()
     }
 
-    fn handle_events(&mut self) {
-        self.device.handle_events();
+    fn handle_events(&mut self) -> Work {
+        self.device.handle_events()
     }
 }
 
@@ -535,7 +583,9 @@ mod tests {
         fn event_fd(&self) -> Option<RawFd> {
             None
         }
-        fn handle_events(&mut self) {}
+        fn handle_events(&mut self) -> Work {
+            Work::Done
+        }
     }
 
     impl VirtioDevice for Dummy {
@@ -567,8 +617,9 @@ mod tests {
                 .push(queues.len());
             Ok(())
         }
-        fn queue_notify(&mut self, index: u16) {
+        fn queue_notify(&mut self, index: u16) -> Work {
             self.log.lock().expect("test lock").notified.push(index);
+            Work::Done
         }
         fn save(&self) -> crate::virtio::persist::DeviceState {
             crate::virtio::persist::DeviceState::Block(crate::virtio::persist::BlockState {
@@ -782,6 +833,51 @@ mod tests {
         assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), 0);
         t.queue_notify(0);
         assert!(log.lock().expect("lock").notified.is_empty());
+    }
+
+    #[test]
+    fn mmio_device_needing_reset_shows_it_until_the_driver_resets() {
+        let (mut t, _, mem) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, &mem, 0, 0x1000);
+        setup_queue(&mut t, &mem, 1, 0x2000);
+        w(&mut t, reg::STATUS, ALL_OK);
+        assert_eq!(r(&mut t, reg::STATUS), ALL_OK);
+        t.interrupt().set_needs_reset();
+        assert_eq!(r(&mut t, reg::STATUS), ALL_OK | status::DEVICE_NEEDS_RESET);
+        assert_ne!(
+            r(&mut t, reg::INTERRUPT_STATUS) & crate::VIRTIO_MMIO_INT_CONFIG,
+            0
+        );
+        // Saved and restored with the flag.
+        let saved = t.save();
+        assert_ne!(saved.status & status::DEVICE_NEEDS_RESET, 0);
+        w(&mut t, reg::STATUS, 0);
+        assert_eq!(r(&mut t, reg::STATUS), 0);
+        assert!(!t.interrupt().needs_reset());
+    }
+
+    #[test]
+    fn mmio_misaligned_or_null_rings_are_not_activated() {
+        for (reg_low, value) in [
+            (reg::QUEUE_DESC_LOW, 0x1008),
+            (reg::QUEUE_DRIVER_LOW, 0x1001),
+            (reg::QUEUE_DEVICE_LOW, 0x1002),
+            (reg::QUEUE_DRIVER_LOW, 0),
+        ] {
+            let (mut t, _, mem) = transport();
+            negotiate(&mut t);
+            setup_queue(&mut t, &mem, 0, 0x1000);
+            setup_queue(&mut t, &mem, 1, 0x2000);
+            w(&mut t, reg::QUEUE_SEL, 1);
+            w(&mut t, reg::QUEUE_READY, 0);
+            w(&mut t, reg_low, value);
+            w(&mut t, reg::QUEUE_READY, 1);
+            w(&mut t, reg::STATUS, ALL_OK);
+            assert!(!t.is_activated(), "{reg_low:#x} = {value:#x}");
+            assert_ne!(r(&mut t, reg::STATUS) & status::DEVICE_NEEDS_RESET, 0);
+            assert_eq!(t.interrupt().guest_errors(), 1);
+        }
     }
 
     #[test]

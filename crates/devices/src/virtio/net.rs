@@ -30,13 +30,13 @@ use std::os::fd::RawFd;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_MTU};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 
 use crate::virtio::chain::{Chain, ChainError};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
 use crate::virtio::persist::{DeviceState, NetState, RestoreError};
-use crate::virtio::{ActivateError, Active, VirtioDevice};
-use crate::{EventSource, GuestMemory, Interrupt};
+use crate::virtio::{ActivateError, Active, Budget, VirtioDevice};
+use crate::{EventSource, GuestMemory, Interrupt, Work};
 
 /// Size of each queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -54,9 +54,8 @@ pub const MAX_FRAME: usize = MTU as usize + 14 + 4;
 const CONFIG_MTU: usize = 10;
 const RX: usize = 0;
 const TX: usize = 1;
-/// Most frames moved to the guest per call: one backend event cannot keep
-/// the VMM's main thread from its other work for long.
-const RX_BUDGET: usize = 1024;
+/// Name in log lines.
+const DEVICE: &str = "virtio-net";
 
 /// Where the guest's frames go and where its frames come from.
 pub trait FrameBackend: Send {
@@ -124,13 +123,15 @@ impl Net {
         self.counters
     }
 
-    /// Sends the guest's frames; true if it used buffers (an interrupt is owed).
-    fn process_tx(&mut self) -> bool {
+    /// Sends the guest's frames, within one turn's budget; says whether
+    /// it used buffers (an interrupt is owed) and whether work is left.
+    fn process_tx(&mut self) -> (bool, Work) {
         let Some(active) = self.active.as_mut() else {
-            return false;
+            return (false, Work::Done);
         };
+        let irq = active.interrupt.clone();
         let mut sent = false;
-        let used = active.serve_all(TX, |mem, chain| {
+        let served = active.serve(TX, |mem, chain| {
             let frame = chain
                 .map_err(NetError::Chain)
                 .and_then(|c| read_tx(mem, &c, &mut self.scratch));
@@ -141,7 +142,7 @@ impl Net {
                     sent = true;
                 }
                 Err(e) => {
-                    tracing::debug!("virtio-net: tx: {e}");
+                    irq.guest_error(DEVICE, &e);
                     self.counters.tx_dropped += 1;
                 }
             }
@@ -150,26 +151,28 @@ impl Net {
         if sent {
             self.backend.flush();
         }
-        used
+        served
     }
 
-    /// Moves frames from the backend into the guest's rx buffers; true if
-    /// it used buffers (an interrupt is owed).
-    fn process_rx(&mut self) -> bool {
+    /// Moves frames from the backend into the guest's rx buffers, within
+    /// one turn's budget; says whether it used buffers (an interrupt is
+    /// owed) and whether work is left.
+    fn process_rx(&mut self) -> (bool, Work) {
         let Some(active) = self.active.as_mut() else {
-            return false;
+            return (false, Work::Done);
         };
         let mut used = false;
-        for _ in 0..RX_BUDGET {
+        let mut budget = Budget::default();
+        while !budget.exhausted() {
             let Some(frame) = self.waiting.take().or_else(|| self.backend.recv()) else {
-                break;
+                return (used, Work::Done);
             };
-            let Some(chain) = active.queues[RX].pop_descriptor_chain(&active.mem) else {
+            let Some((head, chain)) = active.pop(RX) else {
                 self.waiting = Some(frame);
-                break;
+                return (used, Work::Done);
             };
-            let head = chain.head_index();
-            let written = Chain::parse(chain)
+            budget.spend(frame.len() as u64);
+            let written = chain
                 .map_err(NetError::Chain)
                 .and_then(|c| write_rx(&active.mem, &c, &frame));
             let len = match written {
@@ -178,17 +181,15 @@ impl Net {
                     n
                 }
                 Err(e) => {
-                    tracing::debug!("virtio-net: rx: {e}");
+                    active.interrupt.guest_error(DEVICE, &e);
                     self.counters.rx_dropped += 1;
                     0
                 }
             };
-            if let Err(e) = active.queues[RX].add_used(&active.mem, head, len) {
-                tracing::warn!("virtio-net: cannot return an rx buffer: {e}");
-            }
+            active.add_used(RX, head, len);
             used = true;
         }
-        used
+        (used, Work::More)
     }
 
     /// One interrupt for whatever `used` says both queues returned.
@@ -251,10 +252,11 @@ impl EventSource for Net {
         self.backend.event_fd()
     }
 
-    fn handle_events(&mut self) {
+    fn handle_events(&mut self) -> Work {
         self.backend.handle_events();
-        let used = self.process_rx();
+        let (used, work) = self.process_rx();
         self.signal(used);
+        work
     }
 }
 
@@ -291,24 +293,30 @@ impl VirtioDevice for Net {
         queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        self.active = Some(Active::new(mem, queues, interrupt)?);
-        let used = self.process_rx();
+        self.active = Some(Active::new(mem, queues, interrupt, self.acked_features)?);
+        let (used, _) = self.process_rx();
         self.signal(used);
         Ok(())
     }
 
-    fn queue_notify(&mut self, index: u16) {
+    fn queue_notify(&mut self, index: u16) -> Work {
         match usize::from(index) {
             RX => {
-                let used = self.process_rx();
+                let (used, work) = self.process_rx();
                 self.signal(used);
+                work
             }
             TX => {
                 // The tx buffers and the replies they caused, one interrupt.
-                let used = self.process_tx() | self.process_rx();
-                self.signal(used);
+                let (tx_used, tx_work) = self.process_tx();
+                let (rx_used, rx_work) = self.process_rx();
+                self.signal(tx_used | rx_used);
+                tx_work | rx_work
             }
-            _ => tracing::debug!(index, "virtio-net: notify for no queue"),
+            _ => {
+                tracing::debug!(index, "virtio-net: notify for no queue");
+                Work::Done
+            }
         }
     }
 
@@ -341,10 +349,12 @@ impl VirtioDevice for Net {
         self.mac = state.mac;
         self.acked_features = state.acked_features & self.features();
         self.waiting = None;
-        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
+        self.active =
+            Active::restore(mem, interrupt, state.queues.as_deref(), self.acked_features)?;
         // Kicks sent just before the capture went to the old process.
-        let used = self.process_tx() | self.process_rx();
-        self.signal(used);
+        let (tx_used, _) = self.process_tx();
+        let (rx_used, _) = self.process_rx();
+        self.signal(tx_used | rx_used);
         Ok(())
     }
 }
@@ -619,6 +629,32 @@ mod tests {
     }
 
     #[test]
+    fn net_rx_and_tx_serve_one_budget_per_turn() {
+        use crate::virtio::BUDGET_CHAINS;
+        let mem = memory(0x40_0000);
+        let (mut net, backend, mut rx, mut tx, _irq) = setup_sized(&mem, 256);
+        let frames = BUDGET_CHAINS + 36;
+        for i in 0..frames {
+            backend.wire().to_guest.push_back(frame(60, i as u8));
+            rx.add(&[wo(BUF + (i as u64) * 0x100, 0x100)]);
+        }
+        assert_eq!(net.handle_events(), Work::More);
+        assert_eq!(rx.used().len(), BUDGET_CHAINS);
+        assert_eq!(net.handle_events(), Work::Done);
+        assert_eq!(rx.used().len(), 36);
+        // The same on tx: a queue of frames is sent one budget per turn.
+        for i in 0..frames {
+            let at = BUF + 0x2_0000 + (i as u64) * 0x100;
+            tx.add(&[ro(at, (HDR_LEN + 60) as u32)]);
+        }
+        assert_eq!(net.queue_notify(1), Work::More);
+        assert_eq!(tx.used().len(), BUDGET_CHAINS);
+        assert_eq!(net.queue_notify(1), Work::Done);
+        assert_eq!(tx.used().len(), 36);
+        assert_eq!(backend.wire().from_guest.len(), frames);
+    }
+
+    #[test]
     fn net_rx_small_buffer_drops_frame() {
         let mem = memory(0x40_0000);
         let (mut net, backend, mut rx, _tx, _irq) = setup(&mem);
@@ -696,7 +732,7 @@ mod tests {
                         (rnd() % 20) as u16,
                     );
                 }
-                drv.publish((rnd() % 20) as u16);
+                drv.publish((rnd() % 16) as u16);
             }
             backend
                 .wire()

@@ -130,6 +130,22 @@ impl<'a> Driver<'a> {
         head
     }
 
+    /// The used ring's index as the device last wrote it.
+    pub fn used_idx(&self) -> u16 {
+        self.mem
+            .read_obj(self.layout.used.unchecked_add(2))
+            .expect("used idx read")
+    }
+
+    /// Sets the available index without writing ring entries (a driver
+    /// claiming more chains than it made).
+    pub fn set_avail_idx(&mut self, idx: u16) {
+        self.avail_idx = idx;
+        self.mem
+            .write_obj(idx.to_le(), self.layout.avail.unchecked_add(2))
+            .expect("avail idx write");
+    }
+
     /// Used-ring entries (head, len) the device added since the last call.
     pub fn used(&mut self) -> Vec<(u32, u32)> {
         let used = self.layout.used;

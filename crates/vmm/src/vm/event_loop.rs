@@ -2,6 +2,15 @@
 //! control socket, device work), the device epoll behind it (queue
 //! ioeventfds and device event fds, wired here), and the watch for a
 //! kernel panic that no reset follows.
+//!
+//! One turn of the loop serves what the control epoll reported (vCPU
+//! exits and control clients first), then the devices: each ready queue
+//! or device event source once, within the device's budget
+//! (`forkbox_devices::virtio::BUDGET_CHAINS`). A device with work left
+//! says `Work::More` and is carried to the next turn ([`Again`]), which
+//! then does not sleep in `epoll_wait`. So a guest that keeps one queue
+//! full, or kicks it in a loop, gets one budget per turn and the rest of
+//! the VM's work is served between.
 
 use std::os::fd::AsRawFd;
 
@@ -9,6 +18,7 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use forkbox_devices::Work;
 use forkbox_vmm_api::RunState;
 
 use crate::layout::VIRTIO_MMIO_QUEUE_NOTIFY;
@@ -40,6 +50,49 @@ impl PanicWatch {
     }
 }
 
+/// Device work carried from one turn of the loop to the next: the tokens
+/// (indices into the device tokens) whose device ran out of budget.
+#[derive(Debug, Default)]
+pub struct Again {
+    tokens: Vec<usize>,
+}
+
+impl Again {
+    /// Every token in `0..n`, as after a start or restore: a device is asked
+    /// once whether it has work (a kick may have gone to another process).
+    pub fn all(n: usize) -> Again {
+        Again {
+            tokens: (0..n).collect(),
+        }
+    }
+
+    /// Whether a turn must come soon, without waiting for an event.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The tokens to serve this turn, each once: those carried over, then
+    /// the `ready` ones; the flag says whether epoll reported it (its
+    /// eventfd has a count to read).
+    pub fn turn(&mut self, ready: impl IntoIterator<Item = usize>) -> Vec<(usize, bool)> {
+        let mut out: Vec<(usize, bool)> = self.tokens.drain(..).map(|t| (t, false)).collect();
+        for t in ready {
+            match out.iter_mut().find(|(c, _)| *c == t) {
+                Some(entry) => entry.1 = true,
+                None => out.push((t, true)),
+            }
+        }
+        out
+    }
+
+    /// `token`'s device has work left: serve it next turn.
+    pub fn carry(&mut self, token: usize, work: Work) {
+        if work == Work::More && !self.tokens.contains(&token) {
+            self.tokens.push(token);
+        }
+    }
+}
+
 /// Device work items, indexed by epoll token of the device epoll.
 pub(super) enum DevToken {
     QueueNotify {
@@ -63,12 +116,14 @@ impl Machine {
         let mut events = vec![EpollEvent::default(); 64];
         let mut panic_watch = PanicWatch::default();
         loop {
-            let n = match self.ctl_epoll.wait(PANIC_POLL_MS, &mut events) {
+            let busy = self.run_state == RunState::Running && !self.dev_again.is_empty();
+            let timeout = if busy { 0 } else { PANIC_POLL_MS };
+            let n = match self.ctl_epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
             };
-            if n == 0 {
+            if n == 0 && !busy {
                 if self.run_state == RunState::Running {
                     let line = self.tail.lock().ok().and_then(|t| t.panic_line());
                     if panic_watch.poll(line.is_some()) {
@@ -79,6 +134,7 @@ impl Machine {
                 }
                 continue;
             }
+            let mut devices = busy;
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_EXIT => {
@@ -88,7 +144,7 @@ impl Machine {
                         }
                     }
                     TOKEN_LISTENER => self.accept_clients(),
-                    TOKEN_DEVICES => self.device_events()?,
+                    TOKEN_DEVICES => devices = true,
                     token => {
                         if let Some(plan) = self.item_event(token) {
                             return Ok(LoopEnd::Child(plan));
@@ -96,9 +152,15 @@ impl Machine {
                     }
                 }
             }
+            // Devices last: exits and control requests of this turn first.
+            if devices {
+                self.device_events()?;
+            }
         }
     }
 
+    /// One turn of device work: every device token carried over or ready,
+    /// once each, within its device's budget.
     pub(super) fn device_events(&mut self) -> Result<(), VmError> {
         if self.run_state != RunState::Running {
             return Ok(());
@@ -109,17 +171,21 @@ impl Machine {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
             Err(e) => return Err(VmError::EventLoop("epoll_wait", e)),
         };
-        for ev in &events[..n] {
-            match self.dev_tokens.get(ev.data() as usize) {
+        let ready = events[..n].iter().map(|ev| ev.data() as usize);
+        for (token, was_ready) in self.dev_again.turn(ready) {
+            let work = match self.dev_tokens.get(token) {
                 Some(DevToken::QueueNotify { slot, queue, evt }) => {
-                    let _ = evt.read();
-                    virtio::lock(&self.slots[*slot].device).queue_notify(*queue);
+                    if was_ready {
+                        let _ = evt.read();
+                    }
+                    virtio::lock(&self.slots[*slot].device).queue_notify(*queue)
                 }
                 Some(DevToken::DeviceEvents { slot }) => {
-                    virtio::lock(&self.slots[*slot].device).handle_events();
+                    virtio::lock(&self.slots[*slot].device).handle_events()
                 }
-                None => {}
-            }
+                None => Work::Done,
+            };
+            self.dev_again.carry(token, work);
         }
         Ok(())
     }
@@ -197,6 +263,54 @@ mod tests {
     fn panic_watch_without_panic_never_fires() {
         let mut w = PanicWatch::default();
         assert!((0..100).all(|_| !w.poll(false)));
+    }
+
+    #[test]
+    fn again_serves_each_token_once_carried_first() {
+        let mut again = Again::default();
+        assert!(again.is_empty());
+        again.carry(3, Work::More);
+        again.carry(3, Work::More);
+        again.carry(1, Work::Done);
+        assert!(!again.is_empty());
+        // 3 is both carried and ready: served once, its eventfd read.
+        assert_eq!(again.turn([5, 3]), vec![(3, true), (5, true)]);
+        assert!(again.is_empty());
+        assert_eq!(again.turn([]), vec![]);
+        assert_eq!(Again::all(2).turn([]), vec![(0, false), (1, false)]);
+    }
+
+    /// A device whose queue is never empty (its guest refills it as fast as
+    /// it is served) next to one that gets a single kick: the busy one is
+    /// served one budget per turn, carried over, and the other one is served
+    /// in the very turn its kick arrived.
+    #[test]
+    fn again_busy_queue_does_not_starve_another_device() {
+        const BUSY: usize = 0;
+        const OTHER: usize = 1;
+        let mut again = Again::default();
+        let mut served = [0usize; 2];
+        let mut other_served_in = None;
+        for turn in 0..10 {
+            // The busy queue is kicked every turn; the other one once.
+            let ready: Vec<usize> = if turn == 4 {
+                vec![BUSY, OTHER]
+            } else {
+                vec![BUSY]
+            };
+            for (token, _) in again.turn(ready) {
+                served[token] += 1;
+                let work = if token == BUSY {
+                    Work::More
+                } else {
+                    other_served_in = Some(turn);
+                    Work::Done
+                };
+                again.carry(token, work);
+            }
+        }
+        assert_eq!(served, [10, 1]);
+        assert_eq!(other_served_in, Some(4));
     }
 
     #[test]

@@ -55,7 +55,7 @@ use crate::{VmConfig, VmExit};
 
 use control_server::CtlItem;
 use event_loop::{
-    wire_device, DevToken, FIRST_DYNAMIC_TOKEN, TOKEN_DEVICES, TOKEN_EXIT, TOKEN_LISTENER,
+    wire_device, Again, DevToken, FIRST_DYNAMIC_TOKEN, TOKEN_DEVICES, TOKEN_EXIT, TOKEN_LISTENER,
 };
 use forking::{become_child, ChildPlan};
 
@@ -176,6 +176,8 @@ pub struct Machine {
     slots: Vec<VirtioSlot>,
     dev_epoll: Epoll,
     dev_tokens: Vec<DevToken>,
+    /// Device tokens whose device had work left at the end of a turn.
+    dev_again: Again,
     ctl_epoll: Epoll,
     listener: Option<UnixListener>,
     items: HashMap<u64, CtlItem>,
@@ -498,6 +500,9 @@ impl Machine {
             tail: p.tail,
             slots: p.slots,
             dev_epoll,
+            // Every device once at the start: a restored or forked device
+            // may hold work whose kick went to the old process.
+            dev_again: Again::all(dev_tokens.len()),
             dev_tokens,
             ctl_epoll,
             listener,

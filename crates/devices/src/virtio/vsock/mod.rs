@@ -42,7 +42,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::Queue;
 use vm_memory::{GuestMemory as _, Permissions, ReadVolatile, VolatileMemoryError, WriteVolatile};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
@@ -51,8 +51,8 @@ use self::packet::{Header, Op, HDR_LEN, HOST_CID, MAX_PKT_LEN};
 use crate::virtio::chain::{Chain, Regions};
 use crate::virtio::mmio::VIRTIO_F_VERSION_1;
 use crate::virtio::persist::{DeviceState, RestoreError, VsockState};
-use crate::virtio::{ActivateError, VirtioDevice};
-use crate::{EventSource, GuestMemory, Interrupt};
+use crate::virtio::{ActivateError, Budget, VirtioDevice};
+use crate::{EventSource, GuestMemory, Interrupt, Work};
 
 /// Host connections this process's vsock devices have taken (one VM per
 /// VMM process), for the VMM's counters; it resets this in a fork child.
@@ -76,6 +76,8 @@ const MAX_PENDING_RST: usize = 1024;
 /// First local port we hand out; epoll tokens below it are not streams.
 const FIRST_PORT: u32 = 1024;
 const LISTENER_TOKEN: u64 = 0;
+/// Name in log lines.
+const DEVICE: &str = "virtio-vsock";
 
 /// Why the vsock device could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -488,16 +490,35 @@ impl Backend {
     }
 
     /// Handles one packet the guest sent on the tx queue.
-    fn on_guest_packet(&mut self, mem: &GuestMemory, chain: &Chain) {
+    fn on_guest_packet(&mut self, mem: &GuestMemory, chain: &Chain, irq: &Interrupt) {
         let mut hb = [0u8; HDR_LEN];
         let hdr = match chain.readable.read_at(mem, 0, &mut hb) {
             Ok(HDR_LEN) => match Header::parse(&hb) {
                 Ok(h) => h,
-                Err(e) => return tracing::debug!("vsock: {e}"),
+                Err(e) => return irq.guest_error(DEVICE, &e),
             },
-            Ok(n) => return tracing::debug!(n, "vsock: short tx packet"),
-            Err(e) => return tracing::debug!("vsock: tx packet: {e}"),
+            Ok(n) => return irq.guest_error(DEVICE, &format_args!("tx packet of {n} bytes")),
+            Err(e) => return irq.guest_error(DEVICE, &e),
         };
+        if chain.readable.len() > (HDR_LEN as u64) + u64::from(MAX_PKT_LEN) {
+            // Linux never sends more than MAX_PKT_LEN in one packet; only
+            // the header is read, but a bigger one is refused as such.
+            irq.guest_error(
+                DEVICE,
+                &format_args!("tx packet of {} bytes", chain.readable.len()),
+            );
+            let known = self
+                .conns
+                .get(&hdr.dst_port)
+                .and_then(|hc| hc.conn.as_ref())
+                .is_some_and(|c| c.matches(&hdr));
+            if known {
+                self.close(hdr.dst_port, true);
+            } else if hdr.op() != Some(Op::Rst) {
+                self.push_rst(hdr.reply(Op::Rst));
+            }
+            return;
+        }
         if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
             return tracing::debug!(
                 src = hdr.src_cid,
@@ -594,13 +615,20 @@ impl Backend {
         self.schedule(port);
     }
 
-    /// Fills guest rx buffers with what connections owe the guest.
-    fn fill_rx(&mut self, a: &mut Active) {
+    /// Fills guest rx buffers with what connections owe the guest, within
+    /// one turn's budget.
+    fn fill_rx(&mut self, a: &mut Active) -> Work {
         let mut used = false;
+        let mut budget = Budget::default();
+        let mut work = Work::Done;
         // Buffers handed back unused in a row: a guard against spinning on
         // a connection that keeps asking and then has nothing.
         let mut idle = 0usize;
         loop {
+            if budget.exhausted() {
+                work = Work::More;
+                break;
+            }
             // Pick what to send before taking a buffer for it.
             let port = if self.rst_queue.is_empty() {
                 match self.rx_sched.pop_front() {
@@ -619,17 +647,20 @@ impl Backend {
             } else {
                 None
             };
-            let Some(dc) = a.queues[RX].pop_descriptor_chain(&a.mem) else {
+            let Some((head, chain)) = a.pop(RX) else {
                 if let Some(p) = port {
                     self.schedule(p);
                 }
                 break;
             };
-            let head = dc.head_index();
-            let chain = match Chain::parse(dc) {
+            budget.spend_chain(&chain);
+            let chain = match chain {
                 Ok(c) if c.writable.len() > HDR_LEN as u64 => c,
-                Ok(_) => {
-                    tracing::debug!("vsock: rx buffer too small");
+                Ok(c) => {
+                    a.interrupt.guest_error(
+                        DEVICE,
+                        &format_args!("rx buffer of {} bytes", c.writable.len()),
+                    );
                     Self::add_used(a, head, 0);
                     used = true;
                     if let Some(p) = port {
@@ -638,7 +669,7 @@ impl Backend {
                     continue;
                 }
                 Err(e) => {
-                    tracing::debug!("vsock: rx buffer: {e}");
+                    a.interrupt.guest_error(DEVICE, &e);
                     Self::add_used(a, head, 0);
                     used = true;
                     if let Some(p) = port {
@@ -661,7 +692,7 @@ impl Backend {
                     idle = 0;
                 }
                 None => {
-                    a.queues[RX].go_to_previous_position();
+                    a.unpop(RX);
                     idle += 1;
                 }
             }
@@ -674,12 +705,11 @@ impl Backend {
         if used {
             a.interrupt.signal_used_queue();
         }
+        work
     }
 
     fn add_used(a: &mut Active, head: u16, len: u32) {
-        if let Err(e) = a.queues[RX].add_used(&a.mem, head, len) {
-            tracing::warn!("vsock: cannot return an rx buffer: {e}");
-        }
+        a.add_used(RX, head, len);
     }
 
     /// Writes a header-only packet and returns the buffer.
@@ -875,30 +905,32 @@ impl Vsock {
     /// clients see EOF.
     pub fn reset_connections(&mut self) {
         self.backend.close_all(true);
-        self.process_rx();
+        let _ = self.process_rx();
     }
 
-    fn process_rx(&mut self) {
-        if let Some(a) = self.active.as_mut() {
-            self.backend.fill_rx(a);
+    fn process_rx(&mut self) -> Work {
+        match self.active.as_mut() {
+            Some(a) => self.backend.fill_rx(a),
+            None => Work::Done,
         }
     }
 
-    fn process_tx(&mut self) {
+    fn process_tx(&mut self) -> Work {
         let Some(a) = self.active.as_mut() else {
-            return;
+            return Work::Done;
         };
-        let used = a.serve_all(TX, |mem, chain| {
+        let irq = a.interrupt.clone();
+        let (used, work) = a.serve(TX, |mem, chain| {
             match chain {
-                Ok(chain) => self.backend.on_guest_packet(mem, &chain),
-                Err(e) => tracing::debug!("vsock: tx chain: {e}"),
+                Ok(chain) => self.backend.on_guest_packet(mem, &chain, &irq),
+                Err(e) => irq.guest_error(DEVICE, &e),
             }
             0
         });
         if used {
             a.interrupt.signal_used_queue();
         }
-        self.process_rx();
+        work | self.process_rx()
     }
 }
 
@@ -907,9 +939,9 @@ impl EventSource for Vsock {
         Some(self.backend.epoll.as_raw_fd())
     }
 
-    fn handle_events(&mut self) {
+    fn handle_events(&mut self) -> Work {
         self.backend.handle_events();
-        self.process_rx();
+        self.process_rx()
     }
 }
 
@@ -941,17 +973,17 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         interrupt: Interrupt,
     ) -> Result<(), ActivateError> {
-        self.active = Some(Active::new(mem, queues, interrupt)?);
+        self.active = Some(Active::new(mem, queues, interrupt, self.acked_features)?);
         // Connections may have arrived before the driver was ready.
-        self.process_tx();
+        let _ = self.process_tx();
         Ok(())
     }
 
-    fn queue_notify(&mut self, index: u16) {
+    fn queue_notify(&mut self, index: u16) -> Work {
         match index {
             RX_QUEUE => self.process_rx(),
             TX_QUEUE => self.process_tx(),
-            _ => {}
+            _ => Work::Done,
         }
     }
 
@@ -998,11 +1030,12 @@ impl VirtioDevice for Vsock {
             let h = Header::parse(raw).map_err(|_| RestoreError::BadHeader(raw.len()))?;
             self.backend.push_rst(h);
         }
-        self.active = Active::restore(mem, interrupt, state.queues.as_deref())?;
+        self.active =
+            Active::restore(mem, interrupt, state.queues.as_deref(), self.acked_features)?;
         if self.active.is_some() {
             // Packets the guest queued (and kicked through the old
             // process's ioeventfd) before the capture, then the RSTs.
-            self.process_tx();
+            let _ = self.process_tx();
         }
         Ok(())
     }
