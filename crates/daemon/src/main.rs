@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use forkbox_host::owned;
 use forkbox_host::testbed::Environment;
 use forkboxd::backend::VmBackend;
 use forkboxd::core::Limits;
-use forkboxd::listen::{default_socket, Listen};
+use forkboxd::listen::{default_socket, Listen, ListenError};
 use forkboxd::network::EgressLogs;
 use forkboxd::persist::Store;
 use forkboxd::service::{Config, Daemon};
@@ -41,7 +42,10 @@ struct Args {
     #[arg(long, default_value_t = 30.0)]
     create_wait: f64,
     /// Where live VMs are written down so that the next run re-adopts
-    /// them after a crash (default: the socket's path + `.state`).
+    /// them after a crash (default: the socket's path + `.state`; with
+    /// tcp://, `tcp-ADDR.state` in the default socket's directory). Made
+    /// with mode 0700; one that exists must be this user's, not a
+    /// symbolic link, not writable by group or others.
     #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Keep no state: VMs left by a crash are not found again.
@@ -90,12 +94,27 @@ fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", forkboxd::api::openapi_json());
         return Ok(());
     }
+    let default = || default_socket(is_root(), std::env::var("XDG_RUNTIME_DIR").ok().as_deref());
     let listen = match args.listen {
-        Some(l) => l,
-        None => Listen::Unix(default_socket(
-            is_root(),
-            std::env::var("XDG_RUNTIME_DIR").ok().as_deref(),
-        )?),
+        // A socket's directory the daemon makes (mode 0700) must be ours;
+        // one that exists is checked for who may change it (`/tmp` is
+        // fine: sticky). A file already at the path must be a socket of
+        // ours, left by an earlier run.
+        Some(Listen::Unix(path)) => {
+            let make_dir = path.parent().is_some_and(|d| !d.exists());
+            Listen::Unix(
+                owned::socket_path(&path, make_dir)
+                    .with_context(|| format!("checking the socket path {}", path.display()))?,
+            )
+        }
+        Some(tcp) => tcp,
+        None => {
+            let path = default()?;
+            Listen::Unix(
+                owned::socket_path(&path, true)
+                    .with_context(|| format!("checking the default socket {}", path.display()))?,
+            )
+        }
     };
     let token = args
         .token
@@ -130,7 +149,10 @@ fn run(args: Args) -> anyhow::Result<()> {
     let store = match (args.no_state, args.state_dir) {
         (true, _) => None,
         (false, dir) => {
-            let dir = dir.unwrap_or_else(|| state_dir_for(&listen));
+            let dir = match dir {
+                Some(dir) => dir,
+                None => state_dir_for(&listen, default)?,
+            };
             Some(
                 Store::open(&dir)
                     .with_context(|| format!("opening the state directory {}", dir.display()))?,
@@ -161,19 +183,31 @@ fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The default state directory: beside the socket, one per socket, so
-/// that two daemons never adopt each other's VMs.
-fn state_dir_for(listen: &Listen) -> PathBuf {
-    match listen {
+/// that two daemons never adopt each other's VMs; for TCP, in the default
+/// socket's directory (never a name anyone could guess under `/tmp`).
+fn state_dir_for(
+    listen: &Listen,
+    default_socket: impl FnOnce() -> Result<PathBuf, ListenError>,
+) -> anyhow::Result<PathBuf> {
+    Ok(match listen {
         Listen::Unix(path) => {
             let mut p = path.clone().into_os_string();
             p.push(".state");
             p.into()
         }
-        Listen::Tcp(addr) => std::env::temp_dir().join(format!(
-            "forkboxd-tcp-{}.state",
-            addr.to_string().replace([':', '[', ']'], "_")
-        )),
-    }
+        Listen::Tcp(addr) => {
+            let socket = default_socket().context(
+                "no default state directory for tcp://: pass --state-dir DIR or --no-state",
+            )?;
+            let dir = socket
+                .parent()
+                .context("the default socket has no directory")?;
+            dir.join(format!(
+                "tcp-{}.state",
+                addr.to_string().replace([':', '[', ']'], "_")
+            ))
+        }
+    })
 }
 
 /// Whether we run as root (the owner of our own /proc entry; no unsafe
@@ -190,10 +224,8 @@ async fn serve(daemon: Daemon, listen: Listen, token: Option<String>) -> anyhow:
     let stop = shutdown_signal();
     match &listen {
         Listen::Unix(path) => {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-            }
+            // `run` checked the directory, and that a file already at
+            // `path` is a socket of ours.
             if path.exists() {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
                     bail!("{} is in use: another forkboxd is running", path.display());
@@ -241,5 +273,28 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_dir_for_tcp_is_in_the_runtime_dir_never_tmp() {
+        let tcp = Listen::Tcp("127.0.0.1:7000".parse().expect("addr"));
+        let dir = state_dir_for(&tcp, || default_socket(false, Some("/run/user/1000")))
+            .expect("a default");
+        assert_eq!(
+            dir,
+            PathBuf::from("/run/user/1000/forkbox/tcp-127.0.0.1_7000.state")
+        );
+        let e = state_dir_for(&tcp, || default_socket(false, None)).expect_err("no default");
+        assert!(format!("{e:#}").contains("--state-dir"), "{e:#}");
+        let unix = Listen::Unix("/srv/f.sock".into());
+        assert_eq!(
+            state_dir_for(&unix, || unreachable!()).expect("beside"),
+            PathBuf::from("/srv/f.sock.state")
+        );
     }
 }
