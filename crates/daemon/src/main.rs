@@ -58,6 +58,12 @@ struct Args {
     /// directory's `egress/`, or a temporary directory with --no-state).
     #[arg(long, default_value_t = 86400)]
     egress_log_ttl: u64,
+    /// MiB all sandboxes' logs may hold together. A live sandbox's VMM
+    /// caps its serial log at 8 MiB and its egress log at 64 MiB, and
+    /// --max-live of them must fit; the rest is for dead sandboxes'
+    /// egress logs, the oldest deleted before their TTL when it is full.
+    #[arg(long, default_value_t = 8192)]
+    log_max_total_mib: u64,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -141,6 +147,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         boot_timeout: Duration::from_secs(args.boot_timeout),
         egress_log_ttl: Duration::from_secs(args.egress_log_ttl),
     };
+    let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("{} is in use: another forkboxd is running", path.display());
@@ -167,7 +174,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
         None => EgressLogs::temporary(config.egress_log_ttl)
             .context("making a temporary egress log directory")?,
-    };
+    }
+    .with_max_bytes(egress_max);
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();
@@ -208,6 +216,23 @@ fn state_dir_for(
             ))
         }
     })
+}
+
+/// What the egress log directory may hold: the total less the live
+/// sandboxes' serial logs; an error when `max_live` sandboxes' logs at
+/// their caps alone would not fit.
+fn egress_max_bytes(max_live: usize, total_mib: u64) -> anyhow::Result<u64> {
+    use forkbox_vmm_api::{EGRESS_LOG_MAX_BYTES, SERIAL_LOG_MAX_BYTES};
+    let total = total_mib.saturating_mul(1 << 20);
+    let live = (max_live as u64).saturating_mul(SERIAL_LOG_MAX_BYTES + EGRESS_LOG_MAX_BYTES);
+    if live > total {
+        bail!(
+            "--max-live {max_live} sandboxes may hold {} MiB of logs at their caps, more than \
+             --log-max-total-mib {total_mib}: raise --log-max-total-mib or lower --max-live",
+            live >> 20
+        );
+    }
+    Ok(total - (max_live as u64).saturating_mul(SERIAL_LOG_MAX_BYTES))
 }
 
 /// Whether we run as root (the owner of our own /proc entry; no unsafe
@@ -279,6 +304,20 @@ async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn egress_max_bytes_leaves_room_for_live_logs_or_says_what_to_change() {
+        assert_eq!(
+            egress_max_bytes(64, 8192).expect("fits"),
+            (8192 - 64 * 8) << 20
+        );
+        let e = egress_max_bytes(64, 1024).expect_err("too small");
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("4608 MiB") && msg.contains("--log-max-total-mib"),
+            "{msg}"
+        );
+    }
 
     #[test]
     fn state_dir_for_tcp_is_in_the_runtime_dir_never_tmp() {

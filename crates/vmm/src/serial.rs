@@ -17,7 +17,7 @@ pub const TAIL_CAPACITY: usize = 64 * 1024;
 /// Most a serial log grows to. Past it the guest's output is dropped
 /// (the tail in memory still has the last of it), after one line saying
 /// so, so that a guest printing without end cannot fill the host's disk.
-pub const SERIAL_LOG_MAX_BYTES: u64 = 8 << 20;
+pub const SERIAL_LOG_MAX_BYTES: u64 = forkbox_vmm_api::SERIAL_LOG_MAX_BYTES;
 /// What the guest kernel prints when it panics.
 pub const PANIC_MARKER: &str = "Kernel panic - not syncing";
 
