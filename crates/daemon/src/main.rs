@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use forkbox_host::owned;
 use forkbox_host::testbed::Environment;
 use forkboxd::backend::VmBackend;
 use forkboxd::core::Limits;
-use forkboxd::listen::{default_socket, Listen};
+use forkboxd::listen::{default_socket, Listen, ListenError};
 use forkboxd::network::EgressLogs;
 use forkboxd::persist::Store;
 use forkboxd::service::{Config, Daemon};
@@ -41,7 +42,10 @@ struct Args {
     #[arg(long, default_value_t = 30.0)]
     create_wait: f64,
     /// Where live VMs are written down so that the next run re-adopts
-    /// them after a crash (default: the socket's path + `.state`).
+    /// them after a crash (default: the socket's path + `.state`; with
+    /// tcp://, `tcp-ADDR.state` in the default socket's directory). Made
+    /// with mode 0700; one that exists must be this user's, not a
+    /// symbolic link, not writable by group or others.
     #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Keep no state: VMs left by a crash are not found again.
@@ -54,6 +58,12 @@ struct Args {
     /// directory's `egress/`, or a temporary directory with --no-state).
     #[arg(long, default_value_t = 86400)]
     egress_log_ttl: u64,
+    /// MiB all sandboxes' logs may hold together. A live sandbox's VMM
+    /// caps its serial log at 8 MiB and its egress log at 64 MiB, and
+    /// --max-live of them must fit; the rest is for dead sandboxes'
+    /// egress logs, the oldest deleted before their TTL when it is full.
+    #[arg(long, default_value_t = 8192)]
+    log_max_total_mib: u64,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -90,12 +100,27 @@ fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", forkboxd::api::openapi_json());
         return Ok(());
     }
+    let default = || default_socket(is_root(), std::env::var("XDG_RUNTIME_DIR").ok().as_deref());
     let listen = match args.listen {
-        Some(l) => l,
-        None => Listen::Unix(default_socket(
-            is_root(),
-            std::env::var("XDG_RUNTIME_DIR").ok().as_deref(),
-        )?),
+        // A socket's directory the daemon makes (mode 0700) must be ours;
+        // one that exists is checked for who may change it (`/tmp` is
+        // fine: sticky). A file already at the path must be a socket of
+        // ours, left by an earlier run.
+        Some(Listen::Unix(path)) => {
+            let make_dir = path.parent().is_some_and(|d| !d.exists());
+            Listen::Unix(
+                owned::socket_path(&path, make_dir)
+                    .with_context(|| format!("checking the socket path {}", path.display()))?,
+            )
+        }
+        Some(tcp) => tcp,
+        None => {
+            let path = default()?;
+            Listen::Unix(
+                owned::socket_path(&path, true)
+                    .with_context(|| format!("checking the default socket {}", path.display()))?,
+            )
+        }
     };
     let token = args
         .token
@@ -122,6 +147,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         boot_timeout: Duration::from_secs(args.boot_timeout),
         egress_log_ttl: Duration::from_secs(args.egress_log_ttl),
     };
+    let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("{} is in use: another forkboxd is running", path.display());
@@ -130,7 +156,10 @@ fn run(args: Args) -> anyhow::Result<()> {
     let store = match (args.no_state, args.state_dir) {
         (true, _) => None,
         (false, dir) => {
-            let dir = dir.unwrap_or_else(|| state_dir_for(&listen));
+            let dir = match dir {
+                Some(dir) => dir,
+                None => state_dir_for(&listen, default)?,
+            };
             Some(
                 Store::open(&dir)
                     .with_context(|| format!("opening the state directory {}", dir.display()))?,
@@ -145,7 +174,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
         None => EgressLogs::temporary(config.egress_log_ttl)
             .context("making a temporary egress log directory")?,
-    };
+    }
+    .with_max_bytes(egress_max);
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();
@@ -161,19 +191,48 @@ fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The default state directory: beside the socket, one per socket, so
-/// that two daemons never adopt each other's VMs.
-fn state_dir_for(listen: &Listen) -> PathBuf {
-    match listen {
+/// that two daemons never adopt each other's VMs; for TCP, in the default
+/// socket's directory (never a name anyone could guess under `/tmp`).
+fn state_dir_for(
+    listen: &Listen,
+    default_socket: impl FnOnce() -> Result<PathBuf, ListenError>,
+) -> anyhow::Result<PathBuf> {
+    Ok(match listen {
         Listen::Unix(path) => {
             let mut p = path.clone().into_os_string();
             p.push(".state");
             p.into()
         }
-        Listen::Tcp(addr) => std::env::temp_dir().join(format!(
-            "forkboxd-tcp-{}.state",
-            addr.to_string().replace([':', '[', ']'], "_")
-        )),
+        Listen::Tcp(addr) => {
+            let socket = default_socket().context(
+                "no default state directory for tcp://: pass --state-dir DIR or --no-state",
+            )?;
+            let dir = socket
+                .parent()
+                .context("the default socket has no directory")?;
+            dir.join(format!(
+                "tcp-{}.state",
+                addr.to_string().replace([':', '[', ']'], "_")
+            ))
+        }
+    })
+}
+
+/// What the egress log directory may hold: the total less the live
+/// sandboxes' serial logs; an error when `max_live` sandboxes' logs at
+/// their caps alone would not fit.
+fn egress_max_bytes(max_live: usize, total_mib: u64) -> anyhow::Result<u64> {
+    use forkbox_vmm_api::{EGRESS_LOG_MAX_BYTES, SERIAL_LOG_MAX_BYTES};
+    let total = total_mib.saturating_mul(1 << 20);
+    let live = (max_live as u64).saturating_mul(SERIAL_LOG_MAX_BYTES + EGRESS_LOG_MAX_BYTES);
+    if live > total {
+        bail!(
+            "--max-live {max_live} sandboxes may hold {} MiB of logs at their caps, more than \
+             --log-max-total-mib {total_mib}: raise --log-max-total-mib or lower --max-live",
+            live >> 20
+        );
     }
+    Ok(total - (max_live as u64).saturating_mul(SERIAL_LOG_MAX_BYTES))
 }
 
 /// Whether we run as root (the owner of our own /proc entry; no unsafe
@@ -190,10 +249,8 @@ async fn serve(daemon: Daemon, listen: Listen, token: Option<String>) -> anyhow:
     let stop = shutdown_signal();
     match &listen {
         Listen::Unix(path) => {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-            }
+            // `run` checked the directory, and that a file already at
+            // `path` is a socket of ours.
             if path.exists() {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
                     bail!("{} is in use: another forkboxd is running", path.display());
@@ -241,5 +298,42 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn egress_max_bytes_leaves_room_for_live_logs_or_says_what_to_change() {
+        assert_eq!(
+            egress_max_bytes(64, 8192).expect("fits"),
+            (8192 - 64 * 8) << 20
+        );
+        let e = egress_max_bytes(64, 1024).expect_err("too small");
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("4608 MiB") && msg.contains("--log-max-total-mib"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn state_dir_for_tcp_is_in_the_runtime_dir_never_tmp() {
+        let tcp = Listen::Tcp("127.0.0.1:7000".parse().expect("addr"));
+        let dir = state_dir_for(&tcp, || default_socket(false, Some("/run/user/1000")))
+            .expect("a default");
+        assert_eq!(
+            dir,
+            PathBuf::from("/run/user/1000/forkbox/tcp-127.0.0.1_7000.state")
+        );
+        let e = state_dir_for(&tcp, || default_socket(false, None)).expect_err("no default");
+        assert!(format!("{e:#}").contains("--state-dir"), "{e:#}");
+        let unix = Listen::Unix("/srv/f.sock".into());
+        assert_eq!(
+            state_dir_for(&unix, || unreachable!()).expect("beside"),
+            PathBuf::from("/srv/f.sock.state")
+        );
     }
 }

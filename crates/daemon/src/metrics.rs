@@ -184,6 +184,9 @@ pub struct Metrics {
     /// Fork children that replaced a lost one (its VMM died or it did not
     /// answer in time): each is a test-bed or host fault worth a look.
     pub fork_children_replaced: Counter,
+    /// Dead sandboxes' egress logs deleted before their TTL for room
+    /// (`--log-max-total-mib`).
+    pub egress_logs_removed: Counter,
     pub bakes_ok: Counter,
     pub bakes_failed: Counter,
     pub create_latency: Latency,
@@ -233,6 +236,10 @@ impl Default for Metrics {
             "forkbox_fork_children_replaced",
             "Fork children that replaced a lost one (its VMM died or it did not answer in time)",
         );
+        let egress_logs_removed = counter(
+            "forkbox_egress_logs_removed",
+            "Dead sandboxes' egress logs deleted before their TTL because the logs reached their total",
+        );
         let bakes = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "forkbox_template_bakes",
@@ -280,6 +287,7 @@ impl Default for Metrics {
             forks,
             fork_children,
             fork_children_replaced,
+            egress_logs_removed,
             create_latency,
             fork_latency,
             exec_latency,
@@ -416,6 +424,8 @@ mod tests {
             "# TYPE forkbox_fork_children_total counter",
             "# TYPE forkbox_fork_children_replaced_total counter",
             "forkbox_fork_children_replaced_total 0",
+            "# TYPE forkbox_egress_logs_removed_total counter",
+            "forkbox_egress_logs_removed_total 0",
             "forkbox_template_bakes_total{outcome=\"ok\"} 0",
             "forkbox_template_bakes_total{outcome=\"failed\"} 0",
             "# TYPE forkbox_fork_seconds histogram",

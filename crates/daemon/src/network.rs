@@ -80,10 +80,18 @@ pub struct EgressLogs {
     ttl: Duration,
     /// Logs of dead sandboxes and when they are deleted.
     expiring: Mutex<BTreeMap<SandboxId, Instant>>,
+    /// Most bytes the directory may hold; past it, logs of dead
+    /// sandboxes go before their TTL, those that died first first.
+    max_bytes: Option<u64>,
+    /// When the directory's size was last added up.
+    measured: Mutex<Option<Instant>>,
     /// A directory of our own (when the daemon keeps no state), removed
     /// with us.
     _temp: Option<tempfile::TempDir>,
 }
+
+/// How often [`EgressLogs::sweep`] adds up the directory's size.
+pub const MEASURE_EVERY: Duration = Duration::from_secs(5);
 
 impl EgressLogs {
     /// Logs in `dir` (created). Files left there by an earlier run are
@@ -107,8 +115,16 @@ impl EgressLogs {
             dir,
             ttl,
             expiring: Mutex::new(BTreeMap::new()),
+            max_bytes: None,
+            measured: Mutex::new(None),
             _temp: temp,
         }
+    }
+
+    /// Keeps the directory under `max_bytes` (see [`EgressLogs::sweep`]).
+    pub fn with_max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = Some(max_bytes);
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -157,8 +173,80 @@ impl EgressLogs {
         self.expiring().insert(id.clone(), now + self.ttl);
     }
 
-    /// Deletes the logs whose time is up. Blocking.
-    pub fn sweep(&self, now: Instant) {
+    /// Deletes the logs whose time is up; then, at most every
+    /// [`MEASURE_EVERY`], adds up the directory and, while it holds more
+    /// than its most, deletes dead sandboxes' logs, those that died first
+    /// first (live sandboxes' logs are bounded by the VMM's cap). Returns
+    /// how many logs went for room. Blocking.
+    pub fn sweep(&self, now: Instant) -> u64 {
+        self.expire(now);
+        let Some(max) = self.max_bytes else {
+            return 0;
+        };
+        {
+            let mut measured = self.measured.lock().unwrap_or_else(|p| p.into_inner());
+            if measured.is_some_and(|at| now.saturating_duration_since(at) < MEASURE_EVERY) {
+                return 0;
+            }
+            *measured = Some(now);
+        }
+        self.make_room(max)
+    }
+
+    /// Deletes dead sandboxes' logs, those that died first first, until
+    /// the directory's logs hold at most `max` bytes.
+    fn make_room(&self, max: u64) -> u64 {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        let mut total: u64 = entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.ends_with(".jsonl"))
+            })
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        if total <= max {
+            return 0;
+        }
+        let mut dead: Vec<(Instant, SandboxId)> = self
+            .expiring()
+            .iter()
+            .map(|(id, at)| (*at, id.clone()))
+            .collect();
+        dead.sort();
+        let mut removed = 0;
+        for (_, id) in dead {
+            if total <= max {
+                break;
+            }
+            let path = self.path(&id);
+            let len = std::fs::metadata(&path).map_or(0, |m| m.len());
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    total = total.saturating_sub(len);
+                    removed += 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(%id, error = %e, "cannot delete an egress log for room"),
+            }
+            self.expiring().remove(&id);
+        }
+        if removed > 0 {
+            tracing::warn!(
+                removed,
+                max_bytes = max,
+                "egress logs over their total: the oldest dead sandboxes' logs were deleted before their TTL"
+            );
+        }
+        removed
+    }
+
+    /// Deletes the logs whose time is up.
+    fn expire(&self, now: Instant) {
         let due: Vec<SandboxId> = {
             let mut expiring = self.expiring();
             let due: Vec<SandboxId> = expiring
@@ -298,6 +386,32 @@ pub(crate) mod tests {
         logs.sweep(t0 + Duration::from_secs(60));
         assert!(!logs.exists(&id(1)));
         assert!(logs.exists(&id(2)), "a live sandbox's log stays");
+    }
+
+    #[test]
+    fn egress_over_the_total_dead_logs_go_first_died_first_live_stay() {
+        let logs = EgressLogs::temporary(Duration::from_secs(3600)).expect("logs");
+        for n in 1..=4 {
+            append(&logs.path(&id(n)), &["n.org"; 4]);
+        }
+        let one = std::fs::metadata(logs.path(&id(1))).expect("meta").len();
+        // Room for two and a half logs.
+        let logs = logs.with_max_bytes(one * 5 / 2);
+        let t0 = Instant::now();
+        // 3 died before 2, 2 before 1; 4 lives on.
+        logs.retire(&id(3), t0);
+        logs.retire(&id(2), t0 + Duration::from_secs(1));
+        logs.retire(&id(1), t0 + Duration::from_secs(2));
+        assert_eq!(logs.sweep(t0 + Duration::from_secs(3)), 2);
+        let left: Vec<bool> = (1..=4).map(|n| logs.exists(&id(n))).collect();
+        assert_eq!(
+            left,
+            [true, false, false, true],
+            "the first to die go first"
+        );
+        // Measured at most every MEASURE_EVERY.
+        append(&logs.path(&id(4)), &["more.org"; 40]);
+        assert_eq!(logs.sweep(t0 + Duration::from_secs(4)), 0);
     }
 
     #[test]

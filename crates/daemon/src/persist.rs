@@ -10,6 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use forkbox_host::owned::OwnedError;
 use forkbox_host::vm::VmHandle;
 use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
@@ -103,14 +104,18 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens (creating) `dir`, with `sandboxes/` and `templates/` in it.
-    pub fn open(dir: &Path) -> std::io::Result<Self> {
-        for sub in ["sandboxes", "templates"] {
-            std::fs::create_dir_all(dir.join(sub))?;
+    /// Opens `dir`, with `sandboxes/`, `templates/` and `egress/` in it,
+    /// making each (mode 0700) if missing. Each must be ours
+    /// ([`forkbox_host::owned`]): a directory another user made, a
+    /// symbolic link, one group or others may write, or a path with `..`
+    /// is refused, since the daemon would adopt VMs and remove files by
+    /// what it reads there. The store keeps the canonical path.
+    pub fn open(dir: &Path) -> Result<Self, OwnedError> {
+        let dir = forkbox_host::owned::ensure_dir(dir)?;
+        for sub in ["sandboxes", "templates", "egress"] {
+            forkbox_host::owned::ensure_dir(&dir.join(sub))?;
         }
-        Ok(Self {
-            dir: dir.to_owned(),
-        })
+        Ok(Self { dir })
     }
 
     pub fn dir(&self) -> &Path {
@@ -236,6 +241,47 @@ mod tests {
         );
         store.forget_sandbox(&a.id);
         assert_eq!(store.load().1.len(), 1);
+    }
+
+    #[test]
+    fn store_open_refuses_a_directory_it_did_not_make() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().expect("tempdir");
+        let made = t.path().join("state");
+        let store = Store::open(&made).expect("made");
+        assert_eq!(
+            store.dir(),
+            std::fs::canonicalize(&made).expect("canonical")
+        );
+        for sub in ["", "sandboxes", "templates", "egress"] {
+            let mode = std::fs::metadata(made.join(sub))
+                .expect("meta")
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o700, "{sub:?}");
+        }
+        Store::open(&made).expect("ours: opened again");
+
+        let link = t.path().join("link");
+        std::os::unix::fs::symlink(&made, &link).expect("symlink");
+        let e = Store::open(&link).expect_err("a symlink");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+
+        let e = Store::open(&t.path().join("state/../state")).expect_err("`..`");
+        assert!(e.to_string().contains("`..`"), "{e}");
+
+        let open = t.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = Store::open(&open).expect_err("world-writable");
+        assert!(e.to_string().contains("chmod go-w"), "{e}");
+
+        // A subdirectory swapped for a link to elsewhere.
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        std::fs::remove_dir(made.join("sandboxes")).expect("rmdir");
+        std::os::unix::fs::symlink(elsewhere.path(), made.join("sandboxes")).expect("symlink");
+        let e = Store::open(&made).expect_err("a linked subdirectory");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //!   (the one `/proc` parser of forkbox's host side).
 //! - [`isolation`]: the memory-isolation check a fork's children and
 //!   parent run (a guest process writing a known pattern).
-//! - [`socket`]: where forkboxd listens by default.
+//! - [`socket`]: where forkboxd listens by default; [`owned`]: the checks
+//!   that a directory or socket path is one this user made.
 //! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
@@ -35,6 +36,7 @@ pub mod isolation;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;
+pub mod owned;
 pub mod poll;
 pub mod socket;
 pub mod testbed;

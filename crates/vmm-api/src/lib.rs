@@ -32,6 +32,14 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// sends several requests.
 pub const MAX_CHILDREN_PER_FORK: usize = 64;
 
+/// Most a VM's serial log grows to; past it the guest's output is dropped
+/// after one line saying so (a caller sizes its log budget by it).
+pub const SERIAL_LOG_MAX_BYTES: u64 = 8 << 20;
+
+/// Most a VM's egress log grows to (about 250 000 records); later records
+/// are dropped.
+pub const EGRESS_LOG_MAX_BYTES: u64 = 64 << 20;
+
 /// `forkbox-vmm`'s process exit status: how the VM ended.
 pub mod exit_code {
     /// The guest powered off (ACPI S5).

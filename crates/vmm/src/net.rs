@@ -67,7 +67,7 @@ const TOKEN_STREAM: u64 = 3;
 const BLOCKING_LIMIT: Duration = Duration::from_secs(5);
 /// Most an egress log grows to (about 250 000 records); later records are
 /// dropped (and counted) so a flooding guest cannot fill the disk.
-pub const EGRESS_LOG_MAX_BYTES: u64 = 64 << 20;
+pub const EGRESS_LOG_MAX_BYTES: u64 = forkbox_vmm_api::EGRESS_LOG_MAX_BYTES;
 /// The timer's shortest wait (a zero wait would disarm it).
 const MIN_WAIT: Duration = Duration::from_micros(50);
 

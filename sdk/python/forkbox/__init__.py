@@ -30,7 +30,7 @@ from .async_sandbox import AsyncCommandHandle, AsyncNetwork
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
                          InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
-                         TemplateInfrastructureError, UnsupportedError)
+                         TemplateInfrastructureError, UnsafeArchiveError, UnsupportedError)
 from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 from .sandbox import CommandHandle, Network, Sandbox
 from .template import AsyncTemplate, Template
@@ -42,4 +42,5 @@ __all__ = [
     "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
     "InfrastructureError", "DaemonUnavailableError", "CommandHandle", "AsyncCommandHandle",
     "ProcessInfo", "ProcessOutput", "ProcessTimeoutError", "Network", "AsyncNetwork",
+    "UnsafeArchiveError",
 ]

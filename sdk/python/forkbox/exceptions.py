@@ -26,6 +26,16 @@ class InvalidRequestError(ForkboxError):
     pass
 
 
+class UnsafeArchiveError(ForkboxError):
+    """A tar archive from a guest (`download_dir`) has a member that cannot
+    be unpacked safely (an absolute path, `..`, a link leading out, a
+    device, ...). `member` names it; what came before it was unpacked."""
+
+    def __init__(self, member: str, why: str) -> None:
+        super().__init__(f"tar member {member!r} {why}", kind="unsafe_archive")
+        self.member = member
+
+
 class NotFoundError(ForkboxError):
     """Unknown sandbox or template, or (from the guest) a missing path."""
 

@@ -188,7 +188,10 @@ class Files:
 
     def download_dir(self, path: str, local_dir: str) -> None:
         """Copies the guest directory `path` into `local_dir` (created if
-        missing) as one tar stream."""
+        missing) as one tar stream. A member that would land outside
+        `local_dir`, a link leading out, a device or a FIFO stops it with
+        `UnsafeArchiveError` naming the member; setuid, setgid and sticky
+        bits are dropped."""
         _tar.unpack_to(self.download_tar(path), local_dir)
 
 

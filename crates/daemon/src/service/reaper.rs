@@ -31,7 +31,8 @@ impl Daemon {
             tracing::warn!(%id, %reason, "sandbox VM ended by itself");
             let _ = self.kill(&id, DeathCause::VmLost { reason });
         }
-        self.inner.egress.sweep(now);
+        let removed = self.inner.egress.sweep(now);
+        self.inner.metrics.egress_logs_removed.inc_by(removed);
     }
 
     /// Pauses a sandbox whose time ran out; one that cannot be paused is

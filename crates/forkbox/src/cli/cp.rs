@@ -10,7 +10,7 @@ use clap::Args;
 use hyper::Method;
 use serde::Deserialize;
 
-use super::{print_json, SandboxId};
+use super::{print_json, unpack, SandboxId};
 
 #[derive(Args)]
 pub struct CpArgs {
@@ -197,14 +197,14 @@ fn download(
             )?
             .bytes()?;
         std::fs::create_dir_all(&target).with_context(|| format!("creating {shown}"))?;
-        // The archive comes from the guest: `unpack` keeps every entry
-        // inside `target` (no `..`, no absolute paths, no writing through
-        // symlinks it made).
-        let mut ar = tar::Archive::new(archive.as_slice());
-        ar.set_preserve_permissions(true);
-        ar.set_overwrite(true);
-        ar.unpack(&target)
-            .with_context(|| format!("unpacking {sandbox}:{src} into {shown}"))?;
+        // The archive comes from the guest: `unpack` refuses any member
+        // that would land outside `target`, pass through or make a link
+        // leading out, or be a device; it strips setuid/setgid/sticky.
+        unpack::unpack(archive.as_slice(), &target).with_context(|| {
+            format!(
+                "unpacking {sandbox}:{src} into {shown} (stopped at that member;                  what came before it is unpacked)"
+            )
+        })?;
         Ok((shown, archive.len() as u64))
     } else {
         use std::os::unix::fs::PermissionsExt;
@@ -212,8 +212,9 @@ fn download(
             .call(Method::GET, &files_path(sandbox, "files", src), Body::Empty)?
             .bytes()?;
         std::fs::write(&target, &data).with_context(|| format!("writing {shown}"))?;
-        if st.mode & 0o7777 != 0 {
-            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(st.mode & 0o7777))
+        // The guest's mode, without setuid, setgid or sticky bits.
+        if st.mode & 0o777 != 0 {
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(st.mode & 0o777))
                 .with_context(|| format!("setting the mode of {shown}"))?;
         }
         Ok((shown, data.len() as u64))

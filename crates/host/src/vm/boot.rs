@@ -173,6 +173,11 @@ impl Vm {
             dir: h.dir.clone(),
             why,
         };
+        if !h.dir_is_ours() {
+            return Err(not(
+                "it is not a VM directory this user made in the temporary directory".into(),
+            ));
+        }
         let paths = paths_in(&h.dir);
         let control = Control::new(paths.control);
         let status = control.status()?;
@@ -233,7 +238,9 @@ impl Vm {
                 let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
             }
         }
-        if h.dir.starts_with(std::env::temp_dir()) {
+        // Removed only if it is one we made: compared after
+        // canonicalizing, never as text (`/tmp/../home` starts with `/tmp`).
+        if h.dir_is_ours() {
             let _ = std::fs::remove_dir_all(&h.dir);
         }
     }

@@ -141,6 +141,22 @@ pub struct VmHandle {
     pub pid: u32,
 }
 
+impl VmHandle {
+    /// The prefixes of the directories [`Vm`]s are given (`vm_dir`).
+    pub const DIR_PREFIXES: [&str; 3] = ["forkbox-vm-", "forkbox-fork-", "forkbox-restore-"];
+
+    /// Whether `dir` is one a VM of this user was given: a directory of
+    /// ours right in the temporary directory, with one of
+    /// [`Self::DIR_PREFIXES`], compared after canonicalizing (a handle
+    /// read back from a file is checked before it is used or removed).
+    pub fn dir_is_ours(&self) -> bool {
+        let tmp = std::env::temp_dir();
+        Self::DIR_PREFIXES
+            .iter()
+            .any(|p| crate::owned::is_made_under(&self.dir, &tmp, p))
+    }
+}
+
 /// Added to [`GUEST_CMDLINE`] for a VM with a network: the agent loads
 /// `virtio_net` and configures `eth0`.
 pub const NET_CMDLINE: &str = " forkbox.net=1";
@@ -294,4 +310,51 @@ const AGENT_HANDSHAKE: Duration = Duration::from_secs(30);
 /// The client of the agent behind a VMM's hybrid vsock socket.
 fn agent_client(vsock_uds: &Path) -> AgentClient {
     AgentClient::hybrid_vsock(vsock_uds, AGENT_PORT).with_handshake_timeout(AGENT_HANDSHAKE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discard_a_handle_not_made_by_us_removes_nothing() {
+        // As a tampered state file would give it: the text starts with the
+        // temporary directory, the directory is not one a VM was given.
+        let outer = tempfile::tempdir().expect("dir");
+        let victim = outer.path().join("forkbox-vm-victim");
+        std::fs::create_dir(&victim).expect("mkdir");
+        let h = VmHandle {
+            dir: victim.clone(),
+            pid: std::process::id(),
+        };
+        assert!(h.dir.starts_with(std::env::temp_dir()));
+        assert!(!h.dir_is_ours());
+        Vm::discard(&h);
+        assert!(victim.exists(), "a directory we did not make stays");
+        let dotdot = VmHandle {
+            dir: std::env::temp_dir()
+                .join("..")
+                .join(victim.strip_prefix("/").expect("abs")),
+            pid: std::process::id(),
+        };
+        Vm::discard(&dotdot);
+        assert!(victim.exists());
+        assert!(matches!(
+            Vm::adopt(&h, None),
+            Err(VmError::NotAdoptable { .. })
+        ));
+
+        let ours = tempfile::Builder::new()
+            .prefix("forkbox-vm-")
+            .tempdir()
+            .expect("dir")
+            .keep();
+        let h = VmHandle {
+            dir: ours.clone(),
+            pid: std::process::id(),
+        };
+        assert!(h.dir_is_ours());
+        Vm::discard(&h);
+        assert!(!ours.exists(), "a VM directory of ours is cleared away");
+    }
 }

@@ -47,7 +47,7 @@ use crate::layout::{
 };
 use crate::memory::GuestRam;
 use crate::pio::{PortBus, PortEvent};
-use crate::serial::{Echo, IrqTrigger, SerialOutput, TailBuffer};
+use crate::serial::{Echo, IrqTrigger, SerialLog, SerialOutput, TailBuffer};
 use crate::state::{self, Hardware, MachineState, SerialState, StateError, VmState};
 use crate::vcpu::{self, ExitSignal, PauseError, VcpuContext, VcpuOutcome, Vcpus};
 use crate::virtio::{self, DeviceSpec, MmioBus, VirtioSlot};
@@ -260,7 +260,7 @@ fn open_serial(
     let irq = eventfd()?;
     vm.register_irqfd(&irq, SERIAL_GSI)
         .map_err(kvm_err("register the serial irqfd"))?;
-    let out = SerialOutput::new(log, Arc::clone(&tail), endpoints.echo);
+    let out = SerialOutput::new(log.map(SerialLog::new), Arc::clone(&tail), endpoints.echo);
     let serial = match saved {
         Some(s) => Serial::from_state(&s.to_superio(), IrqTrigger(irq), NoEvents, out)
             .map_err(|_| VmError::SerialRestore)?,
