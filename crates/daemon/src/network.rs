@@ -25,7 +25,10 @@ use crate::core::SandboxId;
 /// (`pypi.example.org`), a suffix (`*.debian.org`: strictly below it), an
 /// address or CIDR (`10.1.0.0/16`, `[2001:db8::/32]:443`) or `*`, with an
 /// optional port or range (`:443`, `:8000-8999`). The host's loopback is
-/// `host.forkbox.internal`, reachable only by a rule naming it.
+/// `host.forkbox.internal`, reachable only by an allow rule naming it with
+/// one port (`host.forkbox.internal:8000`). A name rule or `*` never opens
+/// a private, shared, unique-local or cloud-platform address, nor the
+/// host's own: only a CIDR rule inside that range does (docs/SECURITY.md).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"allow_out": ["pypi.org:443", "*.pythonhosted.org:443"], "deny_out": []}))]

@@ -7,7 +7,18 @@
 //! against the sandbox's [`Policy`] (the VMM is not trusted with the final
 //! word); an allowed connection is opened here and its socket passed back
 //! with `SCM_RIGHTS`. `host.forkbox.internal` (the gateway address) is the
-//! host's loopback.
+//! host's loopback, `127.0.0.1` (never the address the daemon's port
+//! forwards listen on, `forkbox_net::broker::PORT_FORWARD_IP`).
+//!
+//! What the broker adds to the VMM's decision: it knows the host's own
+//! addresses (listed at each connect) and treats them as internal, so only
+//! a CIDR rule naming one exactly opens it; it decides on the very address
+//! it then connects to, and a connect allowed by a name rule goes ahead
+//! only if the broker's own resolution of the name, now, gives that
+//! address (DNS rebinding gains nothing: the address is checked, not the
+//! name). Names are resolved as fully qualified (a trailing dot), so the
+//! host's resolver never completes them with its search domains, and a
+//! single-label name is refused.
 //!
 //! The policy can be replaced while the VM runs ([`NetBroker::set_policy`]):
 //! every later request is decided by the new one, and the new policy is
@@ -23,7 +34,7 @@
 //! VM: the daemon, for sandboxes.
 
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -263,7 +274,11 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
                 address,
                 port,
             } => {
-                let plan = plan_connect(&policy, name.as_deref(), address, port);
+                let plan = match host_addresses() {
+                    Ok(host) => plan_connect(&policy, &host, name.as_deref(), address, port),
+                    // Fail closed: without the list, no host address is known to be safe.
+                    Err(e) => ConnectPlan::Deny(format!("cannot list this host's addresses: {e}")),
+                };
                 if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTS {
                     in_flight.fetch_sub(1, Ordering::SeqCst);
                     let _ = send(&*conn, BrokerReply::failed(id, "too many connects"), None);
@@ -280,11 +295,18 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
                                     ok: true,
                                     addresses: Vec::new(),
                                     not_found: false,
+                                    denied: false,
                                     error: None,
                                 };
                                 send(&*conn, ok, Some(stream.as_fd()))
                             }
-                            Err(e) => send(&*conn, BrokerReply::failed(id, e), None),
+                            Err(ConnectError::Denied(why)) => {
+                                tracing::debug!(id, %why, "net broker: connect denied");
+                                send(&*conn, BrokerReply::denied(id, why), None)
+                            }
+                            Err(ConnectError::Failed(e)) => {
+                                send(&*conn, BrokerReply::failed(id, e), None)
+                            }
                         };
                         if let Err(e) = reply {
                             tracing::warn!(error = %e, "net broker: cannot answer");
@@ -299,11 +321,24 @@ fn serve(conn: Arc<OwnedFd>, shared: &Shared) {
     }
 }
 
+/// The addresses of this host's interfaces (in the broker's network
+/// namespace), loopback included.
+fn host_addresses() -> io::Result<Vec<IpAddr>> {
+    Ok(if_addrs::get_if_addrs()?
+        .into_iter()
+        .map(|i| i.ip())
+        .collect())
+}
+
 fn resolve(policy: &Policy, id: u64, name: &str) -> BrokerReply {
-    if !policy.decide_name(name).is_allowed() {
+    let decision = policy.decide_name(name);
+    if !decision.is_allowed() {
+        let why = decision
+            .explain()
+            .unwrap_or_else(|| "not allowed".to_owned());
         return BrokerReply {
             not_found: true,
-            ..BrokerReply::failed(id, "not allowed")
+            ..BrokerReply::failed(id, why)
         };
     }
     match resolve_v4(name) {
@@ -312,6 +347,7 @@ fn resolve(policy: &Policy, id: u64, name: &str) -> BrokerReply {
             ok: true,
             addresses: addresses.into_iter().take(MAX_ANSWERS).collect(),
             not_found: false,
+            denied: false,
             error: None,
         },
         Err(e) => BrokerReply {
@@ -321,8 +357,23 @@ fn resolve(policy: &Policy, id: u64, name: &str) -> BrokerReply {
     }
 }
 
+/// `name` as an absolute name (`pypi.org.`): the resolver then asks for
+/// exactly it, never `name` + one of the host's search domains. A
+/// single-label name is refused: even absolute, it is a top-level domain
+/// nobody means, or a name of the host's own network.
+fn absolute_name(name: &str) -> io::Result<String> {
+    let bare = name.strip_suffix('.').unwrap_or(name);
+    if bare.is_empty() || !bare.contains('.') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{name:?} is a single-label name: never resolved"),
+        ));
+    }
+    Ok(format!("{bare}."))
+}
+
 fn resolve_v4(name: &str) -> io::Result<Vec<Ipv4Addr>> {
-    let v4: Vec<Ipv4Addr> = (name, 0u16)
+    let v4: Vec<Ipv4Addr> = (absolute_name(name)?.as_str(), 0u16)
         .to_socket_addrs()?
         .filter_map(|a| match a {
             SocketAddr::V4(a) => Some(*a.ip()),
@@ -335,19 +386,29 @@ fn resolve_v4(name: &str) -> io::Result<Vec<Ipv4Addr>> {
     Ok(v4)
 }
 
-fn connect(plan: ConnectPlan) -> Result<TcpStream, String> {
+/// Why a connect was not opened: the policy said no, or the attempt failed.
+enum ConnectError {
+    Denied(String),
+    Failed(String),
+}
+
+fn connect(plan: ConnectPlan) -> Result<TcpStream, ConnectError> {
+    use ConnectError::{Denied, Failed};
     let target = match plan {
-        ConnectPlan::Deny(why) => return Err(why),
+        ConnectPlan::Deny(why) => return Err(Denied(why)),
         ConnectPlan::Connect(addr) => addr,
         ConnectPlan::ConnectIfResolves { name, target } => {
-            let addrs = resolve_v4(&name).map_err(|e| format!("{name}: {e}"))?;
+            let addrs = resolve_v4(&name).map_err(|e| Denied(format!("{name}: {e}")))?;
             if !addrs.contains(target.ip()) {
-                return Err(format!("{name} does not resolve to {}", target.ip()));
+                return Err(Denied(format!(
+                    "{name} does not resolve to {} (now)",
+                    target.ip()
+                )));
             }
             SocketAddr::V4(target)
         }
     };
-    TcpStream::connect_timeout(&target, CONNECT_TIMEOUT).map_err(|e| e.to_string())
+    TcpStream::connect_timeout(&target, CONNECT_TIMEOUT).map_err(|e| Failed(e.to_string()))
 }
 
 fn send(
@@ -514,5 +575,107 @@ mod tests {
             },
         );
         assert!(!reply.ok && reply.not_found, "{reply:?}");
+    }
+
+    #[test]
+    fn netbroker_denial_and_failure_are_told_apart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A loopback port nothing listens on any more: allowed, fails.
+        let closed = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let closed_port = closed.local_addr().expect("addr").port();
+        drop(closed);
+        // A loopback server the policy does not name: denied, never reached.
+        let other = TcpListener::bind("127.0.0.1:0").expect("bind");
+        other.set_nonblocking(true).expect("nonblocking");
+        let other_port = other.local_addr().expect("addr").port();
+        let json = format!(r#"{{"allow_out":["host.forkbox.internal:{closed_port}"]}}"#);
+        let broker = NetBroker::start(
+            &dir.path().join("b.sock"),
+            Policy::from_json(&json).expect("policy"),
+        )
+        .expect("broker");
+        let (fd, _) = client(broker.path());
+        let (reply, passed) = ask(&fd, &host_connect(1, closed_port));
+        assert!(!reply.ok && !reply.denied && passed.is_none(), "{reply:?}");
+        let (reply, passed) = ask(&fd, &host_connect(2, other_port));
+        assert!(!reply.ok && reply.denied && passed.is_none(), "{reply:?}");
+        assert_eq!(
+            other.accept().map(|_| ()).map_err(|e| e.kind()),
+            Err(io::ErrorKind::WouldBlock),
+            "the server off the allowlist was reached"
+        );
+    }
+
+    #[test]
+    fn netbroker_never_reaches_a_port_forward_address() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Where the daemon's forwards listen; the broker's policy names
+        // exactly its port.
+        let forward = TcpListener::bind((forkbox_net::broker::PORT_FORWARD_IP, 0)).expect("bind");
+        forward.set_nonblocking(true).expect("nonblocking");
+        let port = forward.local_addr().expect("addr").port();
+        let json = format!(r#"{{"allow_out":["host.forkbox.internal:{port}","*"]}}"#);
+        let broker = NetBroker::start(
+            &dir.path().join("b.sock"),
+            Policy::from_json(&json).expect("policy"),
+        )
+        .expect("broker");
+        let (fd, _) = client(broker.path());
+        // As the host alias (whatever answers on 127.0.0.1:port is not the
+        // forward), and by the forward's own address (loopback: denied).
+        let _ = ask(&fd, &host_connect(1, port));
+        let (reply, passed) = ask(
+            &fd,
+            &BrokerRequest::Connect {
+                id: 2,
+                name: None,
+                address: forkbox_net::broker::PORT_FORWARD_IP,
+                port,
+            },
+        );
+        assert!(!reply.ok && reply.denied && passed.is_none(), "{reply:?}");
+        assert_eq!(
+            forward.accept().map(|_| ()).map_err(|e| e.kind()),
+            Err(io::ErrorKind::WouldBlock),
+            "a sandbox reached a port forward"
+        );
+    }
+
+    #[test]
+    fn netbroker_single_label_names_are_never_resolved() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let broker = NetBroker::start(
+            &dir.path().join("b.sock"),
+            Policy::from_json(r#"{"allow_out":["*"]}"#).expect("policy"),
+        )
+        .expect("broker");
+        let (fd, _) = client(broker.path());
+        for name in ["localhost", "intranet.", "wpad"] {
+            let (reply, _) = ask(
+                &fd,
+                &BrokerRequest::Resolve {
+                    id: 1,
+                    name: name.into(),
+                },
+            );
+            assert!(!reply.ok && reply.not_found, "{name}: {reply:?}");
+            let why = reply.error.unwrap_or_default();
+            assert!(why.contains("single-label"), "{name}: {why}");
+        }
+    }
+
+    #[test]
+    fn netbroker_names_are_resolved_as_absolute() {
+        assert_eq!(absolute_name("pypi.org").expect("name"), "pypi.org.");
+        assert_eq!(absolute_name("pypi.org.").expect("name"), "pypi.org.");
+        for name in ["intranet", "intranet.", "", "."] {
+            assert!(absolute_name(name).is_err(), "{name:?}");
+        }
+    }
+
+    #[test]
+    fn netbroker_host_addresses_include_loopback() {
+        let host = host_addresses().expect("getifaddrs");
+        assert!(host.contains(&IpAddr::V4(Ipv4Addr::LOCALHOST)), "{host:?}");
     }
 }

@@ -14,12 +14,12 @@
 
 pub mod link;
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use serde::{Deserialize, Serialize};
 
 use crate::gateway::GATEWAY_IP;
-use crate::policy::{Destination, Policy, Protocol, HOST_INTERNAL};
+use crate::policy::{Decision, Destination, Policy, Protocol, Reason, HOST_INTERNAL};
 
 /// Longest message either way (a policy of a few hundred rules fits).
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -52,6 +52,10 @@ pub struct BrokerReply {
     /// For `resolve`: the name does not exist.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub not_found: bool,
+    /// For `connect`: the broker's policy denied it (`error` says why),
+    /// as opposed to a connection that failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub denied: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -63,7 +67,16 @@ impl BrokerReply {
             ok: false,
             addresses: Vec::new(),
             not_found: false,
+            denied: false,
             error: Some(error.into()),
+        }
+    }
+
+    /// A connect the broker's policy denies.
+    pub fn denied(id: u64, why: impl Into<String>) -> Self {
+        Self {
+            denied: true,
+            ..Self::failed(id, why)
         }
     }
 }
@@ -79,10 +92,24 @@ pub enum BrokerMessage {
     Reply(BrokerReply),
 }
 
+/// Where `host.forkbox.internal` goes on the host: its loopback address.
+pub const HOST_LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// Where the daemon's port forwards (host → guest) listen: a loopback
+/// address the broker never connects to, so that no sandbox reaches
+/// another's forward, whatever port its `host.forkbox.internal` rule
+/// names (a listener bound to one address does not accept connections
+/// made to another).
+pub const PORT_FORWARD_IP: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+
+const _: () = assert!(
+    u32::from_be_bytes(HOST_LOOPBACK.octets()) != u32::from_be_bytes(PORT_FORWARD_IP.octets())
+);
+
 /// Where the broker connects for an allowed request, or why it will not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnectPlan {
-    /// Connect here (the host's loopback for [`HOST_INTERNAL`]).
+    /// Connect here ([`HOST_LOOPBACK`] for [`HOST_INTERNAL`]).
     Connect(SocketAddr),
     /// Allowed only by the name's rules: connect only if `name` resolves
     /// (on the broker's side) to the address, since the VMM's word for
@@ -95,9 +122,13 @@ pub enum ConnectPlan {
 }
 
 /// The broker's own decision on a connect request: the policy again, from
-/// the start.
+/// the start, on the address the broker would connect to (which is the
+/// address it then connects to: no name is resolved after this). The host's
+/// own addresses (`host_addresses`) are internal: only a CIDR rule naming
+/// one exactly opens it.
 pub fn plan_connect(
     policy: &Policy,
+    host_addresses: &[IpAddr],
     name: Option<&str>,
     address: Ipv4Addr,
     port: u16,
@@ -110,46 +141,56 @@ pub fn plan_connect(
             protocol: Protocol::Tcp,
         };
         return match policy.decide(&d).is_allowed() {
-            true => ConnectPlan::Connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port))),
+            true => ConnectPlan::Connect(SocketAddr::from((HOST_LOOPBACK, port))),
             false => ConnectPlan::Deny(format!("{HOST_INTERNAL}:{port} is not allowed")),
         };
     }
-    let by_address = Destination {
-        name: None,
-        ip: address.into(),
-        port,
-        protocol: Protocol::Tcp,
+    let decide = |name: Option<&str>| {
+        let d = Destination {
+            name,
+            ip: address.into(),
+            port,
+            protocol: Protocol::Tcp,
+        };
+        policy.decide_on_host(&d, host_addresses)
     };
-    if policy.decide(&by_address).is_allowed() {
+    let by_address = decide(None);
+    if by_address.is_allowed() {
         // A name could only add a deny rule: decide with it too.
         if let Some(n) = name {
-            let with_name = Destination {
-                name: Some(n),
-                ..by_address
-            };
-            if !policy.decide(&with_name).is_allowed() {
-                return ConnectPlan::Deny(format!("{n} ({address}):{port} is not allowed"));
+            let with_name = decide(Some(n));
+            if !with_name.is_allowed() {
+                return denial(&format!("{n} ({address}):{port}"), &with_name);
             }
         }
         return ConnectPlan::Connect(SocketAddr::from((address, port)));
     }
     match name {
         Some(n) if n != HOST_INTERNAL => {
-            let with_name = Destination {
-                name: Some(n),
-                ..by_address
-            };
-            if policy.decide(&with_name).is_allowed() {
+            let with_name = decide(Some(n));
+            if with_name.is_allowed() {
                 ConnectPlan::ConnectIfResolves {
                     name: n.to_owned(),
                     target: SocketAddrV4::new(address, port),
                 }
             } else {
-                ConnectPlan::Deny(format!("{n} ({address}):{port} is not allowed"))
+                denial(&format!("{n} ({address}):{port}"), &with_name)
             }
         }
-        _ => ConnectPlan::Deny(format!("{address}:{port} is not allowed")),
+        _ => denial(&format!("{address}:{port}"), &by_address),
     }
+}
+
+fn denial(what: &str, decision: &Decision) -> ConnectPlan {
+    let why = match (&decision.reason, decision.explain()) {
+        (_, Some(explained)) => format!(": {explained}"),
+        (Reason::DenyRule(r), None) => format!(": deny rule {r:?}"),
+        (Reason::SpecialAddress, None) => {
+            ": loopback, link-local, multicast, broadcast and unspecified addresses are never reachable".to_owned()
+        }
+        _ => String::new(),
+    };
+    ConnectPlan::Deny(format!("{what} is not allowed{why}"))
 }
 
 #[cfg(test)]
@@ -183,16 +224,16 @@ mod tests {
     fn broker_plan_host_internal_goes_to_loopback_only_when_allowed() {
         let p = policy(r#"{"allow_out":["host.forkbox.internal:8080"]}"#);
         assert_eq!(
-            plan_connect(&p, Some(HOST_INTERNAL), GATEWAY_IP, 8080),
+            plan_connect(&p, &[], Some(HOST_INTERNAL), GATEWAY_IP, 8080),
             ConnectPlan::Connect("127.0.0.1:8080".parse().expect("addr"))
         );
         assert!(matches!(
-            plan_connect(&p, None, GATEWAY_IP, 8081),
+            plan_connect(&p, &[], None, GATEWAY_IP, 8081),
             ConnectPlan::Deny(_)
         ));
         // Loopback by address is never reachable.
         assert!(matches!(
-            plan_connect(&p, Some(HOST_INTERNAL), Ipv4Addr::LOCALHOST, 8080),
+            plan_connect(&p, &[], Some(HOST_INTERNAL), Ipv4Addr::LOCALHOST, 8080),
             ConnectPlan::Deny(_)
         ));
     }
@@ -204,23 +245,103 @@ mod tests {
         );
         let a = Ipv4Addr::new(198, 51, 100, 7);
         assert_eq!(
-            plan_connect(&p, Some("pypi.example.org"), a, 443),
+            plan_connect(&p, &[], Some("pypi.example.org"), a, 443),
             ConnectPlan::ConnectIfResolves {
                 name: "pypi.example.org".into(),
                 target: SocketAddrV4::new(a, 443)
             }
         );
         assert!(matches!(
-            plan_connect(&p, None, a, 443),
+            plan_connect(&p, &[], None, a, 443),
             ConnectPlan::Deny(_)
         ));
         let b = Ipv4Addr::new(192, 0, 2, 9);
         assert!(matches!(
-            plan_connect(&p, None, b, 80),
+            plan_connect(&p, &[], None, b, 80),
             ConnectPlan::Connect(_)
         ));
         assert!(matches!(
-            plan_connect(&p, Some("bad.example"), b, 80),
+            plan_connect(&p, &[], Some("bad.example"), b, 80),
+            ConnectPlan::Deny(_)
+        ));
+    }
+
+    #[test]
+    fn broker_plan_name_resolving_into_an_internal_range_is_denied_with_why() {
+        let p = policy(r#"{"allow_out":["*","svc.example.org:443"]}"#);
+        // The guest looked the name up, the answer (or a rebound one) was a
+        // private address: the address connected to is what is checked.
+        for a in [
+            Ipv4Addr::new(10, 0, 0, 5),
+            Ipv4Addr::new(192, 168, 1, 1),
+            Ipv4Addr::new(172, 16, 0, 1),
+            Ipv4Addr::new(100, 64, 0, 1),
+            Ipv4Addr::new(168, 63, 129, 16),
+            Ipv4Addr::new(169, 254, 169, 254),
+        ] {
+            for name in [Some("svc.example.org"), None] {
+                match plan_connect(&p, &[], name, a, 443) {
+                    ConnectPlan::Deny(why) => assert!(why.contains("not allowed"), "{why}"),
+                    other => panic!("{a} {name:?}: {other:?}"),
+                }
+            }
+        }
+        let ConnectPlan::Deny(why) = plan_connect(
+            &p,
+            &[],
+            Some("svc.example.org"),
+            Ipv4Addr::new(10, 0, 0, 5),
+            443,
+        ) else {
+            panic!("denied");
+        };
+        assert!(why.contains("10.0.0.0/8") && why.contains("CIDR"), "{why}");
+        // Opened only by a CIDR rule inside the range.
+        let open = policy(r#"{"allow_out":["svc.example.org:443","10.0.0.0/24:443"]}"#);
+        assert_eq!(
+            plan_connect(
+                &open,
+                &[],
+                Some("svc.example.org"),
+                Ipv4Addr::new(10, 0, 0, 5),
+                443
+            ),
+            ConnectPlan::Connect("10.0.0.5:443".parse().expect("addr"))
+        );
+    }
+
+    #[test]
+    fn broker_plan_host_own_address_needs_an_exact_cidr_rule() {
+        let host = [IpAddr::V4(Ipv4Addr::new(203, 0, 113, 5))];
+        let a = Ipv4Addr::new(203, 0, 113, 5);
+        let p = policy(r#"{"allow_out":["*","203.0.113.0/24"]}"#);
+        let ConnectPlan::Deny(why) = plan_connect(&p, &host, Some("a.example.org"), a, 80) else {
+            panic!("denied");
+        };
+        assert!(why.contains("address of this host"), "{why}");
+        assert!(matches!(
+            plan_connect(&p, &host, None, a, 80),
+            ConnectPlan::Deny(_)
+        ));
+        let exact = policy(r#"{"allow_out":["203.0.113.5:80"]}"#);
+        assert!(matches!(
+            plan_connect(&exact, &host, None, a, 80),
+            ConnectPlan::Connect(_)
+        ));
+    }
+
+    #[test]
+    fn broker_plan_host_internal_goes_to_host_loopback_never_to_port_forwards() {
+        let p = policy(r#"{"allow_out":["host.forkbox.internal:4000"]}"#);
+        let ConnectPlan::Connect(to) = plan_connect(&p, &[], None, GATEWAY_IP, 4000) else {
+            panic!("allowed");
+        };
+        assert_eq!(to.ip(), IpAddr::V4(HOST_LOOPBACK));
+        assert_ne!(to.ip(), IpAddr::V4(PORT_FORWARD_IP));
+        // The forwards' address is loopback: no rule reaches it by address.
+        let any = policy(r#"{"allow_out":["*","127.0.0.0/8"]}"#);
+        assert!(matches!(
+            plan_connect(&any, &[], None, PORT_FORWARD_IP, 4000),
             ConnectPlan::Deny(_)
         ));
     }
@@ -240,6 +361,7 @@ mod tests {
             ok: true,
             addresses: vec![Ipv4Addr::new(192, 0, 2, 1)],
             not_found: false,
+            denied: false,
             error: None,
         };
         let s = serde_json::to_string(&ok).expect("json");

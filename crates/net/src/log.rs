@@ -27,6 +27,15 @@ pub enum LogReason {
     SpecialAddress,
     /// UDP other than DNS.
     UdpNotAllowed,
+    /// An internal address (private, shared, unique-local, a cloud
+    /// platform endpoint, the host's own) matched only by a name rule, `*`
+    /// or a wider CIDR (see `rule` and `error`).
+    InternalAddress,
+    /// A name of one label, never resolved.
+    SingleLabelName,
+    /// Allowed by the VMM's copy of the policy, denied by the broker's
+    /// own decision (see `error`): e.g. an address of the host.
+    BrokerDenied,
     /// Too many connections or attempts at once: refused to bound memory.
     Limit,
     /// Allowed by the policy, but the host side could not connect (see
@@ -44,6 +53,10 @@ impl LogReason {
             Reason::NoRule => (LogReason::NoRule, None),
             Reason::SpecialAddress => (LogReason::SpecialAddress, None),
             Reason::UdpNotAllowed => (LogReason::UdpNotAllowed, None),
+            Reason::InternalAddress { rule, .. } => {
+                (LogReason::InternalAddress, Some(rule.clone()))
+            }
+            Reason::SingleLabelName => (LogReason::SingleLabelName, None),
         }
     }
 }

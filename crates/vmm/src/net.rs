@@ -230,11 +230,15 @@ impl AnyConnector {
                             }
                         }
                         (true, None) => ConnectOutcome::Refused("broker sent no socket".into()),
-                        (false, _) => ConnectOutcome::Refused(
-                            reply
+                        (false, _) => {
+                            let why = reply
                                 .error
-                                .unwrap_or_else(|| "refused by the broker".into()),
-                        ),
+                                .unwrap_or_else(|| "refused by the broker".into());
+                            match reply.denied {
+                                true => ConnectOutcome::Denied(why),
+                                false => ConnectOutcome::Refused(why),
+                            }
+                        }
                     };
                     out.push((ConnId(reply.id), outcome));
                 }

@@ -348,7 +348,7 @@ FOLLOW = {"params": {"follow": "true"}, "timeout": httpx.Timeout(None, connect=1
 
 def open_port(sandbox_id: str, port: int, wait: Optional[float]) -> "Call[str]":
     """Opens (or finds) the forward of guest `port`; answers the host
-    address `127.0.0.1:NNNNN`."""
+    address `127.0.0.2:NNNNN`."""
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port}: expected 1-65535")
     body: Json = {"port": port}

@@ -365,7 +365,7 @@ class Sandbox(SandboxBase):
         return _do(self._client, _api.snapshot(self.sandbox_id, name))
 
     def get_host(self, port: int, *, wait: Optional[float] = None) -> str:
-        """`127.0.0.1:NNNNN`: a host address whose connections reach guest
+        """`127.0.0.2:NNNNN`: a host address whose connections reach guest
         TCP `port` (on the guest's loopback) through the daemon; opens the
         forward if needed. The guest port must accept: a refusing one
         raises `ConflictError` (`detail["guest_kind"]` is

@@ -287,9 +287,14 @@ def test_network_daemon_api_port_is_refused_unless_allowed(tcp_daemon: str) -> N
 
 def test_network_bad_rule_raises_invalid_request(sb: Sandbox, echo: LineEcho) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        Sandbox.create("minimal", timeout=60, network={"allow_out": [HOST, "x:99999"]})
+        Sandbox.create("minimal", timeout=60,
+                       network={"allow_out": [f"{HOST}:{echo.port}", "x:99999"]})
     assert 'allow_out[1] "x:99999"' in str(e.value), e.value
     assert e.value.status == 400 and not e.value.infrastructure
+    # host.forkbox.internal without a port would open the host's whole loopback.
+    with pytest.raises(InvalidRequestError) as e:
+        Sandbox.create("minimal", timeout=60, network={"allow_out": [HOST]})
+    assert "exactly one port" in str(e.value), e.value
     before = sb.network.get()
     with pytest.raises(InvalidRequestError) as e:
         sb.network.update(allow_out=[f"{HOST}:{echo.port}"], deny_out=["10.1.2.3/16"])

@@ -37,7 +37,7 @@ def _serve_http(sb: Sandbox, port: int, body: str) -> CommandHandle:
 def test_get_host_reaches_a_guest_http_server(sb: Sandbox) -> None:
     server = _serve_http(sb, 8000, "hello from the guest\n")
     host = sb.get_host(8000, wait=30)
-    assert host.startswith("127.0.0.1:")
+    assert host.startswith("127.0.0.2:")
     for _ in range(3):  # one connection each
         r = _get(f"http://{host}/index.html")
         assert r.status_code == 200

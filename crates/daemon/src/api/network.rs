@@ -84,9 +84,13 @@ pub struct EgressRecordDoc {
     /// (loopback, link-local, multicast…), `udp_not_allowed`, `limit`
     /// (too many at once), `connect_failed` (allowed, but the connection
     /// failed: see `error`), `not_found` (allowed, but the name did not
-    /// resolve).
+    /// resolve), `internal_address` (a private, shared, unique-local,
+    /// cloud-platform or host address matched only by a name rule, `*` or
+    /// a wider CIDR: see `rule` and `error`), `single_label_name` (never
+    /// resolved), `broker_denied` (the host side's decision: see `error`).
     reason: String,
-    /// The rule that decided, in normal form.
+    /// The rule that decided, in normal form (for `internal_address`, the
+    /// allow rule that did not open the address).
     rule: Option<String>,
     answers: Option<Vec<String>>,
     /// Bytes from the guest to the destination, and back.

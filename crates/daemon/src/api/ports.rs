@@ -28,7 +28,8 @@ pub struct PortBody {
 }
 
 /// Opens a forward of a guest TCP port: the daemon listens on
-/// `127.0.0.1:NNNNN` of the host and relays each connection to the guest
+/// `127.0.0.2:NNNNN` of the host (never `127.0.0.1`, where sandboxes'
+/// `host.forkbox.internal` rules go) and relays each connection to the guest
 /// port through the guest agent (no guest network needed). Opening an
 /// open port answers the same forward. A guest port that refuses: 409,
 /// kind `guest`, `guest_kind` `connection_refused`; later connections it
@@ -174,7 +175,7 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{fwd}");
         assert_eq!(fwd["port"], port);
         let host = fwd["host"].as_str().expect("host").to_owned();
-        assert!(host.starts_with("127.0.0.1:"), "{host}");
+        assert!(host.starts_with("127.0.0.2:"), "{host}");
         let mut c = tokio::net::TcpStream::connect(&host)
             .await
             .expect("connect");

@@ -1,12 +1,19 @@
-//! Port forwards: a host listener on `127.0.0.1` whose connections are
-//! relayed to a guest port through the agent. Every forward of a sandbox
-//! closes when it dies (its [`PortForward`] is dropped with it).
+//! Port forwards: a host listener on `127.0.0.2`
+//! ([`PORT_FORWARD_IP`]) whose connections are relayed to a guest port
+//! through the agent. Every forward of a sandbox closes when it dies (its
+//! [`PortForward`] is dropped with it).
+//!
+//! Not `127.0.0.1`: that is where a sandbox's `host.forkbox.internal:P`
+//! rule goes, and a sandbox must never reach another's forward. A listener
+//! bound to `127.0.0.2` does not accept connections made to `127.0.0.1`,
+//! and the broker connects to no other loopback address.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use forkbox_host::poll::{self, TimedOut};
+use forkbox_net::broker::PORT_FORWARD_IP;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::ErrorKind as GuestKind;
 use serde::Serialize;
@@ -33,13 +40,13 @@ impl Drop for PortForward {
 pub struct PortForwardInfo {
     /// The guest port.
     pub port: u16,
-    /// Where to connect on the host: `127.0.0.1:NNNNN`.
+    /// Where to connect on the host: `127.0.0.2:NNNNN`.
     pub host: String,
 }
 
 impl Daemon {
     /// Opens (or returns the open) forward of guest `port`: a listener on
-    /// `127.0.0.1` of the host, each connection relayed to the guest port
+    /// [`PORT_FORWARD_IP`] of the host, each connection relayed to the guest port
     /// through the agent. With `check`, first makes sure the guest port
     /// accepts (one connection, closed at once), retrying for up to
     /// `wait`; a port that refuses is a guest error `ConnectionRefused`.
@@ -64,7 +71,7 @@ impl Daemon {
             let probed = blocking(move || probe_port(&agent, port, wait)).await?;
             probed.map_err(|e| self.agent_failure(id, &machine, e))?;
         }
-        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        let listener = tokio::net::TcpListener::bind((PORT_FORWARD_IP, 0))
             .await
             .map_err(|e| DaemonError::infra("binding a host port for a forward", e))?;
         let host = listener

@@ -23,9 +23,11 @@ pub struct PolicyArgs {
     /// Let the sandbox reach RULE (repeat for more): a DNS name
     /// (`pypi.org`), a suffix (`*.debian.org`), an address or CIDR
     /// (`10.1.0.0/16`) or `*`, each with an optional `:PORT`, `:LO-HI` or
-    /// `:*`; `host.forkbox.internal[:PORT]` is this host's loopback.
+    /// `:*`; `host.forkbox.internal:PORT` is this host's loopback (one
+    /// port). A name or `*` never opens private, shared or the host's own
+    /// addresses: only a CIDR rule inside such a range does.
     /// Without any, the sandbox reaches nothing outside itself.
-    #[arg(long = "allow-out", value_name = "RULE", value_parser = rule)]
+    #[arg(long = "allow-out", value_name = "RULE", value_parser = allow_rule)]
     pub allow_out: Vec<String>,
     /// Deny RULE even where an --allow-out rule allows it (repeat for more).
     #[arg(long = "deny-out", value_name = "RULE", value_parser = rule)]
@@ -50,6 +52,14 @@ impl PolicyArgs {
 fn rule(s: &str) -> Result<String, String> {
     s.parse::<Rule>()
         .map(|_| s.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// An allow rule: a rule, and `host.forkbox.internal` only with one port.
+fn allow_rule(s: &str) -> Result<String, String> {
+    s.parse::<Rule>()
+        .and_then(|r| r.check_allow())
+        .map(|()| s.to_owned())
         .map_err(|e| e.to_string())
 }
 
@@ -233,6 +243,9 @@ fn reason_word(r: LogReason) -> &'static str {
         LogReason::UdpNotAllowed => "udp_not_allowed",
         LogReason::Limit => "limit",
         LogReason::ConnectFailed => "connect_failed",
+        LogReason::InternalAddress => "internal_address",
+        LogReason::SingleLabelName => "single_label_name",
+        LogReason::BrokerDenied => "broker_denied",
         LogReason::NotFound => "not_found",
     }
 }
@@ -251,11 +264,18 @@ mod tests {
             "pypi.org",
             "*.debian.org:443",
             "10.1.0.0/16",
-            "host.forkbox.internal:8000-8999",
+            "host.forkbox.internal:8000",
             "*",
         ] {
             assert_eq!(rule(ok).as_deref(), Ok(ok));
+            assert_eq!(allow_rule(ok).as_deref(), Ok(ok));
         }
+        let e = allow_rule("host.forkbox.internal").expect_err("no port");
+        assert!(e.contains("exactly one port"), "{e}");
+        assert!(
+            rule("host.forkbox.internal").is_ok(),
+            "a deny rule may omit it"
+        );
         let e = rule("x:99999").expect_err("bad port");
         assert!(e.contains("99999"), "{e}");
         assert!(rule("10.1.2.3/16").is_err());

@@ -329,6 +329,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             "net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker",
             net_vmm_has_no_network_and_an_adopted_vm_reaches_a_new_broker,
         ),
+        (
+            "net_star_opens_no_internal_address_nor_single_label_name",
+            net_star_opens_no_internal_address_nor_single_label_name,
+        ),
     ];
     tests
         .iter()

@@ -162,6 +162,76 @@ pub(crate) fn net_allowed_connects_denied_refused_and_both_logged() -> TestResul
     check(r.verdict == Verdict::Deny, format!("dns record: {r:?}"))
 }
 
+/// With `*` allowed, a connect to a private or metadata address is refused
+/// at once by the gateway (never asked of the broker, so no connection is
+/// tried on the host) and logged as a denial saying why; a single-label
+/// name gets NXDOMAIN and a `single_label_name` record. The allowed
+/// loopback port still works beside them.
+pub(crate) fn net_star_opens_no_internal_address_nor_single_label_name() -> TestResult {
+    use forkbox_net::log::LogReason;
+    use forkbox_net::policy::{Protocol, Verdict};
+    let (allowed, lines) = line_echo_server();
+    let policy = net_policy(&["*".to_owned(), format!("host.forkbox.internal:{allowed}")]);
+    let vm = Vm::boot(assets(), &networked(&policy)).map_err(|e| format!("boot: {e:#}"))?;
+    let agent = vm.agent();
+    let hang_guard = Duration::from_secs(120);
+    for (address, reason) in [
+        ("192.168.77.1", LogReason::InternalAddress),
+        ("10.77.0.1", LogReason::InternalAddress),
+        ("100.64.77.1", LogReason::InternalAddress),
+        ("169.254.169.254", LogReason::SpecialAddress),
+    ] {
+        let (res, _, err) = exec(
+            agent,
+            &ExecRequest::shell(format!("echo x | nc {address} 80")).timeout(hang_guard),
+        );
+        let err = String::from_utf8_lossy(&err);
+        check(
+            !res.timed_out && !res.success() && err.contains("Connection refused"),
+            format!("{address}: not refused at once: {res:?}, stderr {err:?}"),
+        )?;
+        let r = logged(&vm, "internal address", |r| {
+            r.protocol == Protocol::Tcp && r.address == address.parse().ok()
+        })?;
+        check(
+            r.verdict == Verdict::Deny && r.reason == reason,
+            format!("{address}: record {r:?}"),
+        )?;
+    }
+    let r = logged(&vm, "private address", |r| {
+        r.address == "10.77.0.1".parse().ok()
+    })?;
+    check(
+        r.rule.as_deref() == Some("*")
+            && r.error.as_deref().is_some_and(|e| e.contains("10.0.0.0/8")),
+        format!("the denial does not say why: {r:?}"),
+    )?;
+
+    let (res, out, _) = exec(agent, &ExecRequest::shell("nslookup intranet 10.0.2.2"));
+    let out = String::from_utf8_lossy(&out);
+    check(
+        !res.success() || out.contains("NXDOMAIN") || out.contains("can't find"),
+        format!("a single-label name was answered: {res:?} {out:?}"),
+    )?;
+    let r = logged(&vm, "single-label question", |r| {
+        r.protocol == Protocol::Dns && r.name.as_deref() == Some("intranet")
+    })?;
+    check(
+        r.verdict == Verdict::Deny && r.reason == LogReason::SingleLabelName,
+        format!("single-label record: {r:?}"),
+    )?;
+
+    let out = net_sh(
+        &vm,
+        &format!("echo still-open | timeout 20 nc host.forkbox.internal {allowed}"),
+    )?;
+    check(out.contains("still-open"), format!("allowed echo: {out:?}"))?;
+    let got = lines
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|e| format!("server: {e}"))?;
+    check(got == "still-open\n", format!("server got {got:?}"))
+}
+
 /// Runs `git` on the host in `dir`.
 pub(crate) fn host_git(dir: &std::path::Path, args: &[&str]) -> Result<String, Failed> {
     let out = std::process::Command::new("git")

@@ -121,6 +121,7 @@ mod tests {
             ok: false,
             addresses: Vec::new(),
             not_found: false,
+            denied: false,
             // Longer than a page, shorter than MAX_MESSAGE.
             error: Some("x".repeat(10_000)),
         };

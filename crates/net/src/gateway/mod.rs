@@ -169,7 +169,12 @@ pub struct ConnectRequest {
 /// The connector's answer.
 pub enum ConnectOutcome {
     Connected(Box<dyn HostStream>),
+    /// Allowed, but the connection could not be opened.
     Refused(String),
+    /// The host side's own decision denied what this gateway's copy of the
+    /// policy allowed (the broker knows what the VMM does not, such as the
+    /// host's addresses): logged as a denial.
+    Denied(String),
 }
 
 impl std::fmt::Debug for ConnectOutcome {
@@ -177,6 +182,7 @@ impl std::fmt::Debug for ConnectOutcome {
         match self {
             ConnectOutcome::Connected(_) => f.write_str("Connected"),
             ConnectOutcome::Refused(why) => write!(f, "Refused({why:?})"),
+            ConnectOutcome::Denied(why) => write!(f, "Denied({why:?})"),
         }
     }
 }
@@ -409,6 +415,12 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
             ConnectOutcome::Refused(why) => {
                 self.refuse(&p.syn, p.record, LogReason::ConnectFailed, Some(why));
             }
+            ConnectOutcome::Denied(why) => {
+                let mut record = p.record;
+                record.verdict = Verdict::Deny;
+                record.rule = None;
+                self.refuse(&p.syn, record, LogReason::BrokerDenied, Some(why));
+            }
             ConnectOutcome::Connected(stream) => self.open(id, p, stream, now),
         }
     }
@@ -574,7 +586,7 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
         record.reason = reason;
         record.rule = rule;
         if !decision.is_allowed() {
-            return self.refuse(&syn, record, reason, None);
+            return self.refuse(&syn, record, reason, decision.explain());
         }
         let busy = self.pending.len() + self.conns.len();
         if self.pending.len() >= self.config.max_pending || busy >= self.config.max_connections {
@@ -728,6 +740,7 @@ impl<R: Resolver, C: Connector> Gateway<R, C> {
                 record.address = None;
                 record.verdict = q.decision.verdict;
                 (record.reason, record.rule) = LogReason::of(&q.decision);
+                record.error = q.decision.explain();
                 if q.decision.is_allowed() && q.answers.is_empty() && q.qtype == 1 {
                     record.reason = LogReason::NotFound;
                 }

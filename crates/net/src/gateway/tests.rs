@@ -246,6 +246,62 @@ fn gateway_name_rule_opens_only_addresses_it_answered() {
 }
 
 #[test]
+fn gateway_name_resolving_to_private_address_is_denied_and_logged_why() {
+    let mut net = Net::new(r#"{"allow_out": ["*"]}"#, Behavior::Echo);
+    let private = Ipv4Addr::new(10, 1, 2, 3);
+    net.gw
+        .resolver_mut()
+        .names
+        .insert("a.example".into(), Ok(vec![private]));
+    net.dns(&dns_query(1, "a.example")).expect("answered");
+    let s = net.connect(dst(private, 443));
+    assert!(net.run_until(5, |n| n.state(s) == State::Closed));
+    assert!(
+        net.gw.connector_mut().requests.is_empty(),
+        "never asked of the host side"
+    );
+    let log = net.gw.take_log();
+    let rec = log.last().expect("a record");
+    assert_eq!(rec.name.as_deref(), Some("a.example"));
+    assert_eq!(
+        (rec.verdict, rec.reason, rec.rule.as_deref()),
+        (Verdict::Deny, LogReason::InternalAddress, Some("*"))
+    );
+    let why = rec.error.as_deref().expect("explained");
+    assert!(why.contains("10.0.0.0/8"), "{why}");
+}
+
+#[test]
+fn gateway_broker_denial_is_logged_as_a_denial() {
+    let mut net = Net::new(r#"{"allow_out": ["*"]}"#, Behavior::BrokerDeny);
+    let s = net.connect(dst(SERVER, 443));
+    assert!(net.run_until(5, |n| n.state(s) == State::Closed));
+    let log = net.gw.take_log();
+    assert_eq!(
+        (log[0].verdict, log[0].reason),
+        (Verdict::Deny, LogReason::BrokerDenied)
+    );
+    assert_eq!(log[0].error.as_deref(), Some("an address of this host"));
+}
+
+#[test]
+fn gateway_single_label_name_gets_nxdomain_and_logged_why() {
+    let mut net = Net::new(r#"{"allow_out": ["*"]}"#, Behavior::Echo);
+    net.gw
+        .resolver_mut()
+        .names
+        .insert("intranet".into(), Ok(vec![SERVER]));
+    let reply = net.dns(&dns_query(1, "intranet")).expect("answered");
+    let reply = Packet::parse(&reply).expect("parses");
+    assert_eq!(reply.rcode(), RCODE::NameError);
+    let log = net.gw.take_log();
+    assert_eq!(
+        (log[0].verdict, log[0].reason),
+        (Verdict::Deny, LogReason::SingleLabelName)
+    );
+}
+
+#[test]
 fn gateway_host_internal_reaches_connector_only_when_allowed() {
     let mut net = Net::new(
         r#"{"allow_out": ["host.forkbox.internal:8080"]}"#,

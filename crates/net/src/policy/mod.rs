@@ -13,16 +13,27 @@
 //! | `2001:db8::/32`, `[2001:db8::/32]:443` | IPv6 likewise (brackets to add a port) |
 //! | `*`, `*:443` | every destination except `host.forkbox.internal` |
 //! | `name:8000-8999`, `name:*` | a port range, any port |
+//! | `host.forkbox.internal:8080` | the host's loopback, that one port (an allow rule must name one port) |
+//!
+//! A name rule must have a dot: a single-label name (`foo`) is refused, as
+//! the broker never resolves one (the host's search list would make it a
+//! name of the host's own network).
 //!
 //! Decisions, in order (first that applies):
 //! 1. UDP other than DNS is denied: the sandbox network carries TCP only.
-//! 2. Loopback, unspecified, link-local, multicast and broadcast addresses
-//!    are denied whatever the rules say: the host's loopback is reachable
-//!    only as the name [`HOST_INTERNAL`], and link-local holds cloud
-//!    metadata services.
+//! 2. Loopback, unspecified, link-local (169.254.0.0/16 with cloud metadata
+//!    services, fe80::/10), multicast and broadcast addresses are denied
+//!    whatever the rules say: the host's loopback is reachable only as the
+//!    name [`HOST_INTERNAL`].
 //! 3. A matching `deny_out` rule denies (deny wins over allow).
-//! 4. A matching `allow_out` rule allows.
-//! 5. Otherwise denied (default deny).
+//! 4. An internal address ([`Internal`]: private, shared, unique-local and
+//!    cloud platform ranges, and the host's own addresses where the caller
+//!    knows them) is allowed only by a CIDR rule that lies inside its range
+//!    (for a host address: that names exactly it). A name rule or `*` that
+//!    matches denies it with [`Reason::InternalAddress`]: a name that
+//!    resolves into such a range is not thereby opened.
+//! 5. A matching `allow_out` rule allows.
+//! 6. Otherwise denied (default deny).
 //!
 //! [`HOST_INTERNAL`] is matched only by a rule that names it exactly: no
 //! wildcard and no CIDR reaches the host's loopback by accident.
@@ -33,6 +44,7 @@
 //! compared in canonical form: an IPv4-mapped IPv6 address
 //! (`::ffff:10.1.2.3`) is the IPv4 address it maps.
 
+mod internal;
 mod rule;
 #[cfg(test)]
 mod tests;
@@ -41,6 +53,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
+pub use internal::Internal;
 pub use rule::{HostPattern, IpNet, PortRange, Rule, RuleError};
 
 /// The name under which a guest reaches the host's own loopback (through
@@ -88,6 +101,11 @@ pub enum Reason {
     SpecialAddress,
     /// UDP other than DNS to the gateway.
     UdpNotAllowed,
+    /// The address is internal and the allow rule that matched it (a name
+    /// rule, `*`, or a CIDR wider than the range) does not open it.
+    InternalAddress { internal: Internal, rule: String },
+    /// A name of one label: never resolved (see the module doc).
+    SingleLabelName,
 }
 
 /// A verdict and the reason for it.
@@ -109,10 +127,31 @@ impl Decision {
         self.verdict == Verdict::Allow
     }
 
-    /// The text of the rule that decided, if a rule did.
+    /// The text of the rule that decided, if a rule did (for
+    /// [`Reason::InternalAddress`], the allow rule that did not suffice).
     pub fn rule(&self) -> Option<&str> {
         match &self.reason {
             Reason::AllowRule(r) | Reason::DenyRule(r) => Some(r),
+            Reason::InternalAddress { rule, .. } => Some(rule),
+            _ => None,
+        }
+    }
+
+    /// A sentence for the log where the reason's name alone does not say
+    /// what to do.
+    pub fn explain(&self) -> Option<String> {
+        match &self.reason {
+            Reason::InternalAddress { internal, rule } => Some(format!(
+                "the address is in {internal}: {rule:?} does not open it; only a CIDR rule \
+                 inside that range does{}",
+                match internal {
+                    Internal::HostAddress(ip) => format!(" (exactly {ip})"),
+                    Internal::Range { .. } => String::new(),
+                }
+            )),
+            Reason::SingleLabelName => {
+                Some("a single-label name is never resolved: look up the full name".to_owned())
+            }
             _ => None,
         }
     }
@@ -192,7 +231,11 @@ fn parse_list(list: RuleList, texts: &[String]) -> Result<Vec<Rule>, PolicyError
         .iter()
         .enumerate()
         .map(|(index, text)| {
-            text.parse().map_err(|cause| PolicyError::BadRule {
+            let rule = text.parse::<Rule>().and_then(|rule| match list {
+                RuleList::AllowOut => rule.check_allow().map(|()| rule),
+                RuleList::DenyOut => Ok(rule),
+            });
+            rule.map_err(|cause| PolicyError::BadRule {
                 list,
                 index,
                 text: text.clone(),
@@ -221,8 +264,16 @@ impl Policy {
         &self.deny
     }
 
-    /// Decide one connection attempt.
+    /// Decide one connection attempt, knowing no address of the host (as
+    /// in the VMM); [`Policy::decide_on_host`] is the broker's.
     pub fn decide(&self, dest: &Destination<'_>) -> Decision {
+        self.decide_on_host(dest, &[])
+    }
+
+    /// Decide one connection attempt; `host_addresses` are the addresses
+    /// of the host that would open the connection, internal like private
+    /// ranges (only a CIDR rule naming one exactly opens it).
+    pub fn decide_on_host(&self, dest: &Destination<'_>, host_addresses: &[IpAddr]) -> Decision {
         if dest.protocol == Protocol::Dns {
             return match dest.name {
                 Some(name) => self.decide_name(name),
@@ -243,7 +294,39 @@ impl Policy {
             ip: (!host_internal).then_some(ip),
             port: Some(dest.port),
         };
-        self.first_match(&target)
+        let internal = match host_internal {
+            true => None,
+            false => Internal::of(ip, host_addresses),
+        };
+        match internal {
+            None => self.first_match(&target),
+            Some(internal) => self.internal_match(&target, internal),
+        }
+    }
+
+    /// [`Policy::first_match`] for an internal address: deny rules as
+    /// ever, then only a CIDR rule inside the range allows.
+    fn internal_match(&self, target: &rule::Target<'_>, internal: Internal) -> Decision {
+        if let Some(r) = self.deny.iter().find(|r| r.matches_deny(target)) {
+            return Decision::deny(Reason::DenyRule(r.to_string()));
+        }
+        let opens = |r: &&Rule| match &r.host {
+            HostPattern::Net(net) => internal.opened_by(net) && r.matches_allow(target),
+            _ => false,
+        };
+        if let Some(r) = self.allow.iter().find(opens) {
+            return Decision {
+                verdict: Verdict::Allow,
+                reason: Reason::AllowRule(r.to_string()),
+            };
+        }
+        match self.allow.iter().find(|r| r.matches_allow(target)) {
+            Some(r) => Decision::deny(Reason::InternalAddress {
+                internal,
+                rule: r.to_string(),
+            }),
+            None => Decision::deny(Reason::NoRule),
+        }
     }
 
     /// Decide whether a DNS name may be resolved at all. A name resolves
@@ -253,6 +336,9 @@ impl Policy {
         let Some(name) = rule::normalize_query_name(name) else {
             return Decision::deny(Reason::NoRule);
         };
+        if !name.contains('.') {
+            return Decision::deny(Reason::SingleLabelName);
+        }
         let target = rule::Target {
             name: Some(&name),
             ip: None,

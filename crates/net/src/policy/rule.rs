@@ -31,6 +31,18 @@ pub enum RuleError {
     BadWildcard,
     #[error("missing `]` after an IPv6 address")]
     UnclosedBracket,
+    #[error(
+        "{name:?} is a single-label name: forkbox never resolves one (the host's resolver \
+         would complete it with the host's own search domains); write the full name, \
+         e.g. {name}.example.com"
+    )]
+    SingleLabel { name: String },
+    #[error(
+        "an allow rule for host.forkbox.internal needs exactly one port, e.g. \
+         host.forkbox.internal:8080: without one (or with `*` or a range) it would open \
+         every service on the host's loopback"
+    )]
+    HostInternalNeedsPort,
 }
 
 /// The host side of a rule.
@@ -55,6 +67,29 @@ pub struct IpNet {
 }
 
 impl IpNet {
+    /// `addr/prefix` as given: the caller knows the host bits are zero
+    /// and the prefix fits the family.
+    pub(super) const fn new_unchecked(addr: IpAddr, prefix: u8) -> Self {
+        Self { addr, prefix }
+    }
+
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// 32 or 128: the prefix of a single address of this family.
+    pub fn max_prefix(&self) -> u8 {
+        if self.addr.is_ipv4() {
+            32
+        } else {
+            128
+        }
+    }
+
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip.to_canonical()) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => mask_v4(ip, self.prefix) == net,
@@ -204,6 +239,17 @@ pub(super) struct Target<'a> {
 }
 
 impl Rule {
+    /// Checks what only an allow rule must satisfy: [`HOST_INTERNAL`] with
+    /// exactly one port.
+    pub fn check_allow(&self) -> Result<(), RuleError> {
+        match &self.host {
+            HostPattern::Exact(n) if n == HOST_INTERNAL && self.ports.lo != self.ports.hi => {
+                Err(RuleError::HostInternalNeedsPort)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Allow rules are narrow: [`HOST_INTERNAL`] only by its exact name.
     pub(super) fn matches_allow(&self, t: &Target<'_>) -> bool {
         let port_ok = t.port.is_none_or(|p| self.ports.contains(p));
@@ -302,6 +348,9 @@ fn parse_host(host: &str) -> Result<HostPattern, RuleError> {
         return Err(RuleError::BadWildcard);
     }
     let name = normalize_rule_name(name)?;
+    if !wild && !name.contains('.') {
+        return Err(RuleError::SingleLabel { name });
+    }
     Ok(if wild {
         HostPattern::Suffix(name)
     } else {

@@ -190,7 +190,7 @@ fn policy_host_internal_only_by_exact_rule() {
     assert!(exact.decide_name("HOST.forkbox.internal.").is_allowed());
     assert!(allowed(&exact, Some(HOST_INTERNAL), "10.0.2.2", 8080));
     assert!(!allowed(&exact, Some(HOST_INTERNAL), "10.0.2.2", 8081));
-    let denied = policy(&["host.forkbox.internal"], &["*.internal"]);
+    let denied = policy(&["host.forkbox.internal:8080"], &["*.internal"]);
     assert!(
         !allowed(&denied, Some(HOST_INTERNAL), "10.0.2.2", 8080),
         "deny wildcards reach it"
@@ -367,4 +367,233 @@ fn rule_zero_prefix_matches_every_address_of_its_family() {
     let p = policy(&["0.0.0.0/0"], &[]);
     assert!(allowed(&p, None, "192.0.2.1", 80));
     assert!(!allowed(&p, None, "2001:db8::1", 80));
+}
+
+fn internal_denial(p: &Policy, name: Option<&str>, addr: &str) -> Decision {
+    let d = p.decide(&tcp(name, addr, 443));
+    assert!(
+        matches!(d.reason, Reason::InternalAddress { .. }),
+        "{addr}: {d:?}"
+    );
+    d
+}
+
+const INTERNAL: &[&str] = &[
+    "10.0.0.1",
+    "10.255.255.255",
+    "172.16.0.1",
+    "172.31.255.255",
+    "192.168.0.1",
+    "192.168.255.255",
+    "100.64.0.1",
+    "100.127.255.254",
+    "168.63.129.16",
+    "::ffff:10.1.2.3",
+    "::ffff:172.20.0.1",
+    "::ffff:192.168.1.1",
+    "::ffff:100.100.100.100",
+    "::ffff:168.63.129.16",
+    "fc00::1",
+    "fd12:3456::1",
+    "64:ff9b::a00:1",
+    "2002:a00:1::1",
+];
+
+#[test]
+fn policy_name_rule_or_star_never_opens_internal_addresses() {
+    let p = policy(&["*", "*.example.org", "a.example.org"], &[]);
+    for addr in INTERNAL {
+        internal_denial(&p, Some("a.example.org"), addr);
+        internal_denial(&p, Some("b.example.org"), addr);
+        internal_denial(&p, None, addr);
+    }
+    // Just outside the ranges: the rules apply as ever.
+    for addr in [
+        "11.0.0.1",
+        "172.15.255.255",
+        "172.32.0.1",
+        "192.169.0.1",
+        "100.63.255.255",
+        "100.128.0.1",
+        "168.63.129.17",
+        "2001:db8::1",
+    ] {
+        assert!(allowed(&p, Some("a.example.org"), addr, 443), "{addr}");
+    }
+}
+
+#[test]
+fn policy_internal_denial_names_the_range_and_the_rule() {
+    let p = policy(&["pypi.example.org:443"], &[]);
+    let d = internal_denial(&p, Some("pypi.example.org"), "10.1.2.3");
+    assert_eq!(d.verdict, Verdict::Deny);
+    assert_eq!(d.rule(), Some("pypi.example.org:443"));
+    let why = d.explain().expect("explained");
+    assert!(
+        why.contains("10.0.0.0/8") && why.contains("private"),
+        "{why}"
+    );
+    assert!(why.contains("pypi.example.org:443"), "{why}");
+    // No rule at all: plain default deny, not an internal denial.
+    let d = p.decide(&tcp(Some("other.example.org"), "10.1.2.3", 443));
+    assert_eq!(d.reason, Reason::NoRule);
+}
+
+#[test]
+fn policy_cidr_rule_inside_the_range_opens_internal_addresses() {
+    for (rule, addr) in [
+        ("10.0.0.0/8", "10.9.8.7"),
+        ("10.1.0.0/16", "10.1.2.3"),
+        ("10.1.2.3", "::ffff:10.1.2.3"),
+        ("172.20.0.0/16:443", "172.20.1.1"),
+        ("192.168.1.0/24", "192.168.1.9"),
+        ("100.64.0.0/10", "100.100.0.1"),
+        ("168.63.129.16", "168.63.129.16"),
+        ("fd00::/8", "fd12::1"),
+    ] {
+        let p = policy(&[rule], &[]);
+        let d = p.decide(&tcp(None, addr, 443));
+        assert!(d.is_allowed(), "{rule} {addr}: {d:?}");
+        // With a name too: the CIDR rule is what opens it.
+        assert!(allowed(&p, Some("x.example.org"), addr, 443), "{rule}");
+    }
+    // A CIDR wider than the range is not an explicit opening of it.
+    for (rule, addr) in [
+        ("0.0.0.0/0", "10.1.2.3"),
+        ("8.0.0.0/6", "10.1.2.3"),
+        ("172.0.0.0/8", "172.16.0.1"),
+        ("168.63.0.0/16", "168.63.129.16"),
+        ("::/0", "fd00::1"),
+        ("::ffff:0.0.0.0/96", "10.1.2.3"),
+    ] {
+        let p = policy(&[rule], &[]);
+        internal_denial(&p, None, addr);
+    }
+    // Deny rules still win inside an opened range.
+    let p = policy(&["10.0.0.0/8"], &["10.9.0.0/16"]);
+    let d = p.decide(&tcp(None, "10.9.1.1", 443));
+    assert_eq!(d.reason, Reason::DenyRule("10.9.0.0/16".into()));
+    // A port-limited CIDR opens only its ports.
+    let p = policy(&["10.1.0.0/16:443"], &[]);
+    assert!(!allowed(&p, None, "10.1.2.3", 22));
+}
+
+#[test]
+fn policy_host_own_addresses_open_only_by_exact_cidr() {
+    let host: Vec<IpAddr> = vec![ip("203.0.113.5"), ip("2001:db8::5")];
+    let decide =
+        |p: &Policy, addr: &str| p.decide_on_host(&tcp(Some("a.example.org"), addr, 443), &host);
+    let wide = policy(
+        &["*", "a.example.org", "203.0.113.0/24", "2001:db8::/32"],
+        &[],
+    );
+    for addr in ["203.0.113.5", "::ffff:203.0.113.5", "2001:db8::5"] {
+        let d = decide(&wide, addr);
+        assert!(
+            matches!(
+                d.reason,
+                Reason::InternalAddress {
+                    internal: Internal::HostAddress(_),
+                    ..
+                }
+            ),
+            "{addr}: {d:?}"
+        );
+        assert!(d
+            .explain()
+            .expect("explained")
+            .contains("address of this host"));
+    }
+    assert!(
+        decide(&wide, "203.0.113.6").is_allowed(),
+        "a neighbour is no host address"
+    );
+    let exact = policy(&["203.0.113.5:443"], &[]);
+    assert!(decide(&exact, "203.0.113.5").is_allowed());
+    // A host address inside a private range needs the exact rule too.
+    let host = [ip("10.0.0.5")];
+    let p = policy(&["10.0.0.0/8"], &[]);
+    assert!(p
+        .decide_on_host(&tcp(None, "10.0.0.6", 443), &host)
+        .is_allowed());
+    assert!(!p
+        .decide_on_host(&tcp(None, "10.0.0.5", 443), &host)
+        .is_allowed());
+}
+
+#[test]
+fn policy_special_addresses_stay_closed_to_explicit_cidrs_and_mapped_forms() {
+    let p = policy(
+        &[
+            "169.254.169.254",
+            "127.0.0.0/8",
+            "::ffff:169.254.0.0/112",
+            "fe80::/10",
+        ],
+        &[],
+    );
+    for addr in [
+        "169.254.169.254",
+        "::ffff:169.254.169.254",
+        "127.0.0.1",
+        "::ffff:127.0.0.2",
+        "::ffff:0.0.0.0",
+        "::ffff:255.255.255.255",
+        "::ffff:224.0.0.1",
+        "fe80::1",
+    ] {
+        let d = p.decide(&tcp(Some("a.example.org"), addr, 80));
+        assert_eq!(d.reason, Reason::SpecialAddress, "{addr}");
+    }
+}
+
+#[test]
+fn rule_host_internal_allow_needs_exactly_one_port() {
+    for text in [
+        "host.forkbox.internal",
+        "HOST.forkbox.internal.",
+        "host.forkbox.internal:*",
+        "host.forkbox.internal:8000-8999",
+        "host.forkbox.internal:1-65535",
+    ] {
+        let spec = PolicySpec {
+            allow_out: vec![text.into()],
+            deny_out: vec![],
+        };
+        let err = Policy::try_from(spec).expect_err(text);
+        let PolicyError::BadRule { cause, .. } = &err;
+        assert_eq!(*cause, RuleError::HostInternalNeedsPort, "{text}");
+        let why = std::error::Error::source(&err).expect("cause").to_string();
+        assert!(why.contains("host.forkbox.internal:8080"), "{why}");
+    }
+    let p = policy(&["host.forkbox.internal:8080"], &["host.forkbox.internal"]);
+    assert!(
+        !allowed(&p, Some(HOST_INTERNAL), "10.0.2.2", 8080),
+        "a port-less deny rule is fine"
+    );
+    assert!(Policy::from_json(r#"{"allow_out":["host.forkbox.internal:1"]}"#).is_ok());
+}
+
+#[test]
+fn rule_single_label_name_refused_suffix_of_one_label_kept() {
+    for text in ["foo", "foo.", "Foo:443", "localhost"] {
+        assert!(
+            matches!(rule_err(text), RuleError::SingleLabel { .. }),
+            "{text}"
+        );
+    }
+    assert!(rule_err("foo").to_string().contains("foo.example.com"));
+    let p = policy(&["*.internal"], &[]);
+    assert!(p.decide_name("svc.internal").is_allowed());
+}
+
+#[test]
+fn policy_single_label_query_denied_with_its_reason() {
+    let p = policy(&["*"], &[]);
+    for name in ["foo", "foo.", "FOO"] {
+        let d = p.decide_name(name);
+        assert_eq!(d.reason, Reason::SingleLabelName, "{name}");
+        assert!(d.explain().is_some());
+    }
+    assert!(p.decide_name("foo.example").is_allowed());
 }

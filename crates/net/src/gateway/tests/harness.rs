@@ -38,6 +38,8 @@ impl Resolver for Table {
 pub enum Behavior {
     Echo,
     Refuse,
+    /// The host side's policy says no.
+    BrokerDeny,
     Defer,
     /// Send these bytes, then end the stream.
     Greet(Vec<u8>),
@@ -54,6 +56,7 @@ impl Connector for MemConnector {
         match &self.behavior {
             Behavior::Echo => Some(ConnectOutcome::Connected(Box::new(EchoStream::default()))),
             Behavior::Refuse => Some(ConnectOutcome::Refused("connection refused".into())),
+            Behavior::BrokerDeny => Some(ConnectOutcome::Denied("an address of this host".into())),
             Behavior::Defer => None,
             Behavior::Greet(bytes) => Some(ConnectOutcome::Connected(Box::new(Greeter {
                 data: bytes.clone(),
