@@ -1024,3 +1024,22 @@ fn exec_past_the_call_timeout_is_timed_out() {
         .expect("within");
     assert!(ok.success());
 }
+
+/// A timeout past what an `Instant` holds is no timeout, not a panic of
+/// the exec's thread (which left the client without an answer).
+#[test]
+fn exec_with_an_overflowing_timeout_runs_as_without_one() {
+    let agent = Agent::start();
+    let client = agent.client().with_call_timeout(Duration::from_secs(20));
+    let req = ExecRequest::shell("echo ok").timeout(Duration::MAX);
+    let out = run(&client, &req, None);
+    assert!(out.result.success(), "{:?}", out.result);
+    assert_eq!(out.stdout, b"ok\n");
+    let waited = client
+        .wait_process(
+            client.spawn(&ExecRequest::shell("true")).expect("spawn"),
+            Some(Duration::MAX),
+        )
+        .expect("wait");
+    assert!(waited.is_some_and(|r| r.success()));
+}
