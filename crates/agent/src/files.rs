@@ -96,6 +96,11 @@ pub fn read_file(conn: &UnixStream, path: &str, max_bytes: Option<u64>) -> Resul
             Err(e) => return Err(io_err("read", path, &e)),
         };
         if let Some(max) = max_bytes.filter(|m| bytes + n as u64 > *m) {
+            // Up to the limit exactly: a cut stream is told by its length.
+            let room = (max - bytes) as usize;
+            if room > 0 {
+                write_frame(&mut w, FrameKind::Data, &buf[..room]).map_err(|e| gone(&e))?;
+            }
             return Err(too_large("file", path, max));
         }
         write_frame(&mut w, FrameKind::Data, &buf[..n]).map_err(|e| gone(&e))?;
@@ -464,7 +469,16 @@ impl Write for FrameSink<'_> {
         if n == 0 {
             return Ok(0);
         }
-        if self.max.is_some_and(|m| self.bytes + n as u64 > m) {
+        if let Some(max) = self.max.filter(|m| self.bytes + n as u64 > *m) {
+            // Up to the limit exactly (a cut archive is told by its
+            // length), then fail.
+            let room = (max - self.bytes) as usize;
+            if room > 0 {
+                let mut c = self.conn;
+                write_frame(&mut c, FrameKind::Data, &buf[..room])?;
+                self.bytes += room as u64;
+                return Ok(room);
+            }
             self.over = true;
             return Err(io::Error::other("the archive passed its limit"));
         }

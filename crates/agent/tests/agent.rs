@@ -951,7 +951,7 @@ fn files_read_endless_device_stops_at_max_bytes() {
         .expect_err("endless");
     // The agent stops itself; whatever it sent stays within the limit.
     assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::TooLarge));
-    assert!(got.len() <= 3 << 20, "{} bytes", got.len());
+    assert_eq!(got.len(), 3 << 20, "up to the limit exactly");
 }
 
 #[test]
@@ -998,7 +998,7 @@ fn tar_download_over_max_bytes_stops_with_too_large() {
         .download_tar_max(&dir, Some(n / 2), &mut got)
         .expect_err("over the limit");
     assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::TooLarge));
-    assert!(got.len() as u64 <= n / 2, "{} of {n} bytes", got.len());
+    assert_eq!(got.len() as u64, n / 2, "up to the limit exactly");
     let mut again = Vec::new();
     assert_eq!(
         client

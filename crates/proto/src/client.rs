@@ -221,7 +221,9 @@ impl AgentClient {
     /// [`read_file`](Self::read_file) that stops past `max_bytes`: the
     /// agent is asked to stop there, and whatever it sends beyond is
     /// refused here ([`ClientError::TooLarge`], or the agent's
-    /// `ErrorKind::TooLarge`); `to` never gets more than `max_bytes`.
+    /// `ErrorKind::TooLarge`); `to` never gets more than `max_bytes`, and
+    /// gets exactly that much from a stream cut for its size (unless the
+    /// agent refused before any data, knowing the size).
     pub fn read_file_max(
         &self,
         path: &str,
@@ -695,6 +697,11 @@ impl Conn {
                 FrameKind::Data => {
                     let total = received.saturating_add(frame.body.len() as u64);
                     if let Some(limit) = max.filter(|m| total > *m) {
+                        // Up to the limit exactly, so that what was cut
+                        // for size can be told by its length.
+                        let room = (limit - received) as usize;
+                        to.write_all(&frame.body[..room])
+                            .map_err(ClientError::Local)?;
                         return Err(ClientError::TooLarge { limit });
                     }
                     to.write_all(&frame.body).map_err(ClientError::Local)?;
@@ -866,7 +873,7 @@ mod tests {
             matches!(err, ClientError::TooLarge { limit: 100_000 }),
             "{err:?}"
         );
-        assert_eq!(got.len(), 65536, "only whole chunks within the limit");
+        assert_eq!(got.len(), 100_000, "up to the limit exactly");
     }
 
     #[test]
