@@ -86,7 +86,8 @@ impl Background {
     /// Waits until the process ended, at most `timeout`; gives up early
     /// when `conn`'s peer hangs up (no one would get the answer).
     fn wait(&self, conn: &UnixStream, timeout: Option<Duration>) -> Option<ExecResult> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what an `Instant` holds is none.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut st = self.lock();
         loop {
             if let Some(r) = &st.result {

@@ -165,7 +165,13 @@ pub fn run(
     // `child` is dropped without waiting: the reaper owns its status.
     drop(child);
 
-    let outcome = wait_events(&rx, Some(conn), pgid, start, req.timeout.map(|t| start + t));
+    let outcome = wait_events(
+        &rx,
+        Some(conn),
+        pgid,
+        start,
+        req.timeout.and_then(|t| start.checked_add(t)),
+    );
     let result = outcome.result(start);
     if let Some(id) = exec_id {
         execs.finished(id, result.status, outcome.client_gone);
@@ -210,7 +216,13 @@ pub fn spawn(
     let _ = crate::server::send(conn, &Response::Spawned { pid: pgid });
     let _ = conn.shutdown(std::net::Shutdown::Both);
 
-    let outcome = wait_events(&rx, None, pgid, start, req.timeout.map(|t| start + t));
+    let outcome = wait_events(
+        &rx,
+        None,
+        pgid,
+        start,
+        req.timeout.and_then(|t| start.checked_add(t)),
+    );
     let result = outcome.result(start);
     execs.finished(exec_id, result.status, false);
     bg.finish(result);

@@ -9,7 +9,7 @@
 //! in the guest racing the upload could still swap a directory for a
 //! symlink (the guest is the user's anyway; the host is not at risk).
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::fs::{self, DirBuilder, OpenOptions};
 use std::io::{self, BufWriter, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -49,14 +49,40 @@ fn gone(e: &io::Error) -> AgentError {
     AgentError::new(ErrorKind::Io, format!("connection lost: {e}"))
 }
 
-pub fn read_file(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
+fn too_large(what: &str, path: &str, max: u64) -> AgentError {
+    AgentError::new(
+        ErrorKind::TooLarge,
+        format!("{what} {path} is larger than the limit of {max} bytes"),
+    )
+}
+
+/// Streams a file; with `max_bytes`, refuses a regular file larger than
+/// that at once and stops anything else (a device, a FIFO, a file that
+/// grows) once more would be sent.
+pub fn read_file(conn: &UnixStream, path: &str, max_bytes: Option<u64>) -> Result<(), AgentError> {
     let p = absolute(path)?;
-    let file = File::open(p).map_err(|e| io_err("open", path, &e))?;
+    // Non-blocking open: a FIFO nobody writes opens (and reads as empty)
+    // instead of holding this thread in `open`; reads block again below.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(p)
+        .map_err(|e| io_err("open", path, &e))?;
+    sys::set_blocking(file.as_fd()).map_err(|e| io_err("open", path, &e))?;
     let meta = file.metadata().map_err(|e| io_err("stat", path, &e))?;
     if meta.is_dir() {
         return Err(AgentError::new(
             ErrorKind::IsADirectory,
             format!("{path} is a directory"),
+        ));
+    }
+    if let Some(max) = max_bytes.filter(|m| meta.is_file() && meta.len() > *m) {
+        return Err(AgentError::new(
+            ErrorKind::TooLarge,
+            format!(
+                "file {path} is {} bytes, over the limit of {max} bytes",
+                meta.len()
+            ),
         ));
     }
     let mut buf = Vec::with_capacity(DATA_CHUNK);
@@ -69,6 +95,14 @@ pub fn read_file(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(io_err("read", path, &e)),
         };
+        if let Some(max) = max_bytes.filter(|m| bytes + n as u64 > *m) {
+            // Up to the limit exactly: a cut stream is told by its length.
+            let room = (max - bytes) as usize;
+            if room > 0 {
+                write_frame(&mut w, FrameKind::Data, &buf[..room]).map_err(|e| gone(&e))?;
+            }
+            return Err(too_large("file", path, max));
+        }
         write_frame(&mut w, FrameKind::Data, &buf[..n]).map_err(|e| gone(&e))?;
         bytes += n as u64;
     }
@@ -196,7 +230,13 @@ pub fn remove(path: &str, recursive: bool) -> Result<Response, AgentError> {
     Ok(Response::Ok)
 }
 
-pub fn download_tar(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
+/// Streams a directory as a tar archive; with `max_bytes`, stops (with
+/// [`ErrorKind::TooLarge`]) once the archive would pass it.
+pub fn download_tar(
+    conn: &UnixStream,
+    path: &str,
+    max_bytes: Option<u64>,
+) -> Result<(), AgentError> {
     let p = absolute(path)?;
     let meta = fs::metadata(p).map_err(|e| io_err("open", path, &e))?;
     if !meta.is_dir() {
@@ -205,18 +245,37 @@ pub fn download_tar(conn: &UnixStream, path: &str) -> Result<(), AgentError> {
             format!("{path} is not a directory"),
         ));
     }
-    let sink = BufWriter::with_capacity(DATA_CHUNK, FrameSink { conn, bytes: 0 });
-    let mut builder = tar::Builder::new(sink);
+    let sink = FrameSink {
+        conn,
+        bytes: 0,
+        max: max_bytes,
+        over: false,
+    };
+    let mut builder = tar::Builder::new(BufWriter::with_capacity(DATA_CHUNK, sink));
     builder.follow_symlinks(false);
-    builder
-        .append_dir_all(".", p)
-        .map_err(|e| io_err("archive", path, &e))?;
+    let over = |b: &mut tar::Builder<BufWriter<FrameSink<'_>>>| b.get_mut().get_ref().over;
+    let appended = builder.append_dir_all(".", p);
+    if let (true, Some(max)) = (over(&mut builder), max_bytes) {
+        return Err(too_large("the archive of", path, max));
+    }
+    appended.map_err(|e| io_err("archive", path, &e))?;
+    builder.finish().map_err(|e| io_err("archive", path, &e))?;
+    if let (true, Some(max)) = (over(&mut builder), max_bytes) {
+        return Err(too_large("the archive of", path, max));
+    }
     let sink = builder
         .into_inner()
         .map_err(|e| io_err("archive", path, &e))?;
-    let sink = sink
-        .into_inner()
-        .map_err(|e| io_err("archive", path, e.error()))?;
+    let sink = match sink.into_inner() {
+        Ok(sink) => sink,
+        Err(e) => {
+            let (e, w) = e.into_parts();
+            return Err(match max_bytes.filter(|_| w.get_ref().over) {
+                Some(max) => too_large("the archive of", path, max),
+                None => io_err("archive", path, &e),
+            });
+        }
+    };
     send(conn, &Response::Done { bytes: sink.bytes }).map_err(|e| gone(&e))
 }
 
@@ -398,6 +457,10 @@ impl Read for FrameSource<'_> {
 struct FrameSink<'a> {
     conn: &'a UnixStream,
     bytes: u64,
+    /// Fail writes that would pass this many bytes in all.
+    max: Option<u64>,
+    /// A write failed for passing `max`.
+    over: bool,
 }
 
 impl Write for FrameSink<'_> {
@@ -405,6 +468,19 @@ impl Write for FrameSink<'_> {
         let n = buf.len().min(DATA_CHUNK);
         if n == 0 {
             return Ok(0);
+        }
+        if let Some(max) = self.max.filter(|m| self.bytes + n as u64 > *m) {
+            // Up to the limit exactly (a cut archive is told by its
+            // length), then fail.
+            let room = (max - self.bytes) as usize;
+            if room > 0 {
+                let mut c = self.conn;
+                write_frame(&mut c, FrameKind::Data, &buf[..room])?;
+                self.bytes += room as u64;
+                return Ok(room);
+            }
+            self.over = true;
+            return Err(io::Error::other("the archive passed its limit"));
         }
         let mut c = self.conn;
         write_frame(&mut c, FrameKind::Data, &buf[..n])?;

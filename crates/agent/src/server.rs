@@ -160,7 +160,7 @@ fn handle(conn: &UnixStream, agent: &Agent) {
             fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy)
                 .map(|report| Response::AfterFork { report }),
         ),
-        Request::ReadFile { path } => files::read_file(conn, &path),
+        Request::ReadFile { path, max_bytes } => files::read_file(conn, &path, max_bytes),
         Request::WriteFile {
             path,
             mode,
@@ -170,7 +170,7 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::Stat { path } => reply(conn, files::stat(&path)),
         Request::Mkdir { path, mode } => reply(conn, files::mkdir(&path, mode)),
         Request::Remove { path, recursive } => reply(conn, files::remove(&path, recursive)),
-        Request::DownloadTar { path } => files::download_tar(conn, &path),
+        Request::DownloadTar { path, max_bytes } => files::download_tar(conn, &path, max_bytes),
         Request::UploadTar { path } => files::upload_tar(conn, &path),
         Request::ConnectPort { port } => ports::relay(conn, port),
         Request::Spawn { exec } => exec::spawn(conn, &agent.reaper, &agent.execs, &exec),

@@ -43,6 +43,13 @@ pub fn read_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>) -> io::Result<usize> {
     Ok(rustix::io::read(fd, rustix::buffer::spare_capacity(buf))?)
 }
 
+/// Clears `O_NONBLOCK` on an open file.
+pub fn set_blocking(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let flags = rustix::fs::fcntl_getfl(fd)?;
+    rustix::fs::fcntl_setfl(fd, flags - rustix::fs::OFlags::NONBLOCK)?;
+    Ok(())
+}
+
 /// `mount(2)` of a file system.
 pub fn mount(
     source: &str,

@@ -915,3 +915,131 @@ fn background_unknown_pid_is_not_found() {
         .expect_err("unknown");
     assert_eq!(err.agent_error().map(|a| a.kind), Some(ErrorKind::NotFound));
 }
+
+#[test]
+fn files_read_over_max_bytes_refused_before_any_data() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let path = agent.path("big.bin");
+    fs::write(&path, deterministic_bytes(1000)).expect("write");
+    let mut got = Vec::new();
+    let err = client
+        .read_file_max(&path, Some(999), &mut got)
+        .expect_err("over the limit");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::TooLarge));
+    assert!(
+        got.is_empty(),
+        "{} bytes sent before the refusal",
+        got.len()
+    );
+    // Exactly at the limit is fine.
+    assert_eq!(
+        client
+            .read_file_max(&path, Some(1000), &mut got)
+            .expect("at the limit"),
+        1000
+    );
+}
+
+#[test]
+fn files_read_endless_device_stops_at_max_bytes() {
+    let agent = Agent::start();
+    let mut got = Vec::new();
+    let err = agent
+        .client()
+        .read_file_max("/dev/zero", Some(3 << 20), &mut got)
+        .expect_err("endless");
+    // The agent stops itself; whatever it sent stays within the limit.
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::TooLarge));
+    assert_eq!(got.len(), 3 << 20, "up to the limit exactly");
+}
+
+#[test]
+fn files_read_fifo_without_writer_reads_empty() {
+    let agent = Agent::start();
+    let path = agent.path("fifo");
+    let made = Command::new("mkfifo").arg(&path).status().expect("mkfifo");
+    assert!(made.success());
+    let client = agent.client().with_call_timeout(Duration::from_secs(20));
+    let mut got = Vec::new();
+    assert_eq!(client.read_file(&path, &mut got).expect("read"), 0);
+}
+
+#[test]
+fn files_read_fifo_that_never_ends_times_out_on_the_client() {
+    let agent = Agent::start();
+    let path = agent.path("fifo");
+    let made = Command::new("mkfifo").arg(&path).status().expect("mkfifo");
+    assert!(made.success());
+    // A writer that holds the FIFO open and never writes.
+    let _writer = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .expect("open the fifo");
+    let client = agent.client().with_call_timeout(Duration::from_millis(300));
+    let err = client
+        .read_file(&path, &mut Vec::new())
+        .expect_err("never ends");
+    assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
+}
+
+#[test]
+fn tar_download_over_max_bytes_stops_with_too_large() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let src = agent.dir.path().join("src");
+    make_tree(&src);
+    let dir = src.display().to_string();
+    let mut whole = Vec::new();
+    let n = client.download_tar(&dir, &mut whole).expect("whole");
+    let mut got = Vec::new();
+    let err = client
+        .download_tar_max(&dir, Some(n / 2), &mut got)
+        .expect_err("over the limit");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::TooLarge));
+    assert_eq!(got.len() as u64, n / 2, "up to the limit exactly");
+    let mut again = Vec::new();
+    assert_eq!(
+        client
+            .download_tar_max(&dir, Some(n), &mut again)
+            .expect("at the limit"),
+        n
+    );
+}
+
+#[test]
+fn exec_past_the_call_timeout_is_timed_out() {
+    let agent = Agent::start();
+    let client = agent.client().with_call_timeout(Duration::from_millis(300));
+    let err = client
+        .exec(&ExecRequest::shell("sleep 5"), None, &mut |_, _| {})
+        .expect_err("deadline");
+    assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
+    // A call within its deadline is unaffected.
+    let ok = agent
+        .client()
+        .with_call_timeout(Duration::from_secs(20))
+        .exec(&ExecRequest::shell("true"), None, &mut |_, _| {})
+        .expect("within");
+    assert!(ok.success());
+}
+
+/// A timeout past what an `Instant` holds is no timeout, not a panic of
+/// the exec's thread (which left the client without an answer).
+#[test]
+fn exec_with_an_overflowing_timeout_runs_as_without_one() {
+    let agent = Agent::start();
+    let client = agent.client().with_call_timeout(Duration::from_secs(20));
+    let req = ExecRequest::shell("echo ok").timeout(Duration::MAX);
+    let out = run(&client, &req, None);
+    assert!(out.result.success(), "{:?}", out.result);
+    assert_eq!(out.stdout, b"ok\n");
+    let waited = client
+        .wait_process(
+            client.spawn(&ExecRequest::shell("true")).expect("spawn"),
+            Some(Duration::MAX),
+        )
+        .expect("wait");
+    assert!(waited.is_some_and(|r| r.success()));
+}

@@ -295,7 +295,7 @@ impl Registry {
         }
         r.state = SandboxState::Running;
         r.ready = Some(now);
-        r.deadline = r.ttl.map(|t| now + t);
+        r.deadline = r.ttl.and_then(|t| now.checked_add(t));
         self.creating -= 1;
         Ok(())
     }
@@ -334,7 +334,7 @@ impl Registry {
         }
         r.state = SandboxState::Running;
         if r.deadline.is_none() {
-            r.deadline = r.ttl.map(|t| now + t);
+            r.deadline = r.ttl.and_then(|t| now.checked_add(t));
         }
         Ok(())
     }
@@ -392,7 +392,7 @@ impl Registry {
             r.on_expiry = a;
         }
         if r.state != SandboxState::Creating {
-            r.deadline = ttl.map(|t| now + t);
+            r.deadline = ttl.and_then(|t| now.checked_add(t));
         }
         Ok(())
     }
@@ -832,5 +832,40 @@ mod tests {
         assert_eq!(SandboxId::parse(id.as_str()), Some(id));
         assert_eq!(SandboxId::parse("sb-xyz"), None);
         assert_eq!(SandboxId::parse("../etc"), None);
+    }
+}
+
+#[cfg(test)]
+mod overflow_tests {
+    use std::time::{Duration, Instant, SystemTime};
+
+    use super::*;
+
+    /// A TTL past what an `Instant` holds means no deadline, never a
+    /// panic with the creation half counted.
+    #[test]
+    fn created_with_an_overflowing_ttl_has_no_deadline_and_frees_its_slot() {
+        let mut reg = Registry::new(Limits::default(), 1);
+        let t0 = Instant::now();
+        let id = reg
+            .admit(
+                Admission {
+                    template: "minimal".into(),
+                    labels: Labels::new(),
+                    ttl: Some(Duration::MAX),
+                    on_expiry: ExpiryAction::Kill,
+                    parent: None,
+                },
+                t0,
+                SystemTime::now(),
+            )
+            .expect("admitted");
+        assert_eq!(reg.creating(), 1);
+        reg.created(&id, t0).expect("created");
+        assert_eq!(reg.creating(), 0);
+        assert_eq!(reg.get(&id).expect("record").deadline, None);
+        reg.set_timeout(&id, Some(Duration::from_secs(u64::MAX)), None, t0)
+            .expect("set");
+        assert_eq!(reg.next_deadline(), None);
     }
 }

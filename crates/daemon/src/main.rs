@@ -15,7 +15,7 @@ use forkboxd::core::Limits;
 use forkboxd::listen::{default_socket, Listen, ListenError};
 use forkboxd::network::EgressLogs;
 use forkboxd::persist::Store;
-use forkboxd::service::{Config, Daemon};
+use forkboxd::service::{Bounds, Config, Daemon};
 
 /// The forkbox daemon: owns every sandbox on this host and serves the HTTP
 /// API (see /openapi.json).
@@ -64,6 +64,23 @@ struct Args {
     /// egress logs, the oldest deleted before their TTL when it is full.
     #[arg(long, default_value_t = 8192)]
     log_max_total_mib: u64,
+    /// Seconds any agent call but a command's (files, processes, ports)
+    /// may take; past it the client gets a 504 `guest_timeout`.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    agent_call_secs: u64,
+    /// Longest a command may run, in seconds: one without a timeout gets
+    /// this one, a longer timeout is refused. Also bounds waiting on and
+    /// following a background process.
+    #[arg(long, default_value_t = 86400, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
+    max_exec_secs: u64,
+    /// Most bytes a file read or tar download may ask for (`max_bytes`;
+    /// 256 MiB when not asked).
+    #[arg(long, default_value_t = 4 << 30)]
+    max_download_bytes: u64,
+    /// Largest file, tar or stdin upload, in bytes (the daemon holds one
+    /// whole in memory while it is sent on).
+    #[arg(long, default_value_t = 1 << 30)]
+    max_upload_bytes: usize,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -146,6 +163,13 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("--create-wait must be a non-negative number")?,
         boot_timeout: Duration::from_secs(args.boot_timeout),
         egress_log_ttl: Duration::from_secs(args.egress_log_ttl),
+        bounds: Bounds {
+            agent_call: Duration::from_secs(args.agent_call_secs),
+            max_exec: Duration::from_secs(args.max_exec_secs),
+            download_max: args.max_download_bytes,
+            upload_max: args.max_upload_bytes,
+            ..Bounds::default()
+        },
     };
     let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {

@@ -77,8 +77,9 @@ pub struct TemplateSpec {
     pub setup: Vec<String>,
     #[serde(default)]
     pub ready: Option<Readiness>,
-    /// Bound on waiting for `ready`, in seconds.
+    /// Bound on waiting for `ready`, in seconds (at most 86400).
     #[serde(default = "default_ready_timeout")]
+    #[schema(maximum = 86400)]
     pub ready_timeout_secs: u64,
     /// Environment for the setup commands and every later command.
     #[serde(default)]
@@ -146,7 +147,12 @@ pub enum TemplateError {
     /// that validates also bakes.
     #[error("template resources: {0}")]
     BadResources(ShapeError),
+    #[error("ready_timeout_secs {0}: expected at most {MAX_READY_TIMEOUT_SECS} (a day)")]
+    BadReadyTimeout(u64),
 }
+
+/// Longest `ready_timeout_secs`.
+pub const MAX_READY_TIMEOUT_SECS: u64 = 86400;
 
 impl TemplateSpec {
     pub fn builtin(image: ImageName) -> Self {
@@ -187,6 +193,9 @@ impl TemplateSpec {
         }
         .validate()
         .map_err(TemplateError::BadResources)?;
+        if self.ready_timeout_secs > MAX_READY_TIMEOUT_SECS {
+            return Err(TemplateError::BadReadyTimeout(self.ready_timeout_secs));
+        }
         Ok(())
     }
 
@@ -263,6 +272,11 @@ mod tests {
             t.validate(),
             Err(TemplateError::BadResources(ShapeError::MemoryMib(1)))
         );
+        let t = TemplateSpec {
+            ready_timeout_secs: u64::MAX,
+            ..TemplateSpec::builtin(ImageName::Minimal)
+        };
+        assert_eq!(t.validate(), Err(TemplateError::BadReadyTimeout(u64::MAX)));
     }
 
     #[test]

@@ -40,6 +40,14 @@ pub enum ClientError {
     Malformed(String),
     #[error("local I/O failed")]
     Local(#[source] io::Error),
+    /// The call's deadline ([`AgentClient::with_call_timeout`]) passed
+    /// with the agent still owing an answer (or not reading ours).
+    #[error("the agent did not finish the call within {after:?}")]
+    TimedOut { after: Duration },
+    /// The agent sent more than the `max_bytes` the call allowed; the
+    /// client stopped reading at the limit and closed the connection.
+    #[error("the agent sent more than the limit of {limit} bytes")]
+    TooLarge { limit: u64 },
 }
 
 impl ClientError {
@@ -64,6 +72,7 @@ enum Target {
 pub struct AgentClient {
     target: Target,
     handshake_timeout: Duration,
+    call_timeout: Option<Duration>,
 }
 
 /// Default bound on connecting and receiving the agent's [`Hello`].
@@ -82,6 +91,7 @@ impl AgentClient {
                 port,
             },
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            call_timeout: None,
         }
     }
 
@@ -90,12 +100,24 @@ impl AgentClient {
         Self {
             target: Target::Unix(path.into()),
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            call_timeout: None,
         }
     }
 
     /// Bounds connecting plus receiving the agent's `Hello` (default 5 s).
     pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
         self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Bounds every call, from connecting to its last answer, by
+    /// `timeout` (default: no bound). Past it the call fails with
+    /// [`ClientError::TimedOut`] and its connection is closed, so a guest
+    /// that never answers (or never reads what is sent to it) cannot hold
+    /// the calling thread. An overlong `timeout` (past what an `Instant`
+    /// holds) is no bound.
+    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = Some(timeout);
         self
     }
 
@@ -171,7 +193,7 @@ impl AgentClient {
             exec: req.clone(),
             stdin: stdin.is_some(),
         })?;
-        let stream = &conn.stream;
+        let stream = conn.io();
         thread::scope(|scope| {
             let writer = stdin.map(|input| scope.spawn(move || pump_to_agent(input, stream)));
             let result = read_exec_output(&conn, out);
@@ -193,9 +215,27 @@ impl AgentClient {
 
     /// Streams a guest file into `to`; returns its size.
     pub fn read_file(&self, path: &str, to: &mut dyn Write) -> Result<u64, ClientError> {
+        self.read_file_max(path, None, to)
+    }
+
+    /// [`read_file`](Self::read_file) that stops past `max_bytes`: the
+    /// agent is asked to stop there, and whatever it sends beyond is
+    /// refused here ([`ClientError::TooLarge`], or the agent's
+    /// `ErrorKind::TooLarge`); `to` never gets more than `max_bytes`, and
+    /// gets exactly that much from a stream cut for its size (unless the
+    /// agent refused before any data, knowing the size).
+    pub fn read_file_max(
+        &self,
+        path: &str,
+        max_bytes: Option<u64>,
+        to: &mut dyn Write,
+    ) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::ReadFile { path: path.into() })?;
-        conn.receive_data(to)
+        conn.send(&Request::ReadFile {
+            path: path.into(),
+            max_bytes,
+        })?;
+        conn.receive_data(to, max_bytes)
     }
 
     /// Writes `from` into a guest file with permission bits `mode`. The
@@ -271,9 +311,23 @@ impl AgentClient {
     /// Streams guest directory `dir` as a tar archive into `to`; returns
     /// the archive size.
     pub fn download_tar(&self, dir: &str, to: &mut dyn Write) -> Result<u64, ClientError> {
+        self.download_tar_max(dir, None, to)
+    }
+
+    /// [`download_tar`](Self::download_tar) that stops past `max_bytes`,
+    /// as [`read_file_max`](Self::read_file_max) does.
+    pub fn download_tar_max(
+        &self,
+        dir: &str,
+        max_bytes: Option<u64>,
+        to: &mut dyn Write,
+    ) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::DownloadTar { path: dir.into() })?;
-        conn.receive_data(to)
+        conn.send(&Request::DownloadTar {
+            path: dir.into(),
+            max_bytes,
+        })?;
+        conn.receive_data(to, max_bytes)
     }
 
     /// Unpacks the tar archive read from `from` into guest directory `dir`
@@ -291,7 +345,14 @@ impl AgentClient {
         let conn = self.connect()?;
         conn.send(&Request::ConnectPort { port })?;
         match conn.response()? {
-            Response::Ready => Ok(conn.stream),
+            // The relay that follows is the caller's to bound.
+            Response::Ready => {
+                conn.stream
+                    .set_read_timeout(None)
+                    .and_then(|()| conn.stream.set_write_timeout(None))
+                    .map_err(ClientError::Local)?;
+                Ok(conn.stream)
+            }
             other => Err(unexpected(&other)),
         }
     }
@@ -390,6 +451,11 @@ impl AgentClient {
     }
 
     fn connect(&self) -> Result<Conn, ClientError> {
+        let deadline = self.call_timeout.and_then(|after| {
+            Instant::now()
+                .checked_add(after)
+                .map(|at| Deadline { at, after })
+        });
         let path = match &self.target {
             Target::HybridVsock { uds, .. } => uds,
             Target::Unix(p) => p,
@@ -399,6 +465,12 @@ impl AgentClient {
             source,
         })?;
         let timeout = Some(self.handshake_timeout).filter(|t| !t.is_zero());
+        let timeout = match (timeout, deadline) {
+            (_, Some(d)) if d.left().is_zero() => return Err(d.passed()),
+            (Some(t), Some(d)) => Some(t.min(d.left())),
+            (None, Some(d)) => Some(d.left()),
+            (t, None) => t,
+        };
         stream
             .set_read_timeout(timeout)
             .map_err(ClientError::Local)?;
@@ -407,7 +479,11 @@ impl AgentClient {
         }
         let hello = read_hello(&stream)?;
         stream.set_read_timeout(None).map_err(ClientError::Local)?;
-        Ok(Conn { stream, hello })
+        Ok(Conn {
+            stream,
+            hello,
+            deadline,
+        })
     }
 }
 
@@ -486,26 +562,115 @@ fn read_hello(mut stream: &UnixStream) -> Result<Hello, ClientError> {
     decode_control(&frame.body).map_err(|e| ClientError::Malformed(format!("hello: {e}")))
 }
 
+/// When a call must have ended.
+#[derive(Debug, Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    /// The call timeout it came from, for the error.
+    after: Duration,
+}
+
+impl Deadline {
+    fn left(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+
+    fn passed(&self) -> ClientError {
+        ClientError::TimedOut { after: self.after }
+    }
+}
+
+/// The connection's socket with the call's deadline applied to every
+/// read and write: each waits at most for what is left of the call.
+#[derive(Clone, Copy)]
+struct Bounded<'a> {
+    stream: &'a UnixStream,
+    deadline: Option<Deadline>,
+}
+
+impl Bounded<'_> {
+    /// Sets the socket's timeout (`set`) to what is left of the call.
+    fn arm(
+        &self,
+        set: impl FnOnce(&UnixStream, Option<Duration>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let Some(d) = self.deadline else {
+            return Ok(());
+        };
+        let left = d.left();
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the call's deadline passed",
+            ));
+        }
+        set(self.stream, Some(left))
+    }
+
+    /// An I/O error that is the deadline passing.
+    fn timed_out(&self, e: &io::Error) -> Option<ClientError> {
+        let d = self.deadline?;
+        let timeout = matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        );
+        (timeout && d.left().is_zero()).then(|| d.passed())
+    }
+}
+
+impl Read for Bounded<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(UnixStream::set_read_timeout)?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Bounded<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm(UnixStream::set_write_timeout)?;
+        (&mut &*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// One open connection, past the handshake.
 struct Conn {
     stream: UnixStream,
     hello: Hello,
+    deadline: Option<Deadline>,
 }
 
 impl Conn {
+    fn io(&self) -> Bounded<'_> {
+        Bounded {
+            stream: &self.stream,
+            deadline: self.deadline,
+        }
+    }
+
+    /// A failed write to the agent: the deadline, or a lost connection.
+    fn write_failed(&self, e: io::Error) -> ClientError {
+        self.io()
+            .timed_out(&e)
+            .unwrap_or(ClientError::Disconnected(e))
+    }
+
     fn send(&self, req: &Request) -> Result<(), ClientError> {
-        write_frame(&mut &self.stream, FrameKind::Control, &encode_control(req))
-            .map_err(ClientError::Disconnected)
+        write_frame(&mut self.io(), FrameKind::Control, &encode_control(req))
+            .map_err(|e| self.write_failed(e))
     }
 
     fn frame(&self) -> Result<Frame, ClientError> {
-        match read_frame(&mut &self.stream, MAX_FRAME_LEN) {
+        match read_frame(&mut self.io(), MAX_FRAME_LEN) {
             Ok(Some(f)) => Ok(f),
             Ok(None) => Err(ClientError::Disconnected(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "agent closed the connection",
             ))),
-            Err(FrameError::Io(e)) => Err(ClientError::Disconnected(e)),
+            Err(FrameError::Io(e)) => Err(self.write_failed(e)),
             Err(e) => Err(ClientError::Frame(e)),
         }
     }
@@ -522,15 +687,25 @@ impl Conn {
         parse_response(&frame.body)
     }
 
-    /// `Data` frames into `to` until `Done`.
-    fn receive_data(&self, to: &mut dyn Write) -> Result<u64, ClientError> {
+    /// `Data` frames into `to` until `Done`; with `max`, refuses (and
+    /// stops reading) once more than `max` bytes would have arrived.
+    fn receive_data(&self, to: &mut dyn Write, max: Option<u64>) -> Result<u64, ClientError> {
         let mut received = 0u64;
         loop {
             let frame = self.frame()?;
             match frame.kind {
                 FrameKind::Data => {
+                    let total = received.saturating_add(frame.body.len() as u64);
+                    if let Some(limit) = max.filter(|m| total > *m) {
+                        // Up to the limit exactly, so that what was cut
+                        // for size can be told by its length.
+                        let room = (limit - received) as usize;
+                        to.write_all(&frame.body[..room])
+                            .map_err(ClientError::Local)?;
+                        return Err(ClientError::TooLarge { limit });
+                    }
                     to.write_all(&frame.body).map_err(ClientError::Local)?;
-                    received += frame.body.len() as u64;
+                    received = total;
                 }
                 FrameKind::Control => match parse_response(&frame.body)? {
                     Response::Done { bytes } if bytes == received => {
@@ -559,9 +734,12 @@ impl Conn {
             Response::Ready => {}
             other => return Err(unexpected(&other)),
         }
-        match pump_to_agent(from, &self.stream) {
+        match pump_to_agent(from, self.io()) {
             Ok(_) => {}
             Err(PumpError::Local(e)) => return Err(ClientError::Local(e)),
+            Err(PumpError::Remote(e)) if self.io().timed_out(&e).is_some() => {
+                return Err(self.write_failed(e))
+            }
             // The agent may have stopped reading to report an error.
             Err(PumpError::Remote(e)) => {
                 return match self.response() {
@@ -610,7 +788,7 @@ enum PumpError {
 }
 
 /// Copies `from` to the agent as `Data` frames, then one `Eof`.
-fn pump_to_agent(from: &mut (dyn Read + '_), mut to: &UnixStream) -> Result<u64, PumpError> {
+fn pump_to_agent(from: &mut (dyn Read + '_), mut to: Bounded<'_>) -> Result<u64, PumpError> {
     let mut buf = vec![0u8; DATA_CHUNK];
     let mut sent = 0u64;
     loop {
@@ -641,4 +819,105 @@ fn parse_response(body: &[u8]) -> Result<Response, ClientError> {
 
 fn unexpected(r: &Response) -> ClientError {
     ClientError::Malformed(format!("unexpected response {r:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+    use crate::msg::BootInfo;
+
+    /// An agent on a unix socket that says hello, reads the request, then
+    /// runs `then` on the connection.
+    fn fake_agent(
+        dir: &std::path::Path,
+        then: impl Fn(&mut UnixStream) + Send + 'static,
+    ) -> PathBuf {
+        let sock = dir.join("agent.sock");
+        let listener = UnixListener::bind(&sock).expect("bind");
+        thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let hello = Hello {
+                    protocol_version: PROTOCOL_VERSION,
+                    agent_version: "test".into(),
+                    boot: BootInfo::default(),
+                };
+                if write_frame(&mut conn, FrameKind::Control, &encode_control(&hello)).is_err() {
+                    continue;
+                }
+                if read_frame(&mut conn, MAX_FRAME_LEN).is_err() {
+                    continue;
+                }
+                then(&mut conn);
+            }
+        });
+        sock
+    }
+
+    #[test]
+    fn read_file_max_refuses_an_agent_that_ignores_the_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A hostile agent: endless data, whatever the limit.
+        let sock = fake_agent(dir.path(), |conn| {
+            let chunk = vec![7u8; 64 * 1024];
+            while write_frame(conn, FrameKind::Data, &chunk).is_ok() {}
+        });
+        let mut got = Vec::new();
+        let err = AgentClient::unix(&sock)
+            .with_call_timeout(Duration::from_secs(20))
+            .read_file_max("/x", Some(100_000), &mut got)
+            .expect_err("over");
+        assert!(
+            matches!(err, ClientError::TooLarge { limit: 100_000 }),
+            "{err:?}"
+        );
+        assert_eq!(got.len(), 100_000, "up to the limit exactly");
+    }
+
+    #[test]
+    fn a_silent_agent_fails_the_call_at_its_deadline() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = fake_agent(dir.path(), |conn| {
+            // Holds the connection, never answers.
+            let mut sink = [0u8; 1];
+            let _ = conn.read(&mut sink);
+        });
+        let err = AgentClient::unix(&sock)
+            .with_call_timeout(Duration::from_millis(200))
+            .stat("/x")
+            .expect_err("silent");
+        assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn an_agent_that_never_reads_an_upload_fails_it_at_its_deadline() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = fake_agent(dir.path(), |conn| {
+            let _ = write_frame(conn, FrameKind::Control, &encode_control(&Response::Ready));
+            // Never reads: the client's writes fill the socket and block.
+            loop {
+                thread::park();
+            }
+        });
+        let data = vec![0u8; 64 << 20];
+        let err = AgentClient::unix(&sock)
+            .with_call_timeout(Duration::from_millis(300))
+            .write_file("/x", 0o644, &mut data.as_slice())
+            .expect_err("never read");
+        assert!(matches!(err, ClientError::TimedOut { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn an_overlong_call_timeout_is_no_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = fake_agent(dir.path(), |conn| {
+            let _ = write_frame(conn, FrameKind::Control, &encode_control(&Response::Pong));
+        });
+        AgentClient::unix(&sock)
+            .with_call_timeout(Duration::MAX)
+            .ping()
+            .expect("pong");
+    }
 }

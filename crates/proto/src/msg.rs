@@ -9,7 +9,9 @@
 //!      `Eof`; the agent streams `Stdout`/`Stderr` frames, then
 //!      `Response::Exec`.
 //!    - `ReadFile`, `DownloadTar`: the agent streams `Data` frames, then
-//!      `Response::Done { bytes }`.
+//!      `Response::Done { bytes }` (with `max_bytes`, an
+//!      `ErrorKind::TooLarge` error instead once that much was sent, or
+//!      before any data when the size is known to be over).
 //!    - `WriteFile`, `UploadTar`: the agent answers `Response::Ready` (or an
 //!      error), the client streams `Data` frames and one `Eof`, the agent
 //!      answers `Response::Done { bytes }`.
@@ -85,6 +87,12 @@ pub enum Request {
     },
     ReadFile {
         path: String,
+        /// Stop past this many bytes: a regular file known to be larger
+        /// is refused before any data ([`ErrorKind::TooLarge`]); a stream
+        /// that grows past it ends with that error after `max_bytes` of
+        /// data. The client enforces it too: the agent is not trusted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_bytes: Option<u64>,
     },
     WriteFile {
         path: String,
@@ -110,6 +118,10 @@ pub enum Request {
     },
     DownloadTar {
         path: String,
+        /// As for `ReadFile`: the archive ends with
+        /// [`ErrorKind::TooLarge`] once it would pass this many bytes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_bytes: Option<u64>,
     },
     UploadTar {
         path: String,
@@ -496,6 +508,10 @@ pub enum ErrorKind {
     InvalidRequest,
     /// Nothing listens on the guest port.
     ConnectionRefused,
+    /// A read or archive is larger than the `max_bytes` the client asked
+    /// for. Sent only to a client that set `max_bytes`, so an older
+    /// client never sees it.
+    TooLarge,
     /// A frame or message the agent could not decode.
     Protocol,
     Io,

@@ -30,7 +30,8 @@ from .async_sandbox import AsyncCommandHandle, AsyncNetwork
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
                          InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
-                         TemplateInfrastructureError, UnsafeArchiveError, UnsupportedError)
+                         TemplateInfrastructureError, UnsafeArchiveError, UnsupportedError,
+                         TooLargeError, GuestTimeoutError, DownloadInterruptedError)
 from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 from .sandbox import CommandHandle, Network, Sandbox
 from .template import AsyncTemplate, Template
@@ -40,7 +41,8 @@ __all__ = [
     "TemplateInfo", "Client", "AsyncClient", "default_url", "ForkboxError",
     "InvalidRequestError", "NotFoundError", "ConflictError", "CapacityError",
     "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
-    "InfrastructureError", "DaemonUnavailableError", "CommandHandle", "AsyncCommandHandle",
+    "InfrastructureError", "DaemonUnavailableError", "TooLargeError", "GuestTimeoutError",
+    "DownloadInterruptedError", "CommandHandle", "AsyncCommandHandle",
     "ProcessInfo", "ProcessOutput", "ProcessTimeoutError", "Network", "AsyncNetwork",
     "UnsafeArchiveError",
 ]

@@ -35,6 +35,9 @@ class Call(Generic[T]):
     path: str
     kwargs: Dict[str, Any]
     parse: Callable[[httpx.Response], T]
+    # A file read or tar download: sent with the clients' `download`,
+    # which tells a body cut short from a daemon out of reach.
+    download: bool = False
 
 
 def _json(r: httpx.Response) -> Any:
@@ -373,13 +376,22 @@ def _files(sandbox_id: str) -> str:
     return _sb(sandbox_id) + "/files"
 
 
-def read_file(sandbox_id: str, path: str, format: str) -> "Call[Union[str, bytes]]":
+def _download_params(path: str, max_bytes: Optional[int]) -> Dict[str, Any]:
+    params: Dict[str, Any] = {"path": path}
+    if max_bytes is not None:
+        params["max_bytes"] = max_bytes
+    return params
+
+
+def read_file(sandbox_id: str, path: str, format: str,
+              max_bytes: Optional[int] = None) -> "Call[Union[str, bytes]]":
     if format not in ("text", "bytes"):
         raise ValueError(f"format {format!r}: expected 'text' or 'bytes'")
 
     def parse(r: httpx.Response) -> Union[str, bytes]:
         return r.content if format == "bytes" else r.content.decode("utf-8", errors="replace")
-    return Call("GET", _files(sandbox_id), {"params": {"path": path}}, parse)
+    return Call("GET", _files(sandbox_id), {"params": _download_params(path, max_bytes)}, parse,
+                download=True)
 
 
 def write_file(sandbox_id: str, path: str, data: Union[str, bytes], mode: int) -> "Call[int]":
@@ -415,9 +427,10 @@ def upload_tar(sandbox_id: str, path: str, tar_bytes: bytes) -> "Call[int]":
                 lambda r: int(r.json()["bytes"]))
 
 
-def download_tar(sandbox_id: str, path: str) -> "Call[bytes]":
-    return Call("GET", _files(sandbox_id) + "/tar", {"params": {"path": path}},
-                lambda r: r.content)
+def download_tar(sandbox_id: str, path: str, max_bytes: Optional[int] = None) -> "Call[bytes]":
+    return Call("GET", _files(sandbox_id) + "/tar",
+                {"params": _download_params(path, max_bytes)}, lambda r: r.content,
+                download=True)
 
 
 # ------------------------------------------------------------ templates

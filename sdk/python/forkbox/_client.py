@@ -15,7 +15,9 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
 
 import httpx
 
-from .exceptions import DaemonUnavailableError, ForkboxError, from_response
+from .exceptions import DaemonUnavailableError, ForkboxError, from_cut_download, from_response
+
+MAX_BYTES_HEADER = "x-forkbox-max-bytes"
 
 DEFAULT_ROOT_SOCKET = "/run/forkbox/forkbox.sock"
 
@@ -61,6 +63,12 @@ def _error_of(r: httpx.Response) -> ForkboxError:
     return from_response(r.status_code, body)
 
 
+def _whole(r: httpx.Response, chunks: "list[bytes]") -> httpx.Response:
+    """A downloaded answer as one response, its body read."""
+    return httpx.Response(r.status_code, headers=r.headers, content=b"".join(chunks),
+                          request=r.request)
+
+
 def _ndjson_line(line: str) -> Optional[Dict[str, Any]]:
     return json.loads(line) if line.strip() else None
 
@@ -102,6 +110,26 @@ class Client:
     def json(self, method: str, path: str, **kw: Any) -> Any:
         r = self.request(method, path, **kw)
         return r.json() if r.content else None
+
+    def download(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """A file read or tar download: its response, whole. A body cut
+        short is `TooLargeError` (cut at its limit) or
+        `DownloadInterruptedError`, never `DaemonUnavailableError`."""
+        try:
+            with self._http.stream(method, path, **kw) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _error_of(r)
+                chunks: "list[bytes]" = []
+                try:
+                    for c in r.iter_bytes():
+                        chunks.append(c)
+                except httpx.TransportError as e:
+                    got = sum(map(len, chunks))
+                    raise from_cut_download(got, r.headers.get(MAX_BYTES_HEADER)) from e
+                return _whole(r, chunks)
+        except httpx.TransportError as e:
+            raise _unavailable(self.url, e) from e
 
     def stream_ndjson(self, method: str, path: str, **kw: Any) -> Iterator[Dict[str, Any]]:
         headers = _stream_headers(kw)
@@ -146,6 +174,24 @@ class AsyncClient:
     async def json(self, method: str, path: str, **kw: Any) -> Any:
         r = await self.request(method, path, **kw)
         return r.json() if r.content else None
+
+    async def download(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """As `Client.download`."""
+        try:
+            async with self._http.stream(method, path, **kw) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _error_of(r)
+                chunks: "list[bytes]" = []
+                try:
+                    async for c in r.aiter_bytes():
+                        chunks.append(c)
+                except httpx.TransportError as e:
+                    got = sum(map(len, chunks))
+                    raise from_cut_download(got, r.headers.get(MAX_BYTES_HEADER)) from e
+                return _whole(r, chunks)
+        except httpx.TransportError as e:
+            raise _unavailable(self.url, e) from e
 
     async def stream_ndjson(self, method: str, path: str,
                             **kw: Any) -> AsyncIterator[Dict[str, Any]]:

@@ -20,7 +20,8 @@ T = TypeVar("T")
 
 
 async def _do(client: AsyncClient, call: "Call[T]") -> T:
-    return call.parse(await client.request(call.method, call.path, **call.kwargs))
+    send = client.download if call.download else client.request
+    return call.parse(await send(call.method, call.path, **call.kwargs))
 
 
 class AsyncCommandHandle:
@@ -136,8 +137,9 @@ class AsyncFiles:
     async def _do(self, call: "Call[T]") -> T:
         return await _do(self._sb._client, call)
 
-    async def read(self, path: str, format: str = "text") -> Union[str, bytes]:
-        return await self._do(_api.read_file(self._sb.sandbox_id, path, format))
+    async def read(self, path: str, format: str = "text",
+                   max_bytes: Optional[int] = None) -> Union[str, bytes]:
+        return await self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes))
 
     async def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
         return await self._do(_api.write_file(self._sb.sandbox_id, path, data, mode))
@@ -164,14 +166,15 @@ class AsyncFiles:
     async def upload_tar(self, path: str, tar_bytes: bytes) -> int:
         return await self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
 
-    async def download_tar(self, path: str) -> bytes:
-        return await self._do(_api.download_tar(self._sb.sandbox_id, path))
+    async def download_tar(self, path: str, max_bytes: Optional[int] = None) -> bytes:
+        return await self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes))
 
     async def upload_dir(self, local_dir: str, path: str) -> int:
         return await self.upload_tar(path, _tar.pack_dir(local_dir))
 
-    async def download_dir(self, path: str, local_dir: str) -> None:
-        _tar.unpack_to(await self.download_tar(path), local_dir)
+    async def download_dir(self, path: str, local_dir: str,
+                           max_bytes: Optional[int] = None) -> None:
+        _tar.unpack_to(await self.download_tar(path, max_bytes), local_dir)
 
 
 class AsyncNetwork:

@@ -74,6 +74,28 @@ class ProcessTimeoutError(ForkboxError, TimeoutError):
     runs on). Also a builtin `TimeoutError`."""
 
 
+class TooLargeError(ForkboxError):
+    """A request body, or a file read or tar download, over its limit
+    (HTTP 413, kind `too_large`). A read or download asks for more with
+    `max_bytes=` (default 256 MiB, at most the daemon's
+    `--max-download-bytes`). Raised too when a download's stream was cut
+    at exactly its `max_bytes` (the limit was passed mid-stream)."""
+
+
+class GuestTimeoutError(ForkboxError, TimeoutError):
+    """The guest did not finish a call in time (HTTP 504, kind
+    `guest_timeout`): a file that never ends, an agent that does not
+    answer. The guest's doing, not the infrastructure's. Also a builtin
+    `TimeoutError`."""
+
+
+class DownloadInterruptedError(ForkboxError):
+    """A file read or tar download whose stream stopped short of its
+    end, not at its limit: the guest failed or did not answer in time
+    mid-stream (or its VM died: the sandbox's state then says `dead`).
+    The daemon's log says which."""
+
+
 class InfrastructureError(ForkboxError):
     """The sandbox machinery failed (VM died, agent unreachable)."""
 
@@ -101,6 +123,8 @@ _BY_KIND = {
     "template_failed": TemplateError,
     "infrastructure": InfrastructureError,
     "timeout": ProcessTimeoutError,
+    "too_large": TooLargeError,
+    "guest_timeout": GuestTimeoutError,
 }
 
 
@@ -117,6 +141,20 @@ def from_response(status: int, body: Any) -> ForkboxError:
     else:
         cls = _BY_KIND.get(kind, ForkboxError)
     return cls(str(detail.get("message", "")), kind, status, detail)
+
+
+def from_cut_download(received: int, max_bytes: Optional[str]) -> ForkboxError:
+    """The error for a download whose body stopped short after
+    `received` bytes; `max_bytes` is its `x-forkbox-max-bytes` header."""
+    if max_bytes is not None and max_bytes.isdigit() and received == int(max_bytes):
+        return TooLargeError(
+            f"the download passed its limit of {max_bytes} bytes and was cut there; ask for "
+            f"more with max_bytes= (up to the daemon's --max-download-bytes)",
+            "too_large", 200, {"kind": "too_large", "infrastructure": False})
+    return DownloadInterruptedError(
+        f"the download stopped after {received} bytes: the guest failed or did not answer "
+        f"in time mid-stream (see the daemon's log)",
+        "interrupted", 200, {"kind": "interrupted", "infrastructure": False})
 
 
 def from_bake_failure(event: Dict[str, Any]) -> TemplateError:

@@ -16,7 +16,8 @@ T = TypeVar("T")
 
 
 def _do(client: Client, call: "Call[T]") -> T:
-    return call.parse(client.request(call.method, call.path, **call.kwargs))
+    send = client.download if call.download else client.request
+    return call.parse(send(call.method, call.path, **call.kwargs))
 
 
 class CommandHandle:
@@ -148,9 +149,12 @@ class Files:
     def _do(self, call: "Call[T]") -> T:
         return _do(self._sb._client, call)
 
-    def read(self, path: str, format: str = "text") -> Union[str, bytes]:
-        """The file's text (`format="text"`, UTF-8) or bytes (`"bytes"`)."""
-        return self._do(_api.read_file(self._sb.sandbox_id, path, format))
+    def read(self, path: str, format: str = "text",
+             max_bytes: Optional[int] = None) -> Union[str, bytes]:
+        """The file's text (`format="text"`, UTF-8) or bytes (`"bytes"`).
+        Over `max_bytes` (default: the daemon's, 256 MiB): `TooLargeError`.
+        A guest that does not finish in time: `GuestTimeoutError`."""
+        return self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes))
 
     def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
         """Writes a file, creating its parent directories; returns its size."""
@@ -178,21 +182,23 @@ class Files:
     def upload_tar(self, path: str, tar_bytes: bytes) -> int:
         return self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
 
-    def download_tar(self, path: str) -> bytes:
-        return self._do(_api.download_tar(self._sb.sandbox_id, path))
+    def download_tar(self, path: str, max_bytes: Optional[int] = None) -> bytes:
+        """The guest directory as a tar archive; over `max_bytes`
+        (default 256 MiB): `TooLargeError`."""
+        return self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes))
 
     def upload_dir(self, local_dir: str, path: str) -> int:
         """Copies the contents of `local_dir` into the guest directory
         `path` (created if missing) as one tar stream; returns its bytes."""
         return self.upload_tar(path, _tar.pack_dir(local_dir))
 
-    def download_dir(self, path: str, local_dir: str) -> None:
+    def download_dir(self, path: str, local_dir: str, max_bytes: Optional[int] = None) -> None:
         """Copies the guest directory `path` into `local_dir` (created if
-        missing) as one tar stream. A member that would land outside
-        `local_dir`, a link leading out, a device or a FIFO stops it with
-        `UnsafeArchiveError` naming the member; setuid, setgid and sticky
-        bits are dropped."""
-        _tar.unpack_to(self.download_tar(path), local_dir)
+        missing) as one tar stream (at most `max_bytes` of it). A member
+        that would land outside `local_dir`, a link leading out, a device or
+        a FIFO stops it with `UnsafeArchiveError` naming the member; setuid,
+        setgid and sticky bits are dropped."""
+        _tar.unpack_to(self.download_tar(path, max_bytes), local_dir)
 
 
 class Network:

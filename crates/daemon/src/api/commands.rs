@@ -13,7 +13,7 @@ use utoipa::ToSchema;
 use super::error::{report, ApiError, ApiErrorBody, ApiResult};
 use super::extract::{secs, JsonBody, OnSandbox};
 use super::stream::{output_event, relay, streamed, unexpected_end, Framing, StreamEvent};
-use crate::service::ExecEvent;
+use crate::service::{Bounds, ExecEvent};
 
 /// `POST /sandboxes/{id}/commands`: `cmd` (run by `/bin/sh -c`) or `argv`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -31,13 +31,16 @@ pub struct ExecBody {
     #[serde(default)]
     pub user: Option<String>,
     /// Wall-clock limit in seconds; on expiry the process group is killed
-    /// and `timed_out` is true.
+    /// and `timed_out` is true. At most the daemon's `--max-exec-secs`
+    /// (a day by default), which is also the timeout of a command given
+    /// none (a background one gets none).
     #[serde(default)]
     pub timeout_secs: Option<f64>,
     /// Bytes given to the command's standard input (UTF-8 text).
     #[serde(default)]
     pub stdin: Option<String>,
-    /// Per-stream output cap in bytes (buffered form default: 16 MiB).
+    /// Per-stream output cap in bytes (buffered form default: 16 MiB, at
+    /// most 256 MiB; the daemon holds the buffered answer).
     #[serde(default)]
     pub output_cap: Option<u64>,
     /// Start it in the background and answer at once with its `pid`
@@ -73,10 +76,13 @@ pub struct ExecOutput {
 }
 
 const DEFAULT_BUFFERED_CAP: u64 = 16 << 20;
+/// Largest `output_cap` of a buffered command (per stream).
+const MAX_BUFFERED_CAP: u64 = 256 << 20;
 
 pub(super) fn exec_request(
     b: ExecBody,
     buffered: bool,
+    bounds: &Bounds,
 ) -> ApiResult<(ExecRequest, Option<Vec<u8>>)> {
     let mut req = match (b.cmd, b.argv) {
         (Some(c), None) => ExecRequest::shell(c),
@@ -94,6 +100,19 @@ pub(super) fn exec_request(
         Err(_) => User::Name(u),
     });
     req.timeout = secs(b.timeout_secs, "timeout_secs")?;
+    if let Some(t) = req.timeout.filter(|t| *t > bounds.max_exec) {
+        return Err(ApiError::BadRequest(format!(
+            "timeout_secs {}: over the daemon's limit of {} s (forkboxd --max-exec-secs)",
+            t.as_secs_f64(),
+            bounds.max_exec.as_secs()
+        )));
+    }
+    if let Some(cap) = b.output_cap.filter(|c| buffered && *c > MAX_BUFFERED_CAP) {
+        return Err(ApiError::BadRequest(format!(
+            "output_cap {cap}: a buffered answer holds at most {MAX_BUFFERED_CAP} bytes per \
+             stream; stream the output (Accept: application/x-ndjson) for more"
+        )));
+    }
     req.output_cap = b.output_cap.or(buffered.then_some(DEFAULT_BUFFERED_CAP));
     Ok((req, b.stdin.map(String::into_bytes)))
 }
@@ -134,25 +153,25 @@ pub(super) async fn command_run(
 ) -> ApiResult<Response> {
     let framing = Framing::accepted(&headers, &[Framing::Ndjson, Framing::Sse]);
     if b.background {
-        let (req, stdin) = exec_request(b, false)?;
+        let (req, stdin) = exec_request(b, false, daemon.bounds())?;
         let pid = daemon.spawn_process(&id, req, stdin).await?;
         return Ok(Json(ProcessStarted { pid }).into_response());
     }
-    let (req, stdin) = exec_request(b, framing.is_none())?;
+    let (req, stdin) = exec_request(b, framing.is_none(), daemon.bounds())?;
+    let cap = req.output_cap.unwrap_or(DEFAULT_BUFFERED_CAP);
     let mut rx = daemon.exec(&id, req, stdin)?;
     let Some(framing) = framing else {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
+        // The agent caps the output; the daemon does not trust it to.
+        let (mut out, mut err) = (Capped::new(cap), Capped::new(cap));
         while let Some(ev) = rx.recv().await {
             match ev {
-                ExecEvent::Output(OutputStream::Stdout, b) => out.extend(b),
-                ExecEvent::Output(OutputStream::Stderr, b) => err.extend(b),
+                ExecEvent::Output(OutputStream::Stdout, b) => out.push(&b),
+                ExecEvent::Output(OutputStream::Stderr, b) => err.push(&b),
                 ExecEvent::Exit(r) => {
-                    return Ok(Json(exit_output(
-                        &r,
-                        Some(String::from_utf8_lossy(&out).into_owned()),
-                        Some(String::from_utf8_lossy(&err).into_owned()),
-                    ))
-                    .into_response())
+                    let mut o = exit_output(&r, Some(out.text()), Some(err.text()));
+                    o.stdout_truncated |= out.cut;
+                    o.stderr_truncated |= err.cut;
+                    return Ok(Json(o).into_response());
                 }
                 ExecEvent::Failed(e) => return Err(e.into()),
             }
@@ -172,9 +191,109 @@ pub(super) async fn command_run(
     Ok(streamed(events, framing))
 }
 
+/// A buffered stream's output, at most `cap` bytes of it.
+struct Capped {
+    bytes: Vec<u8>,
+    cap: usize,
+    /// Bytes were dropped at the cap.
+    cut: bool,
+}
+
+impl Capped {
+    fn new(cap: u64) -> Self {
+        Self {
+            bytes: Vec::new(),
+            cap: usize::try_from(cap).unwrap_or(usize::MAX),
+            cut: false,
+        }
+    }
+
+    fn push(&mut self, b: &[u8]) {
+        let room = self.cap.saturating_sub(self.bytes.len());
+        self.cut |= b.len() > room;
+        self.bytes.extend_from_slice(&b[..b.len().min(room)]);
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::api::testing::*;
+
+    /// A guest that takes the command and never answers: the call ends
+    /// at the command's timeout plus the margin, as the guest's fault.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn exec_the_guest_never_answers_ends_at_its_deadline_as_504() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, req| {
+            let forkbox_proto::Request::Exec { exec, .. } = req else {
+                panic!("{req:?}")
+            };
+            assert_eq!(exec.timeout, Some(std::time::Duration::from_millis(100)));
+            let _ = conn.read(&mut [0u8; 1]);
+        });
+        let bounds = crate::service::Bounds {
+            exec_margin: std::time::Duration::from_millis(100),
+            ..Default::default()
+        };
+        let app = app_with_agent_and(Some(sock), bounds);
+        let id = sandbox(&app).await;
+        let (st, err) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"sleep 100","timeout_secs":0.1}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::GATEWAY_TIMEOUT, "{err}");
+        assert_eq!(err["error"]["kind"], "guest_timeout");
+        assert_eq!(err["error"]["infrastructure"], false);
+    }
+
+    /// A command without a timeout gets the daemon's longest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn exec_without_a_timeout_gets_the_daemon_s_max_exec() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, req| {
+            let forkbox_proto::Request::Exec { exec, .. } = req else {
+                panic!("{req:?}")
+            };
+            let result = forkbox_proto::ExecResult {
+                status: forkbox_proto::ExitStatus::Code(
+                    exec.timeout.map_or(0, |t| t.as_secs() as i32),
+                ),
+                timed_out: false,
+                duration: std::time::Duration::ZERO,
+                stdout: Default::default(),
+                stderr: Default::default(),
+            };
+            let r = forkbox_proto::Response::Exec { result };
+            let _ = forkbox_proto::frame::write_frame(
+                conn,
+                forkbox_proto::FrameKind::Control,
+                &forkbox_proto::encode_control(&r),
+            );
+        });
+        let bounds = crate::service::Bounds {
+            max_exec: std::time::Duration::from_secs(77),
+            ..Default::default()
+        };
+        let app = app_with_agent_and(Some(sock), bounds);
+        let id = sandbox(&app).await;
+        let (st, out) = call(
+            &app,
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            r#"{"cmd":"true"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{out}");
+        assert_eq!(out["exit_code"], 77, "{out}");
+    }
 
     #[tokio::test]
     async fn exec_with_dead_agent_is_502_infrastructure() {

@@ -27,8 +27,10 @@ pub struct ErrorDetail {
     /// `invalid_request`, `unauthorized`, `not_found`, `conflict`,
     /// `capacity`, `unsupported`, `guest` (the guest refused a file
     /// operation, or nothing listens on a guest port), `timeout` (a
-    /// process still ran when a wait ended), `template_failed`,
-    /// `infrastructure`.
+    /// process still ran when a wait ended), `guest_timeout` (the guest
+    /// did not finish an agent call within its deadline; 504),
+    /// `too_large` (a request body, file or archive over its limit; 413),
+    /// `template_failed`, `infrastructure`.
     pub kind: String,
     pub message: String,
     /// True when the sandbox infrastructure failed (mask, don't score).
@@ -51,6 +53,8 @@ pub enum ApiError {
     Unauthorized,
     /// A wait ended before what it waited for.
     Timeout(String),
+    /// A request body over its route's limit.
+    TooLarge(String),
     Daemon(DaemonError),
 }
 
@@ -67,6 +71,7 @@ impl ApiError {
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Daemon(e) => match e {
                 DaemonError::Invalid(_) | DaemonError::BadTemplate(_) => StatusCode::BAD_REQUEST,
                 DaemonError::NoSandbox(_) | DaemonError::NoTemplate(_) => StatusCode::NOT_FOUND,
@@ -88,6 +93,8 @@ impl ApiError {
                     _ => StatusCode::BAD_REQUEST,
                 },
                 DaemonError::Recipe { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+                DaemonError::GuestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+                DaemonError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 DaemonError::Infrastructure { .. } => StatusCode::BAD_GATEWAY,
             },
         }
@@ -106,6 +113,7 @@ impl ApiError {
             Self::BadRequest(m) => plain("invalid_request", m.clone()),
             Self::NotFound(m) => plain("not_found", m.clone()),
             Self::Timeout(m) => plain("timeout", m.clone()),
+            Self::TooLarge(m) => plain("too_large", m.clone()),
             Self::Unauthorized => plain(
                 "unauthorized",
                 "missing or wrong bearer token (Authorization: Bearer …)".into(),

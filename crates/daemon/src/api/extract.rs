@@ -9,10 +9,11 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
+use axum::http::StatusCode;
 use axum::Json;
 
 use super::error::{ApiError, ApiResult};
-use super::AppState;
+use super::{AppState, MAX_COMMAND_BODY, MAX_JSON_BODY};
 use crate::core::SandboxId;
 use crate::network::NetworkPolicy;
 use crate::service::{chain, Daemon};
@@ -73,21 +74,51 @@ pub(super) fn param<'a>(params: &'a HashMap<String, String>, name: &str) -> ApiR
         .ok_or_else(|| ApiError::NotFound(format!("no path parameter {name:?}")))
 }
 
-/// `axum::Json` whose rejections are 400s in our error format.
+/// `axum::Json` whose rejections are 400s (413 over the body limit) in
+/// our error format.
 pub(super) struct JsonBody<T>(pub(super) T);
 
-impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody<T> {
+impl<T: serde::de::DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match Json::<T>::from_request(req, state).await {
+    async fn from_request(req: Request, st: &AppState) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, st).await {
             Ok(Json(v)) => Ok(Self(v)),
+            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(too_large(st)),
             Err(rej) => Err(ApiError::BadRequest(format!(
                 "malformed request body: {}",
                 rej.body_text()
             ))),
         }
     }
+}
+
+/// A whole request body (an upload, or JSON that may be empty), its
+/// rejections in our error format (413 over the route's limit).
+pub(super) struct RawBody(pub(super) Bytes);
+
+impl FromRequest<AppState> for RawBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, st: &AppState) -> Result<Self, Self::Rejection> {
+        match Bytes::from_request(req, st).await {
+            Ok(b) => Ok(Self(b)),
+            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(too_large(st)),
+            Err(rej) => Err(ApiError::BadRequest(format!(
+                "unreadable request body: {}",
+                rej.body_text()
+            ))),
+        }
+    }
+}
+
+fn too_large(st: &AppState) -> ApiError {
+    ApiError::TooLarge(format!(
+        "the request body is over this route's limit: {MAX_JSON_BODY} bytes for JSON, \
+         {MAX_COMMAND_BODY} for a command (its stdin inline), {} for a file, tar or stdin \
+         upload (forkboxd --max-upload-bytes)",
+        st.daemon.bounds().upload_max
+    ))
 }
 
 /// Query parameters whose rejections are 400s in our error format.
@@ -105,11 +136,22 @@ pub(super) fn policy(p: NetworkPolicy) -> ApiResult<forkbox_net::policy::Policy>
     p.parse().map_err(|e| ApiError::BadRequest(chain(&e)))
 }
 
+/// Longest duration a request may give: ten years. Anything longer is a
+/// mistake, and would overflow a deadline (`Instant` + it) somewhere.
+pub(super) const MAX_SECS: u64 = 10 * 365 * 24 * 3600;
+
+/// Seconds from a request: a number from 0 to [`MAX_SECS`]; negative,
+/// NaN, infinite or longer is a 400.
 pub(super) fn secs(v: Option<f64>, what: &str) -> ApiResult<Option<Duration>> {
     v.map(|s| {
-        Duration::try_from_secs_f64(s).map_err(|_| {
-            ApiError::BadRequest(format!("{what} must be a non-negative number of seconds"))
-        })
+        Duration::try_from_secs_f64(s)
+            .ok()
+            .filter(|d| d.as_secs() < MAX_SECS || *d == Duration::from_secs(MAX_SECS))
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!(
+                    "{what} = {s}: expected a number of seconds from 0 to {MAX_SECS} (ten years)"
+                ))
+            })
     })
     .transpose()
 }

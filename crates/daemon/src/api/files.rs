@@ -1,16 +1,39 @@
 //! `/sandboxes/{id}/files`: guest files: read, write, remove, list,
 //! stat, mkdir, and directories as tar archives.
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::RawQuery;
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
 use axum::Json;
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
 use utoipa::{IntoParams, ToSchema};
 
-use super::error::{ApiError, ApiErrorBody, ApiResult};
-use super::extract::{query, OnSandbox};
+use super::error::{report, ApiError, ApiErrorBody, ApiResult};
+use super::extract::{query, OnSandbox, RawBody};
+use super::stream::unexpected_end;
+use crate::service::{Daemon, Download, Transfer};
+
+/// A download answers only once this much of it arrived (or all of it):
+/// a smaller file gets a `Content-Length` and any failure up to then a
+/// status of its own; past it, the rest streams.
+const DOWNLOAD_PEEK: usize = 1 << 20;
+
+/// The header that tells a download's size limit.
+pub(super) const MAX_BYTES_HEADER: &str = "x-forkbox-max-bytes";
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DownloadQuery {
+    /// An absolute guest path.
+    path: String,
+    /// Stop (413, kind `too_large`) past this many bytes. Default
+    /// 256 MiB; at most the daemon's `--max-download-bytes` (4 GiB by
+    /// default).
+    max_bytes: Option<u64>,
+}
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -82,29 +105,111 @@ pub(super) fn stat_json(s: &forkbox_proto::FileStat) -> FileStatJson {
     }
 }
 
-/// Reads a guest file (raw bytes).
-#[utoipa::path(get, path = "/sandboxes/{id}/files", params(("id" = String, Path), PathQuery),
+/// Reads a guest file (raw bytes), streamed, up to `max_bytes`. Over the
+/// limit: 413 (kind `too_large`) when that is known before the answer
+/// starts (a regular file's size, or within its first MiB); otherwise the
+/// body stops short and the connection is closed without the chunked
+/// encoding's last chunk, which HTTP clients report as an incomplete read.
+#[utoipa::path(get, path = "/sandboxes/{id}/files", params(("id" = String, Path), DownloadQuery),
     responses((status = 200, content_type = "application/octet-stream", description = "the file's bytes"),
-              (status = 404, body = ApiErrorBody)))]
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
+              (status = 413, body = ApiErrorBody), (status = 504, body = ApiErrorBody)))]
 pub(super) async fn file_read(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Response> {
-    let q: PathQuery = query(raw)?;
+    download(daemon, id, Transfer::File, raw, "application/octet-stream").await
+}
+
+async fn download(
+    daemon: Daemon,
+    id: crate::core::SandboxId,
+    what: Transfer,
+    raw: Option<String>,
+    content_type: &'static str,
+) -> ApiResult<Response> {
+    let q: DownloadQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    let data = daemon.read_file(&id, path).await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let bounds = daemon.bounds();
+    let max = match q.max_bytes {
+        None => bounds.download_default.min(bounds.download_max),
+        Some(m) if m > bounds.download_max => {
+            return Err(ApiError::BadRequest(format!(
+                "max_bytes {m} is over the daemon's limit of {} (forkboxd --max-download-bytes)",
+                bounds.download_max
+            )))
+        }
+        Some(m) => m,
+    };
+    let rx = daemon.download(&id, what, path, max)?;
+    download_response(daemon, rx, content_type, max).await
+}
+
+/// Waits for the first [`DOWNLOAD_PEEK`] bytes (or the end) of a
+/// download, then answers: whole, as an error, or streamed.
+async fn download_response(
+    daemon: Daemon,
+    mut rx: mpsc::Receiver<Download>,
+    content_type: &'static str,
+    max: u64,
+) -> ApiResult<Response> {
+    let mut head: Vec<u8> = Vec::new();
+    let whole = loop {
+        match rx.recv().await {
+            Some(Download::Data(b)) => {
+                head.extend(b);
+                if head.len() >= DOWNLOAD_PEEK {
+                    break false;
+                }
+            }
+            Some(Download::Done(_)) => break true,
+            Some(Download::Failed(e)) => return Err(e.into()),
+            None => return Err(unexpected_end()),
+        }
+    };
+    let body = if whole {
+        Body::from(head)
+    } else {
+        let rest = futures_util::stream::unfold(Some(rx), move |rx| {
+            let daemon = daemon.clone();
+            async move {
+                let mut rx = rx?;
+                let item = match rx.recv().await {
+                    Some(Download::Data(b)) => Ok(Bytes::from(b)),
+                    Some(Download::Done(_)) => return None,
+                    // Counted here, once; the client sees a cut stream.
+                    Some(Download::Failed(e)) => {
+                        let detail = report(&daemon, &e.into());
+                        tracing::info!(kind = %detail.kind, "a download failed mid-stream: {}", detail.message);
+                        Err(std::io::Error::other(detail.message))
+                    }
+                    None => Err(std::io::Error::other("the download ended without its end")),
+                };
+                let next = item.is_ok().then_some(rx);
+                Some((item, next))
+            }
+        });
+        let head = futures_util::stream::once(async move { Ok(Bytes::from(head)) });
+        Body::from_stream(head.chain(rest))
+    };
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(MAX_BYTES_HEADER, HeaderValue::from(max));
+    Ok(r)
 }
 
 /// Writes a guest file from the raw request body, creating parent
-/// directories.
+/// directories. The body is at most the daemon's `--max-upload-bytes`
+/// (1 GiB by default; over it: 413).
 #[utoipa::path(put, path = "/sandboxes/{id}/files", params(("id" = String, Path), WriteQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody)))]
+    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody),
+              (status = 413, body = ApiErrorBody)))]
 pub(super) async fn file_write(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> ApiResult<Json<Written>> {
     let q: WriteQuery = query(raw)?;
     let path = guest_path(q.path)?;
@@ -183,30 +288,257 @@ pub(super) async fn file_mkdir(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Downloads a guest directory as a tar archive.
-#[utoipa::path(get, path = "/sandboxes/{id}/files/tar", params(("id" = String, Path), PathQuery),
-    responses((status = 200, content_type = "application/x-tar", description = "the archive"), (status = 404, body = ApiErrorBody)))]
+/// Downloads a guest directory as a tar archive, streamed, up to
+/// `max_bytes`; over it, as for a file read: 413 if known before the
+/// answer starts, otherwise a cut stream.
+#[utoipa::path(get, path = "/sandboxes/{id}/files/tar", params(("id" = String, Path), DownloadQuery),
+    responses((status = 200, content_type = "application/x-tar", description = "the archive"),
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
+              (status = 413, body = ApiErrorBody), (status = 504, body = ApiErrorBody)))]
 pub(super) async fn tar_download(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Response> {
-    let q: PathQuery = query(raw)?;
-    let path = guest_path(q.path)?;
-    let data = daemon.download_tar(&id, path).await?;
-    Ok(([(header::CONTENT_TYPE, "application/x-tar")], data).into_response())
+    download(daemon, id, Transfer::Tar, raw, "application/x-tar").await
 }
 
-/// Unpacks a tar archive (the request body) into a guest directory.
+/// Unpacks a tar archive (the request body, at most the daemon's
+/// `--max-upload-bytes`) into a guest directory.
 #[utoipa::path(put, path = "/sandboxes/{id}/files/tar", params(("id" = String, Path), PathQuery),
     request_body(content = Vec<u8>, content_type = "application/x-tar"),
-    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody)))]
+    responses((status = 200, body = Written), (status = 400, body = ApiErrorBody),
+              (status = 413, body = ApiErrorBody)))]
 pub(super) async fn tar_upload(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> ApiResult<Json<Written>> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
     let bytes = daemon.upload_tar(&id, path.clone(), body).await?;
     Ok(Json(Written { path, bytes }))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::time::Duration;
+
+    use forkbox_proto::frame::write_frame;
+    use forkbox_proto::{encode_control, AgentError, ErrorKind, FrameKind, Request, Response};
+
+    use crate::api::testing::*;
+    use crate::service::Bounds;
+
+    /// Sends data frames of `chunk` bytes for as long as the client reads.
+    fn endless(conn: &mut std::os::unix::net::UnixStream, chunk: usize) {
+        let data = vec![0u8; chunk];
+        while write_frame(conn, FrameKind::Data, &data).is_ok() {}
+    }
+
+    async fn get(app: &Router, uri: &str) -> axum::response::Response {
+        let req = axum::http::Request::builder()
+            .uri(uri)
+            .body(Body::empty())
+            .expect("request");
+        app.clone().oneshot(req).await.expect("infallible")
+    }
+
+    async fn json(resp: axum::response::Response) -> serde_json::Value {
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        serde_json::from_slice(&bytes).expect("a JSON body")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_of_a_small_file_is_whole_with_its_length() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, req| {
+            assert!(
+                matches!(
+                    req,
+                    Request::ReadFile {
+                        max_bytes: Some(_),
+                        ..
+                    }
+                ),
+                "{req:?}"
+            );
+            write_frame(conn, FrameKind::Data, b"hello").expect("data");
+            let done = Response::Done { bytes: 5 };
+            write_frame(conn, FrameKind::Control, &encode_control(&done)).expect("done");
+        });
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let resp = get(&app, &format!("/sandboxes/{id}/files?path=/f")).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()[header::CONTENT_LENGTH], "5");
+        assert_eq!(
+            resp.headers()["x-forkbox-max-bytes"],
+            (256u64 << 20).to_string().as_str()
+        );
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(&body[..], b"hello");
+    }
+
+    /// The agent ignores the limit and sends forever: the daemon stops at
+    /// the limit itself. Under the first MiB, that is a 413.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_from_an_agent_ignoring_the_limit_is_413() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 4096));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let resp = get(
+            &app,
+            &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes=10000"),
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let err = json(resp).await;
+        assert_eq!(err["error"]["kind"], "too_large", "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("10000 bytes") && msg.contains("max_bytes"),
+            "{msg}"
+        );
+        assert!(msg.contains("--max-download-bytes"), "{msg}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tar_download_the_agent_refuses_as_too_large_is_413_with_its_reason() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, req| {
+            let Request::DownloadTar { max_bytes, .. } = req else {
+                panic!("{req:?}")
+            };
+            assert_eq!(max_bytes, Some(777));
+            let e = Response::Error {
+                error: AgentError::new(
+                    ErrorKind::TooLarge,
+                    "the archive of /d is larger than the limit of 777 bytes",
+                ),
+            };
+            let _ = write_frame(conn, FrameKind::Control, &encode_control(&e));
+        });
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let resp = get(
+            &app,
+            &format!("/sandboxes/{id}/files/tar?path=/d&max_bytes=777"),
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let err = json(resp).await;
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("the archive of /d") && msg.contains("max_bytes"),
+            "{msg}"
+        );
+    }
+
+    /// Past the first MiB the answer has started: the stream is cut, and
+    /// the client never gets more than the limit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_over_the_limit_mid_stream_cuts_the_body_at_the_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let limit = 3u64 << 20;
+        let resp = get(
+            &app,
+            &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes={limit}"),
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert!(resp.headers().get(header::CONTENT_LENGTH).is_none());
+        let mut body = resp.into_body();
+        let mut got = 0u64;
+        let ended = loop {
+            match body.frame().await {
+                Some(Ok(f)) => got += f.data_ref().map_or(0, |d| d.len() as u64),
+                Some(Err(e)) => break Some(e),
+                None => break None,
+            }
+        };
+        let e = ended.expect("the body ends with an error, not cleanly");
+        assert!(e.to_string().contains("max_bytes"), "{e}");
+        assert_eq!(got, limit, "cut at the limit exactly");
+        let text = metrics_text(&app).await;
+        assert!(
+            text.contains("forkbox_errors_total{kind=\"too_large\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_max_bytes_over_the_daemon_s_limit_is_400() {
+        let app = app_with_agent_and(
+            None,
+            Bounds {
+                download_max: 1000,
+                ..Bounds::default()
+            },
+        );
+        let id = sandbox(&app).await;
+        let resp = get(
+            &app,
+            &format!("/sandboxes/{id}/files?path=/f&max_bytes=1001"),
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        let msg = json(resp).await["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(msg.contains("--max-download-bytes"), "{msg}");
+    }
+
+    /// A FIFO nobody writes, as the guest sees it: the agent never
+    /// answers. The call ends at its deadline, the guest's fault.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_the_guest_never_answers_is_504_guest_timeout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| {
+            let _ = conn.read(&mut [0u8; 1]);
+        });
+        let bounds = Bounds {
+            agent_call: Duration::from_millis(200),
+            ..Bounds::default()
+        };
+        let app = app_with_agent_and(Some(sock), bounds);
+        let id = sandbox(&app).await;
+        let resp = get(&app, &format!("/sandboxes/{id}/files?path=/fifo")).await;
+        assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+        let err = json(resp).await;
+        assert_eq!(err["error"]["kind"], "guest_timeout", "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+        // The sandbox is not blamed on the machinery: it still runs.
+        let (_, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(info["state"], "running");
+    }
+
+    #[tokio::test]
+    async fn file_upload_over_the_upload_limit_is_413_json() {
+        let app = app_with_agent_and(
+            None,
+            Bounds {
+                upload_max: 1000,
+                ..Bounds::default()
+            },
+        );
+        let id = sandbox(&app).await;
+        let req = axum::http::Request::builder()
+            .method("PUT")
+            .uri(format!("/sandboxes/{id}/files?path=/f"))
+            .body(Body::from(vec![0u8; 1001]))
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let err = json(resp).await;
+        assert_eq!(err["error"]["kind"], "too_large", "{err}");
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("--max-upload-bytes"), "{msg}");
+    }
 }

@@ -65,8 +65,13 @@ use sandboxes::*;
 use stream::StreamEvent;
 use templates::*;
 
-/// Largest request body for file and tar uploads.
-pub const MAX_UPLOAD: usize = 1 << 30;
+/// Largest JSON request body (1 MiB): every route but the uploads and
+/// commands.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+/// Largest body of `POST /sandboxes/{id}/commands` (16 MiB): its `stdin`
+/// comes inline. File, tar and stdin uploads have the daemon's
+/// `--max-upload-bytes` ([`Bounds::upload_max`](crate::service::Bounds)).
+pub const MAX_COMMAND_BODY: usize = 16 << 20;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -177,6 +182,7 @@ struct AppState {
 /// The whole API. With `token`, every request but `/health` needs
 /// `Authorization: Bearer <token>`.
 pub fn router(daemon: Daemon, token: Option<String>) -> Router {
+    let upload = DefaultBodyLimit::max(daemon.bounds().upload_max);
     let state = AppState { daemon, token };
     let sandbox = Router::new()
         .route("/", get(sandbox_get).delete(sandbox_kill))
@@ -188,19 +194,31 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/logs", get(sandbox_logs))
         .route("/network", get(network_get).post(network_set))
         .route("/egress", get(egress_log))
-        .route("/commands", post(command_run))
+        .route(
+            "/commands",
+            post(command_run).layer(DefaultBodyLimit::max(MAX_COMMAND_BODY)),
+        )
         .route("/processes", get(process_list))
         .route("/processes/{pid}/wait", post(process_wait))
         .route("/processes/{pid}/kill", post(process_kill))
-        .route("/processes/{pid}/stdin", post(process_stdin))
+        .route("/processes/{pid}/stdin", post(process_stdin).layer(upload))
         .route("/processes/{pid}/output", get(process_output))
         .route("/ports", get(ports_list).post(port_open))
         .route("/ports/{port}", delete(port_close))
-        .route("/files", get(file_read).put(file_write).delete(file_remove))
+        .route(
+            "/files",
+            get(file_read)
+                .put(file_write)
+                .delete(file_remove)
+                .layer(upload),
+        )
         .route("/files/list", get(file_list))
         .route("/files/stat", get(file_stat))
         .route("/files/mkdir", post(file_mkdir))
-        .route("/files/tar", get(tar_download).put(tar_upload));
+        .route(
+            "/files/tar",
+            get(tar_download).put(tar_upload).layer(upload),
+        );
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -218,7 +236,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/sandboxes/kill", post(sandbox_kill_by_label))
         .nest("/sandboxes/{id}", sandbox)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
-        .layer(DefaultBodyLimit::max(MAX_UPLOAD))
+        .layer(DefaultBodyLimit::max(MAX_JSON_BODY))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(middleware::from_fn_with_state(state.clone(), report_errors))
         .with_state(state)

@@ -1,7 +1,6 @@
 //! `/sandboxes/{id}/processes`: background processes: list, wait for
 //! one, signal it, write its stdin, read (or follow) its output.
 
-use axum::body::Bytes;
 use axum::extract::RawQuery;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -12,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::commands::{exit_output, ExecOutput};
 use super::error::{report, ApiError, ApiErrorBody, ApiResult};
-use super::extract::{optional_json, query, secs, OnProcess, OnSandbox};
+use super::extract::{optional_json, query, secs, OnProcess, OnSandbox, RawBody};
 use super::stream::{output_event, relay, streamed, unexpected_end, Framing, StreamEvent};
 use crate::service::{AttachEvent, ProcessEnded};
 
@@ -81,7 +80,7 @@ pub struct WaitBody {
               (status = 408, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 pub(super) async fn process_wait(
     OnProcess { daemon, id, pid }: OnProcess,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> ApiResult<Json<ExecOutput>> {
     let b: WaitBody = optional_json(&body)?;
     let timeout = secs(b.timeout_secs, "timeout_secs")?;
@@ -124,7 +123,7 @@ pub struct KillBody {
     responses((status = 204), (status = 404, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 pub(super) async fn process_kill(
     OnProcess { daemon, id, pid }: OnProcess,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> ApiResult<StatusCode> {
     let b: KillBody = optional_json(&body)?;
     let signal = b.signal.unwrap_or(libc::SIGKILL);
@@ -153,7 +152,7 @@ pub struct StdinWritten {
 pub(super) async fn process_stdin(
     OnProcess { daemon, id, pid }: OnProcess,
     RawQuery(raw): RawQuery,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> ApiResult<Json<StdinWritten>> {
     let q: StdinQuery = query(raw)?;
     let close = q.close.unwrap_or(false);

@@ -447,3 +447,104 @@ mod tests {
         assert_eq!(st, StatusCode::BAD_REQUEST);
     }
 }
+
+#[cfg(test)]
+mod bounds_tests {
+    use crate::api::testing::*;
+
+    /// A TTL of 1e19 s fits a `Duration` but not `Instant + it`: it used
+    /// to panic in the registry with the creation counted, leaking a
+    /// creation slot. Now it is a 400 that changes nothing.
+    #[tokio::test]
+    async fn create_with_an_overflowing_ttl_is_400_and_changes_no_counter() {
+        let app = app(None);
+        for body in [
+            r#"{"template":"minimal","timeout_secs":1e19}"#,
+            r#"{"template":"minimal","timeout_secs":-1}"#,
+            r#"{"template":"minimal","timeout_secs":315360001}"#,
+            r#"{"template":"minimal","wait_secs":1e300}"#,
+        ] {
+            let (st, err) = call(&app, "POST", "/sandboxes", body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{body}: {err}");
+            assert_eq!(err["error"]["kind"], "invalid_request", "{err}");
+        }
+        let text = metrics_text(&app).await;
+        for line in [
+            "forkbox_sandboxes_live 0",
+            "forkbox_sandboxes_creating 0",
+            "forkbox_sandbox_creations_total{outcome=\"ok\"} 0",
+            "forkbox_sandbox_creations_total{outcome=\"failed\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}: {text}");
+        }
+        assert!(!text.contains("forkbox_errors_total{"), "{text}");
+        // Every slot is still there: the cap of 4 fills with 4.
+        for _ in 0..4 {
+            sandbox(&app).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn set_timeout_overflowing_is_400_and_keeps_the_deadline() {
+        let app = app(None);
+        let id = sandbox(&app).await;
+        let uri = format!("/sandboxes/{id}/timeout");
+        let (st, err) = call(&app, "POST", &uri, r#"{"timeout_secs":1e19}"#).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{err}");
+        let (st, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(info["state"], "running", "{info}");
+        let (st, _) = call(&app, "POST", &uri, r#"{"timeout_secs":60}"#).await;
+        assert_eq!(st, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn overflowing_waits_and_command_timeouts_are_400() {
+        let app = app(None);
+        let id = sandbox(&app).await;
+        for (uri, body) in [
+            (
+                format!("/sandboxes/{id}/commands"),
+                r#"{"cmd":"true","timeout_secs":1e19}"#,
+            ),
+            (
+                format!("/sandboxes/{id}/commands"),
+                r#"{"cmd":"true","timeout_secs":86401}"#,
+            ),
+            (
+                format!("/sandboxes/{id}/commands"),
+                r#"{"cmd":"true","background":true,"timeout_secs":1e19}"#,
+            ),
+            (
+                format!("/sandboxes/{id}/processes/7/wait"),
+                r#"{"timeout_secs":1e19}"#,
+            ),
+            (
+                format!("/sandboxes/{id}/ports"),
+                r#"{"port":80,"wait_secs":1e19}"#,
+            ),
+            (
+                format!("/sandboxes/{id}/ports"),
+                r#"{"port":80,"wait_secs":301}"#,
+            ),
+        ] {
+            let (st, err) = call(&app, "POST", &uri, body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{uri} {body}: {err}");
+        }
+        let text = metrics_text(&app).await;
+        assert!(text.contains("forkbox_execs_total 0"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_json_body_over_1_mib_is_413_json() {
+        let app = app(None);
+        let big = format!(
+            r#"{{"template":"minimal","labels":{{"x":"{}"}}}}"#,
+            "a".repeat(2 << 20)
+        );
+        let (st, err) = call(&app, "POST", "/sandboxes", &big).await;
+        assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE, "{err}");
+        assert_eq!(err["error"]["kind"], "too_large");
+        assert_eq!(err["error"]["infrastructure"], false);
+    }
+}

@@ -37,3 +37,73 @@ pub(super) async fn call(
     let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     (status, json)
 }
+
+/// A router on the fake backend whose VMs' agent listens on `sock`, with
+/// the daemon's `bounds`.
+pub(super) fn app_with_agent_and(
+    sock: Option<std::path::PathBuf>,
+    bounds: crate::service::Bounds,
+) -> Router {
+    let fake = Fake::default();
+    *fake.world.agent_sock.lock().expect("agent_sock") = sock;
+    let mut config = Config::default();
+    config.limits.max_live = 4;
+    config.bounds = bounds;
+    let d = Daemon::new(Arc::new(fake), config).expect("daemon");
+    router(d, None)
+}
+
+/// An agent on a unix socket in `dir`: says hello, reads one request,
+/// hands both to `then` (on a thread per connection).
+pub(super) fn scripted_agent(
+    dir: &std::path::Path,
+    then: impl Fn(&mut std::os::unix::net::UnixStream, forkbox_proto::Request) + Send + Sync + 'static,
+) -> std::path::PathBuf {
+    use forkbox_proto::frame::{read_frame, write_frame};
+    use forkbox_proto::{encode_control, FrameKind, Hello, PROTOCOL_VERSION};
+    let sock = dir.join("agent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+    let then = Arc::new(then);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let then = then.clone();
+            std::thread::spawn(move || {
+                let hello = Hello {
+                    protocol_version: PROTOCOL_VERSION,
+                    agent_version: "scripted".into(),
+                    boot: Default::default(),
+                };
+                if write_frame(&mut conn, FrameKind::Control, &encode_control(&hello)).is_err() {
+                    return;
+                }
+                let Ok(Some(f)) = read_frame(&mut conn, forkbox_proto::MAX_FRAME_LEN) else {
+                    return;
+                };
+                let Ok(req) = forkbox_proto::decode_control(&f.body) else {
+                    return;
+                };
+                then(&mut conn, req);
+            });
+        }
+    });
+    sock
+}
+
+/// A created sandbox's id.
+pub(super) async fn sandbox(app: &Router) -> String {
+    let (st, info) = call(app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+    assert_eq!(st, StatusCode::CREATED, "{info}");
+    info["id"].as_str().expect("id").to_owned()
+}
+
+/// The metrics text.
+pub(super) async fn metrics_text(app: &Router) -> String {
+    let req = axum::http::Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .expect("req");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    let text = resp.into_body().collect().await.expect("body").to_bytes();
+    String::from_utf8_lossy(&text).into_owned()
+}

@@ -1,6 +1,8 @@
 //! [`DaemonError`]: why a request to the daemon failed, and whether the
 //! sandbox machinery or the caller is to blame.
 
+use std::time::Duration;
+
 use forkbox_proto::AgentError;
 
 use crate::backend::BackendError;
@@ -50,6 +52,14 @@ pub enum DaemonError {
         message: String,
         output: String,
     },
+    /// The guest did not finish an agent call in time (its VM still
+    /// runs): the guest's doing, not the machinery's.
+    #[error("{what}: the guest did not answer within {after:?}")]
+    GuestTimeout { what: String, after: Duration },
+    /// A transfer is over its size limit; `message` says the limit and
+    /// how to raise it.
+    #[error("{message}")]
+    TooLarge { message: String },
     /// The VM, its VMM or the agent channel failed.
     #[error("sandbox infrastructure failed: {what}")]
     Infrastructure {
@@ -72,6 +82,8 @@ impl DaemonError {
             Self::Capacity { .. } => "capacity",
             Self::Unsupported(_) => "unsupported",
             Self::Guest(_) => "guest",
+            Self::GuestTimeout { .. } => "guest_timeout",
+            Self::TooLarge { .. } => "too_large",
             Self::Recipe { .. } => "template_failed",
             Self::Infrastructure { .. } => "infrastructure",
         }

@@ -1,20 +1,108 @@
 //! A running sandbox's files, through its guest agent: read, write,
 //! remove, list, stat, mkdir, and directories as tar archives. Paths are
 //! the guest's, absolute.
+//!
+//! Reads and tar downloads stream ([`Download`]): the daemon holds a few
+//! chunks of one at a time, never a whole file, and stops at the
+//! download's size limit whatever the agent sends. Every call ends
+//! within [`Bounds::agent_call`](super::Bounds).
 
-use forkbox_proto::{DirEntry, FileStat};
+use std::io;
+use std::sync::Arc;
 
-use super::{Daemon, DaemonError};
+use forkbox_proto::client::ClientError;
+use forkbox_proto::{DirEntry, ErrorKind as GuestKind, FileStat};
+use tokio::sync::mpsc;
+
+use super::guest::LAST_EVENT_WAIT;
+use super::{deadline_in, send_until, Daemon, DaemonError};
+use crate::backend::BackendVm;
 use crate::core::SandboxId;
 
+/// One event of a streamed download: data as it comes, then `Done` with
+/// the size, or `Failed`.
+#[derive(Debug)]
+pub enum Download {
+    Data(Vec<u8>),
+    Done(u64),
+    Failed(DaemonError),
+}
+
+/// What a download fetches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transfer {
+    /// A guest file.
+    File,
+    /// A guest directory as a tar archive.
+    Tar,
+}
+
+/// Chunks (of at most `forkbox_proto::DATA_CHUNK`, 256 KiB) a download
+/// holds between the agent and the client.
+const DOWNLOAD_CHUNKS: usize = 4;
+
 impl Daemon {
-    /// A whole guest file.
-    pub async fn read_file(&self, id: &SandboxId, path: String) -> Result<Vec<u8>, DaemonError> {
-        self.with_agent(id, move |a| {
-            let mut buf = Vec::new();
-            a.read_file(&path, &mut buf).map(|_| buf)
-        })
-        .await
+    /// Streams a guest file (`Transfer::File`) or directory as a tar
+    /// archive (`Transfer::Tar`), at most `max_bytes` of it: past that,
+    /// the download fails with [`DaemonError::TooLarge`]. Checks that the
+    /// sandbox runs before returning.
+    pub fn download(
+        &self,
+        id: &SandboxId,
+        what: Transfer,
+        path: String,
+        max_bytes: u64,
+    ) -> Result<mpsc::Receiver<Download>, DaemonError> {
+        let machine = self.machine(id)?;
+        let (tx, rx) = mpsc::channel(DOWNLOAD_CHUNKS);
+        let this = self.clone();
+        let id = id.clone();
+        let within = self.bounds().agent_call;
+        tokio::task::spawn_blocking(move || {
+            let deadline = deadline_in(within);
+            let mut sink = ChannelSink { tx: &tx, deadline };
+            let agent = machine.agent().with_call_timeout(within);
+            let max = Some(max_bytes);
+            let r = match what {
+                Transfer::File => agent.read_file_max(&path, max, &mut sink),
+                Transfer::Tar => agent.download_tar_max(&path, max, &mut sink),
+            };
+            let event = match r {
+                Ok(n) => Download::Done(n),
+                Err(e) => Download::Failed(
+                    this.download_failure(&id, &machine, e, what, &path, max_bytes),
+                ),
+            };
+            send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
+        });
+        Ok(rx)
+    }
+
+    fn download_failure(
+        &self,
+        id: &SandboxId,
+        machine: &Arc<dyn BackendVm>,
+        e: ClientError,
+        what: Transfer,
+        path: &str,
+        max: u64,
+    ) -> DaemonError {
+        let thing = match what {
+            Transfer::File => format!("guest file {path}"),
+            Transfer::Tar => format!("the tar archive of guest directory {path}"),
+        };
+        let found = match &e {
+            ClientError::Agent(a) if a.kind == GuestKind::TooLarge => a.message.clone(),
+            ClientError::TooLarge { .. } => format!("{thing} is larger than {max} bytes"),
+            _ => return self.agent_failure(id, machine, e),
+        };
+        DaemonError::TooLarge {
+            message: format!(
+                "{found}: over this download's limit of {max} bytes; ask for more with \
+                 `max_bytes` (up to {}, forkboxd --max-download-bytes)",
+                self.bounds().download_max
+            ),
+        }
     }
 
     /// Writes a guest file with permission bits `mode`, creating its
@@ -62,15 +150,6 @@ impl Daemon {
         self.with_agent(id, move |a| a.mkdir(&path, 0o755)).await
     }
 
-    /// A guest directory as a tar archive.
-    pub async fn download_tar(&self, id: &SandboxId, path: String) -> Result<Vec<u8>, DaemonError> {
-        self.with_agent(id, move |a| {
-            let mut buf = Vec::new();
-            a.download_tar(&path, &mut buf).map(|_| buf)
-        })
-        .await
-    }
-
     /// Unpacks a tar archive into a guest directory; returns the bytes
     /// read.
     pub async fn upload_tar(
@@ -81,5 +160,29 @@ impl Daemon {
     ) -> Result<u64, DaemonError> {
         self.with_agent(id, move |a| a.upload_tar(&path, &mut archive.as_ref()))
             .await
+    }
+}
+
+/// Where a download's bytes go: the channel to the client, each chunk
+/// waiting for room at most until the call's deadline.
+struct ChannelSink<'a> {
+    tx: &'a mpsc::Sender<Download>,
+    deadline: std::time::Instant,
+}
+
+impl io::Write for ChannelSink<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if send_until(self.tx, Download::Data(buf.to_vec()), self.deadline) {
+            Ok(buf.len())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the client went away or stopped reading",
+            ))
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }

@@ -10,7 +10,10 @@ use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
 use tokio::sync::mpsc;
 
-use super::{blocking, Daemon, DaemonError};
+use super::{blocking, deadline_in, send_until, Daemon, DaemonError};
+
+/// How long a call's last event waits for a client that stopped reading.
+pub(super) const LAST_EVENT_WAIT: Duration = Duration::from_secs(5);
 use crate::backend::BackendVm;
 use crate::core::{CoreError, DeathCause, SandboxId, SandboxState};
 
@@ -100,6 +103,12 @@ impl Daemon {
                 cause: Some(Box::new(e)),
             };
         }
+        if let ClientError::TimedOut { after } = e {
+            return DaemonError::GuestTimeout {
+                what: format!("sandbox {id}"),
+                after,
+            };
+        }
         DaemonError::infra(format!("the agent channel of sandbox {id} failed"), e)
     }
 
@@ -113,22 +122,25 @@ impl Daemon {
         stdin: Option<Vec<u8>>,
     ) -> Result<mpsc::Receiver<ExecEvent>, DaemonError> {
         let machine = self.command_target(id, &mut req)?;
+        let within = self.bound_exec(&mut req)?;
         let (tx, rx) = mpsc::channel(64);
         let this = self.clone();
         let id = id.clone();
         tokio::task::spawn_blocking(move || {
             let start = Instant::now();
+            let deadline = deadline_in(within);
             this.inner.metrics.execs.inc();
-            let agent = machine.agent();
+            let agent = machine.agent().with_call_timeout(within);
             let mut input = stdin.map(std::io::Cursor::new);
             let stdin: Option<&mut (dyn std::io::Read + Send)> =
                 input.as_mut().map(|c| c as &mut (dyn std::io::Read + Send));
             // A client gone mid-stream drops the receiver: sends fail, the
             // output is discarded and the command runs to its end (its
-            // timeout bounds that).
+            // timeout bounds that). One that stays but stops reading
+            // holds each send at most until the call's deadline.
             let out_tx = tx.clone();
             let result = agent.exec(&req, stdin, &mut |stream, bytes| {
-                let _ = out_tx.blocking_send(ExecEvent::Output(stream, bytes.to_vec()));
+                send_until(&out_tx, ExecEvent::Output(stream, bytes.to_vec()), deadline);
             });
             let event = match result {
                 Ok(r) => {
@@ -137,9 +149,33 @@ impl Daemon {
                 }
                 Err(e) => ExecEvent::Failed(this.agent_failure(&id, &machine, e)),
             };
-            let _ = tx.blocking_send(event);
+            send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
         });
         Ok(rx)
+    }
+
+    /// Bounds a command by [`Bounds::max_exec`](super::Bounds): one
+    /// without a timeout gets that one (the guest kills it then), one
+    /// with a longer timeout is refused. Returns the deadline of the call.
+    pub(super) fn bound_exec(&self, req: &mut ExecRequest) -> Result<Duration, DaemonError> {
+        self.check_timeout(req)?;
+        let t = *req.timeout.get_or_insert(self.bounds().max_exec);
+        Ok(self.bounds().waiting(t))
+    }
+
+    /// A command's timeout over [`Bounds::max_exec`](super::Bounds) is
+    /// refused (the API refuses it first, as a 400).
+    fn check_timeout(&self, req: &ExecRequest) -> Result<(), DaemonError> {
+        let max = self.bounds().max_exec;
+        match req.timeout {
+            Some(t) if t > max => Err(DaemonError::Invalid(format!(
+                "a command's timeout of {} s is over the daemon's limit of {} s \
+                 (forkboxd --max-exec-secs)",
+                t.as_secs_f64(),
+                max.as_secs()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Runs a blocking call against a running sandbox's agent; a failure
@@ -150,9 +186,20 @@ impl Daemon {
         id: &SandboxId,
         op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
     ) -> Result<T, DaemonError> {
+        self.with_agent_within(id, self.bounds().agent_call, op)
+            .await
+    }
+
+    /// [`with_agent`](Self::with_agent) with a deadline of its own.
+    pub(super) async fn with_agent_within<T: Send + 'static>(
+        &self,
+        id: &SandboxId,
+        within: Duration,
+        op: impl FnOnce(&AgentClient) -> Result<T, ClientError> + Send + 'static,
+    ) -> Result<T, DaemonError> {
         let machine = self.machine(id)?;
         let m = machine.clone();
-        match blocking(move || op(&m.agent())).await? {
+        match blocking(move || op(&m.agent().with_call_timeout(within))).await? {
             Ok(v) => Ok(v),
             Err(e) => Err(self.agent_failure(id, &machine, e)),
         }
@@ -167,10 +214,13 @@ impl Daemon {
         stdin: Option<Vec<u8>>,
     ) -> Result<u32, DaemonError> {
         let machine = self.command_target(id, &mut req)?;
+        // A background process holds no daemon thread: no default timeout.
+        self.check_timeout(&req)?;
         self.inner.metrics.execs.inc();
         let m = machine.clone();
+        let within = self.bounds().agent_call;
         let spawned = blocking(move || {
-            let agent = m.agent();
+            let agent = m.agent().with_call_timeout(within);
             let pid = agent.spawn(&req)?;
             if let Some(bytes) = stdin {
                 agent.process_stdin(pid, false, &mut bytes.as_slice())?;
@@ -196,7 +246,10 @@ impl Daemon {
         pid: u32,
         timeout: Option<Duration>,
     ) -> Result<Option<ProcessEnded>, DaemonError> {
-        self.with_agent(id, move |a| {
+        let max = self.bounds().max_exec;
+        let timeout = Some(timeout.map_or(max, |t| t.min(max)));
+        let within = self.bounds().waiting(max);
+        self.with_agent_within(id, within, move |a| {
             let Some(result) = a.wait_process(pid, timeout)? else {
                 return Ok(None);
             };
@@ -251,18 +304,30 @@ impl Daemon {
         let (tx, rx) = mpsc::channel(64);
         let this = self.clone();
         let id = id.clone();
+        // Following a process lasts at most as long as a command may run.
+        let within = match follow {
+            true => self.bounds().waiting(self.bounds().max_exec),
+            false => self.bounds().agent_call,
+        };
         tokio::task::spawn_blocking(move || {
+            let deadline = deadline_in(within);
             let out_tx = tx.clone();
-            let r = machine
-                .agent()
-                .attach_process(pid, follow, &mut |stream, bytes| {
-                    let _ = out_tx.blocking_send(AttachEvent::Output(stream, bytes.to_vec()));
-                });
+            let r = machine.agent().with_call_timeout(within).attach_process(
+                pid,
+                follow,
+                &mut |stream, bytes| {
+                    send_until(
+                        &out_tx,
+                        AttachEvent::Output(stream, bytes.to_vec()),
+                        deadline,
+                    );
+                },
+            );
             let event = match r {
                 Ok((dropped, result)) => AttachEvent::End { dropped, result },
                 Err(e) => AttachEvent::Failed(this.agent_failure(&id, &machine, e)),
             };
-            let _ = tx.blocking_send(event);
+            send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
         });
         Ok(rx)
     }

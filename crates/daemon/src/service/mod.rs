@@ -54,10 +54,10 @@ mod vmm_metrics;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use forkbox_net::policy::Policy;
-use tokio::sync::Notify;
+use tokio::sync::{mpsc, Notify};
 
 use crate::backend::{Backend, BackendVm};
 use crate::core::{
@@ -69,6 +69,7 @@ use crate::persist::Store;
 use crate::template::TemplateSpec;
 
 pub use error::{chain, DaemonError};
+pub use files::{Download, Transfer};
 pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
 pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
@@ -88,6 +89,53 @@ pub struct Config {
     pub boot_timeout: Duration,
     /// How long a sandbox's egress log is kept after it died.
     pub egress_log_ttl: Duration,
+    pub bounds: Bounds,
+}
+
+/// What bounds the daemon's work for a guest or a client: no agent call
+/// holds a thread past its deadline, and no transfer past its size.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Every agent call but a command's (files, processes, ports) ends
+    /// within this; past it the guest is the one that did not answer.
+    pub agent_call: Duration,
+    /// Longest a command may run (one without a `timeout` gets this one),
+    /// and the longest wait on or attach to a background process.
+    pub max_exec: Duration,
+    /// A file read or tar download without `max_bytes` stops past this.
+    pub download_default: u64,
+    /// The most `max_bytes` may ask for.
+    pub download_max: u64,
+    /// Largest file, tar or stdin upload body (buffered whole).
+    pub upload_max: usize,
+    /// On top of a command's own timeout (or a process wait's), for the
+    /// agent to kill it (2 s grace), send what is left of its output and
+    /// answer, on a slow host: [`EXEC_MARGIN`].
+    pub exec_margin: Duration,
+}
+
+/// The default [`Bounds::exec_margin`].
+pub const EXEC_MARGIN: Duration = Duration::from_secs(30);
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Self {
+            agent_call: Duration::from_secs(300),
+            max_exec: Duration::from_secs(24 * 3600),
+            download_default: 256 << 20,
+            download_max: 4 << 30,
+            upload_max: 1 << 30,
+            exec_margin: EXEC_MARGIN,
+        }
+    }
+}
+
+impl Bounds {
+    /// The deadline of an agent call that waits up to `wait` on the
+    /// guest's own clock (a command's timeout, a process wait).
+    pub fn waiting(&self, wait: Duration) -> Duration {
+        wait.saturating_add(self.exec_margin)
+    }
 }
 
 impl Default for Config {
@@ -97,6 +145,7 @@ impl Default for Config {
             create_wait: Duration::from_secs(30),
             boot_timeout: Duration::from_secs(120),
             egress_log_ttl: Duration::from_secs(24 * 3600),
+            bounds: Bounds::default(),
         }
     }
 }
@@ -234,6 +283,11 @@ impl Daemon {
         self.inner.metrics.render(live, creating)
     }
 
+    /// How the daemon bounds guests and clients.
+    pub fn bounds(&self) -> &Bounds {
+        &self.inner.config.bounds
+    }
+
     /// Counts a failed request by kind (the HTTP edge calls this).
     pub fn count_error(&self, e: &DaemonError) {
         self.inner.metrics.error(e.kind());
@@ -292,6 +346,27 @@ impl Daemon {
         // Let the reaping threads finish.
         let _ = blocking(|| ()).await;
     }
+}
+
+/// Sends `item` from the blocking pool, waiting for room at most until
+/// `deadline`: a client that stops reading cannot hold the thread.
+/// `false` if the receiver is gone or did not take it in time.
+fn send_until<T: Send>(tx: &mpsc::Sender<T>, item: T, deadline: Instant) -> bool {
+    let left = deadline.saturating_duration_since(Instant::now());
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => h
+            .block_on(tokio::time::timeout(left, tx.send(item)))
+            .is_ok_and(|sent| sent.is_ok()),
+        Err(_) => tx.try_send(item).is_ok(),
+    }
+}
+
+/// `now + d`, or far in the future when that overflows (a bound too long
+/// to matter).
+fn deadline_in(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// Runs `f` on the blocking pool.

@@ -10,7 +10,7 @@
 
 use std::net::SocketAddr;
 use std::ops::ControlFlow;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use forkbox_host::poll::{self, TimedOut};
 use forkbox_net::broker::PORT_FORWARD_IP;
@@ -67,7 +67,17 @@ impl Daemon {
             return Ok(PortForwardInfo { port, host });
         }
         if check {
-            let agent = machine.agent();
+            // Each attempt is an agent call with the usual deadline; the
+            // retries stop at `wait`, itself at most that deadline.
+            let within = self.bounds().agent_call;
+            if wait > within {
+                return Err(DaemonError::Invalid(format!(
+                    "wait_secs {} is over the daemon's limit of {} s (forkboxd --agent-call-secs)",
+                    wait.as_secs_f64(),
+                    within.as_secs()
+                )));
+            }
+            let agent = machine.agent().with_call_timeout(within);
             let probed = blocking(move || probe_port(&agent, port, wait)).await?;
             probed.map_err(|e| self.agent_failure(id, &machine, e))?;
         }
@@ -135,7 +145,7 @@ pub(super) fn probe_port(
     wait: Duration,
 ) -> Result<(), ClientError> {
     poll::until(
-        Instant::now() + wait,
+        super::deadline_in(wait),
         Duration::from_millis(100),
         || match agent.connect_port(port) {
             Ok(_probe) => ControlFlow::Break(Ok(())),
@@ -181,7 +191,11 @@ pub(super) async fn relay_connection(
     agent: AgentClient,
     port: u16,
 ) {
-    let guest = tokio::task::spawn_blocking(move || agent.connect_port(port)).await;
+    // The connection itself is bounded; the relay after is the client's.
+    let guest = tokio::task::spawn_blocking(move || {
+        agent.with_call_timeout(CONNECT_WITHIN).connect_port(port)
+    })
+    .await;
     let guest = match guest {
         Ok(Ok(g)) => g,
         Ok(Err(e)) => {
@@ -204,6 +218,9 @@ pub(super) async fn relay_connection(
         }
     }
 }
+
+/// Bound on the agent connecting a forwarded connection to its guest port.
+const CONNECT_WITHIN: Duration = Duration::from_secs(30);
 
 /// Closes with a reset (`SO_LINGER` 0) instead of an orderly close.
 pub(super) fn reset(tcp: tokio::net::TcpStream) {

@@ -373,6 +373,7 @@ impl Daemon {
                 }
             };
             let start = Instant::now();
+            let max_exec = this.bounds().max_exec;
             let backend = this.inner.backend.clone();
             let recipe = spec.clone();
             let send2 = send.clone();
@@ -388,8 +389,14 @@ impl Daemon {
                     .boot(&machine_spec)
                     .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
                 let boot_ms = machine.boot_time().as_millis() as u64;
-                run_recipe(&machine.agent(), &recipe, &recipe.envs, &mut |e| send2(e))
-                    .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
+                run_recipe(
+                    &machine.agent(),
+                    max_exec,
+                    &recipe,
+                    &recipe.envs,
+                    &mut |e| send2(e),
+                )
+                .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
                 send2(BakeEvent::Step {
                     step: "zygote".into(),
                     detail: "denying all egress (each sandbox gets its own policy), a warm-up \
@@ -494,10 +501,12 @@ pub(super) fn step_of(e: &DaemonError) -> String {
     }
 }
 
-/// Setup commands in order, then the readiness check until it passes or
-/// its timeout ends. Blocking.
+/// Setup commands in order (each at most `max_exec`), then the readiness
+/// check until it passes or its timeout ends. Blocking; every agent call
+/// has a deadline.
 pub(super) fn run_recipe(
     agent: &AgentClient,
+    max_exec: Duration,
     t: &TemplateSpec,
     envs: &BTreeMap<String, String>,
     progress: &mut dyn FnMut(BakeEvent),
@@ -508,10 +517,12 @@ pub(super) fn run_recipe(
             step: step.clone(),
             detail: cmd.clone(),
         });
-        let mut req = ExecRequest::shell(cmd.clone());
+        let mut req = ExecRequest::shell(cmd.clone()).timeout(max_exec);
         req.env = envs.clone();
         let mut output = Vec::new();
         let r = agent
+            .clone()
+            .with_call_timeout(max_exec.saturating_add(super::EXEC_MARGIN))
             .exec(&req, None, &mut |stream, bytes| {
                 output.extend_from_slice(bytes);
                 progress(BakeEvent::Output {
@@ -533,9 +544,15 @@ pub(super) fn run_recipe(
             step: "ready".into(),
             detail: format!("{ready:?}, up to {} s", t.ready_timeout_secs),
         });
-        let deadline = Instant::now() + Duration::from_secs(t.ready_timeout_secs);
-        let mut req = ExecRequest::shell(ready.script()).timeout(Duration::from_secs(10));
+        // `validate` bounds `ready_timeout_secs`; `deadline_in` is the
+        // second line.
+        let deadline = super::deadline_in(Duration::from_secs(t.ready_timeout_secs));
+        const CHECK: Duration = Duration::from_secs(10);
+        let mut req = ExecRequest::shell(ready.script()).timeout(CHECK);
         req.env = envs.clone();
+        let agent = agent
+            .clone()
+            .with_call_timeout(CHECK.saturating_add(super::EXEC_MARGIN));
         poll::until(deadline, Duration::from_millis(200), || {
             let mut output = Vec::new();
             match agent.exec(&req, None, &mut |_, b| output.extend_from_slice(b)) {

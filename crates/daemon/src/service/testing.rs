@@ -31,6 +31,7 @@ pub(super) fn daemon(fake: Fake, max_live: usize) -> Daemon {
             create_wait: Duration::ZERO,
             boot_timeout: Duration::from_secs(1),
             egress_log_ttl: Duration::from_secs(3600),
+            bounds: Default::default(),
         },
     )
     .expect("daemon")

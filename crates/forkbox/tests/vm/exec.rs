@@ -175,6 +175,68 @@ pub(crate) fn files_round_trip_with_mode() -> TestResult {
     check(agent.stat("/tmp/files").is_err(), "removed dir still there")
 }
 
+/// Through the real VMM's vsock: an endless guest file stops at its
+/// limit (exactly `max_bytes` of it, then `TooLarge`), and a FIFO a guest
+/// process holds open without writing ends the call at its deadline
+/// while the agent goes on answering (issue 16).
+pub(crate) fn files_endless_and_never_ending_reads_are_bounded() -> TestResult {
+    let agent = shared();
+    let limit = 3u64 << 20;
+    let mut got = Vec::new();
+    let err = agent
+        .read_file_max("/dev/zero", Some(limit), &mut got)
+        .expect_err("/dev/zero never ends");
+    check(
+        err.agent_error().map(|e| e.kind) == Some(forkbox_proto::ErrorKind::TooLarge),
+        format!("{err:?}"),
+    )?;
+    check(
+        got.len() as u64 == limit,
+        format!("{} bytes for a limit of {limit}", got.len()),
+    )?;
+    let (r, _, _) = exec(
+        &agent,
+        &ExecRequest::shell("rm -f /tmp/fifo /tmp/fifo.held && mkfifo /tmp/fifo"),
+    );
+    check(r.success(), format!("{r:?}"))?;
+    // A background process holds the FIFO open and never writes.
+    let holder = agent
+        .spawn(&ExecRequest::shell(
+            "exec 3<>/tmp/fifo; touch /tmp/fifo.held; exec sleep 600",
+        ))
+        .map_err(|e| format!("{e:#}"))?;
+    let (r, _, _) = exec(
+        &agent,
+        &ExecRequest::shell("while [ ! -e /tmp/fifo.held ]; do sleep 0.1; done")
+            .timeout(Duration::from_secs(60)),
+    );
+    check(
+        r.success(),
+        format!("the FIFO's holder did not start: {r:?}"),
+    )?;
+    let err = agent
+        .clone()
+        .with_call_timeout(Duration::from_secs(5))
+        .read_file("/tmp/fifo", &mut Vec::new())
+        .expect_err("the FIFO never ends");
+    check(
+        matches!(err, forkbox_proto::ClientError::TimedOut { .. }),
+        format!("{err:?}"),
+    )?;
+    let (r, out, _) = exec(&agent, &ExecRequest::shell("echo still here"));
+    check(
+        r.success() && out == b"still here\n",
+        format!(
+            "after the timeout: {r:?} {:?}",
+            String::from_utf8_lossy(&out)
+        ),
+    )?;
+    agent
+        .kill_process(holder, 9)
+        .map_err(|e| format!("{e:#}"))?;
+    Ok(())
+}
+
 pub(crate) fn files_directory_tar_round_trips() -> TestResult {
     let agent = shared();
     let (r, _, _) = exec(

@@ -224,6 +224,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         ("exec_as_user_is_unprivileged", exec_as_user_is_unprivileged),
         ("files_round_trip_with_mode", files_round_trip_with_mode),
         (
+            "files_endless_and_never_ending_reads_are_bounded",
+            files_endless_and_never_ending_reads_are_bounded,
+        ),
+        (
             "files_directory_tar_round_trips",
             files_directory_tar_round_trips,
         ),

@@ -276,10 +276,14 @@ impl Vm {
     /// them from the image into its own guest memory (about 380 pages,
     /// 1.5 MiB, per child for the `minimal` image's busybox).
     pub fn make_warm_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
+        // Bounded: a guest that never answers fails the bake, it does not
+        // hold its caller.
         let warm = self
             .agent
+            .clone()
+            .with_call_timeout(WARM_UP_WITHIN)
             .exec(
-                &forkbox_proto::ExecRequest::shell("true"),
+                &forkbox_proto::ExecRequest::shell("true").timeout(WARM_UP_WITHIN / 2),
                 None,
                 &mut |_, _| {},
             )
@@ -300,6 +304,10 @@ impl Vm {
         Ok(self.control.snapshot(dir, then)?)
     }
 }
+
+/// Bound on the warm-up command before a VM becomes a zygote (it runs
+/// `true`; the emulated host is slow).
+const WARM_UP_WITHIN: Duration = Duration::from_secs(120);
 
 /// Bound on an agent's hello once the VM is up. An agent too busy to
 /// answer makes the handshake wait, and a loaded host (100 fork children
