@@ -26,6 +26,9 @@ pub enum CpuError {
 }
 
 const CPUID_ECX_HYPERVISOR: u32 = 1 << 31;
+/// Leaf 1 ECX: Intel VMX. Leaf 0x8000_0001 ECX: AMD SVM.
+const CPUID_ECX_VMX: u32 = 1 << 5;
+const CPUID_EXT_ECX_SVM: u32 = 1 << 2;
 const CPUID_EDX_HTT: u32 = 1 << 28;
 /// Leaf 0xB/0x1F level types.
 const LEVEL_TYPE_SMT: u32 = 1;
@@ -41,7 +44,9 @@ fn id_bits(n: u32) -> u32 {
 }
 
 /// Adapts the supported CPUID to vCPU `apic_id` of `vcpus`: one socket,
-/// one thread per core, `vcpus` cores; APIC ID = vCPU index.
+/// one thread per core, `vcpus` cores; APIC ID = vCPU index. Guests get
+/// no nested virtualization: VMX, SVM and SVM's feature leaf are hidden,
+/// so a guest cannot reach the host kernel's nested-virtualization code.
 pub fn patch_cpuid(entries: &mut [kvm_cpuid_entry2], apic_id: u8, vcpus: u8) {
     let id = u32::from(apic_id);
     let n = u32::from(vcpus);
@@ -50,6 +55,7 @@ pub fn patch_cpuid(entries: &mut [kvm_cpuid_entry2], apic_id: u8, vcpus: u8) {
             0x1 => {
                 e.ebx = (e.ebx & 0x0000_ffff) | (id << 24) | (n << 16);
                 e.ecx |= CPUID_ECX_HYPERVISOR;
+                e.ecx &= !CPUID_ECX_VMX;
                 if vcpus > 1 {
                     e.edx |= CPUID_EDX_HTT;
                 } else {
@@ -79,6 +85,13 @@ pub fn patch_cpuid(entries: &mut [kvm_cpuid_entry2], apic_id: u8, vcpus: u8) {
                         e.ecx = e.index;
                     }
                 }
+            }
+            0x8000_0001 => e.ecx &= !CPUID_EXT_ECX_SVM,
+            0x8000_000a => {
+                e.eax = 0;
+                e.ebx = 0;
+                e.ecx = 0;
+                e.edx = 0;
             }
             0x8000_001e => {
                 // AMD: extended APIC ID and core ID.
@@ -279,6 +292,38 @@ mod tests {
         *e.iter()
             .find(|x| x.function == f && x.index == i)
             .expect("leaf present")
+    }
+
+    #[test]
+    fn patch_cpuid_hides_nested_virtualization() {
+        let mut e = vec![
+            kvm_cpuid_entry2 {
+                function: 0x1,
+                ecx: u32::MAX,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0x8000_0001,
+                ecx: u32::MAX,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0x8000_000a,
+                eax: 1,
+                ebx: 0x8000,
+                edx: u32::MAX,
+                ..Default::default()
+            },
+        ];
+        patch_cpuid(&mut e, 0, 1);
+        assert_eq!(find(&e, 0x1, 0).ecx & CPUID_ECX_VMX, 0, "VMX shown");
+        assert_eq!(
+            find(&e, 0x8000_0001, 0).ecx,
+            !CPUID_EXT_ECX_SVM,
+            "SVM shown, or more hidden"
+        );
+        let svm = find(&e, 0x8000_000a, 0);
+        assert_eq!((svm.eax, svm.ebx, svm.ecx, svm.edx), (0, 0, 0, 0));
     }
 
     #[test]

@@ -95,6 +95,32 @@ pub(crate) fn vm_smp_vcpus_are_online() -> TestResult {
     )
 }
 
+/// A guest sees neither VMX nor SVM, whatever the host's KVM offers (in
+/// the emulated host, kvm_amd offers SVM for nesting): no guest reaches
+/// the host kernel's nested-virtualization code.
+pub(crate) fn vm_guest_has_no_nested_virtualization() -> TestResult {
+    let kvm = kvm_ioctls::Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?;
+    let offered = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| format!("KVM_GET_SUPPORTED_CPUID: {e}"))?
+        .as_slice()
+        .iter()
+        .any(|e| {
+            (e.function == 0x1 && e.ecx & (1 << 5) != 0)
+                || (e.function == 0x8000_0001 && e.ecx & (1 << 2) != 0)
+        });
+    eprintln!("host KVM offers VMX or SVM to its guests: {offered}");
+    let vm = boot(VmSpec::default());
+    let flags = sh(
+        vm.agent(),
+        "grep -o -w -E 'vmx|svm' /proc/cpuinfo | sort -u | tr '\\n' ' '; grep -c ^processor /proc/cpuinfo",
+    )?;
+    check(
+        flags.trim() == "1",
+        format!("the guest's CPU flags name nested virtualization: {flags:?}"),
+    )
+}
+
 pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

@@ -237,6 +237,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         ),
         ("vm_smp_vcpus_are_online", vm_smp_vcpus_are_online),
         (
+            "vm_guest_has_no_nested_virtualization",
+            vm_guest_has_no_nested_virtualization,
+        ),
+        (
             "vm_guest_panic_ends_vmm_with_panic_status",
             vm_guest_panic_ends_vmm_with_panic_status,
         ),
