@@ -121,6 +121,53 @@ pub(crate) fn vm_guest_has_no_nested_virtualization() -> TestResult {
     )
 }
 
+/// A VMM sees none of its caller's environment but what it needs (no
+/// token, no `PATH`), and writes no core dump (the guest's memory) when it
+/// crashes; its fork children inherit both.
+pub(crate) fn vmm_environment_scrubbed_and_no_core_dumps() -> TestResult {
+    check(
+        std::env::var_os("PATH").is_some(),
+        "the test itself has no PATH: nothing to scrub",
+    )?;
+    let vm = boot(VmSpec::default());
+    let child = vm
+        .fork(1)
+        .map_err(|e| format!("fork: {e}"))?
+        .pop()
+        .ok_or("fork gave no child")?
+        .map_err(|e| format!("fork child: {e}"))?;
+    for (what, pid) in [("booted", vm.pid()), ("fork child", child.pid())] {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).map_err(|e| e.to_string())?;
+        let names: Vec<String> = environ
+            .split(|b| *b == 0)
+            .filter(|v| !v.is_empty())
+            .map(|v| {
+                String::from_utf8_lossy(v.split(|b| *b == b'=').next().unwrap_or(v)).into_owned()
+            })
+            .collect();
+        let allowed = [
+            "FORKBOX_LOG",
+            "RUST_BACKTRACE",
+            "FORKBOX_ALLOW_SOFTWARE_KVM",
+        ];
+        check(
+            names.iter().all(|n| allowed.contains(&n.as_str())),
+            format!("{what} VMM {pid} sees {names:?}"),
+        )?;
+        let limits =
+            std::fs::read_to_string(format!("/proc/{pid}/limits")).map_err(|e| e.to_string())?;
+        let core = limits
+            .lines()
+            .find(|l| l.starts_with("Max core file size"))
+            .unwrap_or("");
+        check(
+            core.split_whitespace().skip(4).take(2).eq(["0", "0"]),
+            format!("{what} VMM {pid}: {core:?}"),
+        )?;
+    }
+    Ok(())
+}
+
 pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

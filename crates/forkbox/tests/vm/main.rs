@@ -241,6 +241,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             vm_guest_has_no_nested_virtualization,
         ),
         (
+            "vmm_environment_scrubbed_and_no_core_dumps",
+            vmm_environment_scrubbed_and_no_core_dumps,
+        ),
+        (
             "vm_guest_panic_ends_vmm_with_panic_status",
             vm_guest_panic_ends_vmm_with_panic_status,
         ),

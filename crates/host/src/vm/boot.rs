@@ -4,7 +4,7 @@
 
 use std::ops::ControlFlow;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use forkbox_proto::client::{AgentClient, ClientError};
@@ -66,8 +66,7 @@ impl Vm {
         let dir = vm_dir("forkbox-vm-")?;
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
-        let mut cmd = Command::new(&assets.vmm);
-        cmd.envs(spec.vmm_env.iter().map(|(k, v)| (k, v)));
+        let mut cmd = vmm_command(&assets.vmm, &spec.vmm_env);
         let mut cmdline = GUEST_CMDLINE.to_owned();
         let net = match &spec.network {
             Some(network) => {
@@ -113,6 +112,11 @@ impl Vm {
         }
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
+        if let Err(e) = limit_vmm(child.id()) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
         let agent = AgentClient::hybrid_vsock(&vsock, AGENT_PORT);
         let ready = poll::until(start + spec.boot_timeout, Duration::from_millis(5), || {
             if let Ok(Some(status)) = child.try_wait() {
@@ -252,7 +256,7 @@ impl Vm {
         let start = Instant::now();
         let dir = vm_dir("forkbox-restore-")?;
         let paths = paths_in(dir.path());
-        let child = Command::new(&assets.vmm)
+        let mut child = vmm_command(&assets.vmm, &[])
             .arg("--restore")
             .arg(snapshot)
             .arg("--control")
@@ -265,6 +269,11 @@ impl Vm {
             .stdout(Stdio::null())
             .spawn()
             .map_err(VmError::Spawn)?;
+        if let Err(e) = limit_vmm(child.id()) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
         let mut vm = Vm {
             vmm: Some(Vmm::Spawned(child)),
             agent: agent_client(&paths.vsock_uds),

@@ -27,6 +27,50 @@ pub(super) enum Vmm {
     Forked { pid: u32, pidfd: OwnedFd },
 }
 
+/// Variables of ours a VMM may see: its log level, backtraces, and the
+/// override of its hardware check. Everything else of the caller's
+/// environment (the daemon's token, credentials, `PATH`) stays out of a
+/// process its guest may come to control.
+const VMM_ENV_PASSED: &[&str] = &[
+    "FORKBOX_LOG",
+    "RUST_BACKTRACE",
+    "FORKBOX_ALLOW_SOFTWARE_KVM",
+];
+
+/// A command for the VMM binary with a scrubbed environment: only
+/// [`VMM_ENV_PASSED`] from ours, then `extra` (test hooks).
+pub(super) fn vmm_command(vmm: &Path, extra: &[(String, String)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(vmm);
+    cmd.env_clear();
+    for name in VMM_ENV_PASSED {
+        if let Some(v) = std::env::var_os(name) {
+            cmd.env(name, v);
+        }
+    }
+    cmd.envs(extra.iter().map(|(k, v)| (k, v)));
+    cmd
+}
+
+/// Limits set on a VMM right after it starts (its fork children inherit
+/// them): no core dumps, which would write the guest's memory to the
+/// host's disk whenever a guest made its VMM crash.
+pub(super) fn limit_vmm(pid: u32) -> Result<(), VmError> {
+    use rustix::process::{prlimit, Resource, Rlimit};
+    let pid =
+        Pid::from_raw(pid as i32).ok_or_else(|| VmError::Io(std::io::Error::other("pid 0")))?;
+    let none = Rlimit {
+        current: Some(0),
+        maximum: Some(0),
+    };
+    prlimit(Some(pid), Resource::Core, none)
+        .map(drop)
+        .map_err(|e| {
+            VmError::Io(std::io::Error::other(format!(
+                "setting the VMM's core limit: {e}"
+            )))
+        })
+}
+
 /// Makes this process a child subreaper, once: VMMs forked from VMMs we
 /// started are reparented to us when their parent dies.
 pub fn become_subreaper() -> Result<(), VmError> {
