@@ -114,6 +114,7 @@ where
 static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 
 pub fn agent_client(data: &[u8]) {
+    crate::input::no_sigpipe();
     let mut input = Input::new(data);
     let call = input.u8();
     let limit = u64::from(input.u16());

@@ -55,3 +55,14 @@ impl<'a> Input<'a> {
         all
     }
 }
+
+/// Blocks SIGPIPE in the calling thread (and the threads it starts): a
+/// write to a socket whose peer is gone then fails with EPIPE, as in the
+/// VMM and every Rust binary (whose runtime ignores SIGPIPE), instead of
+/// killing the fuzzer, whose `main` is libFuzzer's.
+pub fn no_sigpipe() {
+    match vmm_sys_util::signal::block_signal(libc::SIGPIPE) {
+        Ok(()) | Err(vmm_sys_util::signal::Error::SignalAlreadyBlocked(_)) => {}
+        Err(e) => panic!("cannot block SIGPIPE: {e}"),
+    }
+}

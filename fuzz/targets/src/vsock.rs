@@ -273,6 +273,7 @@ impl Harness {
 }
 
 pub fn vsock_packets(data: &[u8]) {
+    crate::input::no_sigpipe();
     let mut input = Input::new(data);
     let mut h = Harness::new();
     h.dev.handle_events();
