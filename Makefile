@@ -2,7 +2,9 @@
 #   make demo   one GRPO step through the daemon: bake a warm template, fork
 #               a group of sandboxes, solve, grade, kill (inside the emulated KVM
 #               host where this machine has no hardware virtualization)
-#   make test   format check, clippy, every test (VM tests included)
+#   make test   format check, clippy, every test (VM tests included), the
+#               fuzz corpus replayed and a short fuzzing pass (nightly only)
+#   make fuzz   every fuzz target for FUZZ_SECS seconds (default 30) each
 # Both install what they need first (Debian packages, the Rust build); the
 # guest kernel and images are fetched and built by forkbox itself, cached
 # under ~/.cache/forkbox (or $FORKBOX_CACHE).
@@ -16,7 +18,8 @@ FORKBOX := target/release/forkbox
 APT_PACKAGES := busybox-static mmdebstrap kmod cpio e2fsprogs \
 	ca-certificates python3 python3-pip
 
-.PHONY: all deps qemu python-deps build agent demo test sdk-test lint fmt clean
+.PHONY: all deps qemu python-deps build agent demo test sdk-test lint fmt clean \
+	fuzz fuzz-test fuzz-replay fuzz-nightly cargo-fuzz
 
 all: build
 
@@ -59,6 +62,7 @@ lint:
 
 test: build lint
 	$(CARGO) test --workspace --release
+	$(MAKE) fuzz-test
 	$(MAKE) sdk-test
 
 # The Python SDK against a real forkboxd. Without hardware virtualization
@@ -73,6 +77,69 @@ sdk-test: build python-deps
 
 fmt:
 	$(CARGO) fmt --all
+	cd fuzz && $(CARGO) fmt --all
+
+# Fuzzing (docs/SECURITY.md, Fuzzing). fuzz/ is its own workspace in
+# cargo-fuzz's layout; the targets' bodies are a stable library
+# (fuzz/targets) whose test replays the committed corpus, fuzz/corpus/.
+# The replay shares target/ with the main workspace, so it reuses its
+# dependencies' builds. Fuzzing itself needs nightly and cargo-fuzz.
+FUZZ_TARGETS := virtio_chain virtio_blk vsock_packets gateway_frames dns_query \
+	agent_frames agent_client policy_rules template_spec
+# Seconds per target: `make fuzz`, and the pass `make test` runs.
+FUZZ_SECS ?= 30
+FUZZ_TEST_SECS ?= 10
+NIGHTLY := $(shell $(CARGO) +nightly --version >/dev/null 2>&1 && echo yes)
+
+fuzz-replay:
+	cd fuzz && $(CARGO) fmt --all -- --check
+	cd fuzz && $(CARGO) clippy --release -p forkbox-fuzz-targets --all-targets \
+		--target-dir $(CURDIR)/target -- -D warnings
+	cd fuzz && $(CARGO) test --release -p forkbox-fuzz-targets --target-dir $(CURDIR)/target
+
+cargo-fuzz:
+	@$(CARGO) +nightly fuzz --version >/dev/null 2>&1 || { \
+		echo "make: installing cargo-fuzz from crates.io"; \
+		$(CARGO) install cargo-fuzz --locked; }
+
+fuzz-nightly:
+	@[ "$(NIGHTLY)" = yes ] || { echo "make fuzz: needs a nightly toolchain:" \
+		"rustup toolchain install nightly" >&2; exit 1; }
+
+# Each target in turn (never in parallel), at low priority. New inputs go
+# to fuzz/corpus/<target>/ (shrink with `cargo +nightly fuzz cmin <target>`
+# before committing); a crash stops here, its input in fuzz/artifacts/.
+fuzz: fuzz-nightly cargo-fuzz
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+		echo "== fuzzing $$t for $(FUZZ_SECS) s"; \
+		nice -n 19 $(CARGO) +nightly fuzz run $$t corpus/$$t -- \
+			-max_total_time=$(FUZZ_SECS) -print_final_stats=1 || exit 1; \
+	done
+
+# What `make test` runs: the corpus replay always; with nightly, also
+# FUZZ_TEST_SECS of fuzzing per target, whose new inputs go to a scratch
+# directory (the committed corpus is read, never written).
+fuzz-test: fuzz-replay
+	@if [ "$(NIGHTLY)" != yes ]; then \
+		echo "***********************************************************************"; \
+		echo "* make test: NO FUZZING: no nightly toolchain (cargo +nightly).       *"; \
+		echo "* Only the committed corpus was replayed (fuzz/corpus). To fuzz:      *"; \
+		echo "*   rustup toolchain install nightly && make fuzz                     *"; \
+		echo "***********************************************************************"; \
+	else \
+		{ $(CARGO) +nightly fuzz --version >/dev/null 2>&1 || \
+			$(CARGO) install cargo-fuzz --locked; } && \
+		scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && \
+		cd fuzz && nice -n 19 $(CARGO) +nightly fuzz build && \
+		for t in $(FUZZ_TARGETS); do \
+			echo "== fuzzing $$t for $(FUZZ_TEST_SECS) s"; \
+			mkdir -p "$$scratch/$$t" && \
+			nice -n 19 $(CARGO) +nightly fuzz run $$t "$$scratch/$$t" corpus/$$t -- \
+				-max_total_time=$(FUZZ_TEST_SECS) || { \
+				echo "make test: fuzz target $$t failed; its input is in fuzz/artifacts/$$t/" >&2; \
+				exit 1; }; \
+		done; \
+	fi
 
 clean:
 	$(CARGO) clean

@@ -507,6 +507,11 @@ impl Backend {
                 DEVICE,
                 &format_args!("tx packet of {} bytes", chain.readable.len()),
             );
+            if hdr.src_cid != self.guest_cid || hdr.dst_cid != HOST_CID {
+                // Not ours to answer: an RST built from it would carry
+                // the guest's made-up CIDs (found by fuzzing).
+                return;
+            }
             let known = self
                 .conns
                 .get(&hdr.dst_port)
