@@ -14,13 +14,12 @@
 //! records) holds after each step.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, ErrorKind, Read, Write};
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use forkbox_net::dns::{ResolveError, Resolver};
 use forkbox_net::gateway::{
-    ConnId, ConnectOutcome, ConnectRequest, Connector, Gateway, GatewayConfig, HostStream, Now,
+    ConnId, ConnectOutcome, ConnectRequest, Connector, EchoStream, Gateway, GatewayConfig, Now,
     GATEWAY_MAC, MAX_FRAME,
 };
 use forkbox_net::policy::Policy;
@@ -70,54 +69,6 @@ impl Resolver for Table {
     }
 }
 
-/// A host stream that gives back what it was written, through a bounded
-/// buffer (so backpressure happens too).
-#[derive(Default)]
-struct Echo {
-    buf: VecDeque<u8>,
-    shut: bool,
-}
-
-impl Read for Echo {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        if self.buf.is_empty() {
-            return if self.shut {
-                Ok(0)
-            } else {
-                Err(ErrorKind::WouldBlock.into())
-            };
-        }
-        let n = out.len().min(self.buf.len());
-        for (o, b) in out.iter_mut().zip(self.buf.drain(..n)) {
-            *o = b;
-        }
-        Ok(n)
-    }
-}
-
-impl Write for Echo {
-    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        let room = (64 * 1024usize).saturating_sub(self.buf.len());
-        if room == 0 {
-            return Err(ErrorKind::WouldBlock.into());
-        }
-        let n = data.len().min(room);
-        self.buf.extend(&data[..n]);
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl HostStream for Echo {
-    fn shutdown_write(&mut self) -> io::Result<()> {
-        self.shut = true;
-        Ok(())
-    }
-}
-
 #[derive(Clone, Copy)]
 enum Mode {
     Echo,
@@ -133,7 +84,7 @@ struct Mem {
 
 fn outcome(choice: u8) -> ConnectOutcome {
     match choice % 3 {
-        0 => ConnectOutcome::Connected(Box::new(Echo::default())),
+        0 => ConnectOutcome::Connected(Box::new(EchoStream::with_capacity(64 * 1024))),
         1 => ConnectOutcome::Refused("connection refused".into()),
         _ => ConnectOutcome::Denied("the broker says no".into()),
     }

@@ -37,6 +37,7 @@
 
 mod conn;
 mod device;
+mod echo;
 mod frames;
 mod names;
 #[cfg(test)]
@@ -53,6 +54,7 @@ use smoltcp::wire::{EthernetAddress, IpAddress, IpCidr, IpListenEndpoint};
 
 pub use conn::HostStream;
 pub use device::{MAX_FRAME, MTU};
+pub use echo::EchoStream;
 
 use crate::dns::{self, Resolver};
 use crate::log::{EgressLog, EgressRecord, LogReason};

@@ -155,7 +155,7 @@ fn gateway_deferred_connect_completes_when_connector_answers() {
         "the SYN is held, not answered"
     );
     let id = net.gw.connector_mut().requests[0].id;
-    let stream = Box::new(harness::EchoStream::default());
+    let stream = Box::new(EchoStream::default());
     let now = net.now();
     net.gw
         .connect_done(id, ConnectOutcome::Connected(stream), now);
@@ -432,13 +432,13 @@ fn gateway_inbound_to_closed_port_ends_and_frees() {
     let mut net = Net::new("{}", Behavior::Echo);
     let now = net.now();
     net.gw
-        .connect_inbound(9999, Box::new(harness::EchoStream::default()), now)
+        .connect_inbound(9999, Box::new(EchoStream::default()), now)
         .expect("starts");
     assert_eq!(net.gw.stats().connections, 1);
     assert!(net.run_until(50, |n| n.gw.stats().connections == 0));
     assert_eq!(
         net.gw
-            .connect_inbound(0, Box::new(harness::EchoStream::default()), now),
+            .connect_inbound(0, Box::new(EchoStream::default()), now),
         Err(InboundError::BadPort)
     );
 }

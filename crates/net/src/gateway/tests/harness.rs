@@ -1,8 +1,8 @@
 //! A guest made of a second smoltcp interface, frames carried both ways in
 //! memory, a table resolver and an in-memory connector.
 
-use std::collections::{HashMap, VecDeque};
-use std::io::{self, ErrorKind, Read, Write};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
@@ -63,54 +63,6 @@ impl Connector for MemConnector {
                 at: 0,
             }))),
         }
-    }
-}
-
-/// Reads back what was written; ends after `shutdown_write` once drained.
-#[derive(Default)]
-pub struct EchoStream {
-    buf: VecDeque<u8>,
-    shut: bool,
-}
-
-impl Read for EchoStream {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        if self.buf.is_empty() {
-            return if self.shut {
-                Ok(0)
-            } else {
-                Err(ErrorKind::WouldBlock.into())
-            };
-        }
-        let n = out.len().min(self.buf.len());
-        for (o, b) in out.iter_mut().zip(self.buf.drain(..n)) {
-            *o = b;
-        }
-        Ok(n)
-    }
-}
-
-impl Write for EchoStream {
-    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        // A bounded pipe, so backpressure is exercised too.
-        let room = (256 * 1024usize).saturating_sub(self.buf.len());
-        if room == 0 {
-            return Err(ErrorKind::WouldBlock.into());
-        }
-        let n = data.len().min(room);
-        self.buf.extend(&data[..n]);
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl HostStream for EchoStream {
-    fn shutdown_write(&mut self) -> io::Result<()> {
-        self.shut = true;
-        Ok(())
     }
 }
 
