@@ -48,7 +48,17 @@ pub enum ClientError {
     /// client stopped reading at the limit and closed the connection.
     #[error("the agent sent more than the limit of {limit} bytes")]
     TooLarge { limit: u64 },
+    /// A directory listing went past [`MAX_DIR_ENTRIES`]; the client
+    /// stopped reading there.
+    #[error(
+        "the directory has more than {limit} entries: list a smaller one, or download it as a tar"
+    )]
+    TooManyEntries { limit: usize },
 }
+
+/// Most entries one `list_dir` gathers: a hostile agent cannot make the
+/// caller hold an endless listing until the call's deadline.
+pub const MAX_DIR_ENTRIES: usize = 100_000;
 
 impl ClientError {
     /// The agent's typed error, if the agent reported one.
@@ -274,7 +284,14 @@ impl AgentClient {
         let mut all = Vec::new();
         loop {
             match conn.response()? {
-                Response::Entries { entries } => all.extend(entries),
+                Response::Entries { entries } => {
+                    if all.len() + entries.len() > MAX_DIR_ENTRIES {
+                        return Err(ClientError::TooManyEntries {
+                            limit: MAX_DIR_ENTRIES,
+                        });
+                    }
+                    all.extend(entries)
+                }
                 Response::Done { .. } => return Ok(all),
                 other => return Err(unexpected(&other)),
             }
@@ -826,7 +843,7 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
-    use crate::msg::BootInfo;
+    use crate::msg::{BootInfo, FileKind};
 
     /// An agent on a unix socket that says hello, reads the request, then
     /// runs `then` on the connection.
@@ -874,6 +891,42 @@ mod tests {
             "{err:?}"
         );
         assert_eq!(got.len(), 100_000, "up to the limit exactly");
+    }
+
+    #[test]
+    fn list_dir_refuses_an_endless_listing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A hostile agent: entries without end, never `Done`.
+        let sock = fake_agent(dir.path(), |conn| {
+            let entries: Vec<DirEntry> = (0..1000)
+                .map(|i| DirEntry {
+                    name: format!("f{i}"),
+                    stat: FileStat {
+                        kind: FileKind::File,
+                        size: 0,
+                        mode: 0o644,
+                        mtime: 0,
+                        uid: 0,
+                        gid: 0,
+                    },
+                })
+                .collect();
+            let frame = encode_control(&Response::Entries { entries });
+            while write_frame(conn, FrameKind::Control, &frame).is_ok() {}
+        });
+        let err = AgentClient::unix(&sock)
+            .with_call_timeout(Duration::from_secs(60))
+            .list_dir("/x")
+            .expect_err("endless");
+        assert!(
+            matches!(
+                err,
+                ClientError::TooManyEntries {
+                    limit: MAX_DIR_ENTRIES
+                }
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -79,6 +79,11 @@ impl Daemon {
         if let ClientError::Agent(a) = e {
             return DaemonError::Guest(a);
         }
+        if let ClientError::TooManyEntries { .. } = e {
+            return DaemonError::TooLarge {
+                message: e.to_string(),
+            };
+        }
         // Killed (or expired) while the call ran: the caller's doing, not
         // the machinery's.
         if let Ok(r) = self.lock().registry.get(id) {
