@@ -363,16 +363,6 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"ab"));
     }
 
-    async fn metrics_text(app: &Router) -> String {
-        let req = axum::http::Request::builder()
-            .uri("/metrics")
-            .body(Body::empty())
-            .expect("req");
-        let resp = app.clone().oneshot(req).await.expect("infallible");
-        let text = resp.into_body().collect().await.expect("body").to_bytes();
-        String::from_utf8_lossy(&text).into_owned()
-    }
-
     #[tokio::test]
     async fn errors_are_counted_once_whether_answered_streamed_or_per_fork_child() {
         let app = app(None);
