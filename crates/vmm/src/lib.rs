@@ -28,6 +28,8 @@
 //!   frames) for the `status` answer.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
+//! - [`lockdown`]: what the process gives up before its guest runs: its
+//!   privileges, and every system call outside each thread's seccomp filter.
 //! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
 //!   the epoll loop (`event_loop`), serve the control socket
 //!   (`control_server`), pause, capture and write snapshots (`snapshot`),
@@ -51,6 +53,7 @@ pub mod cpu;
 pub mod fork;
 pub mod host;
 pub mod layout;
+pub mod lockdown;
 pub mod memory;
 pub mod net;
 pub mod pio;

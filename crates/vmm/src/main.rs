@@ -45,6 +45,13 @@ fn main() {
             Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
         }
     }
+    // Nothing below needs a privilege: the guest's exits reach a process
+    // with none to give away.
+    if let Err(e) = forkbox_vmm::lockdown::drop_privileges() {
+        eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+        std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+    }
+    forkbox_vmm::lockdown::enable(invocation.needs_host_network());
     let result = match invocation {
         forkbox_vmm::cli::Invocation::Boot(config) => forkbox_vmm::run(&config),
         forkbox_vmm::cli::Invocation::Restore { dir, endpoints } => {

@@ -39,6 +39,8 @@ pub enum VcpuError {
     Internal,
     #[error("unexpected exit: {0}")]
     Unexpected(String),
+    #[error("cannot confine the vCPU thread")]
+    Lockdown(#[source] crate::lockdown::LockdownError),
 }
 
 /// Why the vCPUs could not be parked.
@@ -200,7 +202,10 @@ impl Vcpus {
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
                     let exit = Arc::clone(&ctx.exit);
-                    let outcome = vcpu_loop(ctx, &shared);
+                    let outcome = match crate::lockdown::confine_vcpu_thread(id) {
+                        Ok(()) => vcpu_loop(ctx, &shared),
+                        Err(e) => VcpuOutcome::Failed(VcpuError::Lockdown(e)),
+                    };
                     exit.report(id, outcome);
                 });
             match spawned {

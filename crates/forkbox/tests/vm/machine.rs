@@ -168,6 +168,102 @@ pub(crate) fn vmm_environment_scrubbed_and_no_core_dumps() -> TestResult {
     Ok(())
 }
 
+/// A booted VMM and a fork child have no capabilities, `no_new_privs`
+/// and a seccomp filter on every thread, and their guests still answer.
+pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    let child = fork(&mut vm, 1)?.pop().ok_or("fork gave no child")?;
+    for (what, v) in [("booted", &vm), ("fork child", &child)] {
+        let pid = v.pid();
+        let status = proc_status(&format!("/proc/{pid}/status"))?;
+        for (field, want) in [
+            ("NoNewPrivs", "1"),
+            ("Seccomp", "2"),
+            ("CapInh", "0000000000000000"),
+            ("CapPrm", "0000000000000000"),
+            ("CapEff", "0000000000000000"),
+            ("CapBnd", "0000000000000000"),
+            ("CapAmb", "0000000000000000"),
+        ] {
+            let got = status.get(field).map(String::as_str);
+            check(
+                got == Some(want),
+                format!("{what} VMM {pid}: {field} is {got:?}, want {want}"),
+            )?;
+        }
+        let mut vcpu_threads = 0;
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| e.to_string())? {
+            let dir = task.map_err(|e| e.to_string())?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            let status = proc_status(&dir.join("status").to_string_lossy())?;
+            check(
+                status.get("Seccomp").map(String::as_str) == Some("2"),
+                format!(
+                    "{what} VMM {pid}: thread {} ({}) unfiltered",
+                    dir.display(),
+                    comm.trim()
+                ),
+            )?;
+            vcpu_threads += usize::from(comm.starts_with("vcpu"));
+        }
+        check(
+            vcpu_threads >= 1,
+            format!("{what} VMM {pid}: no vCPU thread seen"),
+        )?;
+        sh(v.agent(), "true")?;
+    }
+    Ok(())
+}
+
+/// `/proc/.../status` as field → value.
+fn proc_status(path: &str) -> Result<HashMap<String, String>, Failed> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
+        .collect())
+}
+
+/// A system call outside a thread's filter ends the VMM with `SIGSYS`,
+/// and the serial log says which call and which thread: `execve` and
+/// `ptrace` on the main thread, and `socket` (which the main thread may
+/// make) on a vCPU thread.
+pub(crate) fn vmm_forbidden_syscall_ends_it_with_sigsys() -> TestResult {
+    for (kind, nr, thread) in [
+        ("main", libc::SYS_execve, "the main thread"),
+        ("main", libc::SYS_ptrace, "the main thread"),
+        ("vcpu", libc::SYS_socket, "a vCPU thread"),
+    ] {
+        let spec = VmSpec {
+            vmm_env: vec![(
+                "FORKBOX_VMM_TEST_FORBIDDEN_SYSCALL".into(),
+                format!("{kind}:{nr}"),
+            )],
+            ..VmSpec::default()
+        };
+        match Vm::boot(assets(), &spec) {
+            Ok(_) => return Err(format!("{kind} thread: system call {nr} was allowed").into()),
+            Err(VmError::DiedDuringBoot {
+                how, serial_tail, ..
+            }) => {
+                check(
+                    how.contains("SIGSYS"),
+                    format!("{kind}:{nr}: the VMM ended as {how:?}"),
+                )?;
+                let said =
+                    format!("{thread} made system call {nr}, which its seccomp filter forbids");
+                check(
+                    serial_tail.contains(&said),
+                    format!("{kind}:{nr}: the serial log does not say {said:?}:\n{serial_tail}"),
+                )?;
+            }
+            Err(e) => return Err(format!("{kind}:{nr}: {e:#}").into()),
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

@@ -11,13 +11,14 @@
 //! trials live by concern in [`machine`], [`exec`], [`fork`] and [`net`];
 //! here are the harness's glue and the helpers they share.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use forkbox_host::image::ImageName;
 use forkbox_host::testbed::suite::{Ended, Ledger, Suite};
 use forkbox_host::testbed::Environment;
-use forkbox_host::vm::{vmm_exit, Assets, Vm, VmSpec};
+use forkbox_host::vm::{vmm_exit, Assets, Vm, VmError, VmSpec};
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, ExitStatus, FileKind, OutputStream, User};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -243,6 +244,14 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         (
             "vmm_environment_scrubbed_and_no_core_dumps",
             vmm_environment_scrubbed_and_no_core_dumps,
+        ),
+        (
+            "vmm_confined_without_capabilities_and_filtered",
+            vmm_confined_without_capabilities_and_filtered,
+        ),
+        (
+            "vmm_forbidden_syscall_ends_it_with_sigsys",
+            vmm_forbidden_syscall_ends_it_with_sigsys,
         ),
         (
             "vm_guest_panic_ends_vmm_with_panic_status",

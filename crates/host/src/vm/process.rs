@@ -300,6 +300,12 @@ pub fn describe_exit(status: ExitStatus) -> String {
         (Some(vmm_exit::PANIC), _) => "the guest kernel panicked".into(),
         (Some(vmm_exit::VMM_ERROR), _) => "forkbox-vmm failed; its error is above".into(),
         (Some(code), _) => format!("forkbox-vmm exited with code {code}"),
+        (None, Some(sig)) if sig == Signal::SYS.as_raw() => {
+            "forkbox-vmm made a system call its seccomp filter \
+            forbids and was killed by SIGSYS (the serial log names the call): a forkbox bug, \
+            or a VMM the guest took over"
+                .into()
+        }
         (None, Some(sig)) => format!("forkbox-vmm was killed by signal {sig}"),
         (None, None) => "forkbox-vmm ended".into(),
     }

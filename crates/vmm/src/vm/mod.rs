@@ -67,6 +67,8 @@ pub use crate::vcpu::VcpuError;
 pub enum VmError {
     #[error(transparent)]
     Host(#[from] host::HostError),
+    #[error("cannot confine the main thread")]
+    Lockdown(#[source] crate::lockdown::LockdownError),
     #[error("KVM: cannot {0}")]
     Kvm(&'static str, #[source] kvm_ioctls::Error),
     #[error("guest memory")]
@@ -260,6 +262,7 @@ fn open_serial(
     let irq = eventfd()?;
     vm.register_irqfd(&irq, SERIAL_GSI)
         .map_err(kvm_err("register the serial irqfd"))?;
+    crate::lockdown::note_serial_log(log.as_ref().map_or(-1, |f| f.as_raw_fd()));
     let out = SerialOutput::new(log.map(SerialLog::new), Arc::clone(&tail), endpoints.echo);
     let serial = match saved {
         Some(s) => Serial::from_state(&s.to_superio(), IrqTrigger(irq), NoEvents, out)
@@ -519,6 +522,9 @@ impl Machine {
     /// request makes this process one.
     pub fn run(self) -> Result<VmExit, VmError> {
         let mut m = self;
+        if let Err(e) = crate::lockdown::confine_main_thread() {
+            return m.finish(Err(VmError::Lockdown(e)));
+        }
         loop {
             match m.event_loop() {
                 Ok(LoopEnd::Child(plan)) => m = become_child(m, plan),
