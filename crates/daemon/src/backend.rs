@@ -129,13 +129,17 @@ pub type ChildVm = Result<Box<dyn BackendVm>, BackendError>;
 /// The real thing: `forkbox_host::vm::Vm`.
 pub struct VmBackend {
     assets: Assets,
+    orphan_grace: Duration,
 }
 
 impl VmBackend {
-    /// Finds the kernel, initramfs and VMM (built once, cached).
-    pub fn new() -> Result<Self, BackendError> {
+    /// Finds the kernel, initramfs and VMM (built once, cached). Its VMs
+    /// end `orphan_grace` after this process died unless another adopts
+    /// them.
+    pub fn new(orphan_grace: Duration) -> Result<Self, BackendError> {
         Ok(Self {
             assets: Assets::prepare().map_err(BackendError::Assets)?,
+            orphan_grace,
         })
     }
 }
@@ -150,6 +154,7 @@ impl Backend for VmBackend {
             boot_timeout: spec.boot_timeout,
             vmm_env: Vec::new(),
             network: Some(spec.network.clone()),
+            orphan_grace: self.orphan_grace,
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(ForkboxVm::boxed(vm))

@@ -73,6 +73,11 @@ struct Args {
     /// following a background process.
     #[arg(long, default_value_t = 86400, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     max_exec_secs: u64,
+    /// Seconds a sandbox's VMM lives on after this daemon died (or was
+    /// stopped) before it ends by itself: a daemon started again on the
+    /// same state directory within this time adopts it.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    orphan_grace_secs: u64,
     /// Most bytes a file read or tar download may ask for (`max_bytes`;
     /// 256 MiB when not asked).
     #[arg(long, default_value_t = 4 << 30)]
@@ -152,7 +157,8 @@ fn run(args: Args) -> anyhow::Result<()> {
              the emulated host: `forkbox testbed run -- forkboxd --listen unix:///tmp/forkbox.sock`"
         );
     }
-    let backend = VmBackend::new().context("preparing the guest assets (run `make build`)")?;
+    let backend = VmBackend::new(Duration::from_secs(args.orphan_grace_secs))
+        .context("preparing the guest assets (run `make build`)")?;
     let config = Config {
         limits: Limits {
             max_live: args.max_live,

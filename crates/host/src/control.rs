@@ -134,6 +134,28 @@ impl Control {
         Ok(status.counters)
     }
 
+    /// Owns the VM for as long as the returned connection stays open: a
+    /// VMM started with an orphan grace ends that long after its last
+    /// owner's connection closed (this process died) unless another
+    /// process owns it again.
+    pub fn own(&self) -> Result<UnixStream, ControlError> {
+        let op = Request::Own.op();
+        let stream = self.connect()?;
+        let io_err = |source| ControlError::Io { op, source };
+        stream
+            .set_read_timeout(Some(ANSWER_TIMEOUT))
+            .map_err(io_err)?;
+        (&stream)
+            .write_all(&Request::Own.to_line())
+            .map_err(io_err)?;
+        let mut answer = String::new();
+        BufReader::new(&stream)
+            .read_line(&mut answer)
+            .map_err(io_err)?;
+        decode_answer::<Done>(&answer).map_err(|e| ControlError::answer(op, e))?;
+        Ok(stream)
+    }
+
     /// Sends `req`; returns the answer of an `"ok":true` response.
     pub fn call<T: DeserializeOwned>(&self, req: &Request) -> Result<T, ControlError> {
         self.call_within(req, ANSWER_TIMEOUT)

@@ -16,6 +16,10 @@
 //! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
 //!   events, LAPIC vectors), for a failure report; a running VM is paused
 //!   for the read and resumed.
+//! - `{"op":"own"}`: this connection owns the VM for as long as it stays
+//!   open. A VMM started with `--orphan-grace-secs N` ends when no
+//!   connection has owned it for N seconds (from its start, or from its
+//!   last owner's going: a daemon that died without another adopting it).
 //!
 //! Answers are `{"ok":true, ...}` with the request's fields, or
 //! `{"ok":false,"error":"..."}`.
@@ -71,6 +75,7 @@ pub enum Request {
         then: Then,
     },
     Vcpus,
+    Own,
 }
 
 /// Why a request line is not a request.
@@ -107,6 +112,7 @@ impl Request {
             Request::Zygote => "zygote",
             Request::Snapshot { .. } => "snapshot",
             Request::Vcpus => "vcpus",
+            Request::Own => "own",
         }
     }
 
@@ -403,6 +409,7 @@ mod tests {
         assert_eq!(parse(br#"{"op":"resume"}"#), Ok(Request::Resume));
         assert_eq!(parse(br#"{"op":"zygote"}"#), Ok(Request::Zygote));
         assert_eq!(parse(br#"{"op":"vcpus"}"#), Ok(Request::Vcpus));
+        assert_eq!(parse(br#"{"op":"own"}"#), Ok(Request::Own));
     }
 
     #[test]

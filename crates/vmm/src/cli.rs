@@ -2,9 +2,11 @@
 //! `forkbox-vmm --kernel PATH --initramfs PATH --cmdline STR [--vcpus N=1]
 //! [--memory-mib N=512] [--disk PATH]... [--vsock-uds PATH]
 //! [--serial-log PATH] [--serial-stdout] [--control PATH]
-//! [--net-policy PATH [--net-broker PATH] [--net-log PATH]]`, or
+//! [--net-policy PATH [--net-broker PATH] [--net-log PATH]]
+//! [--orphan-grace-secs N]`, or
 //! `forkbox-vmm --restore DIR [--control PATH] [--vsock-uds PATH]
-//! [--serial-log PATH] [--serial-stdout] [--net-policy ...]` (hardware and
+//! [--serial-log PATH] [--serial-stdout] [--net-policy ...]
+//! [--orphan-grace-secs N]` (hardware and
 //! disks come from `DIR/state.json`; a VM saved with a network needs
 //! `--net-policy` again).
 
@@ -66,6 +68,12 @@ pub struct Args {
     /// Append the egress log (JSON lines) to this file.
     #[arg(long, requires = "net_policy")]
     pub net_log: Option<PathBuf>,
+    /// End the VM when no control connection has owned it (`{"op":"own"}`)
+    /// for this many seconds: from the start, and from its last owner's
+    /// going (a daemon that died and was not followed by one that adopts
+    /// it). Fork children inherit it. Without it the VM runs unowned.
+    #[arg(long)]
+    pub orphan_grace_secs: Option<u64>,
 }
 
 /// Why the command line cannot be used.

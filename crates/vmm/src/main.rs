@@ -29,6 +29,9 @@ fn main() {
             });
         }
     };
+    if let Some(secs) = args.orphan_grace_secs {
+        forkbox_vmm::vm::set_orphan_grace(std::time::Duration::from_secs(secs));
+    }
     let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {

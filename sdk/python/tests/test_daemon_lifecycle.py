@@ -1,5 +1,6 @@
-"""The daemon's own life: a restart re-adopts live sandboxes; a client
-killed mid-stream leaks nothing."""
+"""The daemon's own life: a restart re-adopts live sandboxes, a crash
+with no restart leaves no VMM running past its grace; a client killed
+mid-stream leaks nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 from typing import List
 
+import json
+
 import httpx
 import pytest
 
@@ -21,10 +24,10 @@ from conftest import REPO, SDK
 from forkbox import ConflictError, Sandbox
 
 
-def _start(sock: str, state: str, log_path: str) -> subprocess.Popen:
+def _start(sock: str, state: str, log_path: str, *extra: str) -> subprocess.Popen:
     exe = os.environ.get("FORKBOXD") or str(REPO / "target" / "release" / "forkboxd")
     log = open(log_path, "ab")
-    proc = subprocess.Popen([exe, "--listen", f"unix://{sock}", "--state-dir", state],
+    proc = subprocess.Popen([exe, "--listen", f"unix://{sock}", "--state-dir", state, *extra],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -78,6 +81,63 @@ def test_daemon_killed_and_restarted_re_adopts_its_sandboxes() -> None:
         if first.poll() is None:
             first.kill()
         sys.stderr.write("--- restart test daemon log ---\n" + Path(log).read_text()[-3000:])
+
+
+def _vmm_pids(state: str) -> List[int]:
+    """The VMM pids the daemon recorded for its sandboxes and zygotes."""
+    pids: List[int] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, dict):
+            if isinstance(v.get("pid"), int):
+                pids.append(v["pid"])
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    for sub in ("sandboxes", "templates"):
+        for f in Path(state, sub).glob("*.json"):
+            walk(json.loads(f.read_text()))
+    return pids
+
+
+def _vmm_running(pid: int) -> bool:
+    """Whether `pid` is a forkbox-vmm that has not exited (a zombie has)."""
+    try:
+        if not os.readlink(f"/proc/{pid}/exe").endswith("forkbox-vmm"):
+            return False
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def test_daemon_killed_and_not_restarted_leaves_no_vmm_past_the_grace() -> None:
+    d = tempfile.mkdtemp(prefix="forkboxd-orphan-", dir="/tmp")
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    grace = 5
+    daemon = _start(sock, state, log, "--orphan-grace-secs", str(grace))
+    try:
+        sb = Sandbox.create("minimal", timeout=600, url=url)
+        assert sb.commands.run("true").exit_code == 0
+        pids = _vmm_pids(state)
+        # The sandbox, and the zygote of its template.
+        assert len(pids) >= 2, pids
+        assert all(_vmm_running(p) for p in pids), pids
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(30)
+        deadline = time.monotonic() + grace + 60
+        while any(_vmm_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in pids if _vmm_running(p)]
+        assert not left, f"VMMs {left} outlived their daemon by {grace + 60} s"
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        sys.stderr.write("--- orphan test daemon log ---\n" + Path(log).read_text()[-3000:])
 
 
 def _metric(url: str, name: str) -> float:

@@ -264,6 +264,49 @@ pub(crate) fn vmm_forbidden_syscall_ends_it_with_sigsys() -> TestResult {
     Ok(())
 }
 
+/// A VMM ends by itself once no process has owned it for its orphan
+/// grace (a daemon that died and none adopted it), fork children too; one
+/// owned again within the grace lives on.
+pub(crate) fn vmm_without_an_owner_ends_after_its_grace() -> TestResult {
+    let grace = Duration::from_secs(10);
+    let mut vm = boot(VmSpec {
+        orphan_grace: grace,
+        ..VmSpec::default()
+    });
+    let mut child = fork(&mut vm, 1)?.pop().ok_or("fork gave no child")?;
+    // Owned: alive past the grace.
+    std::thread::sleep(grace + Duration::from_secs(3));
+    for (what, v) in [("booted", &vm), ("fork child", &child)] {
+        check(
+            sh(v.agent(), "true").is_ok(),
+            format!("{what}, owned: no answer"),
+        )?;
+    }
+    // Let go of and owned again within the grace: alive past it.
+    vm.disown();
+    std::thread::sleep(Duration::from_secs(2));
+    vm.own().map_err(|e| format!("owning again: {e}"))?;
+    std::thread::sleep(grace + Duration::from_secs(2));
+    check(sh(vm.agent(), "true").is_ok(), "owned again: no answer")?;
+    // Nobody owns them: both end, and say why.
+    vm.disown();
+    child.disown();
+    for (what, v) in [("booted", &mut vm), ("fork child", &mut child)] {
+        let ended = v.wait_exit(grace + Duration::from_secs(60));
+        // A fork child's status goes to its parent VMM, which reaps it.
+        check(
+            !matches!(ended, Ok(None)),
+            format!("{what}: still running 60 s past its grace"),
+        )?;
+        let log = v.serial_tail(5);
+        check(
+            log.contains("no process has owned this VM for 10 s"),
+            format!("{what}: its serial log does not say why it ended:\n{log}"),
+        )?;
+    }
+    Ok(())
+}
+
 pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

@@ -254,6 +254,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             vmm_forbidden_syscall_ends_it_with_sigsys,
         ),
         (
+            "vmm_without_an_owner_ends_after_its_grace",
+            vmm_without_an_owner_ends_after_its_grace,
+        ),
+        (
             "vm_guest_panic_ends_vmm_with_panic_status",
             vm_guest_panic_ends_vmm_with_panic_status,
         ),

@@ -105,6 +105,8 @@ impl Vm {
             .arg(&serial)
             .arg("--control")
             .arg(&paths.control)
+            .arg("--orphan-grace-secs")
+            .arg(spec.orphan_grace.as_secs().max(1).to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         if spec.serial_to_stderr {
@@ -118,7 +120,14 @@ impl Vm {
             return Err(e);
         }
         let agent = AgentClient::hybrid_vsock(&vsock, AGENT_PORT);
+        let control = Control::new(paths.control.clone());
+        let mut owner = None;
         let ready = poll::until(start + spec.boot_timeout, Duration::from_millis(5), || {
+            // Owned as soon as it listens: its orphan grace runs from its
+            // start, and a boot in the emulated host can take a while.
+            if owner.is_none() && paths.control.exists() {
+                owner = control.own().ok();
+            }
             if let Ok(Some(status)) = child.try_wait() {
                 return ControlFlow::Break(Err(VmError::DiedDuringBoot {
                     how: describe_exit(status),
@@ -130,6 +139,7 @@ impl Vm {
                 return ControlFlow::Continue(());
             }
             match agent.wait_ready(Duration::from_millis(500)) {
+                Ok(_) if owner.is_none() => ControlFlow::Continue(()),
                 Ok(_) => ControlFlow::Break(Ok(())),
                 Err(e @ ClientError::VersionMismatch { .. }) => {
                     ControlFlow::Break(Err(VmError::Handshake(e)))
@@ -154,13 +164,14 @@ impl Vm {
             vmm: Some(Vmm::Spawned(child)),
             dir,
             agent: agent.with_handshake_timeout(AGENT_HANDSHAKE),
-            control: Control::new(paths.control),
+            control,
             state: RunState::Running,
             boot_time: start.elapsed(),
             after_fork: None,
             vmm_answered: None,
             replaced: None,
             net,
+            owner,
         })
     }
 
@@ -190,6 +201,7 @@ impl Vm {
         }
         let state = status.state;
         let pidfd = pidfd_of(h.pid)?;
+        let owner = control.own()?;
         let net = match network {
             Some(n) => {
                 // The dead broker's socket file.
@@ -213,6 +225,7 @@ impl Vm {
             vmm_answered: None,
             replaced: None,
             net,
+            owner: Some(owner),
         })
     }
 
@@ -265,6 +278,8 @@ impl Vm {
             .arg(&paths.vsock_uds)
             .arg("--serial-log")
             .arg(&paths.serial_log)
+            .arg("--orphan-grace-secs")
+            .arg(ORPHAN_GRACE.as_secs().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -285,6 +300,7 @@ impl Vm {
             vmm_answered: None,
             replaced: None,
             net: None,
+            owner: None,
         };
         let status = poll::until(
             start + AFTER_FORK_TIMEOUT,
@@ -300,6 +316,7 @@ impl Vm {
             serial_tail: vm.serial_tail(30),
             code: None,
         })?;
+        vm.owner = Some(vm.control.own()?);
         if status.state != RunState::Running {
             vm.resume()?;
         }

@@ -309,8 +309,16 @@ impl ForkedVm {
             vmm_answered: Some(self.answered),
             replaced: None,
             net: self.net,
+            owner: None,
         };
-        match vm.after_fork_hook(deadline) {
+        let hooked = match vm.control.own() {
+            Ok(owner) => {
+                vm.owner = Some(owner);
+                vm.after_fork_hook(deadline)
+            }
+            Err(e) => Err(e.into()),
+        };
+        match hooked {
             Ok(()) => {
                 vm.boot_time = self.start.elapsed();
                 Ok(vm)

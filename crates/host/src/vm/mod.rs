@@ -176,7 +176,15 @@ pub struct VmSpec {
     pub vmm_env: Vec<(String, String)>,
     /// Its network; `None`: none at all.
     pub network: Option<NetworkSpec>,
+    /// How long its VMM (and each fork child's) lives on without an owner
+    /// (the process holding its [`Vm`]: one that died, or
+    /// [`detach`](Vm::detach)ed it) before ending: a restarted daemon
+    /// adopts it within this time, or it ends.
+    pub orphan_grace: Duration,
 }
+
+/// [`VmSpec::orphan_grace`] unless asked otherwise (and of a restored VM).
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(120);
 
 impl VmSpec {
     /// Its vCPUs and memory, as the VMM checks them.
@@ -198,6 +206,7 @@ impl Default for VmSpec {
             boot_timeout: Duration::from_secs(120),
             vmm_env: Vec::new(),
             network: None,
+            orphan_grace: ORPHAN_GRACE,
         }
     }
 }
@@ -223,6 +232,9 @@ pub struct Vm {
     pub replaced: Option<String>,
     /// Its network, if it has one.
     net: Option<VmNet>,
+    /// The control connection through which this process owns the VMM
+    /// (`own`): when it closes, the VMM's orphan grace starts.
+    owner: Option<std::os::unix::net::UnixStream>,
 }
 
 impl Vm {

@@ -180,6 +180,21 @@ impl Vm {
         }
     }
 
+    /// Lets go of owning the VMM: unless a process owns it again
+    /// ([`own`](Self::own)) within its orphan grace, it ends. The `Vm`
+    /// still kills it when dropped.
+    pub fn disown(&mut self) {
+        self.owner = None;
+    }
+
+    /// Owns the VMM again (after [`disown`](Self::disown)).
+    pub fn own(&mut self) -> Result<(), VmError> {
+        if self.owner.is_none() {
+            self.owner = Some(self.control.own()?);
+        }
+        Ok(())
+    }
+
     /// The last `lines` lines the guest wrote to its serial console.
     pub fn serial_tail(&self, lines: usize) -> String {
         testbed::tail(&self.dir.path().join("serial.log"), lines)

@@ -24,12 +24,16 @@ use super::{chain, Machine, VmError};
 pub(super) enum Outcome {
     Reply(Response),
     Child(Box<ChildPlan>),
+    /// The connection that asked owns the VM now.
+    Own,
 }
 
 pub(super) enum CtlItem {
     Client {
         stream: UnixStream,
         lines: LineBuffer,
+        /// It asked to own the VM (`own`).
+        owner: bool,
     },
     /// A fork child, reaped when its pidfd becomes readable.
     Child { pid: libc::pid_t, _pidfd: OwnedFd },
@@ -63,6 +67,7 @@ impl Machine {
                         CtlItem::Client {
                             stream,
                             lines: LineBuffer::default(),
+                            owner: false,
                         },
                     );
                 }
@@ -85,7 +90,11 @@ impl Machine {
                 fork::reap(*pid);
                 None // dropping the pidfd unwatches it
             }
-            CtlItem::Client { stream, lines } => {
+            CtlItem::Client {
+                stream,
+                lines,
+                owner,
+            } => {
                 let mut buf = [0u8; 4096];
                 let mut open = true;
                 let mut got = Vec::new();
@@ -123,6 +132,13 @@ impl Machine {
                             // Dropping `item` here only closes this
                             // process's descriptor of the parent's client.
                             Outcome::Child(plan) => return Some(plan),
+                            Outcome::Own => {
+                                if !*owner {
+                                    *owner = true;
+                                    self.owners += 1;
+                                }
+                                Response::Done
+                            }
                         },
                     };
                     if stream.write_all(&response.to_line()).is_err() {
@@ -135,6 +151,12 @@ impl Machine {
                 }
                 if open {
                     self.items.insert(token, item);
+                } else if *owner {
+                    self.owners -= 1;
+                    if self.owners == 0 {
+                        self.unowned_since = Instant::now();
+                        tracing::info!("the VM's last owner went away");
+                    }
                 }
                 None
             }
@@ -178,6 +200,7 @@ impl Machine {
                 Ok(o) => o,
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
+            Request::Own => Outcome::Own,
             Request::Vcpus => Outcome::Reply(match self.report_vcpus() {
                 Ok(vcpus) => Response::Vcpus(api::Vcpus {
                     state: self.run_state,

@@ -116,6 +116,11 @@ impl Machine {
         let mut events = vec![EpollEvent::default(); 64];
         let mut panic_watch = PanicWatch::default();
         loop {
+            if let Some(grace) = super::orphan_grace() {
+                if self.owners == 0 && self.unowned_since.elapsed() >= grace {
+                    return Err(VmError::Orphaned(grace));
+                }
+            }
             let busy = self.run_state == RunState::Running && !self.dev_again.is_empty();
             let timeout = if busy { 0 } else { PANIC_POLL_MS };
             let n = match self.ctl_epoll.wait(timeout, &mut events) {

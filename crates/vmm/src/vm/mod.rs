@@ -69,6 +69,8 @@ pub enum VmError {
     Host(#[from] host::HostError),
     #[error("cannot confine the main thread")]
     Lockdown(#[source] crate::lockdown::LockdownError),
+    #[error("no process has owned this VM for {} s (its daemon ended and none adopted it): the VM ends", .0.as_secs())]
+    Orphaned(std::time::Duration),
     #[error("KVM: cannot {0}")]
     Kvm(&'static str, #[source] kvm_ioctls::Error),
     #[error("guest memory")]
@@ -159,6 +161,20 @@ pub struct Endpoints {
     pub net: Option<crate::net::NetConfig>,
 }
 
+/// How long a VM may go unowned (`--orphan-grace-secs`), for this process
+/// and the fork children it makes; unset, forever.
+static ORPHAN_GRACE: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+
+/// Sets, once, how long a VM of this process may go without an owner
+/// (`{"op":"own"}`) before it ends.
+pub fn set_orphan_grace(grace: std::time::Duration) {
+    let _ = ORPHAN_GRACE.set(grace);
+}
+
+fn orphan_grace() -> Option<std::time::Duration> {
+    ORPHAN_GRACE.get().copied()
+}
+
 /// Why the main loop stopped.
 enum LoopEnd {
     Vcpu(u8, VcpuOutcome),
@@ -187,6 +203,10 @@ pub struct Machine {
     exit: Arc<ExitSignal>,
     vcpus: Vcpus,
     run_state: RunState,
+    /// Control connections that own the VM (`own`), and since when it
+    /// has had none.
+    owners: usize,
+    unowned_since: std::time::Instant,
     /// The VM-wide state (irqchip, PIT, kvmclock) read in the same pause as
     /// the vCPUs' states, kept while the VM stays paused: a zygote forked
     /// minutes after its bake gives every child the clock and the TSC of
@@ -514,6 +534,8 @@ impl Machine {
             exit,
             vcpus,
             run_state: RunState::Running,
+            owners: 0,
+            unowned_since: std::time::Instant::now(),
             paused_vm: None,
         })
     }
