@@ -1,0 +1,59 @@
+"""Faults a guest causes itself: each is reported as the guest's (never
+as an infrastructure failure), its sandbox is usable again or can be
+killed, and a bystander sandbox is not affected."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from forkbox import ForkboxError, Sandbox
+
+
+@pytest.fixture(scope="module")
+def bystander(daemon_url: str) -> Iterator[Sandbox]:
+    with Sandbox.create("minimal", timeout=600, metadata={"suite": "faults"}) as s:
+        s.files.write("/tmp/mark", "untouched")
+        yield s
+
+
+def _unaffected(bystander: Sandbox) -> None:
+    r = bystander.commands.run("cat /tmp/mark")
+    assert (r.exit_code, r.stdout) == (0, "untouched")
+
+
+def test_guest_out_of_memory_is_the_commands_own(bystander: Sandbox) -> None:
+    with Sandbox.create("minimal", timeout=600) as sb:
+        # A string that doubles until the guest's 512 MiB run out: the
+        # guest's OOM killer ends it (or its allocation fails first).
+        r = sb.commands.run("awk 'BEGIN { s = \"x\"; while (1) s = s s }'", timeout=300)
+        assert not r.timed_out
+        assert r.signal == 9 or (r.exit_code or 0) != 0, r
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+        _unaffected(bystander)
+
+
+def test_guest_disk_full_is_the_commands_own(bystander: Sandbox) -> None:
+    with Sandbox.create("minimal", timeout=600) as sb:
+        r = sb.commands.run("dd if=/dev/zero of=/tmp/fill bs=1M", timeout=300)
+        assert r.exit_code == 1, r
+        assert "No space left on device" in r.stderr
+        assert sb.commands.run("rm /tmp/fill && echo freed").stdout == "freed\n"
+        _unaffected(bystander)
+
+
+def test_guest_fork_bomb_is_its_own_and_the_sandbox_can_be_killed(bystander: Sandbox) -> None:
+    sb = Sandbox.create("minimal", timeout=600)
+    try:
+        try:
+            r = sb.commands.run("f() { f | f & }; f; sleep 600", timeout=15)
+            # The agent ended its process group at the timeout.
+            assert r.timed_out, r
+        except ForkboxError as e:
+            # Or the guest was too busy to answer in time: its own fault.
+            assert not e.infrastructure, e
+        _unaffected(bystander)
+    finally:
+        sb.kill()
+    _unaffected(bystander)
