@@ -130,16 +130,19 @@ pub type ChildVm = Result<Box<dyn BackendVm>, BackendError>;
 pub struct VmBackend {
     assets: Assets,
     orphan_grace: Duration,
+    require_jail: bool,
 }
 
 impl VmBackend {
     /// Finds the kernel, initramfs and VMM (built once, cached). Its VMs
     /// end `orphan_grace` after this process died unless another adopts
-    /// them.
-    pub fn new(orphan_grace: Duration) -> Result<Self, BackendError> {
+    /// them. With `require_jail`, a VMM that cannot set up its whole jail
+    /// refuses to run.
+    pub fn new(orphan_grace: Duration, require_jail: bool) -> Result<Self, BackendError> {
         Ok(Self {
             assets: Assets::prepare().map_err(BackendError::Assets)?,
             orphan_grace,
+            require_jail,
         })
     }
 }
@@ -155,6 +158,7 @@ impl Backend for VmBackend {
             vmm_env: Vec::new(),
             network: Some(spec.network.clone()),
             orphan_grace: self.orphan_grace,
+            require_jail: self.require_jail,
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(ForkboxVm::boxed(vm))

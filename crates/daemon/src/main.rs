@@ -78,6 +78,10 @@ struct Args {
     /// same state directory within this time adopts it.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86400))]
     orphan_grace_secs: u64,
+    /// Refuse to start when a part of the VMMs' jail cannot be set up here
+    /// (see docs/SECURITY.md), instead of saying so and running without it.
+    #[arg(long)]
+    require_jail: bool,
     /// Most bytes a file read or tar download may ask for (`max_bytes`;
     /// 256 MiB when not asked).
     #[arg(long, default_value_t = 4 << 30)]
@@ -122,6 +126,22 @@ fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", forkboxd::api::openapi_json());
         return Ok(());
     }
+    let gaps = forkbox_host::jail::gaps();
+    if !gaps.is_empty() {
+        let list: Vec<String> = gaps.iter().map(|g| format!("  - {g}")).collect();
+        if args.require_jail {
+            bail!(
+                "the VMMs' jail cannot be set up here, and --require-jail refuses to run without \
+                 it:\n{}",
+                list.join("\n")
+            );
+        }
+        tracing::warn!(
+            "THE VMMs' JAIL IS INCOMPLETE on this host; sandboxes run without:\n{}\n(pass \
+             --require-jail to refuse to start instead)",
+            list.join("\n")
+        );
+    }
     let default = || default_socket(is_root(), std::env::var("XDG_RUNTIME_DIR").ok().as_deref());
     let listen = match args.listen {
         // A socket's directory the daemon makes (mode 0700) must be ours;
@@ -157,8 +177,11 @@ fn run(args: Args) -> anyhow::Result<()> {
              the emulated host: `forkbox testbed run -- forkboxd --listen unix:///tmp/forkbox.sock`"
         );
     }
-    let backend = VmBackend::new(Duration::from_secs(args.orphan_grace_secs))
-        .context("preparing the guest assets (run `make build`)")?;
+    let backend = VmBackend::new(
+        Duration::from_secs(args.orphan_grace_secs),
+        args.require_jail,
+    )
+    .context("preparing the guest assets (run `make build`)")?;
     let config = Config {
         limits: Limits {
             max_live: args.max_live,

@@ -20,6 +20,8 @@
 //! - [`socket`]: where forkboxd listens by default; [`owned`]: the checks
 //!   that a directory or socket path is one this user made.
 //! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
+//! - [`jail`]: which parts of the VMM's jail this host cannot give
+//!   (said once by the daemon; `--require-jail` refuses instead).
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
@@ -33,6 +35,7 @@ pub mod hugepages;
 pub mod image;
 pub mod initramfs;
 pub mod isolation;
+pub mod jail;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;

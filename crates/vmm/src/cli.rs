@@ -74,6 +74,10 @@ pub struct Args {
     /// it). Fork children inherit it. Without it the VM runs unowned.
     #[arg(long)]
     pub orphan_grace_secs: Option<u64>,
+    /// Exit with an error instead of running without a part of the jail
+    /// this host does not allow (leaving the host's network namespace).
+    #[arg(long)]
+    pub require_jail: bool,
 }
 
 /// Why the command line cannot be used.

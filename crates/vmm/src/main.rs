@@ -32,6 +32,7 @@ fn main() {
     if let Some(secs) = args.orphan_grace_secs {
         forkbox_vmm::vm::set_orphan_grace(std::time::Duration::from_secs(secs));
     }
+    let require_jail = args.require_jail;
     let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {
@@ -42,6 +43,13 @@ fn main() {
     if !invocation.needs_host_network() {
         match forkbox_vmm::net::leave_host_network() {
             Ok(()) => {}
+            Err(e) if require_jail => {
+                eprintln!(
+                    "forkbox-vmm: error: cannot leave the host's network namespace ({e}; it needs \
+                     CAP_SYS_ADMIN), and --require-jail refuses to run without it"
+                );
+                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+            }
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 tracing::info!("not privileged: the VMM keeps the host's network namespace");
             }

@@ -112,6 +112,9 @@ impl Vm {
         if spec.serial_to_stderr {
             cmd.arg("--serial-stdout");
         }
+        if spec.require_jail {
+            cmd.arg("--require-jail");
+        }
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
         if let Err(e) = limit_vmm(child.id()) {

@@ -181,6 +181,10 @@ pub struct VmSpec {
     /// [`detach`](Vm::detach)ed it) before ending: a restarted daemon
     /// adopts it within this time, or it ends.
     pub orphan_grace: Duration,
+    /// Refuse to run (the VMM exits with an error) where a part of its
+    /// jail cannot be set up ([`crate::jail`]), instead of running
+    /// without it.
+    pub require_jail: bool,
 }
 
 /// [`VmSpec::orphan_grace`] unless asked otherwise (and of a restored VM).
@@ -207,6 +211,7 @@ impl Default for VmSpec {
             vmm_env: Vec::new(),
             network: None,
             orphan_grace: ORPHAN_GRACE,
+            require_jail: false,
         }
     }
 }

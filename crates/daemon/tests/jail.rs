@@ -1,0 +1,52 @@
+//! forkboxd where a part of the VMMs' jail cannot be set up: it says so
+//! once, loudly, and `--require-jail` refuses to start.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Output};
+
+/// Runs forkboxd without privileges: as `nobody` when we are root (from a
+/// copy every user may run), as ourselves otherwise.
+fn unprivileged_forkboxd(args: &[&str]) -> Output {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let exe = dir.path().join("forkboxd");
+    std::fs::copy(env!("CARGO_BIN_EXE_forkboxd"), &exe).expect("copy forkboxd");
+    // /proc/self belongs to our effective user.
+    let root =
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").expect("/proc/self"))
+            == 0;
+    let mut cmd = if root {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(&exe);
+        c
+    } else {
+        Command::new(&exe)
+    };
+    cmd.arg("--no-state")
+        .args(args)
+        .env_remove("FORKBOX_TOKEN")
+        .output()
+        .expect("run forkboxd (and setpriv, from util-linux)")
+}
+
+#[test]
+fn forkboxd_without_cap_sys_admin_says_so_and_require_jail_refuses() {
+    // TCP without a token: refused after the jail's check, wherever this
+    // runs, so the daemon never starts.
+    let tcp = ["--listen", "tcp://127.0.0.1:1"];
+    let refused = unprivileged_forkboxd(&[&tcp[..], &["--require-jail"]].concat());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(
+        err.contains("--require-jail refuses to run without it") && err.contains("CAP_SYS_ADMIN"),
+        "{err}"
+    );
+    // Without the flag it goes on, after one loud warning.
+    let warned = unprivileged_forkboxd(&tcp);
+    let err = String::from_utf8_lossy(&warned.stderr);
+    assert!(
+        err.matches("JAIL IS INCOMPLETE").count() == 1 && err.contains("needs a bearer token"),
+        "{err}"
+    );
+}

@@ -1,0 +1,65 @@
+//! What of a VMM's jail this host lets forkbox set up, said once by its
+//! caller (the daemon at start), and refused with `--require-jail`.
+//!
+//! Every VMM drops its capabilities, sets `no_new_privs` and installs its
+//! seccomp filters wherever it runs (no privilege needed). What needs one:
+//! leaving the host's network namespace (`CAP_SYS_ADMIN`), without which a
+//! VMM that a guest took over could reach the host's network.
+
+/// `CAP_SYS_ADMIN`'s bit in the capability sets.
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// One part of the jail this process cannot give its VMMs, with what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gap {
+    pub missing: &'static str,
+    pub remedy: &'static str,
+}
+
+impl std::fmt::Display for Gap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.missing, self.remedy)
+    }
+}
+
+/// The parts of the jail this process's VMMs will run without.
+pub fn gaps() -> Vec<Gap> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    gaps_in(&status)
+}
+
+/// [`gaps`] for a `/proc/PID/status` text.
+pub fn gaps_in(status: &str) -> Vec<Gap> {
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .unwrap_or(0);
+    let mut gaps = Vec::new();
+    if effective & (1 << CAP_SYS_ADMIN) == 0 {
+        gaps.push(Gap {
+            missing: "VMMs keep the host's network namespace: leaving it needs CAP_SYS_ADMIN",
+            remedy: "run forkboxd as root",
+        });
+    }
+    gaps
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_in_root_has_none_and_unprivileged_names_the_network() {
+        let root = "Name:\tforkboxd\nCapEff:\t000001ffffffffff\n";
+        assert_eq!(gaps_in(root), vec![]);
+        let user = "Name:\tforkboxd\nCapEff:\t0000000000000000\n";
+        let gaps = gaps_in(user);
+        assert_eq!(gaps.len(), 1);
+        assert!(gaps[0].to_string().contains("CAP_SYS_ADMIN"), "{}", gaps[0]);
+        // All but CAP_SYS_ADMIN is still a gap.
+        assert_eq!(gaps_in("CapEff:\t000001ffffdfffff\n").len(), 1);
+        // An unreadable status is treated as no privilege.
+        assert_eq!(gaps_in("").len(), 1);
+    }
+}
