@@ -107,6 +107,76 @@ fn blk() {
     put("virtio_blk", "read-past-end", &request(0, 15, 1024));
 }
 
+fn mmio() {
+    // Register operations: (op, offset[, value]); op bits 0-2 the kind
+    // (0 read, 1 write, 2 kick, 3 save and restore, 4 device events),
+    // bits 6-7 the width (2: four bytes).
+    let read = |off: u16| [&[0x80u8][..], &off.to_le_bytes()].concat();
+    let write =
+        |off: u16, v: u32| [&[0x81u8][..], &off.to_le_bytes(), &v.to_le_bytes(), &[0; 4]].concat();
+    let kick = [0x82u8, 0, 0, 0].to_vec();
+    let fork = [0x83u8, 0, 0].to_vec();
+    let events = [0x84u8, 0, 0].to_vec();
+    // The driver's bring-up of a 16-entry queue as Ring::at(0, 16) lays it
+    // out (table 0, avail 0x100, used 0x128): ACKNOWLEDGE, DRIVER,
+    // VERSION_1 accepted, FEATURES_OK, the queue, DRIVER_OK.
+    let init: Vec<u8> = [
+        read(0x0),
+        read(0x4),
+        read(0x8),
+        write(0x70, 1),
+        write(0x70, 3),
+        read(0x10),
+        write(0x24, 1),
+        write(0x20, 1),
+        write(0x70, 0xb),
+        write(0x30, 0),
+        read(0x34),
+        write(0x38, 16),
+        write(0x80, 0),
+        write(0x90, 0x100),
+        write(0xa0, 0x128),
+        write(0x44, 1),
+        write(0x70, 0xf),
+    ]
+    .concat();
+    // One read request waiting in the ring.
+    let t = table(&[
+        desc(0x200, 16, 1, 1),
+        desc(0x300, 64, 3, 2),
+        desc(0x3f0, 1, 2, 0),
+    ]);
+    let mem = image(&[(0, &t), (0x100, &[0, 0, 1, 0, 0, 0]), (0x3f0, &[0xff])]);
+    let with_mem = |ops: &[Vec<u8>]| {
+        let mut v = (mem.len() as u16).to_le_bytes().to_vec();
+        v.extend(&mem);
+        v.extend(ops.concat());
+        v
+    };
+    put(
+        "virtio_mmio",
+        "driver-init-kick-fork",
+        &with_mem(&[
+            init.clone(),
+            kick.clone(),
+            fork.clone(),
+            read(0x60),
+            write(0x64, 1),
+            events,
+        ]),
+    );
+    put(
+        "virtio_mmio",
+        "fork-with-a-request-pending",
+        &with_mem(&[init.clone(), fork.clone(), kick.clone()]),
+    );
+    put(
+        "virtio_mmio",
+        "reset-midway",
+        &with_mem(&[init.clone(), kick.clone(), write(0x70, 0), fork, init, kick]),
+    );
+}
+
 fn vsock_hdr(op: u16, len: u32, flags: u32) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(&3u64.to_le_bytes());
@@ -497,6 +567,7 @@ fn template() {
 fn main() {
     chains();
     blk();
+    mmio();
     vsock();
     gateway();
     dns();

@@ -30,7 +30,7 @@ const TURNS: usize = 8;
 
 /// The disk: an unlinked temporary file, opened by its `/proc` path (it
 /// lives as long as the process, and leaves nothing behind).
-fn disk() -> &'static (File, PathBuf) {
+pub(crate) fn disk() -> &'static (File, PathBuf) {
     static DISK: OnceLock<(File, PathBuf)> = OnceLock::new();
     DISK.get_or_init(|| {
         let dir = std::env::temp_dir();

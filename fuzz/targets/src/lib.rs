@@ -13,6 +13,9 @@
 //!   guest memory (two regions with a hole) the input fills.
 //! - [`virtio_blk`]: the virtio-blk device serving the requests of a queue
 //!   the input lays out in guest memory.
+//! - [`virtio_mmio`]: the virtio-mmio transport (of a virtio-blk device)
+//!   driven by register reads and writes at any offset and width, kicks,
+//!   and a save and restore midway.
 //! - [`vsock_packets`]: the virtio-vsock device with a host client, driven
 //!   by guest packets and host actions the input lists.
 //! - [`gateway_frames`]: the sandbox network's gateway fed the guest's
@@ -31,6 +34,7 @@ mod chain;
 mod dns;
 mod gateway;
 mod input;
+mod mmio;
 mod policy;
 mod ring;
 mod template;
@@ -41,6 +45,7 @@ pub use blk::virtio_blk;
 pub use chain::virtio_chain;
 pub use dns::dns_query;
 pub use gateway::{fix_checksums, gateway_frames};
+pub use mmio::virtio_mmio;
 pub use policy::policy_rules;
 pub use template::template_spec;
 pub use vsock::vsock_packets;
@@ -53,6 +58,7 @@ pub type Target = fn(&[u8]);
 pub const TARGETS: &[(&str, Target)] = &[
     ("virtio_chain", virtio_chain),
     ("virtio_blk", virtio_blk),
+    ("virtio_mmio", virtio_mmio),
     ("vsock_packets", vsock_packets),
     ("gateway_frames", gateway_frames),
     ("dns_query", dns_query),
