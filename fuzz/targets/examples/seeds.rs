@@ -177,6 +177,56 @@ fn mmio() {
     );
 }
 
+fn broker() {
+    // A policy selector, then the datagram.
+    let req = |policy: u8, json: &str| [&[policy][..], json.as_bytes()].concat();
+    let seeds: [(&str, u8, &str); 8] = [
+        (
+            "host-port-allowed",
+            2,
+            r#"{"op":"connect","id":1,"name":"host.forkbox.internal","address":"10.0.2.2","port":8080}"#,
+        ),
+        (
+            "host-port-denied",
+            2,
+            r#"{"op":"connect","id":2,"address":"10.0.2.2","port":22}"#,
+        ),
+        (
+            "name-rule-public",
+            2,
+            r#"{"op":"connect","id":3,"name":"a.example.org","address":"93.184.216.34","port":443}"#,
+        ),
+        (
+            "star-private",
+            1,
+            r#"{"op":"connect","id":4,"name":"db.internal","address":"10.1.2.3","port":5432}"#,
+        ),
+        (
+            "star-host-address",
+            1,
+            r#"{"op":"connect","id":5,"address":"198.51.100.7","port":80}"#,
+        ),
+        (
+            "cidr-private",
+            3,
+            r#"{"op":"connect","id":6,"address":"10.1.200.1","port":22}"#,
+        ),
+        (
+            "deny-all",
+            0,
+            r#"{"op":"connect","id":7,"address":"203.0.113.9","port":443}"#,
+        ),
+        (
+            "resolve",
+            1,
+            r#"{"op":"resolve","id":8,"name":"example.org"}"#,
+        ),
+    ];
+    for (name, policy, json) in seeds {
+        put("broker_requests", name, &req(policy, json));
+    }
+}
+
 fn vsock_hdr(op: u16, len: u32, flags: u32) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(&3u64.to_le_bytes());
@@ -568,6 +618,7 @@ fn main() {
     chains();
     blk();
     mmio();
+    broker();
     vsock();
     gateway();
     dns();

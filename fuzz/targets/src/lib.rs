@@ -26,10 +26,13 @@
 //! - [`agent_client`]: the host's `AgentClient` reading what a hostile
 //!   agent sends on a real unix socket.
 //! - [`policy_rules`]: egress rules and policies.
+//! - [`broker_requests`]: the network broker's parsing and planning of
+//!   what a VMM asks it.
 //! - [`template_spec`]: forkboxd's template specs (`POST /templates`).
 
 mod agent;
 mod blk;
+mod broker;
 mod chain;
 mod dns;
 mod gateway;
@@ -42,6 +45,7 @@ mod vsock;
 
 pub use agent::{agent_client, agent_frames};
 pub use blk::virtio_blk;
+pub use broker::broker_requests;
 pub use chain::virtio_chain;
 pub use dns::dns_query;
 pub use gateway::{fix_checksums, gateway_frames};
@@ -65,5 +69,6 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("agent_frames", agent_frames),
     ("agent_client", agent_client),
     ("policy_rules", policy_rules),
+    ("broker_requests", broker_requests),
     ("template_spec", template_spec),
 ];

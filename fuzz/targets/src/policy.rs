@@ -84,7 +84,7 @@ fn decide(policy: &Policy, p: &[u8; 24]) {
 }
 
 /// What no rule may open (the policy module's decision 2).
-fn special(ip: IpAddr) -> bool {
+pub(crate) fn special(ip: IpAddr) -> bool {
     let ip = match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
