@@ -1,28 +1,15 @@
 //! forkboxd where a part of the VMMs' jail cannot be set up: it says so
 //! once, loudly, and `--require-jail` refuses to start.
 
-use std::os::unix::fs::PermissionsExt;
-use std::process::{Command, Output};
+#[path = "../../vmm/tests/support/unprivileged.rs"]
+mod unprivileged;
 
-/// Runs forkboxd without privileges: as `nobody` when we are root (from a
-/// copy every user may run), as ourselves otherwise.
+use std::process::Output;
+
+/// forkboxd run without privileges, with `args`.
 fn unprivileged_forkboxd(args: &[&str]) -> Output {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let exe = dir.path().join("forkboxd");
-    std::fs::copy(env!("CARGO_BIN_EXE_forkboxd"), &exe).expect("copy forkboxd");
-    // /proc/self belongs to our effective user.
-    let root =
-        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").expect("/proc/self"))
-            == 0;
-    let mut cmd = if root {
-        let mut c = Command::new("setpriv");
-        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-            .arg(&exe);
-        c
-    } else {
-        Command::new(&exe)
-    };
+    let (_dir, mut cmd) =
+        unprivileged::command(std::path::Path::new(env!("CARGO_BIN_EXE_forkboxd")));
     cmd.arg("--no-state")
         .args(args)
         .env_remove("FORKBOX_TOKEN")
