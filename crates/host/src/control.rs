@@ -138,12 +138,14 @@ impl Control {
     /// VMM started with an orphan grace ends that long after its last
     /// owner's connection closed (this process died) unless another
     /// process owns it again.
+    /// Bounded by [`DIAGNOSE_TIMEOUT`]: a VMM answers `own` at once, so
+    /// one that does not (a wedged fork child) is not waited for.
     pub fn own(&self) -> Result<UnixStream, ControlError> {
         let op = Request::Own.op();
         let stream = self.connect()?;
         let io_err = |source| ControlError::Io { op, source };
         stream
-            .set_read_timeout(Some(ANSWER_TIMEOUT))
+            .set_read_timeout(Some(DIAGNOSE_TIMEOUT))
             .map_err(io_err)?;
         (&stream)
             .write_all(&Request::Own.to_line())

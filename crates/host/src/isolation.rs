@@ -80,10 +80,18 @@ impl Verdict {
     }
 }
 
-/// Runs `script` in the guest; its stdout, or why it failed.
+/// Longest a step of the check may take in a guest (reading 4096 pages
+/// takes seconds in the emulated host): a guest that stops answering fails
+/// the check instead of holding its caller.
+const STEP_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Runs `script` in the guest, within [`STEP_LIMIT`]; its stdout, or why
+/// it failed.
 fn sh(agent: &AgentClient, script: &str) -> Result<String, String> {
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let r = agent
+        .clone()
+        .with_call_timeout(STEP_LIMIT)
         .exec(
             &ExecRequest::shell(script),
             None,

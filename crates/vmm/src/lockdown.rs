@@ -430,7 +430,7 @@ fn install_handler() -> Result<(), LockdownError> {
 }
 
 /// The SIGSYS handler: reports the refused call, then dies of it.
-extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // On x86_64 the SIGSYS part of siginfo_t holds the call's address (8
     // bytes) at offset 16, then its number (an int) at offset 24.
     // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers.
@@ -444,14 +444,38 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             unsafe { libc::write(fd, msg.as_ptr().cast(), len) };
         }
     }
+    // The call's own arguments, from the registers the kernel saved: the
+    // filter decides some calls by their arguments, so only the same
+    // arguments are sure to be refused again.
+    // SAFETY: the kernel passes a valid ucontext_t for SA_SIGINFO handlers.
+    let args = unsafe {
+        let regs = &(*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs;
+        [
+            libc::REG_RDI,
+            libc::REG_RSI,
+            libc::REG_RDX,
+            libc::REG_R10,
+            libc::REG_R8,
+            libc::REG_R9,
+        ]
+        .map(|r| regs[r as usize])
+    };
     // SAFETY: restoring the default action and repeating the refused call
-    // (which the filter traps again) kills the process with SIGSYS; both
-    // are async-signal-safe.
+    // as it was made (which the filter traps again) kills the process with
+    // SIGSYS; both are async-signal-safe.
     unsafe {
         let mut act: libc::sigaction = std::mem::zeroed();
         act.sa_sigaction = libc::SIG_DFL;
         libc::sigaction(libc::SIGSYS, &act, std::ptr::null_mut());
-        libc::syscall(nr as libc::c_long);
+        libc::syscall(
+            nr as libc::c_long,
+            args[0],
+            args[1],
+            args[2],
+            args[3],
+            args[4],
+            args[5],
+        );
         libc::_exit(forkbox_vmm_api::exit_code::VMM_ERROR);
     }
 }
@@ -632,6 +656,24 @@ mod tests {
         assert!(
             libc::WIFSIGNALED(inet) && libc::WTERMSIG(inet) == libc::SIGSYS,
             "status {inet:#x}"
+        );
+    }
+
+    #[test]
+    fn refused_call_decided_by_its_arguments_still_ends_by_sigsys() {
+        // The handler repeats the call with its own arguments: `clone`
+        // with a namespace flag is refused again (with no arguments it
+        // would have been allowed, and the process would have gone on).
+        let status = in_filtered_child("main", main_rules(false), || {
+            if install_handler().is_err() {
+                return 91;
+            }
+            // SAFETY: a clone with a namespace flag is refused before it runs.
+            unsafe { libc::syscall(libc::SYS_clone, libc::CLONE_NEWNET | libc::SIGCHLD, 0) as i32 }
+        });
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS,
+            "status {status:#x}"
         );
     }
 
