@@ -309,7 +309,12 @@ pub(crate) fn vmm_without_an_owner_ends_after_its_grace() -> TestResult {
 
 pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
-    let agent = vm.agent().clone();
+    // Bounded: a guest or VMM that stops answering fails the trial (with
+    // where it was, below) instead of holding the shard.
+    let agent = vm
+        .agent()
+        .clone()
+        .with_call_timeout(Duration::from_secs(120));
     // The exec itself dies with the guest: only the VMM's status matters.
     let _ = agent.exec(
         &ExecRequest::shell("echo c > /proc/sysrq-trigger"),
@@ -322,7 +327,13 @@ pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
     let code = status.and_then(|s| s.code());
     check(
         code == Some(vmm_exit::PANIC),
-        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+        format!(
+            "VMM ended with {status:?}\n--- vCPUs ---\n{}\n--- serial log (tail) ---\n{}",
+            vm.control()
+                .vcpus()
+                .unwrap_or_else(|e| format!("(not readable: {e})")),
+            vm.serial_tail(20)
+        ),
     )
 }
 
@@ -342,6 +353,8 @@ pub(crate) fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
     let mut vm = boot(VmSpec::default());
     let _ = vm
         .agent()
+        .clone()
+        .with_call_timeout(Duration::from_secs(120))
         .exec(&ExecRequest::argv(["reboot", "-f"]), None, &mut |_, _| {});
     let status = vm
         .wait_exit(Duration::from_secs(60))
