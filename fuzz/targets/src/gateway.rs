@@ -165,7 +165,10 @@ fn check(gw: &mut Gateway<Table, Mem>, c: &GatewayConfig) {
     let s = gw.stats();
     assert!(s.connections <= c.max_connections, "{s:?}");
     assert!(s.pending <= c.max_pending, "{s:?}");
-    assert!(s.frames_to_guest <= c.max_queued_frames, "{s:?}");
+    // A frame taken from the guest may queue its direct reply past the
+    // limit (`QueueDevice::receive`, by design): at most one per queued
+    // guest frame.
+    assert!(s.frames_to_guest <= 2 * c.max_queued_frames, "{s:?}");
     assert!(s.frames_from_guest <= c.max_queued_frames, "{s:?}");
     assert!(s.names <= c.max_names, "{s:?}");
     assert!(s.log_records <= c.log_capacity, "{s:?}");
