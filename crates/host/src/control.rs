@@ -141,20 +141,7 @@ impl Control {
     /// Bounded by [`DIAGNOSE_TIMEOUT`]: a VMM answers `own` at once, so
     /// one that does not (a wedged fork child) is not waited for.
     pub fn own(&self) -> Result<UnixStream, ControlError> {
-        let op = Request::Own.op();
-        let stream = self.connect()?;
-        let io_err = |source| ControlError::Io { op, source };
-        stream
-            .set_read_timeout(Some(DIAGNOSE_TIMEOUT))
-            .map_err(io_err)?;
-        (&stream)
-            .write_all(&Request::Own.to_line())
-            .map_err(io_err)?;
-        let mut answer = String::new();
-        BufReader::new(&stream)
-            .read_line(&mut answer)
-            .map_err(io_err)?;
-        decode_answer::<Done>(&answer).map_err(|e| ControlError::answer(op, e))?;
+        let (stream, Done {}) = self.exchange(&Request::Own, DIAGNOSE_TIMEOUT)?;
         Ok(stream)
     }
 
@@ -168,6 +155,15 @@ impl Control {
         req: &Request,
         timeout: Duration,
     ) -> Result<T, ControlError> {
+        self.exchange(req, timeout).map(|(_, answer)| answer)
+    }
+
+    /// Sends `req` on a new connection; its answer, and the connection.
+    fn exchange<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<(UnixStream, T), ControlError> {
         let op = req.op();
         let stream = self.connect()?;
         let io_err = |source| ControlError::Io { op, source };
@@ -177,7 +173,8 @@ impl Control {
         BufReader::new(&stream)
             .read_line(&mut answer)
             .map_err(io_err)?;
-        decode_answer(&answer).map_err(|e| ControlError::answer(op, e))
+        let answer = decode_answer(&answer).map_err(|e| ControlError::answer(op, e))?;
+        Ok((stream, answer))
     }
 
     fn connect(&self) -> Result<UnixStream, ControlError> {
