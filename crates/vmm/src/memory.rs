@@ -341,10 +341,16 @@ impl SharedMap {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Self {
+        let map = Self {
             addr: p.cast(),
             len,
-        })
+        };
+        // A process forked while this mapping lives (a fork child of this
+        // VMM, or any fork in a test binary's other threads) must not
+        // inherit it: its writable copy would outlive this one and make
+        // F_SEAL_WRITE fail with EBUSY.
+        map.advise(0, len, libc::MADV_DONTFORK)?;
+        Ok(map)
     }
 
     fn advise(&self, at: usize, len: usize, advice: libc::c_int) -> io::Result<()> {
@@ -723,6 +729,36 @@ mod tests {
         let n = ram.write_sparse_to(&file, &paused).expect("snapshot");
         assert_eq!(n, 2 * PAGE as u64);
         let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_process_forked_during_the_copy_does_not_keep_the_memfd_writable() {
+        let file = memfd(c"forkbox-test").expect("memfd");
+        file.set_len(PAGE as u64).expect("size");
+        let map = SharedMap::new(&file, 0, PAGE).expect("map");
+        map.write(0, &[7]);
+        let (read, write) = rustix::pipe::pipe().expect("pipe");
+        // SAFETY: the child only blocks in read(2) and ends with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            let mut byte = [0u8];
+            // SAFETY: closes the child's copy of the write end (so the
+            // parent's drop ends the read), reads into a local buffer, then
+            // ends the child without running the parent's destructors.
+            unsafe {
+                libc::close(write.as_raw_fd());
+                libc::read(read.as_raw_fd(), byte.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        drop(map);
+        let sealed = rustix::fs::fcntl_add_seals(&file, SealFlags::WRITE);
+        drop(write);
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is a valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        sealed.expect("F_SEAL_WRITE while a forked child lives");
     }
 
     #[test]
