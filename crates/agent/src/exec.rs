@@ -507,10 +507,10 @@ fn internal(what: &str, e: &io::Error) -> AgentError {
 
 /// A user from `/etc/passwd`.
 #[derive(Debug, Clone)]
-struct Account {
-    name: String,
-    uid: u32,
-    gid: u32,
+pub(crate) struct Account {
+    pub(crate) name: String,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
     home: String,
 }
 
@@ -529,7 +529,7 @@ fn passwd_entries() -> Vec<Account> {
         .collect()
 }
 
-fn lookup_user(user: &User) -> Result<Account, AgentError> {
+pub(crate) fn lookup_user(user: &User) -> Result<Account, AgentError> {
     let entries = passwd_entries();
     match user {
         User::Name(name) => entries

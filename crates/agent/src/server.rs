@@ -11,7 +11,7 @@ use std::thread;
 use forkbox_proto::frame::{read_frame, write_frame, FrameError};
 use forkbox_proto::{
     decode_control, encode_control, AgentError, ErrorKind, FrameKind, Hello, Request, Response,
-    MAX_FRAME_LEN,
+    User, MAX_FRAME_LEN,
 };
 
 use crate::execs::ExecTable;
@@ -141,6 +141,13 @@ fn handle(conn: &UnixStream, agent: &Agent) {
             )
         }
     };
+    let req = match req {
+        Request::AsUser { user, request } => match as_user(&user, *request) {
+            Ok(req) => req,
+            Err(e) => return reply_error(conn, e),
+        },
+        req => req,
+    };
     let outcome = match req {
         Request::Ping => reply(conn, Ok(Response::Pong)),
         Request::Shutdown => {
@@ -189,10 +196,33 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::AttachProcess { pid, follow } => {
             background::attach(conn, &agent.execs, pid, follow)
         }
+        Request::AsUser { .. } => Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            "AsUser carries one file request, not another AsUser",
+        )),
     };
     if let Err(e) = outcome {
         reply_error(conn, e);
     }
+}
+
+/// Takes on `user`'s rights for the rest of this connection's thread, and
+/// returns the file request to carry out with them.
+fn as_user(user: &User, request: Request) -> Result<Request, AgentError> {
+    if !request.is_file_request() {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            "AsUser carries only a file request (an exec names its user itself)",
+        ));
+    }
+    let account = crate::exec::lookup_user(user)?;
+    crate::sys::become_user_on_this_thread(account.uid, account.gid).map_err(|e| {
+        AgentError::new(
+            ErrorKind::Internal,
+            format!("cannot act as {} (uid {}): {e}", account.name, account.uid),
+        )
+    })?;
+    Ok(request)
 }
 
 /// How long a shutdown waits for its client to take the answer.

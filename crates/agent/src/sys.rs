@@ -120,6 +120,20 @@ pub fn set_child_subreaper() -> io::Result<()> {
     ))?)
 }
 
+/// Gives the calling thread (only: Linux keeps credentials per thread)
+/// and the threads it starts `uid` and `gid` as real, effective and saved
+/// ids, and no supplementary groups. For a uid other than 0 that also
+/// clears the thread's capabilities: from then on the kernel checks every
+/// file it touches as that user's, and there is no way back to root.
+pub fn become_user_on_this_thread(uid: u32, gid: u32) -> io::Result<()> {
+    use rustix::process::{Gid, Uid};
+    let (uid, gid) = (Uid::from_raw(uid), Gid::from_raw(gid));
+    rustix::thread::set_thread_groups(&[])?;
+    rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+    rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+    Ok(())
+}
+
 /// `geteuid(2)`.
 pub fn effective_uid() -> u32 {
     rustix::process::geteuid().as_raw()

@@ -290,6 +290,68 @@ fn exec_as_user_drops_privileges() {
     );
 }
 
+/// File requests as a user are checked by the kernel as that user's: a
+/// link to a root-only file is refused, not followed as root, and what the
+/// user writes is theirs.
+#[test]
+fn files_as_user_act_with_that_users_rights() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test switches users: run it as root"
+    );
+    let agent = Agent::start();
+    let shared = agent.dir.path().join("shared");
+    fs::create_dir(&shared).expect("mkdir");
+    fs::set_permissions(agent.dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o755)).expect("chmod");
+    let secret = shared.join("expected-answer");
+    fs::write(&secret, "42").expect("write");
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).expect("chmod");
+    std::os::unix::fs::symlink(&secret, shared.join("answer")).expect("symlink");
+    let open = agent.dir.path().join("open");
+    fs::create_dir(&open).expect("mkdir");
+    fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).expect("chmod");
+
+    let nobody = agent
+        .client()
+        .with_file_user(Some(User::Name("nobody".into())));
+    for path in ["shared/answer", "shared/expected-answer"] {
+        let err = nobody
+            .read_file(&agent.path(path), &mut Vec::new())
+            .expect_err("root-only");
+        assert_eq!(
+            err.agent_error().map(|e| e.kind),
+            Some(ErrorKind::PermissionDenied),
+            "{path}: {err}"
+        );
+    }
+    let err = nobody
+        .write_file(&agent.path("shared/planted"), 0o644, &mut &b"x"[..])
+        .expect_err("root's directory");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::PermissionDenied),
+        "{err}"
+    );
+    nobody
+        .write_file(&agent.path("open/mine"), 0o644, &mut &b"mine"[..])
+        .expect("a directory anyone may write");
+    let meta = fs::metadata(open.join("mine")).expect("written");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&meta),
+        65534,
+        "owned by nobody"
+    );
+    // Root, asked without a user, still reads it: the agent itself is
+    // unchanged by a user's request.
+    let mut root_read = Vec::new();
+    agent
+        .client()
+        .read_file(&agent.path("shared/answer"), &mut root_read)
+        .expect("root");
+    assert_eq!(root_read, b"42");
+}
+
 #[test]
 fn exec_missing_binary_exit_127() {
     let agent = Agent::start();

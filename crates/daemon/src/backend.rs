@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use forkbox_host::control::Control;
 use forkbox_host::image::ImageName;
-use forkbox_host::vm::{Assets, Vm, VmError, VmHandle, VmSpec};
+use forkbox_host::vm::{Assets, Vm, VmEnd, VmError, VmHandle, VmSpec};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
@@ -80,8 +80,8 @@ pub trait BackendVm: Send + Sync {
     fn agent(&self) -> AgentClient;
     /// The VMM's process id, if it is a process.
     fn pid(&self) -> Option<u32>;
-    /// Whether the VM still runs. `Some(reason)` once it ended by itself.
-    fn exited(&self) -> Option<String>;
+    /// Whether the VM still runs. `Some(end)` once it ended by itself.
+    fn exited(&self) -> Option<VmEnd>;
     /// How long it took to come up: spawn (or fork request) to the
     /// agent's answer.
     fn boot_time(&self) -> Duration;
@@ -190,6 +190,9 @@ struct ForkboxVm {
     /// Its control socket, asked without the lock (a fork or pause in
     /// progress must not hold up a metrics scrape).
     control: Control,
+    /// How it ended, once seen (its VMM is reaped then: it is not seen
+    /// twice).
+    end: std::sync::OnceLock<VmEnd>,
 }
 
 impl ForkboxVm {
@@ -202,6 +205,7 @@ impl ForkboxVm {
             replaced: vm.replaced.clone(),
             handle: vm.handle(),
             control: vm.control().clone(),
+            end: std::sync::OnceLock::new(),
             vm: RwLock::new(vm),
         })
     }
@@ -225,18 +229,18 @@ impl BackendVm for ForkboxVm {
         Some(self.pid)
     }
 
-    fn exited(&self) -> Option<String> {
+    fn exited(&self) -> Option<VmEnd> {
+        if let Some(end) = self.end.get() {
+            return Some(end.clone());
+        }
         // A fork in progress holds the VM shared: it is alive enough.
         let mut vm = match self.vm.try_write() {
             Ok(vm) => vm,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return None,
         };
-        match vm.wait_exit(Duration::ZERO) {
-            Ok(Some(status)) => Some(forkbox_host::vm::describe_exit(status)),
-            Ok(None) => None,
-            Err(e) => Some(format!("cannot wait for forkbox-vmm: {e}")),
-        }
+        let end = vm.ended()?;
+        Some(self.end.get_or_init(|| end).clone())
     }
 
     fn boot_time(&self) -> Duration {
@@ -337,7 +341,7 @@ pub(crate) mod fake {
     use tokio::sync::watch;
 
     use super::{
-        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
+        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec, VmEnd,
         VmHandle,
     };
 
@@ -376,7 +380,7 @@ pub(crate) mod fake {
         /// The egress log given to each fork child (none: `None`).
         pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
         /// VMs that ended by themselves, by pid, with how they ended.
-        pub lost: Mutex<BTreeMap<u32, String>>,
+        pub lost: Mutex<BTreeMap<u32, VmEnd>>,
         /// What every machine's VMM counted (`None`: an older VMM).
         pub vmm_counters: Mutex<Option<VmmCounters>>,
         /// Machines (by pid) whose VMM does not answer: they fail at once.
@@ -419,11 +423,25 @@ pub(crate) mod fake {
             vms
         }
 
-        /// The VM handed out last ends by itself (`how`): its `exited`
-        /// says so from now on. Returns its pid.
+        /// The VM handed out last ends by itself (`how`), not by its
+        /// guest's doing: its `exited` says so from now on. Returns its pid.
         pub fn lose_last(&self, how: &str) -> u32 {
+            self.end_last(how, false)
+        }
+
+        /// The guest of the VM handed out last ends it (`how`: powered
+        /// off, say). Returns its pid.
+        pub fn guest_ends_last(&self, how: &str) -> u32 {
+            self.end_last(how, true)
+        }
+
+        fn end_last(&self, how: &str, by_guest: bool) -> u32 {
             let pid = self.handed.load(ORD) as u32 + 1000 - 1;
-            self.lost.lock().expect("lost").insert(pid, how.into());
+            let end = VmEnd {
+                how: how.into(),
+                by_guest,
+            };
+            self.lost.lock().expect("lost").insert(pid, end);
             pid
         }
     }
@@ -506,7 +524,7 @@ pub(crate) mod fake {
         fn pid(&self) -> Option<u32> {
             None
         }
-        fn exited(&self) -> Option<String> {
+        fn exited(&self) -> Option<VmEnd> {
             self.world
                 .lost
                 .lock()

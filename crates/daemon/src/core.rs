@@ -81,8 +81,22 @@ pub enum DeathCause {
     Expired,
     /// The VM ended on its own or could not be reached: infrastructure.
     VmLost { reason: String },
+    /// The guest ended its VM itself (powered off, rebooted, its kernel
+    /// panicked): the guest's doing, not the infrastructure's.
+    GuestEnded { reason: String },
     /// The daemon shut down.
     DaemonStopped,
+}
+
+impl DeathCause {
+    /// The death of a VM that ended by itself as `end` says.
+    pub fn ended(end: forkbox_host::vm::VmEnd) -> Self {
+        if end.by_guest {
+            Self::GuestEnded { reason: end.how }
+        } else {
+            Self::VmLost { reason: end.how }
+        }
+    }
 }
 
 /// Bounds that protect the host.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::frame::{read_frame, write_frame, Frame, FrameError, FrameKind};
 use crate::msg::{
     AfterForkReport, AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion,
-    OutputStream, ProcessInfo, Request, Response,
+    OutputStream, ProcessInfo, Request, Response, User,
 };
 use crate::{decode_control, encode_control, DATA_CHUNK, MAX_FRAME_LEN, PROTOCOL_VERSION};
 
@@ -83,6 +83,8 @@ pub struct AgentClient {
     target: Target,
     handshake_timeout: Duration,
     call_timeout: Option<Duration>,
+    /// Whose rights file requests act with (`None`: root).
+    file_user: Option<User>,
 }
 
 /// Default bound on connecting and receiving the agent's [`Hello`].
@@ -102,6 +104,7 @@ impl AgentClient {
             },
             handshake_timeout: HANDSHAKE_TIMEOUT,
             call_timeout: None,
+            file_user: None,
         }
     }
 
@@ -111,6 +114,7 @@ impl AgentClient {
             target: Target::Unix(path.into()),
             handshake_timeout: HANDSHAKE_TIMEOUT,
             call_timeout: None,
+            file_user: None,
         }
     }
 
@@ -129,6 +133,24 @@ impl AgentClient {
     pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = Some(timeout);
         self
+    }
+
+    /// File requests from this client act with `user`'s rights
+    /// ([`Request::AsUser`]); `None`: as root.
+    pub fn with_file_user(mut self, user: Option<User>) -> Self {
+        self.file_user = user;
+        self
+    }
+
+    /// `req` (a file request) as this client's file user sends it.
+    fn file_request(&self, req: Request) -> Request {
+        match &self.file_user {
+            Some(user) => Request::AsUser {
+                user: user.clone(),
+                request: Box::new(req),
+            },
+            None => req,
+        }
     }
 
     /// Retries [`ping`](Self::ping) until it succeeds or `timeout` passes.
@@ -241,10 +263,10 @@ impl AgentClient {
         to: &mut dyn Write,
     ) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::ReadFile {
+        conn.send(&self.file_request(Request::ReadFile {
             path: path.into(),
             max_bytes,
-        })?;
+        }))?;
         conn.receive_data(to, max_bytes)
     }
 
@@ -269,18 +291,18 @@ impl AgentClient {
         from: &mut dyn Read,
     ) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::WriteFile {
+        conn.send(&self.file_request(Request::WriteFile {
             path: path.into(),
             mode,
             create_parents,
-        })?;
+        }))?;
         conn.send_data(from)
     }
 
     /// Lists a directory (entries are `lstat`ed; `.` and `..` omitted).
     pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::ListDir { path: path.into() })?;
+        conn.send(&self.file_request(Request::ListDir { path: path.into() }))?;
         let mut all = Vec::new();
         loop {
             match conn.response()? {
@@ -301,7 +323,7 @@ impl AgentClient {
     /// `lstat` of a guest path.
     pub fn stat(&self, path: &str) -> Result<FileStat, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::Stat { path: path.into() })?;
+        conn.send(&self.file_request(Request::Stat { path: path.into() }))?;
         match conn.response()? {
             Response::Stat { stat } => Ok(stat),
             other => Err(unexpected(&other)),
@@ -310,19 +332,19 @@ impl AgentClient {
 
     /// `mkdir -p` with permission bits `mode` for created directories.
     pub fn mkdir(&self, path: &str, mode: u32) -> Result<(), ClientError> {
-        self.simple(Request::Mkdir {
+        self.simple(self.file_request(Request::Mkdir {
             path: path.into(),
             mode,
-        })
+        }))
     }
 
     /// Removes a file, symlink or empty directory; with `recursive`, a
     /// whole tree.
     pub fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
-        self.simple(Request::Remove {
+        self.simple(self.file_request(Request::Remove {
             path: path.into(),
             recursive,
-        })
+        }))
     }
 
     /// Streams guest directory `dir` as a tar archive into `to`; returns
@@ -340,10 +362,10 @@ impl AgentClient {
         to: &mut dyn Write,
     ) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::DownloadTar {
+        conn.send(&self.file_request(Request::DownloadTar {
             path: dir.into(),
             max_bytes,
-        })?;
+        }))?;
         conn.receive_data(to, max_bytes)
     }
 
@@ -351,7 +373,7 @@ impl AgentClient {
     /// (created if missing). Entries escaping `dir` are refused.
     pub fn upload_tar(&self, dir: &str, from: &mut dyn Read) -> Result<u64, ClientError> {
         let conn = self.connect()?;
-        conn.send(&Request::UploadTar { path: dir.into() })?;
+        conn.send(&self.file_request(Request::UploadTar { path: dir.into() }))?;
         conn.send_data(from)
     }
 

@@ -15,6 +15,7 @@
 //!    - `WriteFile`, `UploadTar`: the agent answers `Response::Ready` (or an
 //!      error), the client streams `Data` frames and one `Eof`, the agent
 //!      answers `Response::Done { bytes }`.
+//!    - `AsUser`: what its file request's conversation is.
 //!    - `AfterFork`: one `Response::AfterFork`, sent only once the clock
 //!      is set, the RNG reseeded and the execs cut off by the fork have
 //!      ended (see [`AfterForkReport`]).
@@ -174,6 +175,33 @@ pub enum Request {
         pid: u32,
         follow: bool,
     },
+    /// A file request (`ReadFile`, `WriteFile`, `ListDir`, `Stat`,
+    /// `Mkdir`, `Remove`, `DownloadTar`, `UploadTar`) carried out with
+    /// `user`'s rights: the kernel checks every path, link and directory
+    /// it walks as that user's, so a link to where `user` may not go is
+    /// refused ([`ErrorKind::PermissionDenied`]), and what it creates is
+    /// `user`'s. Without it, file requests act as root.
+    AsUser {
+        user: User,
+        request: Box<Request>,
+    },
+}
+
+impl Request {
+    /// Whether this is a file request, which [`Request::AsUser`] may carry.
+    pub fn is_file_request(&self) -> bool {
+        matches!(
+            self,
+            Request::ReadFile { .. }
+                | Request::WriteFile { .. }
+                | Request::ListDir { .. }
+                | Request::Stat { .. }
+                | Request::Mkdir { .. }
+                | Request::Remove { .. }
+                | Request::DownloadTar { .. }
+                | Request::UploadTar { .. }
+        )
+    }
 }
 
 /// A process the agent tracks.
@@ -605,6 +633,13 @@ mod tests {
             Request::AttachProcess {
                 pid: 7,
                 follow: true,
+            },
+            Request::AsUser {
+                user: User::Name("user".into()),
+                request: Box::new(Request::ReadFile {
+                    path: "/work/answer".into(),
+                    max_bytes: Some(10),
+                }),
             },
         ] {
             let json = serde_json::to_vec(&req).expect("serialize");

@@ -14,6 +14,7 @@
 //!   one line.
 //! - [`shape`]: [`VmShape`] and its limits, checked by [`VmShape::validate`].
 //! - [`exit_code`]: the VMM's process exit status.
+//! - [`End`]: how the VM ended, in [`END_FILE`] beside its control socket.
 
 #![forbid(unsafe_code)]
 
@@ -51,4 +52,97 @@ pub mod exit_code {
     pub const RESET: i32 = 2;
     /// The guest kernel panicked (then reset, `panic=-1`).
     pub const PANIC: i32 = 3;
+}
+
+/// The file, beside a VMM's control socket, where it writes how its VM
+/// ended ([`End::word`], a newline, then a sentence) just before it exits.
+/// A forked VMM's exit status goes to its parent VMM, not to the process
+/// that asked for the fork: this file is how that process learns whether
+/// the guest ended the VM or something else did. No file: the VMM was
+/// killed (a signal, the host's OOM killer) before it could write one.
+pub const END_FILE: &str = "vmm-end";
+
+/// How a VM ended, as its VMM saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// The guest powered off (ACPI S5).
+    PowerOff,
+    /// The guest rebooted (the i8042 or the ACPI reset register).
+    Reboot,
+    /// A triple fault: KVM reset the vCPU. A guest kernel can cause one on
+    /// purpose, but a wrong vCPU state after a fork or restore causes one
+    /// too, so it is not counted as the guest's doing.
+    TripleFault,
+    /// The guest kernel panicked.
+    Panic,
+    /// The VMM failed (its error follows in the file and on its stderr).
+    Error,
+}
+
+impl End {
+    const ALL: [End; 5] = [
+        End::PowerOff,
+        End::Reboot,
+        End::TripleFault,
+        End::Panic,
+        End::Error,
+    ];
+
+    /// The file's first line.
+    pub fn word(self) -> &'static str {
+        match self {
+            End::PowerOff => "power_off",
+            End::Reboot => "reboot",
+            End::TripleFault => "triple_fault",
+            End::Panic => "panic",
+            End::Error => "error",
+        }
+    }
+
+    /// The end a file's first line names.
+    pub fn from_word(word: &str) -> Option<End> {
+        Self::ALL.into_iter().find(|e| e.word() == word.trim())
+    }
+
+    /// Whether the guest itself ended the VM (powered off, rebooted,
+    /// panicked): the guest's doing, which a trainer scores, as opposed to
+    /// a failure of forkbox or the host, which it masks.
+    pub fn by_guest(self) -> bool {
+        matches!(self, End::PowerOff | End::Reboot | End::Panic)
+    }
+
+    /// The file's whole text for this end and its sentence.
+    pub fn file_text(self, how: &str) -> String {
+        format!("{}\n{}\n", self.word(), how.trim())
+    }
+
+    /// The end and its sentence from the file's text; `None` for a text
+    /// no VMM wrote.
+    pub fn parse_file(text: &str) -> Option<(End, String)> {
+        let (word, rest) = text.split_once('\n').unwrap_or((text, ""));
+        Some((End::from_word(word)?, rest.trim().to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_file_round_trips_and_knows_whose_doing_it_was() {
+        for end in End::ALL {
+            let text = end.file_text("guest kernel panicked: Kernel panic - not syncing\n");
+            assert_eq!(
+                End::parse_file(&text),
+                Some((
+                    end,
+                    "guest kernel panicked: Kernel panic - not syncing".into()
+                ))
+            );
+        }
+        assert!(End::PowerOff.by_guest() && End::Reboot.by_guest() && End::Panic.by_guest());
+        assert!(!End::TripleFault.by_guest() && !End::Error.by_guest());
+        assert_eq!(End::parse_file("crashed\n"), None);
+        assert_eq!(End::parse_file(""), None);
+    }
 }

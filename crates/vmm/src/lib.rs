@@ -84,6 +84,19 @@ impl VmExit {
             VmExit::Panic { .. } => exit_code::PANIC,
         }
     }
+
+    /// This end as the VMM notes it for its owner.
+    pub fn end(&self) -> forkbox_vmm_api::End {
+        use forkbox_vmm_api::End;
+        match self {
+            VmExit::PowerOff => End::PowerOff,
+            VmExit::Reset {
+                cause: ResetCause::TripleFault,
+            } => End::TripleFault,
+            VmExit::Reset { .. } => End::Reboot,
+            VmExit::Panic { .. } => End::Panic,
+        }
+    }
 }
 
 impl std::fmt::Display for VmExit {

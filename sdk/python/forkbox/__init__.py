@@ -31,7 +31,8 @@ from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
                          InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
                          TemplateInfrastructureError, UnsafeArchiveError, UnsupportedError,
-                         TooLargeError, GuestTimeoutError, DownloadInterruptedError)
+                         TooLargeError, GuestTimeoutError, GuestEndedError,
+                         DownloadInterruptedError)
 from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
 from .sandbox import CommandHandle, Network, Sandbox
 from .template import AsyncTemplate, Template
@@ -44,5 +45,5 @@ __all__ = [
     "InfrastructureError", "DaemonUnavailableError", "TooLargeError", "GuestTimeoutError",
     "DownloadInterruptedError", "CommandHandle", "AsyncCommandHandle",
     "ProcessInfo", "ProcessOutput", "ProcessTimeoutError", "Network", "AsyncNetwork",
-    "UnsafeArchiveError",
+    "UnsafeArchiveError", "GuestEndedError",
 ]

@@ -91,7 +91,7 @@ def kill(sandbox_id: str) -> "Call[bool]":
 def kill_refused(e: ForkboxError) -> bool:
     """A kill that failed because the sandbox is already dead or unknown
     (`kill` then answers False instead of raising)."""
-    return e.kind in ("not_found", "conflict")
+    return e.kind in ("not_found", "conflict", "guest_ended")
 
 
 def set_timeout(sandbox_id: str, timeout: Optional[float],
@@ -376,60 +376,76 @@ def _files(sandbox_id: str) -> str:
     return _sb(sandbox_id) + "/files"
 
 
-def _download_params(path: str, max_bytes: Optional[int]) -> Dict[str, Any]:
+def _path_params(path: str, user: Optional[Union[str, int]],
+                 **more: Any) -> Dict[str, Any]:
+    """A file call's query: its path, the user it acts as when given
+    (otherwise the daemon's default, the image's unprivileged `user`), and
+    `more` where not None."""
     params: Dict[str, Any] = {"path": path}
-    if max_bytes is not None:
-        params["max_bytes"] = max_bytes
+    if user is not None:
+        params["user"] = str(user)
+    params.update({k: v for k, v in more.items() if v is not None})
     return params
 
 
-def read_file(sandbox_id: str, path: str, format: str,
-              max_bytes: Optional[int] = None) -> "Call[Union[str, bytes]]":
+def _download_params(path: str, max_bytes: Optional[int],
+                     user: Optional[Union[str, int]] = None) -> Dict[str, Any]:
+    return _path_params(path, user, max_bytes=max_bytes)
+
+
+def read_file(sandbox_id: str, path: str, format: str, max_bytes: Optional[int] = None,
+              user: Optional[Union[str, int]] = None) -> "Call[Union[str, bytes]]":
     if format not in ("text", "bytes"):
         raise ValueError(f"format {format!r}: expected 'text' or 'bytes'")
 
     def parse(r: httpx.Response) -> Union[str, bytes]:
         return r.content if format == "bytes" else r.content.decode("utf-8", errors="replace")
-    return Call("GET", _files(sandbox_id), {"params": _download_params(path, max_bytes)}, parse,
-                download=True)
+    return Call("GET", _files(sandbox_id), {"params": _download_params(path, max_bytes, user)},
+                parse, download=True)
 
 
-def write_file(sandbox_id: str, path: str, data: Union[str, bytes], mode: int) -> "Call[int]":
+def write_file(sandbox_id: str, path: str, data: Union[str, bytes], mode: int,
+               user: Optional[Union[str, int]] = None) -> "Call[int]":
     raw = data.encode() if isinstance(data, str) else data
     return Call("PUT", _files(sandbox_id),
-                {"params": {"path": path, "mode": f"{mode:o}"}, "content": raw},
+                {"params": _path_params(path, user, mode=f"{mode:o}"), "content": raw},
                 lambda r: int(r.json()["bytes"]))
 
 
-def list_dir(sandbox_id: str, path: str) -> "Call[List[EntryInfo]]":
+def list_dir(sandbox_id: str, path: str,
+             user: Optional[Union[str, int]] = None) -> "Call[List[EntryInfo]]":
     def parse(r: httpx.Response) -> List[EntryInfo]:
         return [EntryInfo(name=e["name"], path=e["path"], type=e["kind"], size=e["size"],
                           mode=e["mode"], mtime=e["mtime"]) for e in r.json()]
-    return Call("GET", _files(sandbox_id) + "/list", {"params": {"path": path}}, parse)
+    return Call("GET", _files(sandbox_id) + "/list", {"params": _path_params(path, user)}, parse)
 
 
-def stat(sandbox_id: str, path: str) -> "Call[Json]":
-    return Call("GET", _files(sandbox_id) + "/stat", {"params": {"path": path}}, _json)
+def stat(sandbox_id: str, path: str, user: Optional[Union[str, int]] = None) -> "Call[Json]":
+    return Call("GET", _files(sandbox_id) + "/stat", {"params": _path_params(path, user)}, _json)
 
 
-def remove(sandbox_id: str, path: str, recursive: bool) -> "Call[None]":
+def remove(sandbox_id: str, path: str, recursive: bool,
+           user: Optional[Union[str, int]] = None) -> "Call[None]":
     return Call("DELETE", _files(sandbox_id),
-                {"params": {"path": path, "recursive": str(recursive).lower()}}, _none)
+                {"params": _path_params(path, user, recursive=str(recursive).lower())}, _none)
 
 
-def make_dir(sandbox_id: str, path: str) -> "Call[None]":
-    return Call("POST", _files(sandbox_id) + "/mkdir", {"params": {"path": path}}, _none)
+def make_dir(sandbox_id: str, path: str, user: Optional[Union[str, int]] = None) -> "Call[None]":
+    return Call("POST", _files(sandbox_id) + "/mkdir", {"params": _path_params(path, user)},
+                _none)
 
 
-def upload_tar(sandbox_id: str, path: str, tar_bytes: bytes) -> "Call[int]":
-    return Call("PUT", _files(sandbox_id) + "/tar", {"params": {"path": path},
+def upload_tar(sandbox_id: str, path: str, tar_bytes: bytes,
+               user: Optional[Union[str, int]] = None) -> "Call[int]":
+    return Call("PUT", _files(sandbox_id) + "/tar", {"params": _path_params(path, user),
                                                      "content": tar_bytes},
                 lambda r: int(r.json()["bytes"]))
 
 
-def download_tar(sandbox_id: str, path: str, max_bytes: Optional[int] = None) -> "Call[bytes]":
+def download_tar(sandbox_id: str, path: str, max_bytes: Optional[int] = None,
+                 user: Optional[Union[str, int]] = None) -> "Call[bytes]":
     return Call("GET", _files(sandbox_id) + "/tar",
-                {"params": _download_params(path, max_bytes)}, lambda r: r.content,
+                {"params": _download_params(path, max_bytes, user)}, lambda r: r.content,
                 download=True)
 
 

@@ -138,43 +138,46 @@ class AsyncFiles:
         return await _do(self._sb._client, call)
 
     async def read(self, path: str, format: str = "text",
-                   max_bytes: Optional[int] = None) -> Union[str, bytes]:
-        return await self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes))
+                   max_bytes: Optional[int] = None, user: Optional[Union[str, int]] = None) -> Union[str, bytes]:
+        return await self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes, user))
 
-    async def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
-        return await self._do(_api.write_file(self._sb.sandbox_id, path, data, mode))
+    async def write(self, path: str, data: Union[str, bytes], mode: int = 0o644,
+                    user: Optional[Union[str, int]] = None) -> int:
+        return await self._do(_api.write_file(self._sb.sandbox_id, path, data, mode, user))
 
-    async def list(self, path: str) -> List[EntryInfo]:
-        return await self._do(_api.list_dir(self._sb.sandbox_id, path))
+    async def list(self, path: str, user: Optional[Union[str, int]] = None) -> List[EntryInfo]:
+        return await self._do(_api.list_dir(self._sb.sandbox_id, path, user))
 
-    async def stat(self, path: str) -> Dict[str, Any]:
-        return await self._do(_api.stat(self._sb.sandbox_id, path))
+    async def stat(self, path: str, user: Optional[Union[str, int]] = None) -> Dict[str, Any]:
+        return await self._do(_api.stat(self._sb.sandbox_id, path, user))
 
-    async def exists(self, path: str) -> bool:
+    async def exists(self, path: str, user: Optional[Union[str, int]] = None) -> bool:
         try:
-            await self.stat(path)
+            await self.stat(path, user)
             return True
         except NotFoundError:
             return False
 
-    async def remove(self, path: str, recursive: bool = True) -> None:
-        await self._do(_api.remove(self._sb.sandbox_id, path, recursive))
+    async def remove(self, path: str, recursive: bool = True,
+                     user: Optional[Union[str, int]] = None) -> None:
+        await self._do(_api.remove(self._sb.sandbox_id, path, recursive, user))
 
-    async def make_dir(self, path: str) -> None:
-        await self._do(_api.make_dir(self._sb.sandbox_id, path))
+    async def make_dir(self, path: str, user: Optional[Union[str, int]] = None) -> None:
+        await self._do(_api.make_dir(self._sb.sandbox_id, path, user))
 
-    async def upload_tar(self, path: str, tar_bytes: bytes) -> int:
-        return await self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
+    async def upload_tar(self, path: str, tar_bytes: bytes, user: Optional[Union[str, int]] = None) -> int:
+        return await self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes, user))
 
-    async def download_tar(self, path: str, max_bytes: Optional[int] = None) -> bytes:
-        return await self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes))
+    async def download_tar(self, path: str, max_bytes: Optional[int] = None,
+                           user: Optional[Union[str, int]] = None) -> bytes:
+        return await self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes, user))
 
-    async def upload_dir(self, local_dir: str, path: str) -> int:
-        return await self.upload_tar(path, _tar.pack_dir(local_dir))
+    async def upload_dir(self, local_dir: str, path: str, user: Optional[Union[str, int]] = None) -> int:
+        return await self.upload_tar(path, _tar.pack_dir(local_dir), user)
 
     async def download_dir(self, path: str, local_dir: str,
-                           max_bytes: Optional[int] = None) -> None:
-        _tar.unpack_to(await self.download_tar(path, max_bytes), local_dir)
+                           max_bytes: Optional[int] = None, user: Optional[Union[str, int]] = None) -> None:
+        _tar.unpack_to(await self.download_tar(path, max_bytes, user), local_dir)
 
 
 class AsyncNetwork:

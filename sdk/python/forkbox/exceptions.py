@@ -89,6 +89,14 @@ class GuestTimeoutError(ForkboxError, TimeoutError):
     `TimeoutError`."""
 
 
+class GuestEndedError(ForkboxError):
+    """The sandbox's guest ended its own VM (HTTP 410, kind
+    `guest_ended`): it powered off, rebooted, or its kernel panicked (a
+    sysrq crash, an oops). The sandbox is dead. The guest's doing, not the
+    infrastructure's: score such an episode as the policy's failure, don't
+    mask it."""
+
+
 class DownloadInterruptedError(ForkboxError):
     """A file read or tar download whose stream stopped short of its
     end, not at its limit: the guest failed or did not answer in time
@@ -125,6 +133,7 @@ _BY_KIND = {
     "timeout": ProcessTimeoutError,
     "too_large": TooLargeError,
     "guest_timeout": GuestTimeoutError,
+    "guest_ended": GuestEndedError,
 }
 
 

@@ -5,9 +5,10 @@
     obs, info = env.reset(seed=0)          # a fresh fork of the template's zygote
     obs, reward, terminated, truncated, info = env.step("touch /work/done")
 
-Actions are shell commands (`/bin/sh`, as root unless `user=`); the
-observation is what the command printed, stdout and stderr interleaved,
-as text. Rewards come from the grader, run after every step:
+Actions are shell commands (`/bin/sh`, as the image's unprivileged `user`
+unless `user=` names another, `"root"` say); the observation is what the
+command printed, stdout and stderr interleaved, as text. Rewards come from
+the grader, run after every step:
 
 - a shell command: it exits 0 when the task is finished (the episode is
   then `terminated`), non-zero while it is not. Its reward is the last
@@ -23,6 +24,9 @@ as text. Rewards come from the grader, run after every step:
 The episode is `truncated` after `max_steps` steps. When the sandbox
 machinery fails (create, a lost VM, the agent unreachable)
 `InfrastructureError` is raised: mask such episodes, don't score them.
+When the guest ends its own VM (powers off, reboots, panics its kernel)
+the step is the policy's failure, not an error: the episode is
+`terminated` with reward `0.0` and `info["guest_ended"]` says how.
 
 Observations live in `observation_space`, a `Text` space: output is
 sanitized (CR/LF to LF, characters outside the printable Basic
@@ -43,7 +47,7 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from .exceptions import ForkboxError, InfrastructureError
+from .exceptions import ForkboxError, GuestEndedError, InfrastructureError
 from .models import CommandResult
 from .sandbox import Sandbox
 
@@ -189,9 +193,17 @@ class SandboxEnv(gymnasium.Env[str, str]):
         if not isinstance(action, str):
             raise TypeError(f"an action is a shell command string, not {type(action).__name__}")
         self._steps += 1
-        result = self._run(action, self.step_timeout)
-        obs = self._observe(result)
-        reward, terminated, grade = self._grade(result)
+        try:
+            result = self._run(action, self.step_timeout)
+            obs = self._observe(result)
+            reward, terminated, grade = self._grade(result)
+        except GuestEndedError as e:
+            # The policy ended its own machine: its failure, scored.
+            obs = fit_text(str(e), self._output_space)
+            self._transcript = f"$ {action}\n{obs}"
+            return obs, 0.0, True, False, {"exit_code": None, "timed_out": False,
+                                             "steps": self._steps, "guest_ended": str(e),
+                                             "infrastructure": False}
         truncated = not terminated and self._steps >= self.max_steps
         info: Dict[str, Any] = {"exit_code": result.exit_code, "timed_out": result.timed_out,
                                 "steps": self._steps}
@@ -266,6 +278,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
             death = self.sandbox.get_info().get("death")
         except ForkboxError:
             return False
+        # A death by `guest_ended` needs no translation: the daemon already
+        # answers calls to such a sandbox with `GuestEndedError`.
         return isinstance(death, dict) and "vm_lost" in death
 
 

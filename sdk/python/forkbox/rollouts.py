@@ -11,7 +11,9 @@ The answer is a list with one entry per child, in fork order: what
 again), or the `ForkboxError` that child's fork met (then `fn` did not run
 for it), or a `TimeoutError` when the group's time ran out before `fn`
 finished. Entries that are `ForkboxError`s with `.infrastructure` set are
-the machinery's fault: mask those rather than scoring them.
+the machinery's fault: mask those rather than scoring them. A
+`GuestEndedError` (the child's guest powered off, rebooted or panicked)
+is the policy's own failure: score it.
 """
 
 from __future__ import annotations

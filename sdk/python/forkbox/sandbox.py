@@ -103,7 +103,9 @@ class Commands:
             on_stdout: Optional[Callable[[str], None]] = None,
             on_stderr: Optional[Callable[[str], None]] = None,
             background: bool = False) -> Union[CommandResult, CommandHandle]:
-        """Runs `cmd` (a shell string, or an argv list) and waits for it.
+        """Runs `cmd` (a shell string, or an argv list) and waits for it,
+        as `user` (a name or uid; default `user`, the image's unprivileged
+        user: ask for `"root"` when a command needs it).
         A non-zero exit is a result, not an exception; infrastructure
         failures raise `InfrastructureError`. With `on_stdout`/`on_stderr`,
         output is streamed to them as it is produced.
@@ -143,6 +145,13 @@ class Commands:
 
 
 class Files:
+    """A sandbox's files (`sb.files`). Every call acts with a guest user's
+    rights: `user=` (a name or uid), by default `user`, the image's
+    unprivileged user; `user="root"` must be asked for. The guest's kernel
+    checks each path as that user's, so a link to a file the user may not
+    read is refused (`ForkboxError`, HTTP 403), not followed as root, and
+    what the user writes is theirs."""
+
     def __init__(self, sb: "Sandbox") -> None:
         self._sb = sb
 
@@ -150,55 +159,59 @@ class Files:
         return _do(self._sb._client, call)
 
     def read(self, path: str, format: str = "text",
-             max_bytes: Optional[int] = None) -> Union[str, bytes]:
+             max_bytes: Optional[int] = None, user: Optional[Union[str, int]] = None) -> Union[str, bytes]:
         """The file's text (`format="text"`, UTF-8) or bytes (`"bytes"`).
         Over `max_bytes` (default: the daemon's, 256 MiB): `TooLargeError`.
         A guest that does not finish in time: `GuestTimeoutError`."""
-        return self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes))
+        return self._do(_api.read_file(self._sb.sandbox_id, path, format, max_bytes, user))
 
-    def write(self, path: str, data: Union[str, bytes], mode: int = 0o644) -> int:
+    def write(self, path: str, data: Union[str, bytes], mode: int = 0o644,
+              user: Optional[Union[str, int]] = None) -> int:
         """Writes a file, creating its parent directories; returns its size."""
-        return self._do(_api.write_file(self._sb.sandbox_id, path, data, mode))
+        return self._do(_api.write_file(self._sb.sandbox_id, path, data, mode, user))
 
-    def list(self, path: str) -> List[EntryInfo]:
-        return self._do(_api.list_dir(self._sb.sandbox_id, path))
+    def list(self, path: str, user: Optional[Union[str, int]] = None) -> List[EntryInfo]:
+        return self._do(_api.list_dir(self._sb.sandbox_id, path, user))
 
-    def stat(self, path: str) -> Dict[str, Any]:
-        return self._do(_api.stat(self._sb.sandbox_id, path))
+    def stat(self, path: str, user: Optional[Union[str, int]] = None) -> Dict[str, Any]:
+        return self._do(_api.stat(self._sb.sandbox_id, path, user))
 
-    def exists(self, path: str) -> bool:
+    def exists(self, path: str, user: Optional[Union[str, int]] = None) -> bool:
         try:
-            self.stat(path)
+            self.stat(path, user)
             return True
         except NotFoundError:
             return False
 
-    def remove(self, path: str, recursive: bool = True) -> None:
-        self._do(_api.remove(self._sb.sandbox_id, path, recursive))
+    def remove(self, path: str, recursive: bool = True,
+               user: Optional[Union[str, int]] = None) -> None:
+        self._do(_api.remove(self._sb.sandbox_id, path, recursive, user))
 
-    def make_dir(self, path: str) -> None:
-        self._do(_api.make_dir(self._sb.sandbox_id, path))
+    def make_dir(self, path: str, user: Optional[Union[str, int]] = None) -> None:
+        self._do(_api.make_dir(self._sb.sandbox_id, path, user))
 
-    def upload_tar(self, path: str, tar_bytes: bytes) -> int:
-        return self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes))
+    def upload_tar(self, path: str, tar_bytes: bytes, user: Optional[Union[str, int]] = None) -> int:
+        return self._do(_api.upload_tar(self._sb.sandbox_id, path, tar_bytes, user))
 
-    def download_tar(self, path: str, max_bytes: Optional[int] = None) -> bytes:
+    def download_tar(self, path: str, max_bytes: Optional[int] = None,
+                     user: Optional[Union[str, int]] = None) -> bytes:
         """The guest directory as a tar archive; over `max_bytes`
         (default 256 MiB): `TooLargeError`."""
-        return self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes))
+        return self._do(_api.download_tar(self._sb.sandbox_id, path, max_bytes, user))
 
-    def upload_dir(self, local_dir: str, path: str) -> int:
+    def upload_dir(self, local_dir: str, path: str, user: Optional[Union[str, int]] = None) -> int:
         """Copies the contents of `local_dir` into the guest directory
         `path` (created if missing) as one tar stream; returns its bytes."""
-        return self.upload_tar(path, _tar.pack_dir(local_dir))
+        return self.upload_tar(path, _tar.pack_dir(local_dir), user)
 
-    def download_dir(self, path: str, local_dir: str, max_bytes: Optional[int] = None) -> None:
+    def download_dir(self, path: str, local_dir: str, max_bytes: Optional[int] = None,
+                     user: Optional[Union[str, int]] = None) -> None:
         """Copies the guest directory `path` into `local_dir` (created if
         missing) as one tar stream (at most `max_bytes` of it). A member
         that would land outside `local_dir`, a link leading out, a device or
         a FIFO stops it with `UnsafeArchiveError` naming the member; setuid,
         setgid and sticky bits are dropped."""
-        _tar.unpack_to(self.download_tar(path, max_bytes), local_dir)
+        _tar.unpack_to(self.download_tar(path, max_bytes, user), local_dir)
 
 
 class Network:

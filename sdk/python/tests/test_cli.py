@@ -133,7 +133,7 @@ def test_cli_template_list_and_logs(sb: str) -> None:
     names = [t["name"] for t in json.loads(forkbox("template", "list", "--json").stdout)]
     assert "minimal" in names
     assert forkbox("template", "list").stdout.splitlines()[0].startswith("NAME")
-    forkbox("exec", sb, "--", "sh", "-c", "echo cli-logs-marker > /dev/console")
+    forkbox("exec", sb, "--user", "root", "--", "sh", "-c", "echo cli-logs-marker > /dev/console")
     assert "cli-logs-marker" in forkbox("logs", sb).stdout
     logs = json.loads(forkbox("logs", sb, "--json").stdout)
     assert logs["sandbox"] == sb and "cli-logs-marker" in logs["lines"]

@@ -32,9 +32,9 @@ def test_upload_dir_then_download_dir_round_trips(daemon_url: str, tmp_path: Pat
     src.mkdir()
     _tree(src)
     with Sandbox.create("minimal", timeout=300) as sb:
-        assert sb.files.upload_dir(str(src), "/work/project") > 0
-        assert sb.commands.run("/work/project/sub/deeper/run.sh").stdout == "ran\n"
-        sb.files.download_dir("/work/project", str(back))
+        assert sb.files.upload_dir(str(src), "/home/user/project") > 0
+        assert sb.commands.run("/home/user/project/sub/deeper/run.sh").stdout == "ran\n"
+        sb.files.download_dir("/home/user/project", str(back))
     assert _listing(back) == _listing(src)
 
 
@@ -45,8 +45,8 @@ def test_async_upload_dir_then_download_dir(daemon_url: str, tmp_path: Path) -> 
 
     async def go() -> None:
         async with await AsyncSandbox.create("minimal", timeout=300) as sb:
-            await sb.files.upload_dir(str(src), "/work/p")
-            await sb.files.download_dir("/work/p", str(back))
+            await sb.files.upload_dir(str(src), "/home/user/p")
+            await sb.files.download_dir("/home/user/p", str(back))
 
     asyncio.run(go())
     assert _listing(back) == _listing(src)

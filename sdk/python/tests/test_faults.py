@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from forkbox import ForkboxError, Sandbox
+from forkbox import ForkboxError, GuestEndedError, Sandbox
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +57,32 @@ def test_guest_fork_bomb_is_its_own_and_the_sandbox_can_be_killed(bystander: San
     finally:
         sb.kill()
     _unaffected(bystander)
+
+
+@pytest.mark.parametrize("how,cmd,words", [
+    ("panic", "echo c > /proc/sysrq-trigger", "panicked"),
+    ("poweroff", "poweroff -f", "powered off"),
+    ("reboot", "reboot -f", "guest reset ("),
+])
+def test_guest_that_ends_its_own_vm_is_its_own_failure(bystander: Sandbox, how: str, cmd: str,
+                                                       words: str) -> None:
+    sb = Sandbox.create("minimal", timeout=600)
+    try:
+        try:
+            r = sb.commands.run(cmd, timeout=120, user="root")
+            # The command may answer before the VM ends; the next call meets
+            # the end.
+            r = sb.commands.run("true", timeout=120)
+            pytest.fail(f"{how}: the sandbox still answers: {r}")
+        except GuestEndedError as e:
+            assert not e.infrastructure, e
+            assert e.kind == "guest_ended" and e.status == 410, e
+            assert words in str(e), e
+        death = sb.get_info().get("death")
+        assert isinstance(death, dict) and words in death["guest_ended"]["reason"], death
+        # Every later call says the same.
+        with pytest.raises(GuestEndedError):
+            sb.files.read("/etc/hostname")
+        _unaffected(bystander)
+    finally:
+        sb.kill()

@@ -56,6 +56,26 @@ def test_sandbox_env_episode_rewards_terminates_and_truncates(daemon_url: str) -
         env.close()
 
 
+def test_sandbox_env_policy_that_panics_its_guest_scores_zero_not_an_error(
+        daemon_url: str) -> None:
+    # As root, the policy can panic its own kernel: that is its failure
+    # (terminated, reward 0, flagged), never an infrastructure error.
+    env = SandboxEnv("minimal", grader="test -f /tmp/solved", max_steps=3, user="root")
+    try:
+        env.reset()
+        obs, reward, terminated, truncated, info = env.step("echo c > /proc/sysrq-trigger")
+        assert (reward, terminated, truncated) == (0.0, True, False), info
+        assert info["infrastructure"] is False
+        assert "panicked" in info["guest_ended"], info
+        assert obs in env.observation_space
+        # The next episode is a fresh sandbox.
+        env.reset()
+        _, reward, terminated, _, _ = env.step("touch /tmp/solved")
+        assert (reward, terminated) == (1.0, True)
+    finally:
+        env.close()
+
+
 def test_score_and_fit_text_rules() -> None:
     def res(code: int, out: str = "") -> CommandResult:
         return CommandResult(out, "", code, 0.0, False)

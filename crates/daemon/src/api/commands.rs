@@ -27,7 +27,8 @@ pub struct ExecBody {
     pub envs: BTreeMap<String, String>,
     #[serde(default)]
     pub cwd: Option<String>,
-    /// A user name or a numeric uid; default root.
+    /// A user name or a numeric uid; default `user`, the image's
+    /// unprivileged user (`root` must be asked for).
     #[serde(default)]
     pub user: Option<String>,
     /// Wall-clock limit in seconds; on expiry the process group is killed
@@ -79,6 +80,22 @@ const DEFAULT_BUFFERED_CAP: u64 = 16 << 20;
 /// Largest `output_cap` of a buffered command (per stream).
 const MAX_BUFFERED_CAP: u64 = 256 << 20;
 
+/// Whom a request acts as when it names nobody: the image's unprivileged
+/// user. Policy code runs without root unless the caller asks for it.
+pub const DEFAULT_USER: &str = forkbox_host::image::USER;
+
+/// The user a request's `user` field names (`None`: root, asked for as
+/// `root` or `0`); absent: [`DEFAULT_USER`].
+pub(super) fn acting_user(named: Option<String>) -> Option<User> {
+    let named = named.unwrap_or_else(|| DEFAULT_USER.to_owned());
+    match named.parse::<u32>() {
+        Ok(0) => None,
+        Ok(uid) => Some(User::Uid(uid)),
+        Err(_) if named == "root" => None,
+        Err(_) => Some(User::Name(named)),
+    }
+}
+
 pub(super) fn exec_request(
     b: ExecBody,
     buffered: bool,
@@ -95,10 +112,7 @@ pub(super) fn exec_request(
     };
     req.env = b.envs;
     req.cwd = b.cwd;
-    req.user = b.user.map(|u| match u.parse::<u32>() {
-        Ok(uid) => User::Uid(uid),
-        Err(_) => User::Name(u),
-    });
+    req.user = acting_user(b.user);
     req.timeout = secs(b.timeout_secs, "timeout_secs")?;
     if let Some(t) = req.timeout.filter(|t| *t > bounds.max_exec) {
         return Err(ApiError::BadRequest(format!(

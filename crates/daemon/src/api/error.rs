@@ -94,6 +94,7 @@ impl ApiError {
                 },
                 DaemonError::Recipe { .. } => StatusCode::UNPROCESSABLE_ENTITY,
                 DaemonError::GuestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+                DaemonError::GuestEnded { .. } => StatusCode::GONE,
                 DaemonError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 DaemonError::Infrastructure { .. } => StatusCode::BAD_GATEWAY,
             },

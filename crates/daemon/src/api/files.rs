@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use utoipa::{IntoParams, ToSchema};
 
+use super::commands::acting_user;
 use super::error::{report, ApiError, ApiErrorBody, ApiResult};
 use super::extract::{query, OnSandbox, RawBody};
 use super::stream::unexpected_end;
@@ -33,6 +34,10 @@ pub(super) struct DownloadQuery {
     /// 256 MiB; at most the daemon's `--max-download-bytes` (4 GiB by
     /// default).
     max_bytes: Option<u64>,
+    /// Whose rights the call acts with: a user name or a numeric uid;
+    /// default `user`, the image's unprivileged user (`root` must be asked
+    /// for). The guest's kernel checks every path as that user's.
+    user: Option<String>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -40,6 +45,10 @@ pub(super) struct DownloadQuery {
 pub(super) struct PathQuery {
     /// An absolute guest path.
     path: String,
+    /// Whose rights the call acts with: a user name or a numeric uid;
+    /// default `user`, the image's unprivileged user (`root` must be asked
+    /// for). The guest's kernel checks every path as that user's.
+    user: Option<String>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -48,6 +57,10 @@ pub(super) struct WriteQuery {
     path: String,
     /// Permission bits in octal (default 644).
     mode: Option<String>,
+    /// Whose rights the call acts with: a user name or a numeric uid;
+    /// default `user`, the image's unprivileged user (`root` must be asked
+    /// for). The guest's kernel checks every path as that user's.
+    user: Option<String>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -56,6 +69,10 @@ pub(super) struct RemoveQuery {
     path: String,
     /// Remove a whole tree.
     recursive: Option<bool>,
+    /// Whose rights the call acts with: a user name or a numeric uid;
+    /// default `user`, the image's unprivileged user (`root` must be asked
+    /// for). The guest's kernel checks every path as that user's.
+    user: Option<String>,
 }
 
 pub(super) fn guest_path(p: String) -> ApiResult<String> {
@@ -141,7 +158,7 @@ async fn download(
         }
         Some(m) => m,
     };
-    let rx = daemon.download(&id, what, path, max)?;
+    let rx = daemon.download(&id, acting_user(q.user), what, path, max)?;
     download_response(daemon, rx, content_type, max).await
 }
 
@@ -222,7 +239,9 @@ pub(super) async fn file_write(
                 ApiError::BadRequest(format!("mode {m:?}: expected octal permission bits"))
             })?,
     };
-    let bytes = daemon.write_file(&id, path.clone(), mode, body).await?;
+    let bytes = daemon
+        .write_file(&id, acting_user(q.user), path.clone(), mode, body)
+        .await?;
     Ok(Json(Written { path, bytes }))
 }
 
@@ -236,7 +255,9 @@ pub(super) async fn file_remove(
     let q: RemoveQuery = query(raw)?;
     let path = guest_path(q.path)?;
     let recursive = q.recursive.unwrap_or(false);
-    daemon.remove_path(&id, path, recursive).await?;
+    daemon
+        .remove_path(&id, acting_user(q.user), path, recursive)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -249,7 +270,9 @@ pub(super) async fn file_list(
 ) -> ApiResult<Json<Vec<DirEntryJson>>> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    let entries = daemon.list_dir(&id, path.clone()).await?;
+    let entries = daemon
+        .list_dir(&id, acting_user(q.user), path.clone())
+        .await?;
     let base = path.trim_end_matches('/');
     Ok(Json(
         entries
@@ -272,7 +295,9 @@ pub(super) async fn file_stat(
 ) -> ApiResult<Json<FileStatJson>> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    Ok(Json(stat_json(&daemon.stat(&id, path).await?)))
+    Ok(Json(stat_json(
+        &daemon.stat(&id, acting_user(q.user), path).await?,
+    )))
 }
 
 /// `mkdir -p`.
@@ -284,7 +309,7 @@ pub(super) async fn file_mkdir(
 ) -> ApiResult<StatusCode> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    daemon.mkdir(&id, path).await?;
+    daemon.mkdir(&id, acting_user(q.user), path).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -315,7 +340,9 @@ pub(super) async fn tar_upload(
 ) -> ApiResult<Json<Written>> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    let bytes = daemon.upload_tar(&id, path.clone(), body).await?;
+    let bytes = daemon
+        .upload_tar(&id, acting_user(q.user), path.clone(), body)
+        .await?;
     Ok(Json(Written { path, bytes }))
 }
 
@@ -349,19 +376,25 @@ mod tests {
         serde_json::from_slice(&bytes).expect("a JSON body")
     }
 
+    /// Also: a read that names no user acts as the image's unprivileged
+    /// user.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn file_read_of_a_small_file_is_whole_with_its_length() {
         let dir = tempfile::tempdir().expect("tempdir");
         let sock = scripted_agent(dir.path(), |conn, req| {
+            let Request::AsUser { user, request } = req else {
+                panic!("not as a user: {req:?}")
+            };
+            assert_eq!(user, forkbox_proto::User::Name("user".into()));
             assert!(
                 matches!(
-                    req,
+                    *request,
                     Request::ReadFile {
                         max_bytes: Some(_),
                         ..
                     }
                 ),
-                "{req:?}"
+                "{request:?}"
             );
             write_frame(conn, FrameKind::Data, b"hello").expect("data");
             let done = Response::Done { bytes: 5 };
@@ -409,6 +442,7 @@ mod tests {
     async fn tar_download_the_agent_refuses_as_too_large_is_413_with_its_reason() {
         let dir = tempfile::tempdir().expect("tempdir");
         let sock = scripted_agent(dir.path(), |conn, req| {
+            // Asked as root: the request goes as it is.
             let Request::DownloadTar { max_bytes, .. } = req else {
                 panic!("{req:?}")
             };
@@ -425,7 +459,7 @@ mod tests {
         let id = sandbox(&app).await;
         let resp = get(
             &app,
-            &format!("/sandboxes/{id}/files/tar?path=/d&max_bytes=777"),
+            &format!("/sandboxes/{id}/files/tar?path=/d&max_bytes=777&user=root"),
         )
         .await;
         assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);

@@ -56,6 +56,10 @@ pub enum DaemonError {
     /// runs): the guest's doing, not the machinery's.
     #[error("{what}: the guest did not answer within {after:?}")]
     GuestTimeout { what: String, after: Duration },
+    /// The guest ended its VM (powered off, rebooted, panicked) before or
+    /// during the call: the guest's doing, which a trainer scores.
+    #[error("{what}")]
+    GuestEnded { what: String },
     /// A transfer is over its size limit; `message` says the limit and
     /// how to raise it.
     #[error("{message}")]
@@ -83,6 +87,7 @@ impl DaemonError {
             Self::Unsupported(_) => "unsupported",
             Self::Guest(_) => "guest",
             Self::GuestTimeout { .. } => "guest_timeout",
+            Self::GuestEnded { .. } => "guest_ended",
             Self::TooLarge { .. } => "too_large",
             Self::Recipe { .. } => "template_failed",
             Self::Infrastructure { .. } => "infrastructure",

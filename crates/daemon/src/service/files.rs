@@ -1,6 +1,7 @@
 //! A running sandbox's files, through its guest agent: read, write,
 //! remove, list, stat, mkdir, and directories as tar archives. Paths are
-//! the guest's, absolute.
+//! the guest's, absolute. Each call acts with a user's rights (`None`:
+//! root's): the guest's kernel checks every path it walks as that user's.
 //!
 //! Reads and tar downloads stream ([`Download`]): the daemon holds a few
 //! chunks of one at a time, never a whole file, and stops at the
@@ -10,8 +11,8 @@
 use std::io;
 use std::sync::Arc;
 
-use forkbox_proto::client::ClientError;
-use forkbox_proto::{DirEntry, ErrorKind as GuestKind, FileStat};
+use forkbox_proto::client::{AgentClient, ClientError};
+use forkbox_proto::{DirEntry, ErrorKind as GuestKind, FileStat, User};
 use tokio::sync::mpsc;
 
 use super::guest::LAST_EVENT_WAIT;
@@ -49,6 +50,7 @@ impl Daemon {
     pub fn download(
         &self,
         id: &SandboxId,
+        user: Option<User>,
         what: Transfer,
         path: String,
         max_bytes: u64,
@@ -61,7 +63,10 @@ impl Daemon {
         tokio::task::spawn_blocking(move || {
             let deadline = deadline_in(within);
             let mut sink = ChannelSink { tx: &tx, deadline };
-            let agent = machine.agent().with_call_timeout(within);
+            let agent = machine
+                .agent()
+                .with_call_timeout(within)
+                .with_file_user(user);
             let max = Some(max_bytes);
             let r = match what {
                 Transfer::File => agent.read_file_max(&path, max, &mut sink),
@@ -69,9 +74,12 @@ impl Daemon {
             };
             let event = match r {
                 Ok(n) => Download::Done(n),
-                Err(e) => Download::Failed(
-                    this.download_failure(&id, &machine, e, what, &path, max_bytes),
-                ),
+                Err(e) => {
+                    super::guest::settle(&machine, &e);
+                    Download::Failed(
+                        this.download_failure(&id, &machine, e, what, &path, max_bytes),
+                    )
+                }
             };
             send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
         });
@@ -110,12 +118,13 @@ impl Daemon {
     pub async fn write_file(
         &self,
         id: &SandboxId,
+        user: Option<User>,
         path: String,
         mode: u32,
         data: impl AsRef<[u8]> + Send + 'static,
     ) -> Result<u64, DaemonError> {
         self.with_agent(id, move |a| {
-            a.write_file_with(&path, mode, true, &mut data.as_ref())
+            as_user(a, user).write_file_with(&path, mode, true, &mut data.as_ref())
         })
         .await
     }
@@ -125,29 +134,44 @@ impl Daemon {
     pub async fn remove_path(
         &self,
         id: &SandboxId,
+        user: Option<User>,
         path: String,
         recursive: bool,
     ) -> Result<(), DaemonError> {
-        self.with_agent(id, move |a| a.remove(&path, recursive))
+        self.with_agent(id, move |a| as_user(a, user).remove(&path, recursive))
             .await
     }
 
     pub async fn list_dir(
         &self,
         id: &SandboxId,
+        user: Option<User>,
         path: String,
     ) -> Result<Vec<DirEntry>, DaemonError> {
-        self.with_agent(id, move |a| a.list_dir(&path)).await
+        self.with_agent(id, move |a| as_user(a, user).list_dir(&path))
+            .await
     }
 
     /// `lstat` of a guest path.
-    pub async fn stat(&self, id: &SandboxId, path: String) -> Result<FileStat, DaemonError> {
-        self.with_agent(id, move |a| a.stat(&path)).await
+    pub async fn stat(
+        &self,
+        id: &SandboxId,
+        user: Option<User>,
+        path: String,
+    ) -> Result<FileStat, DaemonError> {
+        self.with_agent(id, move |a| as_user(a, user).stat(&path))
+            .await
     }
 
     /// `mkdir -p`, new directories mode 755.
-    pub async fn mkdir(&self, id: &SandboxId, path: String) -> Result<(), DaemonError> {
-        self.with_agent(id, move |a| a.mkdir(&path, 0o755)).await
+    pub async fn mkdir(
+        &self,
+        id: &SandboxId,
+        user: Option<User>,
+        path: String,
+    ) -> Result<(), DaemonError> {
+        self.with_agent(id, move |a| as_user(a, user).mkdir(&path, 0o755))
+            .await
     }
 
     /// Unpacks a tar archive into a guest directory; returns the bytes
@@ -155,12 +179,20 @@ impl Daemon {
     pub async fn upload_tar(
         &self,
         id: &SandboxId,
+        user: Option<User>,
         path: String,
         archive: impl AsRef<[u8]> + Send + 'static,
     ) -> Result<u64, DaemonError> {
-        self.with_agent(id, move |a| a.upload_tar(&path, &mut archive.as_ref()))
-            .await
+        self.with_agent(id, move |a| {
+            as_user(a, user).upload_tar(&path, &mut archive.as_ref())
+        })
+        .await
     }
+}
+
+/// `agent` acting with `user`'s rights (`None`: root's).
+fn as_user(agent: &AgentClient, user: Option<User>) -> AgentClient {
+    agent.clone().with_file_user(user)
 }
 
 /// Where a download's bytes go: the channel to the client, each chunk

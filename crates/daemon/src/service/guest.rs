@@ -57,7 +57,7 @@ impl Daemon {
         req: &mut ExecRequest,
     ) -> Result<Arc<dyn BackendVm>, DaemonError> {
         let s = self.lock();
-        s.registry.check_usable(id)?;
+        super::usable(&s, id)?;
         let live = s
             .machines
             .get(id)
@@ -69,7 +69,8 @@ impl Daemon {
     }
 
     /// Turns an agent-call failure into a guest error or an infrastructure
-    /// one; a VM found dead is marked so.
+    /// one; a VM found dead is marked so. Call [`settle`] first, on the
+    /// blocking thread that made the call.
     pub(super) fn agent_failure(
         &self,
         id: &SandboxId,
@@ -96,15 +97,15 @@ impl Daemon {
                 });
             }
         }
-        if let Some(how) = machine.exited() {
-            let _ = self.kill(
-                id,
-                DeathCause::VmLost {
-                    reason: how.clone(),
-                },
-            );
+        if let Some(end) = machine.exited() {
+            let what = format!("sandbox {id} died: {}", end.how);
+            let by_guest = end.by_guest;
+            let _ = self.kill(id, DeathCause::ended(end));
+            if by_guest {
+                return DaemonError::GuestEnded { what };
+            }
             return DaemonError::Infrastructure {
-                what: format!("sandbox {id} died: {how}"),
+                what,
                 cause: Some(Box::new(e)),
             };
         }
@@ -152,7 +153,10 @@ impl Daemon {
                     this.inner.metrics.exec_latency.observe(start.elapsed());
                     ExecEvent::Exit(r)
                 }
-                Err(e) => ExecEvent::Failed(this.agent_failure(&id, &machine, e)),
+                Err(e) => {
+                    settle(&machine, &e);
+                    ExecEvent::Failed(this.agent_failure(&id, &machine, e))
+                }
             };
             send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
         });
@@ -204,7 +208,14 @@ impl Daemon {
     ) -> Result<T, DaemonError> {
         let machine = self.machine(id)?;
         let m = machine.clone();
-        match blocking(move || op(&m.agent().with_call_timeout(within))).await? {
+        let called = blocking(move || {
+            let r = op(&m.agent().with_call_timeout(within));
+            if let Err(e) = &r {
+                settle(&m, e);
+            }
+            r
+        });
+        match called.await? {
             Ok(v) => Ok(v),
             Err(e) => Err(self.agent_failure(id, &machine, e)),
         }
@@ -226,11 +237,18 @@ impl Daemon {
         let within = self.bounds().agent_call;
         let spawned = blocking(move || {
             let agent = m.agent().with_call_timeout(within);
-            let pid = agent.spawn(&req)?;
-            if let Some(bytes) = stdin {
-                agent.process_stdin(pid, false, &mut bytes.as_slice())?;
+            let spawn = || {
+                let pid = agent.spawn(&req)?;
+                if let Some(bytes) = stdin {
+                    agent.process_stdin(pid, false, &mut bytes.as_slice())?;
+                }
+                Ok(pid)
+            };
+            let r = spawn();
+            if let Err(e) = &r {
+                settle(&m, e);
             }
-            Ok(pid)
+            r
         })
         .await?;
         spawned.map_err(|e| self.agent_failure(id, &machine, e))
@@ -330,11 +348,32 @@ impl Daemon {
             );
             let event = match r {
                 Ok((dropped, result)) => AttachEvent::End { dropped, result },
-                Err(e) => AttachEvent::Failed(this.agent_failure(&id, &machine, e)),
+                Err(e) => {
+                    settle(&machine, &e);
+                    AttachEvent::Failed(this.agent_failure(&id, &machine, e))
+                }
             };
             send_until(&tx, event, deadline_in(LAST_EVENT_WAIT));
         });
         Ok(rx)
+    }
+}
+
+/// How long a call whose connection dropped waits to see its VM end.
+const VM_END_GRACE: Duration = Duration::from_secs(5);
+
+/// After a call lost its agent connection: waits, at most
+/// [`VM_END_GRACE`], for the VM to be seen ended. A guest that powers off
+/// or panics drops the connection a moment before its VMM has exited, and
+/// that end, not the dropped connection, says whose doing it was. Blocks:
+/// call it on the blocking thread that made the call.
+pub(super) fn settle(machine: &Arc<dyn BackendVm>, e: &ClientError) {
+    if !matches!(e, ClientError::Disconnected(_)) {
+        return;
+    }
+    let deadline = std::time::Instant::now() + VM_END_GRACE;
+    while machine.exited().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -382,6 +421,40 @@ mod tests {
                 reason: "the VMM died (signal 9)".into()
             })
         );
+        assert_eq!(d.lock().registry.live(), 0);
+    }
+
+    #[tokio::test]
+    async fn exec_on_a_vm_its_guest_ended_is_the_guests_doing_not_infrastructure() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        world.guest_ends_last("guest kernel panicked: sysrq triggered crash");
+        let mut rx = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect("starts");
+        match rx.recv().await {
+            Some(ExecEvent::Failed(e)) => {
+                assert!(!e.is_infrastructure(), "{e:?}");
+                assert_eq!(e.kind(), "guest_ended");
+                assert!(chain(&e).contains("sysrq triggered crash"), "{e:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(
+            i.death,
+            Some(DeathCause::GuestEnded {
+                reason: "guest kernel panicked: sysrq triggered crash".into()
+            })
+        );
+        // Later calls say the same, not merely "dead".
+        let again = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect_err("dead");
+        assert_eq!(again.kind(), "guest_ended", "{again:?}");
+        assert!(!again.is_infrastructure());
         assert_eq!(d.lock().registry.live(), 0);
     }
 }

@@ -295,7 +295,7 @@ impl Daemon {
 
     fn machine(&self, id: &SandboxId) -> Result<Arc<dyn BackendVm>, DaemonError> {
         let s = self.lock();
-        s.registry.check_usable(id)?;
+        usable(&s, id)?;
         Ok(s.machines
             .get(id)
             .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?
@@ -391,5 +391,20 @@ fn reap(machine: Arc<dyn BackendVm>) {
             h.spawn_blocking(stop);
         }
         Err(_) => stop(),
+    }
+}
+
+/// Whether `id` may take a request now; a sandbox whose guest ended its VM
+/// is reported as the guest's doing ([`DaemonError::GuestEnded`]), not as
+/// a plain wrong state.
+fn usable(s: &Shared, id: &SandboxId) -> Result<(), DaemonError> {
+    let Err(e) = s.registry.check_usable(id) else {
+        return Ok(());
+    };
+    match s.registry.get(id).ok().and_then(|r| r.died.as_ref()) {
+        Some((_, DeathCause::GuestEnded { reason })) => Err(DaemonError::GuestEnded {
+            what: format!("sandbox {id} died: {reason}"),
+        }),
+        _ => Err(e.into()),
     }
 }

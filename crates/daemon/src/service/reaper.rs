@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::{blocking, chain, Daemon};
 use crate::core::{DeathCause, ExpiryAction, SandboxId};
+use forkbox_host::vm::VmEnd;
 
 impl Daemon {
     /// Kills expired sandboxes, notices VMs that ended by themselves and
@@ -20,16 +21,20 @@ impl Daemon {
                 ExpiryAction::Pause => self.expiry_pause(&id),
             }
         }
-        let lost: Vec<(SandboxId, String)> = {
+        let ended: Vec<(SandboxId, VmEnd)> = {
             let s = self.lock();
             s.machines
                 .iter()
-                .filter_map(|(id, live)| live.machine.exited().map(|how| (id.clone(), how)))
+                .filter_map(|(id, live)| live.machine.exited().map(|end| (id.clone(), end)))
                 .collect()
         };
-        for (id, reason) in lost {
-            tracing::warn!(%id, %reason, "sandbox VM ended by itself");
-            let _ = self.kill(&id, DeathCause::VmLost { reason });
+        for (id, end) in ended {
+            if end.by_guest {
+                tracing::info!(%id, reason = %end.how, "sandbox's guest ended its VM");
+            } else {
+                tracing::warn!(%id, reason = %end.how, "sandbox VM ended by itself");
+            }
+            let _ = self.kill(&id, DeathCause::ended(end));
         }
         let removed = self.inner.egress.sweep(now);
         self.inner.metrics.egress_logs_removed.inc_by(removed);
@@ -141,6 +146,25 @@ mod tests {
             "{i:?}"
         );
         // Its slot under the live cap of 1 is free again.
+        created(&d, None).await;
+    }
+
+    #[tokio::test]
+    async fn tick_marks_a_vm_its_guest_powered_off_as_the_guests_end() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 1);
+        let a = created(&d, None).await;
+        world.guest_ends_last("the guest powered off");
+        d.tick(Instant::now());
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead);
+        assert_eq!(
+            i.death,
+            Some(DeathCause::GuestEnded {
+                reason: "the guest powered off".into()
+            })
+        );
         created(&d, None).await;
     }
 }

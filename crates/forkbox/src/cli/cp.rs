@@ -23,6 +23,10 @@ pub struct CpArgs {
     /// Print what was written as JSON (`path`, `bytes`).
     #[arg(long)]
     json: bool,
+    /// The guest user whose rights the copy acts with (default `user`, the
+    /// image's unprivileged user; `--user root` for root's).
+    #[arg(long)]
+    user: Option<String>,
 }
 
 /// One side of a copy.
@@ -65,12 +69,13 @@ struct Stat {
 }
 
 pub fn run(client: &Client, args: CpArgs) -> anyhow::Result<i32> {
+    let user = args.user.as_deref();
     let (path, bytes) = match (args.src, args.dst) {
         (Location::Local(src), Location::Guest { sandbox, path }) => {
-            upload(client, &src, &sandbox, &path)?
+            upload(client, &src, &Guest { sandbox, user }, &path)?
         }
         (Location::Guest { sandbox, path }, Location::Local(dst)) => {
-            download(client, &sandbox, &path, &dst)?
+            download(client, &Guest { sandbox, user }, &path, &dst)?
         }
         (Location::Local(_), Location::Local(_)) => {
             bail!("neither side is in a sandbox: name one as SANDBOX:/PATH")
@@ -85,15 +90,28 @@ pub fn run(client: &Client, args: CpArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-fn files_path(sandbox: &SandboxId, what: &str, path: &str) -> String {
-    with_query(
-        &format!("/sandboxes/{}/{what}", segment(sandbox.as_str())),
-        [("path", path)],
-    )
+/// The guest side of a copy: its sandbox, and whose rights it acts with
+/// (`None`: the daemon's default user).
+struct Guest<'a> {
+    sandbox: SandboxId,
+    user: Option<&'a str>,
 }
 
-fn stat(client: &Client, sandbox: &SandboxId, path: &str) -> anyhow::Result<Option<Stat>> {
-    match client.get::<Stat>(&files_path(sandbox, "files/stat", path)) {
+impl Guest<'_> {
+    /// `/sandboxes/{id}/{what}?path=…[&user=…]` and `more` query pairs.
+    fn url(&self, what: &str, path: &str, more: &[(&str, &str)]) -> String {
+        let mut query = vec![("path", path)];
+        query.extend(self.user.map(|u| ("user", u)));
+        query.extend(more.iter().copied());
+        with_query(
+            &format!("/sandboxes/{}/{what}", segment(self.sandbox.as_str())),
+            query,
+        )
+    }
+}
+
+fn stat(client: &Client, guest: &Guest<'_>, path: &str) -> anyhow::Result<Option<Stat>> {
+    match client.get::<Stat>(&guest.url("files/stat", path, &[])) {
         Ok(s) => Ok(Some(s)),
         Err(e)
             if e.api().is_some_and(|a| {
@@ -125,7 +143,7 @@ struct Written {
 fn upload(
     client: &Client,
     src: &Path,
-    sandbox: &SandboxId,
+    guest: &Guest<'_>,
     dst: &str,
 ) -> anyhow::Result<(String, u64)> {
     let meta = std::fs::metadata(src).with_context(|| format!("reading {}", src.display()))?;
@@ -133,7 +151,7 @@ fn upload(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let target = match stat(client, sandbox, dst)? {
+    let target = match stat(client, guest, dst)? {
         Some(s) if s.kind == "dir" && !name.is_empty() => guest_join(dst, &name),
         _ => dst.to_owned(),
     };
@@ -149,7 +167,7 @@ fn upload(
         client
             .call(
                 Method::PUT,
-                &files_path(sandbox, "files/tar", &target),
+                &guest.url("files/tar", &target, &[]),
                 Body::Raw(archive, "application/x-tar"),
             )?
             .json()?
@@ -157,10 +175,7 @@ fn upload(
         use std::os::unix::fs::PermissionsExt;
         let data = std::fs::read(src).with_context(|| format!("reading {}", src.display()))?;
         let mode = format!("{:o}", meta.permissions().mode() & 0o7777);
-        let path = with_query(
-            &format!("/sandboxes/{}/files", segment(sandbox.as_str())),
-            [("path", target.as_str()), ("mode", mode.as_str())],
-        );
+        let path = guest.url("files", &target, &[("mode", mode.as_str())]);
         client
             .call(
                 Method::PUT,
@@ -174,12 +189,12 @@ fn upload(
 
 fn download(
     client: &Client,
-    sandbox: &SandboxId,
+    guest: &Guest<'_>,
     src: &str,
     dst: &Path,
 ) -> anyhow::Result<(String, u64)> {
-    let Some(st) = stat(client, sandbox, src)? else {
-        bail!("{sandbox}:{src}: no such file or directory");
+    let Some(st) = stat(client, guest, src)? else {
+        bail!("{}:{src}: no such file or directory", guest.sandbox);
     };
     let name = guest_basename(src);
     let target = if dst.is_dir() && !name.is_empty() {
@@ -192,7 +207,7 @@ fn download(
         let archive = client
             .call(
                 Method::GET,
-                &files_path(sandbox, "files/tar", src),
+                &guest.url("files/tar", src, &[]),
                 Body::Empty,
             )?
             .bytes()?;
@@ -202,14 +217,16 @@ fn download(
         // leading out, or be a device; it strips setuid/setgid/sticky.
         unpack::unpack(archive.as_slice(), &target).with_context(|| {
             format!(
-                "unpacking {sandbox}:{src} into {shown} (stopped at that member;                  what came before it is unpacked)"
+                "unpacking {}:{src} into {shown} (stopped at that member; what came before \
+                 it is unpacked)",
+                guest.sandbox
             )
         })?;
         Ok((shown, archive.len() as u64))
     } else {
         use std::os::unix::fs::PermissionsExt;
         let data = client
-            .call(Method::GET, &files_path(sandbox, "files", src), Body::Empty)?
+            .call(Method::GET, &guest.url("files", src, &[]), Body::Empty)?
             .bytes()?;
         std::fs::write(&target, &data).with_context(|| format!("writing {shown}"))?;
         // The guest's mode, without setuid, setgid or sticky bits.

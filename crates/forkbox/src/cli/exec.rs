@@ -25,7 +25,8 @@ pub struct ExecArgs {
     /// KEY=VALUE environment (repeat for more).
     #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
     envs: Vec<(String, String)>,
-    /// A user name or uid (default root).
+    /// A user name or uid (default `user`, the image's unprivileged user;
+    /// `--user root` when the command needs root).
     #[arg(long)]
     user: Option<String>,
     /// Kill the command after this many seconds (exit status 124).

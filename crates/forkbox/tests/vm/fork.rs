@@ -648,3 +648,56 @@ pub(crate) fn snapshot_restore_resumes_processes_with_current_clock() -> TestRes
         format!("the open log file stopped at {logged} (pause at {at_pause})"),
     )
 }
+
+/// A forked VMM's exit status goes to its parent VMM, so how a child ended
+/// comes from the note it leaves: a panic and a power-off are the guest's,
+/// a VMM killed from outside is not.
+pub(crate) fn fork_child_ended_by_its_guest_says_so_killed_one_does_not() -> TestResult {
+    let mut parent = boot(VmSpec::default());
+    let mut children = fork(&mut parent, 3)?;
+    let bounded = |vm: &Vm| {
+        vm.agent()
+            .clone()
+            .with_call_timeout(Duration::from_secs(120))
+    };
+    let _ = bounded(&children[0]).exec(
+        &ExecRequest::shell("echo c > /proc/sysrq-trigger"),
+        None,
+        &mut |_, _| {},
+    );
+    bounded(&children[1])
+        .shutdown()
+        .map_err(|e| format!("power-off: {e:#}"))?;
+    children[2].kill();
+    let mut ends = Vec::new();
+    for (i, child) in children.iter_mut().enumerate() {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let end = loop {
+            if let Some(end) = child.ended() {
+                break end;
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(format!(
+                    "child {i} has not ended after 120 s\n{}",
+                    child.serial_tail(20)
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        ends.push(end);
+    }
+    let what = format!("{ends:#?}");
+    check(
+        ends[0].by_guest && ends[0].how.contains("panicked"),
+        format!("a panic is the guest's: {what}"),
+    )?;
+    check(
+        ends[1].by_guest && ends[1].how.contains("powered off"),
+        format!("a power-off is the guest's: {what}"),
+    )?;
+    check(
+        !ends[2].by_guest,
+        format!("a VMM killed from outside is not the guest's: {what}"),
+    )
+}

@@ -291,6 +291,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             fork_64_children_of_a_running_parent_all_answer_an_exec,
         ),
         (
+            "fork_child_ended_by_its_guest_says_so_killed_one_does_not",
+            fork_child_ended_by_its_guest_says_so_killed_one_does_not,
+        ),
+        (
             "fork_of_fork_of_fork_inherits_and_answers",
             fork_of_fork_of_fork_inherits_and_answers,
         ),

@@ -355,8 +355,9 @@ impl ForkedVm {
             &self.paths.serial_log,
             self.paths.serial_log.with_extension("log.lost"),
         );
-        for socket in [&self.paths.control, &self.paths.vsock_uds] {
-            let _ = std::fs::remove_file(socket);
+        let end = self.paths.control.with_file_name(forkbox_vmm_api::END_FILE);
+        for stale in [&self.paths.control, &self.paths.vsock_uds, &end] {
+            let _ = std::fs::remove_file(stale);
         }
         let lost = |error: String| VmError::ForkChildLost {
             first: why.clone(),

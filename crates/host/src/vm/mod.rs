@@ -40,7 +40,7 @@ pub use assets::Assets;
 pub use fork::{after_fork_deadline, loss_signature, ForkOptions};
 pub use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
 pub use net::NetworkSpec;
-pub use process::{become_subreaper, describe_exit};
+pub use process::{become_subreaper, describe_exit, VmEnd};
 
 use fork::*;
 use net::*;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
 use crate::{poll, testbed};
-use forkbox_vmm_api::ChildSpec;
+use forkbox_vmm_api::{ChildSpec, End, END_FILE};
 
 use super::*;
 
@@ -303,6 +303,53 @@ pub(super) fn reap_vmm(vmm: Vmm) {
                 let _ = reap_pid(pid);
             }
         }
+    }
+}
+
+/// How a VM ended: a sentence for its user, and whether its guest did it
+/// (powered off, rebooted, panicked: the guest's doing, scored) or not (a
+/// VMM that failed or was killed, a triple fault: masked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmEnd {
+    pub how: String,
+    pub by_guest: bool,
+}
+
+impl Vm {
+    /// How the VM ended, once its VMM has (reaping it if it is ours); `None`
+    /// while it runs. The VMM's own note ([`END_FILE`]) says it when there
+    /// is one (a forked VMM's exit status goes to its parent VMM); without
+    /// one the VMM was killed before it could write it, and the exit status
+    /// (when ours) says how.
+    pub fn ended(&mut self) -> Option<VmEnd> {
+        let status = match self.wait_exit(Duration::ZERO) {
+            Ok(None) => return None,
+            Ok(Some(status)) => Ok(status),
+            Err(e) => Err(e),
+        };
+        let note = std::fs::read_to_string(self.dir.path().join(END_FILE)).unwrap_or_default();
+        if let Some((end, how)) = End::parse_file(&note) {
+            return Some(VmEnd {
+                how: if how.is_empty() {
+                    end.word().into()
+                } else {
+                    how
+                },
+                by_guest: end.by_guest(),
+            });
+        }
+        Some(match status {
+            Ok(status) => VmEnd {
+                how: describe_exit(status),
+                // A VMM that saw the guest end says so in its note first;
+                // a status alone is never taken for the guest's word.
+                by_guest: false,
+            },
+            Err(e) => VmEnd {
+                how: format!("forkbox-vmm ended without saying how (killed?): {e}"),
+                by_guest: false,
+            },
+        })
     }
 }
 

@@ -36,7 +36,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::signal::register_signal_handler;
 
-use forkbox_vmm_api::RunState;
+use forkbox_vmm_api::{self as api, RunState};
 
 use crate::acpi::{self, AcpiConfig};
 use crate::boot::{self, BootSpec};
@@ -570,7 +570,26 @@ impl Machine {
             .map(|d| format!("; {d}"))
             .unwrap_or_default();
         self.note_in_serial_log(&format!("[forkbox-vmm] {how}{detail}"));
+        self.note_end(&exit, &how);
         exit
+    }
+
+    /// Writes [`api::END_FILE`] beside the control socket: how the VM
+    /// ended, for the process that owns it (which cannot read a forked
+    /// VMM's exit status). The serial log is no place for it: the guest
+    /// writes there too.
+    fn note_end(&self, exit: &Result<VmExit, VmError>, how: &str) {
+        let Some(dir) = self.endpoints.control.as_ref().and_then(|c| c.parent()) else {
+            return;
+        };
+        let end = match exit {
+            Ok(exit) => exit.end(),
+            Err(_) => api::End::Error,
+        };
+        let path = dir.join(api::END_FILE);
+        if let Err(e) = std::fs::write(&path, end.file_text(how)) {
+            tracing::warn!("cannot note the VM's end in {}: {e}", path.display());
+        }
     }
 
     fn note_in_serial_log(&self, line: &str) {
