@@ -205,11 +205,7 @@ fn download(
     let shown = target.display().to_string();
     if st.kind == "dir" {
         let archive = client
-            .call(
-                Method::GET,
-                &guest.url("files/tar", src, &[]),
-                Body::Empty,
-            )?
+            .call(Method::GET, &guest.url("files/tar", src, &[]), Body::Empty)?
             .bytes()?;
         std::fs::create_dir_all(&target).with_context(|| format!("creating {shown}"))?;
         // The archive comes from the guest: `unpack` refuses any member
