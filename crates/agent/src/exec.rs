@@ -562,6 +562,9 @@ fn default_env(home: &str, account: Option<&Account>) -> BTreeMap<String, String
     let mut env = BTreeMap::new();
     env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
     env.insert("HOME".to_string(), home.to_string());
+    if let Some(seed) = crate::fork::seed() {
+        env.insert("FORKBOX_SEED".to_string(), seed.to_string());
+    }
     if let Some(a) = account {
         env.insert("USER".to_string(), a.name.clone());
         env.insert("LOGNAME".to_string(), a.name.clone());

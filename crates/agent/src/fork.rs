@@ -6,7 +6,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use forkbox_proto::{AfterForkReport, AgentError, ErrorKind, HookStep, MIN_AFTER_FORK_ENTROPY};
+use forkbox_proto::{
+    AfterForkReport, AgentError, ErrorKind, HookStep, MIN_AFTER_FORK_ENTROPY, SEED_FILE,
+};
 
 use crate::execs::ExecTable;
 use crate::sys;
@@ -25,11 +27,21 @@ pub enum RunsOn {
     Host,
 }
 
+/// The seed of the fork that made this guest, if it was seeded: every
+/// command's environment has it as `FORKBOX_SEED`.
+static SEED: std::sync::Mutex<Option<u64>> = std::sync::Mutex::new(None);
+
+/// This guest's seed (see [`SEED`]).
+pub fn seed() -> Option<u64> {
+    *SEED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub fn after_fork(
     runs_on: RunsOn,
     execs: &ExecTable,
     unix_time_ns: u64,
     entropy: &[u8],
+    seed: Option<u64>,
 ) -> Result<AfterForkReport, AgentError> {
     if entropy.len() < MIN_AFTER_FORK_ENTROPY {
         return Err(AgentError::new(
@@ -77,6 +89,12 @@ pub fn after_fork(
             )
         }
     };
+    // A fork of a seeded guest without a seed of its own has none.
+    *SEED.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+    if runs_on == RunsOn::Guest {
+        note_seed(seed)
+            .map_err(|e| AgentError::new(ErrorKind::Internal, format!("{SEED_FILE}: {e}")))?;
+    }
     let settled = execs.settle(SETTLE_TIMEOUT);
     if !settled.interrupted.is_empty() {
         crate::log(&format!(
@@ -91,6 +109,26 @@ pub fn after_fork(
         interrupted: settled.interrupted,
         still_running: settled.still_running,
     })
+}
+
+/// Writes the seed to [`SEED_FILE`] (readable by all, written by root),
+/// or removes a parent's.
+fn note_seed(seed: Option<u64>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::path::Path::new(SEED_FILE);
+    match seed {
+        Some(seed) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(path, format!("{seed}\n"))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
+        }
+        None => match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        },
+    }
 }
 
 fn now_ns() -> u64 {

@@ -162,9 +162,10 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::AfterFork {
             unix_time_ns,
             entropy,
+            seed,
         } => reply(
             conn,
-            fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy)
+            fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy, seed)
                 .map(|report| Response::AfterFork { report }),
         ),
         Request::ReadFile { path, max_bytes } => files::read_file(conn, &path, max_bytes),

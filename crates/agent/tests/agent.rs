@@ -758,6 +758,29 @@ fn after_fork_serve_mode_skips_clock_and_rng() {
     assert!(report.interrupted.is_empty() && report.still_running.is_empty());
 }
 
+/// A seeded fork's seed is in every later command's environment; a fork
+/// without one takes it away.
+#[test]
+fn after_fork_seed_reaches_commands_environment() {
+    let agent = Agent::start();
+    let client = agent.client();
+    let seed_of = |client: &AgentClient| {
+        let out = run(
+            client,
+            &ExecRequest::shell("echo \"${FORKBOX_SEED-none}\""),
+            None,
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert_eq!(seed_of(&client), "none");
+    client
+        .after_fork_seeded(0, vec![7; 64], Some(1234))
+        .expect("after_fork");
+    assert_eq!(seed_of(&client), "1234");
+    client.after_fork(0, vec![7; 64]).expect("after_fork");
+    assert_eq!(seed_of(&client), "none");
+}
+
 #[test]
 fn after_fork_short_entropy_is_refused() {
     let agent = Agent::start();

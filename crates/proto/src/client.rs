@@ -199,10 +199,22 @@ impl AgentClient {
         unix_time_ns: u64,
         entropy: Vec<u8>,
     ) -> Result<AfterForkReport, ClientError> {
+        self.after_fork_seeded(unix_time_ns, entropy, None)
+    }
+
+    /// [`after_fork`](Self::after_fork) that also hands the guest the
+    /// child's `seed`.
+    pub fn after_fork_seeded(
+        &self,
+        unix_time_ns: u64,
+        entropy: Vec<u8>,
+        seed: Option<u64>,
+    ) -> Result<AfterForkReport, ClientError> {
         let conn = self.connect()?;
         conn.send(&Request::AfterFork {
             unix_time_ns,
             entropy,
+            seed,
         })?;
         match conn.response()? {
             Response::AfterFork { report } => Ok(report),

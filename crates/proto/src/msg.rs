@@ -134,8 +134,14 @@ pub enum Request {
     /// skipped (the agent would be changing its host).
     AfterFork {
         unix_time_ns: u64,
-        /// Fresh host randomness, at least [`MIN_AFTER_FORK_ENTROPY`] bytes.
+        /// Fresh host randomness, at least [`MIN_AFTER_FORK_ENTROPY`] bytes
+        /// (derived from `seed` when the fork was seeded).
         entropy: Vec<u8>,
+        /// The child's seed, when the fork was given one: the guest gets it
+        /// as `FORKBOX_SEED` in every later command's environment and in
+        /// [`SEED_FILE`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        seed: Option<u64>,
     },
     /// Connect to `127.0.0.1:port` inside the guest and relay raw bytes
     /// (a dev server, a browser's debugging port). Refused:
@@ -217,6 +223,9 @@ pub struct ProcessInfo {
     /// How it ended; `None` while it runs.
     pub result: Option<ExecResult>,
 }
+
+/// Where a seeded fork child's guest finds its seed (decimal, a newline).
+pub const SEED_FILE: &str = "/run/forkbox/seed";
 
 /// Fewest entropy bytes an `AfterFork` request may carry (512 bits: the
 /// kernel credits at most this much per `RNDADDENTROPY` towards a reseed).

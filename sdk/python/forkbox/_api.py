@@ -60,11 +60,14 @@ def _sb(sandbox_id: str) -> str:
 
 def create(template: str, timeout: Optional[float], on_timeout: str,
            metadata: Optional[Mapping[str, str]], envs: Optional[Mapping[str, str]],
-           wait: Optional[float], network: Optional[NetworkArg] = None) -> "Call[Json]":
+           wait: Optional[float], network: Optional[NetworkArg] = None,
+           seed: Optional[int] = None) -> "Call[Json]":
     body: Json = {"template": template, "timeout_secs": timeout, "on_timeout": on_timeout,
                   "metadata": dict(metadata or {}), "envs": dict(envs or {})}
     if wait is not None:
         body["wait_secs"] = wait
+    if seed is not None:
+        body["seed"] = _seed(seed)
     if network is not None:
         body["network"] = network_policy(network)
     return Call("POST", "/sandboxes", {"json": body}, _json)
@@ -128,11 +131,21 @@ def _fork_entries(r: httpx.Response) -> List[ForkEntry]:
     return out
 
 
-def fork(sandbox_id: str, count: int) -> "Call[List[ForkEntry]]":
+def _seed(seed: int) -> int:
+    """`seed` as the daemon takes it: an integer 0 to 2**64 - 1."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed {seed!r}: expected an integer from 0 to 2**64 - 1")
+    return seed
+
+
+def fork(sandbox_id: str, count: int, seed: Optional[int] = None) -> "Call[List[ForkEntry]]":
     """Children in order: each a SandboxInfo, or the error that child met."""
     if not 1 <= count <= 256:
         raise ValueError(f"fork count {count}: expected 1-256")
-    return Call("POST", _sb(sandbox_id) + "/fork", {"json": {"count": count}}, _fork_entries)
+    body: Json = {"count": count}
+    if seed is not None:
+        body["seed"] = _seed(seed)
+    return Call("POST", _sb(sandbox_id) + "/fork", {"json": body}, _fork_entries)
 
 
 def snapshot(sandbox_id: str, name: str) -> "Call[TemplateInfo]":

@@ -220,11 +220,12 @@ class AsyncSandbox(SandboxBase):
                      envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
                      wait: Optional[float] = None,
                      network: Optional[_api.NetworkArg] = None,
+                     seed: Optional[int] = None,
                      url: Optional[str] = None) -> "AsyncSandbox":
         """As `Sandbox.create`."""
         c = shared_async_client(url)
         return cls(await _do(c, _api.create(template, timeout, on_timeout, metadata, envs,
-                                            wait, network)), c)
+                                            wait, network, seed)), c)
 
     @classmethod
     async def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "AsyncSandbox":
@@ -272,9 +273,10 @@ class AsyncSandbox(SandboxBase):
     async def resume(self) -> None:
         self._info = await _do(self._client, _api.resume(self.sandbox_id))
 
-    async def fork(self, count: int = 1) -> List[Union["AsyncSandbox", ForkboxError]]:
+    async def fork(self, count: int = 1,
+                   seed: Optional[int] = None) -> List[Union["AsyncSandbox", ForkboxError]]:
         """As `Sandbox.fork`: children or per-child errors, in order."""
-        entries = await _do(self._client, _api.fork(self.sandbox_id, count))
+        entries = await _do(self._client, _api.fork(self.sandbox_id, count, seed))
         return [e if isinstance(e, ForkboxError) else AsyncSandbox(e, self._client)
                 for e in entries]
 

@@ -16,7 +16,8 @@ the grader, run after every step:
   0.0 otherwise. So `test -f /done` scores 0/1, and
   `python3 score.py` may print `0.25` and exit 1 to give partial credit
   without ending the episode. A grader that times out or is killed by a
-  signal raises `GraderError`.
+  signal raises `GraderError`, and so does a reward outside
+  `reward_range` (default -1..1) or one that is not finite.
 - a callable `grader(sandbox, result) -> reward` or `-> (reward,
   terminated)`, given the `Sandbox` and the step's `CommandResult`.
 - `None`: reward 0.0, never terminated.
@@ -31,14 +32,19 @@ the step is the policy's failure, not an error: the episode is
 Observations live in `observation_space`, a `Text` space: output is
 sanitized (CR/LF to LF, characters outside the printable Basic
 Multilingual Plane become `?`) and, past `max_output_chars`, its middle is
-cut with a marker. Because a sandbox's state can't be seeded, `seed` only
-seeds `np_random`: episodes are as deterministic as
-the template and the commands are.
+cut with a marker. `reset(seed=...)` seeds `np_random`, and from then on
+every episode's sandbox is created with a seed drawn from it (see
+`Sandbox.fork`): the entropy its kernel is given and its `FORKBOX_SEED`
+repeat with the seed; `/dev/urandom` does not (the kernel mixes in the
+CPU's randomness), so a task that wants repeatable randomness seeds its
+generator from `FORKBOX_SEED`. An env never seeded creates sandboxes with
+fresh host entropy.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 import string
 from typing import Any, Callable, Dict, Mapping, Optional, SupportsFloat, Tuple, Union
@@ -102,17 +108,35 @@ class ShellCommand(spaces.Text):
 _NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
 
 
-def score(result: CommandResult) -> Tuple[float, bool]:
+#: The rewards `score` and `SandboxEnv` accept unless told otherwise.
+DEFAULT_REWARD_RANGE: Tuple[float, float] = (-1.0, 1.0)
+
+
+def score(result: CommandResult,
+          reward_range: Tuple[float, float] = DEFAULT_REWARD_RANGE) -> Tuple[float, bool]:
     """(reward, terminated) from a grader command's result, by the rule in
-    the module's doc."""
+    the module's doc. A reward outside `reward_range` (or not finite) is
+    an error, not a reward: a policy that makes its grader print `1e308`
+    gets `GraderError`, never a score."""
     if result.timed_out or result.exit_code is None:
         why = "timed out" if result.timed_out else f"was killed by signal {result.signal}"
         raise GraderError(f"the grader {why}: {result.stdout[-500:]}{result.stderr[-500:]}")
     done = result.exit_code == 0
     lines = [ln.strip() for ln in result.stdout.splitlines() if ln.strip()]
     if lines and _NUMBER.match(lines[-1]):
-        return float(lines[-1]), done
+        return checked_reward(float(lines[-1]), reward_range), done
     return (1.0 if done else 0.0), done
+
+
+def checked_reward(reward: float, reward_range: Tuple[float, float]) -> float:
+    """`reward` if it is finite and inside `reward_range`; otherwise
+    `GraderError`."""
+    low, high = reward_range
+    if not (math.isfinite(reward) and low <= reward <= high):
+        raise GraderError(f"the grader's reward {reward!r} is outside {low}..{high} "
+                          f"(SandboxEnv(reward_range=...) widens it): not taken as a reward",
+                          "grader", 0, {"infrastructure": False})
+    return reward
 
 
 class SandboxEnv(gymnasium.Env[str, str]):
@@ -131,7 +155,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
                  cwd: Optional[str] = None, envs: Optional[Mapping[str, str]] = None,
                  sandbox_metadata: Optional[Mapping[str, str]] = None,
                  sandbox_timeout: Optional[float] = 3600.0, render_mode: Optional[str] = None,
-                 network: Optional[Mapping[str, Any]] = None, url: Optional[str] = None) -> None:
+                 network: Optional[Mapping[str, Any]] = None, url: Optional[str] = None,
+                 reward_range: Tuple[float, float] = DEFAULT_REWARD_RANGE) -> None:
         """`reset_command`: run after each reset, its output is the first
         observation (default: none, the first observation is `""`).
         `step_timeout`/`grader_timeout`: seconds per action / grading (an
@@ -139,13 +164,18 @@ class SandboxEnv(gymnasium.Env[str, str]):
         `info["timed_out"]`). `sandbox_timeout`: each sandbox's
         time-to-live, a safety net should `close()` never be called.
         `network`: each episode's egress policy (`{"allow_out": [...],
-        "deny_out": [...]}`; default: nothing reachable)."""
+        "deny_out": [...]}`; default: nothing reachable). `reward_range`:
+        the rewards a grader may give (default -1..1); any other, or one
+        that is not finite, raises `GraderError` instead of scoring."""
         if max_steps < 1:
             raise ValueError("max_steps must be 1 or more")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: expected None or 'ansi'")
         self.template = template
         self.grader = grader
+        if not reward_range[0] <= reward_range[1]:
+            raise ValueError(f"reward_range {reward_range}: low above high")
+        self.reward_range = (float(reward_range[0]), float(reward_range[1]))
         self.max_steps = max_steps
         self.reset_command = reset_command
         self.step_timeout = step_timeout
@@ -166,6 +196,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         `close`)."""
         self._steps = 0
         self._transcript = ""
+        self._seeded = False
 
     # -- gymnasium API
 
@@ -175,12 +206,15 @@ class SandboxEnv(gymnasium.Env[str, str]):
         template (`options={"template": name}` picks another for this
         episode)."""
         super().reset(seed=seed)
+        if seed is not None:
+            self._seeded = True
+        sandbox_seed = int(self.np_random.integers(0, 2 ** 63)) if self._seeded else None
         template = str((options or {}).get("template", self.template))
         self._kill()
         self._steps = 0
         self.sandbox = self._infra(lambda: Sandbox.create(
             template, timeout=self.sandbox_timeout, metadata=self.sandbox_metadata,
-            envs=self.envs, network=self.network, url=self.url))
+            envs=self.envs, network=self.network, seed=sandbox_seed, url=self.url))
         obs = ""
         if self.reset_command is not None:
             obs = self._observe(self._run(self.reset_command, self.step_timeout))
@@ -246,13 +280,13 @@ class SandboxEnv(gymnasium.Env[str, str]):
             assert sb is not None
             r = self._infra(lambda: sb.commands.run(g, timeout=self.grader_timeout,
                                                     user=self.user, cwd=self.cwd))
-            reward, done = score(r)
+            reward, done = score(r, self.reward_range)
             return reward, done, {"grader_exit_code": r.exit_code}
         assert self.sandbox is not None
         out = g(self.sandbox, result)
         if isinstance(out, tuple):
-            return float(out[0]), bool(out[1]), {}
-        return float(out), False, {}
+            return checked_reward(float(out[0]), self.reward_range), bool(out[1]), {}
+        return checked_reward(float(out), self.reward_range), False, {}
 
     def _observe(self, result: CommandResult) -> str:
         return fit_text(result.stdout, self._output_space)
@@ -308,7 +342,7 @@ def fit_text(text: str, space: spaces.Text) -> str:
 
 
 __all__ = ["SandboxEnv", "ShellCommand", "ShellOutput", "GraderError", "score", "fit_text",
-           "printable_charset", "ENV_ID"]
+           "checked_reward", "printable_charset", "ENV_ID", "DEFAULT_REWARD_RANGE"]
 
 # `gymnasium.make("forkbox/Sandbox-v0", template=..., grader=...)`.
 ENV_ID = "forkbox/Sandbox-v0"

@@ -309,7 +309,7 @@ class Sandbox(SandboxBase):
                metadata: Optional[Mapping[str, str]] = None,
                envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
                wait: Optional[float] = None, network: Optional[_api.NetworkArg] = None,
-               url: Optional[str] = None) -> "Sandbox":
+               seed: Optional[int] = None, url: Optional[str] = None) -> "Sandbox":
         """Creates a sandbox from `template` (a fork of its zygote; the first
         create of a template not baked yet bakes it, which takes a while)
         and waits until it is ready. `timeout`: its time-to-live in seconds
@@ -317,10 +317,11 @@ class Sandbox(SandboxBase):
         `network`: its egress policy, `{"allow_out": [rule, …],
         "deny_out": [rule, …]}` (see `Network`); without it the sandbox
         reaches nothing outside itself (a template's bake-time policy is
-        not inherited). A bad rule raises `InvalidRequestError`."""
+        not inherited). A bad rule raises `InvalidRequestError`.
+        `seed` (0 to 2**64 - 1): as `fork`'s, the sandbox being child 0."""
         c = shared_client(url)
         return cls(_do(c, _api.create(template, timeout, on_timeout, metadata, envs, wait,
-                                      network)), c)
+                                      network, seed)), c)
 
     @classmethod
     def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "Sandbox":
@@ -370,12 +371,21 @@ class Sandbox(SandboxBase):
     def resume(self) -> None:
         self._info = _do(self._client, _api.resume(self.sandbox_id))
 
-    def fork(self, count: int = 1) -> List[Union["Sandbox", ForkboxError]]:
+    def fork(self, count: int = 1,
+             seed: Optional[int] = None) -> List[Union["Sandbox", ForkboxError]]:
         """Forks into `count` (1-256) children that start from this
         sandbox's current memory and files. One entry per child, in order:
         the child, or the error that child met (an exception instance,
-        not raised: the others are fine). The caller kills the children."""
-        entries = _do(self._client, _api.fork(self.sandbox_id, count))
+        not raised: the others are fine). The caller kills the children.
+
+        `seed` (0 to 2**64 - 1): child `i`'s randomness derives from
+        (`seed`, `i`): the entropy its kernel RNG is given after the fork,
+        and `FORKBOX_SEED` in its commands' environment (and
+        `/run/forkbox/seed`). The kernel RNG also mixes in the CPU's and
+        interrupts' randomness, so `/dev/urandom` does not repeat; code
+        that wants to repeat seeds its own generator from `FORKBOX_SEED`.
+        Without a seed: fresh host entropy, no `FORKBOX_SEED`."""
+        entries = _do(self._client, _api.fork(self.sandbox_id, count, seed))
         return [e if isinstance(e, ForkboxError) else Sandbox(e, self._client) for e in entries]
 
     def create_snapshot(self, name: str) -> TemplateInfo:

@@ -59,10 +59,14 @@ def test_guest_fork_bomb_is_its_own_and_the_sandbox_can_be_killed(bystander: San
     _unaffected(bystander)
 
 
+# A panic and a reboot end the VM the same way for the daemon (the VMM's
+# note says which); they are tested in the VM trials
+# (`fork_child_ended_by_its_guest_says_so_killed_one_does_not`,
+# `vm_guest_panic_ends_vmm_with_panic_status`). Here only a power-off: a
+# guest panic in the emulated host is where its stalls were seen (see
+# docs/SPEC.md, "Known problems").
 @pytest.mark.parametrize("how,cmd,words", [
-    ("panic", "echo c > /proc/sysrq-trigger", "panicked"),
     ("poweroff", "poweroff -f", "powered off"),
-    ("reboot", "reboot -f", "guest reset ("),
 ])
 def test_guest_that_ends_its_own_vm_is_its_own_failure(bystander: Sandbox, how: str, cmd: str,
                                                        words: str) -> None:

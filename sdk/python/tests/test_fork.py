@@ -81,3 +81,37 @@ def test_create_snapshot_makes_a_template_that_forks_that_state(daemon_url: str)
             Template.delete(name)
         except ForkboxError:
             pass
+
+
+def test_seeded_forks_repeat_their_childrens_seeds_and_siblings_differ(daemon_url: str) -> None:
+    def seeds(sandboxes: Sequence[Sandbox]) -> List[str]:
+        out = []
+        for s in sandboxes:
+            r = s.commands.run("echo \"${FORKBOX_SEED-none}\"; cat /run/forkbox/seed || echo none")
+            env, file = r.stdout.split()
+            assert env == file, r
+            out.append(env)
+        return out
+
+    with Sandbox.create("minimal", timeout=600, metadata={"suite": "fork"}) as parent:
+        groups = [parent.fork(3, seed=42), parent.fork(3, seed=42), parent.fork(1)]
+        try:
+            first, again, unseeded = (_alive(g) for g in groups)
+            assert len(first) == len(again) == 3 and len(unseeded) == 1
+            a, b = seeds(first), seeds(again)
+            assert a == b, (a, b)
+            assert len(set(a)) == 3 and "none" not in a, a
+            assert seeds(unseeded) == ["none"]
+        finally:
+            for g in groups:
+                for c in _alive(g):
+                    c.kill()
+    made = [Sandbox.create("minimal", timeout=300, seed=s) for s in (7, 7, 8)]
+    try:
+        x, y, z = seeds(made)
+        assert x == y != z, (x, y, z)
+    finally:
+        for s in made:
+            s.kill()
+    with pytest.raises(ValueError):
+        Sandbox.create("minimal", seed=-1)

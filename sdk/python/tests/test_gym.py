@@ -5,9 +5,11 @@ from __future__ import annotations
 import warnings
 
 import gymnasium
+import pytest
 from gymnasium.utils.env_checker import check_env
 
-from forkbox.gym import ENV_ID, SandboxEnv, ShellOutput, fit_text, score
+from forkbox.gym import (ENV_ID, GraderError, SandboxEnv, ShellOutput, checked_reward,
+                         fit_text, score)
 from forkbox.models import CommandResult
 
 
@@ -56,17 +58,18 @@ def test_sandbox_env_episode_rewards_terminates_and_truncates(daemon_url: str) -
         env.close()
 
 
-def test_sandbox_env_policy_that_panics_its_guest_scores_zero_not_an_error(
+def test_sandbox_env_policy_that_ends_its_guest_scores_zero_not_an_error(
         daemon_url: str) -> None:
-    # As root, the policy can panic its own kernel: that is its failure
-    # (terminated, reward 0, flagged), never an infrastructure error.
+    # As root, the policy can power off (or panic) its own machine: that is
+    # its failure (terminated, reward 0, flagged), never an infrastructure
+    # error.
     env = SandboxEnv("minimal", grader="test -f /tmp/solved", max_steps=3, user="root")
     try:
         env.reset()
-        obs, reward, terminated, truncated, info = env.step("echo c > /proc/sysrq-trigger")
+        obs, reward, terminated, truncated, info = env.step("poweroff -f")
         assert (reward, terminated, truncated) == (0.0, True, False), info
         assert info["infrastructure"] is False
-        assert "panicked" in info["guest_ended"], info
+        assert "powered off" in info["guest_ended"], info
         assert obs in env.observation_space
         # The next episode is a fresh sandbox.
         env.reset()
@@ -83,6 +86,13 @@ def test_score_and_fit_text_rules() -> None:
     assert score(res(1)) == (0.0, False)
     assert score(res(1, "log line\n0.5\n\n")) == (0.5, False)
     assert score(res(0, "-2e-1\n")) == (-0.2, True)
+    # A reward out of range is an error, not a reward.
+    for wild in ["1e308", "1.5", "-7"]:
+        with pytest.raises(GraderError, match="outside"):
+            score(res(0, f"{wild}\n"))
+    assert score(res(0, "7\n"), (0.0, 10.0)) == (7.0, True)
+    with pytest.raises(GraderError):
+        checked_reward(float("nan"), (0.0, 1.0))
     space = ShellOutput(20)
     for text in ["", "plain\n", "crlf\r\nx", "\x00\x1b[31mred", "é✓" * 30]:
         assert fit_text(text, space) in space

@@ -39,6 +39,10 @@ pub struct CreateBody {
     /// daemon's `--create-wait`; 0: fail at once).
     #[serde(default)]
     pub wait_secs: Option<f64>,
+    /// As a fork's `seed`, for the one sandbox (child 0 of the template's
+    /// zygote).
+    #[serde(default)]
+    pub seed: Option<u64>,
     /// What the sandbox may reach; absent: nothing (egress denied). Never
     /// the template's bake policy.
     #[serde(default)]
@@ -67,6 +71,7 @@ pub(super) async fn sandbox_create(
         envs: b.envs,
         wait: secs(b.wait_secs, "wait_secs")?,
         network,
+        seed: b.seed,
     });
     let info = one(st.daemon.execute(cmd).await?)?;
     Ok((StatusCode::CREATED, info))
@@ -217,6 +222,12 @@ pub(super) async fn sandbox_resume(
 pub struct ForkBody {
     /// 1-256 children.
     pub count: u32,
+    /// Child `i`'s guest randomness seed derives from (`seed`, `i`): the
+    /// entropy forkbox gives its kernel RNG after the fork and its
+    /// `FORKBOX_SEED` (also in `/run/forkbox/seed`). Absent: fresh host
+    /// entropy and no `FORKBOX_SEED`.
+    #[serde(default)]
+    pub seed: Option<u64>,
 }
 
 /// One child of a fork: `sandbox`, or `error` when this child failed on
@@ -243,7 +254,11 @@ pub(super) async fn sandbox_fork(
     JsonBody(b): JsonBody<ForkBody>,
 ) -> ApiResult<Json<Vec<ForkChild>>> {
     match daemon
-        .execute(Lifecycle::Fork { id, count: b.count })
+        .execute(Lifecycle::Fork {
+            id,
+            count: b.count,
+            seed: b.seed,
+        })
         .await?
     {
         Reply::Forked(children) => Ok(Json(

@@ -13,6 +13,7 @@ use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, Sandb
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
 use crate::template::TemplateSpec;
+use forkbox_host::vm::child_seed;
 
 /// A sandbox creation.
 #[derive(Debug, Clone, Default)]
@@ -28,6 +29,9 @@ pub struct CreateSandbox {
     /// Its egress policy; `None`: deny all. Never the template's (that
     /// one holds only while the template bakes).
     pub network: Option<Policy>,
+    /// Seeds its after-fork entropy and `FORKBOX_SEED` (as child 0 of a
+    /// fork seeded so); `None`: fresh host entropy.
+    pub seed: Option<u64>,
 }
 
 /// Every lifecycle request.
@@ -61,6 +65,8 @@ pub enum Lifecycle {
     Fork {
         id: SandboxId,
         count: u32,
+        /// Child `i` gets the seed `child_seed(seed, i)`.
+        seed: Option<u64>,
     },
     /// The egress policy of a running or paused sandbox.
     Network {
@@ -169,13 +175,13 @@ impl Daemon {
                 let r = s.registry.get(&id)?;
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
-            Lifecycle::Fork { id, count } => {
+            Lifecycle::Fork { id, count, seed } => {
                 if count == 0 || count > 256 {
                     return Err(DaemonError::Invalid("count must be 1-256".into()));
                 }
                 // Its own task, as for creations.
                 let this = self.clone();
-                let task = tokio::spawn(async move { this.fork(id, count as usize).await });
+                let task = tokio::spawn(async move { this.fork(id, count as usize, seed).await });
                 task.await
                     .map_err(|e| DaemonError::infra("the fork task failed", e))?
                     .map(Reply::Forked)
@@ -218,6 +224,7 @@ impl Daemon {
         let opts = ForkOptions {
             policy: Some(policy.clone()),
             egress_logs: vec![self.inner.egress.path(&id)],
+            seeds: req.seed.map(|s| child_seed(s, 0)).into_iter().collect(),
         };
         let forked = blocking(move || fork_one(&*zygote, &opts, "forking the template's zygote"))
             .await
@@ -329,6 +336,7 @@ impl Daemon {
         &self,
         parent: SandboxId,
         count: usize,
+        seed: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
         let (machine, envs, spec, policy, adm) = {
             let s = self.lock();
@@ -372,12 +380,24 @@ impl Daemon {
         self.inner.metrics.forks.inc();
         let n = admitted.len();
         // The parent's current policy (`None`); each child its own log.
+        // A child's seed follows its place in the request, whichever
+        // children the caps admitted.
+        let seeds = match seed {
+            Some(seed) => slots
+                .iter()
+                .enumerate()
+                .filter(|(_, slot)| slot.is_ok())
+                .map(|(i, _)| child_seed(seed, i))
+                .collect(),
+            None => Vec::new(),
+        };
         let opts = ForkOptions {
             policy: None,
             egress_logs: admitted
                 .iter()
                 .map(|id| self.inner.egress.path(id))
                 .collect(),
+            seeds,
         };
         let children = if n == 0 {
             Ok((Vec::new(), None))
@@ -683,6 +703,7 @@ mod tests {
             .execute(Lifecycle::Fork {
                 id: parent.id.clone(),
                 count: 0,
+                seed: None,
             })
             .await
             .expect_err("count 0");

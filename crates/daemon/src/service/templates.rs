@@ -183,7 +183,7 @@ impl Daemon {
         // policy of its own creation.
         let opts = ForkOptions {
             policy: Some(Policy::deny_all()),
-            egress_logs: Vec::new(),
+            ..ForkOptions::default()
         };
         let made = blocking(move || -> Result<Box<dyn BackendVm>, DaemonError> {
             let child = fork_one(&*machine, &opts, "forking the sandbox")?;

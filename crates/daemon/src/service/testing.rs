@@ -61,6 +61,7 @@ pub(super) async fn forked(
         .execute(Lifecycle::Fork {
             id: id.clone(),
             count,
+            seed: None,
         })
         .await
     {

@@ -323,7 +323,7 @@ impl Vm {
         if status.state != RunState::Running {
             vm.resume()?;
         }
-        vm.after_fork_hook(AFTER_FORK_TIMEOUT)?;
+        vm.after_fork_hook(AFTER_FORK_TIMEOUT, None)?;
         vm.boot_time = start.elapsed();
         Ok(vm)
     }

@@ -12,6 +12,7 @@ use forkbox_net::policy::Policy;
 use forkbox_proto::client::ClientError;
 use forkbox_proto::MIN_AFTER_FORK_ENTROPY;
 use rustix::process::Signal;
+use sha2::{Digest, Sha256};
 
 use crate::control::Control;
 use crate::poll::{self, TimedOut};
@@ -29,6 +30,37 @@ pub struct ForkOptions {
     /// Child `i`'s egress log is `egress_logs[i]` when given, else a file
     /// in its own directory.
     pub egress_logs: Vec<PathBuf>,
+    /// Child `i`'s seed when given ([`child_seed`]): its after-fork
+    /// entropy derives from it ([`seeded_entropy`]) instead of the host's
+    /// RNG, and its guest gets it as `FORKBOX_SEED`. A child without one
+    /// gets fresh host entropy.
+    pub seeds: Vec<u64>,
+}
+
+/// The seed of child `index` of a fork seeded with `seed`: the same pair
+/// gives the same child seed, different children different ones.
+pub fn child_seed(seed: u64, index: usize) -> u64 {
+    let digest = Sha256::new()
+        .chain_update(b"forkbox child seed\0")
+        .chain_update(seed.to_le_bytes())
+        .chain_update((index as u64).to_le_bytes())
+        .finalize();
+    u64::from_le_bytes(digest[..8].try_into().expect("8 of 32 bytes"))
+}
+
+/// The after-fork entropy of a child whose seed is `seed`
+/// ([`MIN_AFTER_FORK_ENTROPY`] bytes).
+pub fn seeded_entropy(seed: u64) -> Vec<u8> {
+    (0u8..)
+        .flat_map(|block| {
+            Sha256::new()
+                .chain_update(b"forkbox after-fork entropy\0")
+                .chain_update(seed.to_le_bytes())
+                .chain_update([block])
+                .finalize()
+        })
+        .take(MIN_AFTER_FORK_ENTROPY)
+        .collect()
 }
 
 impl Vm {
@@ -132,6 +164,7 @@ impl Vm {
                             net,
                             start,
                             answered,
+                            seed: opts.seeds.get(index).copied(),
                         };
                         let first = match held {
                             Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
@@ -156,24 +189,36 @@ impl Vm {
         Ok(out)
     }
 
-    /// Sends `AfterFork` (host time, fresh host entropy), retrying while
-    /// the child's agent is not reachable yet; keeps the report.
-    pub(super) fn after_fork_hook(&mut self, timeout: Duration) -> Result<(), VmError> {
+    /// Sends `AfterFork` (host time, fresh host entropy or, with `seed`,
+    /// entropy derived from it), retrying while the child's agent is not
+    /// reachable yet; keeps the report.
+    pub(super) fn after_fork_hook(
+        &mut self,
+        timeout: Duration,
+        seed: Option<u64>,
+    ) -> Result<(), VmError> {
         let deadline = Instant::now() + timeout;
         let pid = self.pid();
         let report = poll::until(deadline, Duration::from_millis(2), || {
-            let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
-            if let Err(e) =
-                rustix::rand::getrandom(&mut entropy[..], rustix::rand::GetRandomFlags::empty())
-            {
-                return ControlFlow::Break(Err(VmError::Entropy(e.into())));
-            }
+            let entropy = match seed {
+                Some(seed) => seeded_entropy(seed),
+                None => {
+                    let mut fresh = vec![0u8; MIN_AFTER_FORK_ENTROPY];
+                    if let Err(e) = rustix::rand::getrandom(
+                        &mut fresh[..],
+                        rustix::rand::GetRandomFlags::empty(),
+                    ) {
+                        return ControlFlow::Break(Err(VmError::Entropy(e.into())));
+                    }
+                    fresh
+                }
+            };
             // A guest that hangs must not hold an attempt past the deadline.
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .clamp(Duration::from_secs(1), AGENT_HANDSHAKE);
             let agent = self.agent.clone().with_handshake_timeout(left);
-            match agent.after_fork(unix_now_ns(), entropy) {
+            match agent.after_fork_seeded(unix_now_ns(), entropy, seed) {
                 Ok(report) => ControlFlow::Break(Ok(report)),
                 // Not delivered: nothing listens yet, or the VMM refused
                 // the connection. Safe to retry while the VMM lives.
@@ -287,6 +332,8 @@ pub(super) struct ForkedVm {
     net: Option<VmNet>,
     start: Instant,
     answered: Duration,
+    /// The child's seed, kept for a replacement of the same place.
+    seed: Option<u64>,
 }
 
 impl ForkedVm {
@@ -314,7 +361,7 @@ impl ForkedVm {
         let hooked = match vm.control.own() {
             Ok(owner) => {
                 vm.owner = Some(owner);
-                vm.after_fork_hook(deadline)
+                vm.after_fork_hook(deadline, self.seed)
             }
             Err(e) => Err(e.into()),
         };
@@ -337,6 +384,7 @@ impl ForkedVm {
                     net: vm.net.take(),
                     start: self.start,
                     answered: self.answered,
+                    seed: self.seed,
                 });
                 Err((e, place))
             }
@@ -422,6 +470,20 @@ mod tests {
         };
         assert_eq!(lost(twice), "lost twice");
         assert_eq!(loss_signature("something else"), "other");
+    }
+
+    #[test]
+    fn child_seeds_repeat_per_pair_and_differ_between_children() {
+        assert_eq!(child_seed(7, 0), child_seed(7, 0));
+        let seeds: std::collections::BTreeSet<u64> = (0..64).map(|i| child_seed(7, i)).collect();
+        assert_eq!(seeds.len(), 64);
+        assert_ne!(child_seed(7, 0), child_seed(8, 0));
+        let e = seeded_entropy(child_seed(7, 3));
+        assert_eq!(e.len(), MIN_AFTER_FORK_ENTROPY);
+        assert_eq!(e, seeded_entropy(child_seed(7, 3)));
+        assert_ne!(e, seeded_entropy(child_seed(7, 4)));
+        // Its two 32-byte halves are different hashes, not one repeated.
+        assert_ne!(e[..32], e[32..]);
     }
 
     #[test]

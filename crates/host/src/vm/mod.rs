@@ -37,7 +37,7 @@ mod net;
 mod process;
 
 pub use assets::Assets;
-pub use fork::{after_fork_deadline, loss_signature, ForkOptions};
+pub use fork::{after_fork_deadline, child_seed, loss_signature, seeded_entropy, ForkOptions};
 pub use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
 pub use net::NetworkSpec;
 pub use process::{become_subreaper, describe_exit, VmEnd};
