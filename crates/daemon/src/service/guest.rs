@@ -372,9 +372,9 @@ pub(super) fn settle(machine: &Arc<dyn BackendVm>, e: &ClientError) {
         return;
     }
     let deadline = std::time::Instant::now() + VM_END_GRACE;
-    while machine.exited().is_none() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    forkbox_host::poll::holds_by(deadline, Duration::from_millis(20), || {
+        machine.exited().is_some()
+    });
 }
 
 #[cfg(test)]
