@@ -48,6 +48,32 @@ echo never >/sys/kernel/mm/transparent_hugepage/defrag || echo "testbed: cannot 
 echo advise >/sys/kernel/mm/transparent_hugepage/shmem_enabled || echo "testbed: cannot set shmem huge pages to advise"
 # Loopback up: tests serve on 127.0.0.1 for their guests (host.forkbox.internal).
 ip link set lo up || echo "testbed: cannot bring lo up"
+# A watchdog on the serial console, for runs that stall: every 5 minutes a
+# heartbeat (a missing one means this kernel itself stopped), and the kernel
+# stack of any process blocked (state D) two checks running, once each.
+watchdog() {
+    beats=0 prev="" told=""
+    while sleep 60; do
+        beats=$((beats + 1)) now=""
+        for stat in /proc/[0-9]*/stat; do
+            read -r line <"$stat" 2>/dev/null || continue
+            rest=${line##*) }
+            [ "${rest%% *}" = D ] || continue
+            pid=${stat#/proc/} pid=${pid%/stat}
+            now="$now $pid"
+            case " $prev " in *" $pid "*) ;; *) continue ;; esac
+            case " $told " in *" $pid "*) continue ;; esac
+            told="$told $pid"
+            echo "testbed: pid $pid ($(cat /proc/$pid/comm)) blocked over a minute, in $(cat /proc/$pid/wchan):"
+            cat "/proc/$pid/stack"
+        done
+        prev=$now
+        if [ $((beats % 5)) -eq 0 ]; then
+            echo "testbed: alive, up $(cut -d' ' -f1 /proc/uptime) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
+        fi
+    done
+}
+watchdog >/dev/console 2>&1 &
 chroot /host /bin/sh "$run/cmd.sh" >"/host$run/stdout" 2>"/host$run/stderr" </dev/null
 echo $? >"/host$run/status"
 sync

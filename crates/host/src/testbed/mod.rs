@@ -140,9 +140,9 @@ pub fn rerun_inside_with(
 pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
     match outcome {
         Outcome::Exited(code) => code,
-        Outcome::TimedOut { serial_tail } => {
+        Outcome::TimedOut { serial_tail, cpus } => {
             eprintln!(
-                "forkbox testbed: `{}` did not finish within {} s; the emulated host was stopped.\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                "forkbox testbed: `{}` did not finish within {} s; the emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
                 argv.join(" "),
                 timeout.as_secs()
             );
@@ -230,8 +230,11 @@ pub fn shards(max: usize) -> usize {
 pub enum Outcome {
     /// The command ran to completion with this exit status.
     Exited(i32),
-    /// The time limit passed; QEMU was killed.
-    TimedOut { serial_tail: String },
+    /// The time limit passed; QEMU was killed. `cpus` is what its monitor
+    /// said of the emulated CPUs just before (where each one was, whether
+    /// it was halted and what its local APIC held), to tell a stuck
+    /// emulated host from a slow or blocked command.
+    TimedOut { serial_tail: String, cpus: String },
     /// The emulated host stopped before the command finished.
     HostDied {
         serial_tail: String,
@@ -312,6 +315,10 @@ impl Testbed {
             ),
         }
         .map_err(io(run));
+        let cpus = match outcome {
+            Ok(Some(Pumped::Timeout)) => ask_monitor(&run.join(MONITOR), STALL_QUESTIONS),
+            _ => String::new(),
+        };
         let _ = qemu.kill();
         let _ = qemu.wait();
         let outcome = outcome?;
@@ -319,6 +326,7 @@ impl Testbed {
             Some(Pumped::Status(code)) => Outcome::Exited(code),
             Some(Pumped::Timeout) => Outcome::TimedOut {
                 serial_tail: tail(&serial, 40),
+                cpus,
             },
             None => Outcome::HostDied {
                 serial_tail: tail(&serial, 40),
@@ -347,7 +355,11 @@ impl Testbed {
             .args(["-smp", &opts.cpus.to_string()])
             .args(["-m", &opts.memory_mib.to_string()])
             .args(["-nodefaults", "-no-reboot", "-display", "none"])
-            .args(["-monitor", "none"])
+            .arg("-monitor")
+            .arg(format!(
+                "unix:{},server=on,wait=off",
+                run.join(MONITOR).display()
+            ))
             .arg("-serial")
             .arg(format!("file:{}", serial.display()))
             .arg("-kernel")
@@ -454,6 +466,60 @@ impl<W: Write> Drop for Labelled<'_, W> {
             let _ = self.to.write_all(&out);
         }
     }
+}
+
+/// The QEMU monitor's socket, in the run directory.
+const MONITOR: &str = "monitor.sock";
+
+/// What to ask the monitor of an emulated host that ran out of time.
+const STALL_QUESTIONS: &[&str] = &["info registers -a", "info lapic"];
+
+/// Asks QEMU's human monitor `questions` and returns what it answered, or
+/// why it could not; waits at most a few seconds for each answer.
+fn ask_monitor(socket: &Path, questions: &[&str]) -> String {
+    let talk = || -> std::io::Result<String> {
+        let mut monitor = std::os::unix::net::UnixStream::connect(socket)?;
+        monitor.set_read_timeout(Some(Duration::from_secs(2)))?;
+        read_until_quiet(&mut monitor); // its greeting
+        let mut answers = Vec::new();
+        for question in questions {
+            monitor.write_all(format!("{question}\n").as_bytes())?;
+            answers.extend(read_until_quiet(&mut monitor));
+        }
+        // Drop the monitor's echo of each question (line editing) and the
+        // FPU and vector registers.
+        let answers = String::from_utf8_lossy(&answers).replace('\r', "");
+        let kept: Vec<&str> = answers
+            .lines()
+            .filter(|l| !l.contains('\x1b') && !l.starts_with("(qemu)"))
+            .filter(|l| {
+                !["FPR", "YMM", "XMM", "FCW", "DR"]
+                    .iter()
+                    .any(|p| l.starts_with(p))
+            })
+            .collect();
+        Ok(kept.join("\n"))
+    };
+    talk().unwrap_or_else(|e| {
+        format!(
+            "(QEMU's monitor at {} did not answer: {e})",
+            socket.display()
+        )
+    })
+}
+
+/// What `from` sends until it has been quiet for its read timeout (at most
+/// 1 MiB).
+fn read_until_quiet(from: &mut impl Read) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    while got.len() < 1 << 20 {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    got
 }
 
 /// Reads a file that another process appends to.
