@@ -69,9 +69,11 @@ pub struct Args {
     #[arg(long, requires = "net_policy")]
     pub net_log: Option<PathBuf>,
     /// End the VM when no control connection has owned it (`{"op":"own"}`)
-    /// for this many seconds: from the start, and from its last owner's
-    /// going (a daemon that died and was not followed by one that adopts
-    /// it). Fork children inherit it. Without it the VM runs unowned.
+    /// for this many seconds: from the start, from its last owner's going
+    /// (a daemon that died and was not followed by one that adopts it),
+    /// and from the last control connection accepted while unowned (an
+    /// owner about to say so). Fork children inherit it. Without it the
+    /// VM runs unowned.
     #[arg(long)]
     pub orphan_grace_secs: Option<u64>,
     /// Exit with an error instead of running without a part of the jail

@@ -61,6 +61,11 @@ impl Machine {
                         tracing::warn!("control client: {e}");
                         continue;
                     }
+                    // A connection may be an owner about to say so: the
+                    // orphan grace starts again.
+                    if self.owners == 0 {
+                        self.unowned_since = Instant::now();
+                    }
                     let fd = stream.as_raw_fd();
                     self.add_item(
                         fd,

@@ -118,7 +118,13 @@ impl Machine {
         loop {
             if let Some(grace) = super::orphan_grace() {
                 if self.owners == 0 && self.unowned_since.elapsed() >= grace {
-                    return Err(VmError::Orphaned(grace));
+                    // Its owner may be waiting to be accepted: a main
+                    // thread starved by its vCPUs (one host CPU) can come
+                    // here long after the owner connected.
+                    self.accept_clients();
+                    if self.unowned_since.elapsed() >= grace {
+                        return Err(VmError::Orphaned(grace));
+                    }
                 }
             }
             let busy = self.run_state == RunState::Running && !self.dev_again.is_empty();
