@@ -36,6 +36,7 @@ mod files;
 mod fork;
 mod init;
 mod ports;
+mod protect;
 mod reaper;
 mod server;
 #[allow(unsafe_code)]

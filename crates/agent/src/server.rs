@@ -17,7 +17,7 @@ use forkbox_proto::{
 use crate::execs::ExecTable;
 use crate::fork::{self, RunsOn};
 use crate::reaper::Reaper;
-use crate::{background, exec, files, ports, sys};
+use crate::{background, exec, files, ports, protect, sys};
 
 /// Why serving stopped.
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +180,8 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::Remove { path, recursive } => reply(conn, files::remove(&path, recursive)),
         Request::DownloadTar { path, max_bytes } => files::download_tar(conn, &path, max_bytes),
         Request::UploadTar { path } => files::upload_tar(conn, &path),
+        Request::Protect { paths } => reply(conn, protect::protect(&paths)),
+        Request::Digest { paths } => protect::digest(conn, &paths),
         Request::ConnectPort { port } => ports::relay(conn, port),
         Request::Spawn { exec } => exec::spawn(conn, &agent.reaper, &agent.execs, &exec),
         Request::ListProcesses => reply(

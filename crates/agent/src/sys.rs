@@ -94,6 +94,20 @@ pub fn finit_module(module: &File) -> io::Result<()> {
 }
 
 /// `sethostname(2)`.
+/// Sets or clears a file's immutable attribute (`chattr +i`): an
+/// immutable file cannot be written, renamed, removed or linked to, and an
+/// immutable directory's entries cannot change, by any user without
+/// `CAP_LINUX_IMMUTABLE`. Returns whether it was set before.
+pub fn set_immutable(file: &File, on: bool) -> io::Result<bool> {
+    use rustix::fs::IFlags;
+    let flags = rustix::fs::ioctl_getflags(file)?;
+    let was = flags.contains(IFlags::IMMUTABLE);
+    if was != on {
+        rustix::fs::ioctl_setflags(file, flags ^ IFlags::IMMUTABLE)?;
+    }
+    Ok(was)
+}
+
 pub fn sethostname(name: &str) -> io::Result<()> {
     Ok(rustix::system::sethostname(name.as_bytes())?)
 }

@@ -353,6 +353,114 @@ fn files_as_user_act_with_that_users_rights() {
 }
 
 #[test]
+fn protected_paths_are_out_of_a_users_hands_and_their_digest_sees_every_change() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test switches users: run it as root"
+    );
+    let agent = Agent::start();
+    // A task directory the policy's user owns, as a template's would be.
+    let task = agent.dir.path().join("task");
+    fs::create_dir_all(task.join("tests")).expect("mkdir");
+    fs::set_permissions(agent.dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::os::unix::fs::chown(&task, Some(65534), Some(65534)).expect("chown to nobody");
+    // Protected files are immutable: take that back before the temporary
+    // directory is removed, however the test ends.
+    let mutable = || {
+        Command::new("chattr")
+            .arg("-R")
+            .arg("-i")
+            .args([task.join("tests"), task.join("grade.sh")])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    struct Finally<F: Fn() -> bool>(F);
+    impl<F: Fn() -> bool> Drop for Finally<F> {
+        fn drop(&mut self) {
+            (self.0)();
+        }
+    }
+    let _mutable = Finally(mutable);
+    fs::write(task.join("tests/test_it.py"), "assert add(1, 2) == 3\n").expect("write");
+    fs::write(task.join("grade.sh"), "#!/bin/sh\npytest\n").expect("write");
+    fs::set_permissions(task.join("grade.sh"), fs::Permissions::from_mode(0o777)).expect("chmod");
+    std::os::unix::fs::symlink("tests/test_it.py", task.join("link")).expect("symlink");
+    let protected = vec![agent.path("task/tests"), agent.path("task/grade.sh")];
+    let client = agent.client();
+    client.protect(&protected).expect("protect");
+    let before = client.digest(&protected).expect("digest");
+    let paths: Vec<&str> = before.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            agent.path("task/grade.sh"),
+            agent.path("task/tests"),
+            agent.path("task/tests/test_it.py"),
+        ]
+    );
+    let grader = &before[0];
+    assert_eq!((grader.uid, grader.gid, grader.mode), (0, 0, 0o755));
+    assert_eq!(grader.size, 17);
+    assert_eq!(
+        grader.content,
+        format!("{:x}", Sha256::digest(b"#!/bin/sh\npytest\n"))
+    );
+    assert_eq!(client.digest(&protected).expect("again"), before, "stable");
+
+    // nobody owns the task directory, yet may not edit, replace, rename
+    // or remove what is protected in it, though it may write beside it.
+    let nobody = |script: &str| {
+        run(
+            &client,
+            &ExecRequest::shell(script.to_owned())
+                .cwd(agent.path("task"))
+                .user(User::Name("nobody".into())),
+            None,
+        )
+    };
+    for hack in [
+        "echo 'exit 0' > grade.sh",
+        "rm -f grade.sh",
+        "mv grade.sh old.sh",
+        "rm -rf tests",
+        "mv tests old-tests",
+        "echo pass > tests/test_it.py",
+        "touch tests/conftest.py",
+        "chmod 777 grade.sh",
+    ] {
+        let out = nobody(hack);
+        assert_ne!(out.result.exit_code(), Some(0), "{hack:?} succeeded");
+    }
+    assert_eq!(nobody("echo mine > notes.txt").result.exit_code(), Some(0));
+    assert_eq!(client.digest(&protected).expect("digest"), before);
+
+    // Root can change it (after `chattr -i`, as a root policy could), and
+    // the digest sees each kind of change.
+    assert!(mutable(), "chattr -i");
+    fs::write(task.join("tests/conftest.py"), "").expect("add");
+    fs::write(task.join("grade.sh"), "#!/bin/sh\nexit 0\n").expect("edit");
+    let after = client.digest(&protected).expect("digest");
+    assert_eq!(after.len(), 4);
+    assert_ne!(after[0].content, before[0].content);
+    assert!(after.iter().any(|e| e.path.ends_with("conftest.py")));
+    fs::remove_dir_all(task.join("tests")).expect("remove");
+    let gone = client
+        .digest(&protected)
+        .expect("a missing path has no entries");
+    assert_eq!(gone.len(), 1);
+
+    let err = client.protect(&["relative".into()]).expect_err("relative");
+    assert_eq!(
+        err.agent_error().map(|e| e.kind),
+        Some(ErrorKind::InvalidRequest)
+    );
+    let err = client
+        .protect(&[agent.path("task/none")])
+        .expect_err("missing");
+    assert_eq!(err.agent_error().map(|e| e.kind), Some(ErrorKind::NotFound));
+}
+
+#[test]
 fn exec_missing_binary_exit_127() {
     let agent = Agent::start();
     let out = run(

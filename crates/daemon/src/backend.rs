@@ -345,6 +345,47 @@ pub(crate) mod fake {
         VmHandle,
     };
 
+    /// An agent on a unix socket in `dir`: says hello, reads one request,
+    /// hands both to `then` (on a thread per connection).
+    pub fn scripted_agent(
+        dir: &std::path::Path,
+        then: impl Fn(&mut std::os::unix::net::UnixStream, forkbox_proto::Request)
+            + Send
+            + Sync
+            + 'static,
+    ) -> std::path::PathBuf {
+        use forkbox_proto::frame::{read_frame, write_frame};
+        use forkbox_proto::{encode_control, FrameKind, Hello, PROTOCOL_VERSION};
+        let sock = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+        let then = Arc::new(then);
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let then = then.clone();
+                std::thread::spawn(move || {
+                    let hello = Hello {
+                        protocol_version: PROTOCOL_VERSION,
+                        agent_version: "scripted".into(),
+                        boot: Default::default(),
+                    };
+                    if write_frame(&mut conn, FrameKind::Control, &encode_control(&hello)).is_err()
+                    {
+                        return;
+                    }
+                    let Ok(Some(f)) = read_frame(&mut conn, forkbox_proto::MAX_FRAME_LEN) else {
+                        return;
+                    };
+                    let Ok(req) = forkbox_proto::decode_control(&f.body) else {
+                        return;
+                    };
+                    then(&mut conn, req);
+                });
+            }
+        });
+        sock
+    }
+
     /// VMs that boot and fork instantly (or fail to), with no agent
     /// behind them.
     #[derive(Default)]

@@ -16,6 +16,7 @@ use forkbox_net::policy::Policy;
 use serde::{Deserialize, Serialize};
 
 use crate::core::{ExpiryAction, Labels, Record, SandboxId, SandboxState};
+use crate::service::Baseline;
 use crate::template::TemplateSpec;
 
 /// A live sandbox as written down.
@@ -39,6 +40,9 @@ pub struct SavedSandbox {
     /// sandboxes had networks): adopted without a network.
     #[serde(default)]
     pub network: Option<Policy>,
+    /// Its template's protected paths as baked.
+    #[serde(default)]
+    pub baseline: Option<Baseline>,
 }
 
 /// A baked template (its zygote) as written down.
@@ -53,6 +57,8 @@ pub struct SavedTemplate {
     /// The zygote's egress policy (deny all), as for [`SavedSandbox`].
     #[serde(default)]
     pub network: Option<Policy>,
+    #[serde(default)]
+    pub baseline: Option<Baseline>,
 }
 
 impl SavedSandbox {
@@ -221,6 +227,10 @@ mod tests {
                 pid: 42,
             },
             network: Some(Policy::deny_all()),
+            baseline: Some(Baseline {
+                paths: vec!["/task/tests".into()],
+                entries: Vec::new(),
+            }),
         }
     }
 
@@ -235,6 +245,10 @@ mod tests {
         let (templates, sandboxes) = store.load();
         assert!(templates.is_empty());
         assert_eq!(sandboxes.len(), 2, "the unreadable file is skipped");
+        assert!(
+            sandboxes.iter().all(|s| s.baseline == a.baseline),
+            "a sandbox keeps its template's record of protected paths"
+        );
         assert!(
             !dir.path().join("sandboxes/bad.json").exists(),
             "and removed"

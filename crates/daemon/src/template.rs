@@ -91,6 +91,13 @@ pub struct TemplateSpec {
     #[serde(default)]
     #[schema(value_type = Option<crate::network::NetworkPolicy>)]
     pub network: Option<Policy>,
+    /// Paths the policy may not change: the grader, the tests, the task.
+    /// At the end of the bake they become root's and read-only to
+    /// everyone else, and what is under them is recorded; a sandbox's
+    /// integrity check compares with that record (at most 64 absolute
+    /// paths, each of which must exist once setup has run).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub protect: Vec<String>,
 }
 
 fn default_vcpus() -> u8 {
@@ -149,7 +156,14 @@ pub enum TemplateError {
     BadResources(ShapeError),
     #[error("ready_timeout_secs {0}: expected at most {MAX_READY_TIMEOUT_SECS} (a day)")]
     BadReadyTimeout(u64),
+    #[error("protected path {0:?}: expected an absolute path other than /, without `..`, at most 4096 bytes")]
+    BadProtectedPath(String),
+    #[error("{0} protected paths: expected at most {MAX_PROTECTED}")]
+    TooManyProtected(usize),
 }
+
+/// Most paths a template may protect.
+pub const MAX_PROTECTED: usize = 64;
 
 /// Longest `ready_timeout_secs`.
 pub const MAX_READY_TIMEOUT_SECS: u64 = 86400;
@@ -166,6 +180,7 @@ impl TemplateSpec {
             ready_timeout_secs: default_ready_timeout(),
             envs: BTreeMap::new(),
             network: None,
+            protect: Vec::new(),
         }
     }
 
@@ -195,6 +210,22 @@ impl TemplateSpec {
         .map_err(TemplateError::BadResources)?;
         if self.ready_timeout_secs > MAX_READY_TIMEOUT_SECS {
             return Err(TemplateError::BadReadyTimeout(self.ready_timeout_secs));
+        }
+        if self.protect.len() > MAX_PROTECTED {
+            return Err(TemplateError::TooManyProtected(self.protect.len()));
+        }
+        for p in &self.protect {
+            let path = std::path::Path::new(p);
+            let ok = path.is_absolute()
+                && path.parent().is_some()
+                && p.len() <= 4096
+                && !p.contains('\0')
+                && path
+                    .components()
+                    .all(|c| !matches!(c, std::path::Component::ParentDir));
+            if !ok {
+                return Err(TemplateError::BadProtectedPath(p.clone()));
+            }
         }
         Ok(())
     }

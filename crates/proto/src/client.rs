@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::frame::{read_frame, write_frame, Frame, FrameError, FrameKind};
 use crate::msg::{
-    AfterForkReport, AgentError, DirEntry, ExecRequest, ExecResult, FileStat, Hello, HelloVersion,
-    OutputStream, ProcessInfo, Request, Response, User,
+    AfterForkReport, AgentError, DigestEntry, DirEntry, ExecRequest, ExecResult, FileStat, Hello,
+    HelloVersion, OutputStream, ProcessInfo, Request, Response, User,
 };
 use crate::{decode_control, encode_control, DATA_CHUNK, MAX_FRAME_LEN, PROTOCOL_VERSION};
 
@@ -319,6 +319,43 @@ impl AgentClient {
         loop {
             match conn.response()? {
                 Response::Entries { entries } => {
+                    if all.len() + entries.len() > MAX_DIR_ENTRIES {
+                        return Err(ClientError::TooManyEntries {
+                            limit: MAX_DIR_ENTRIES,
+                        });
+                    }
+                    all.extend(entries)
+                }
+                Response::Done { .. } => return Ok(all),
+                other => return Err(unexpected(&other)),
+            }
+        }
+    }
+
+    /// Makes `paths` unchangeable by anyone but root (see
+    /// [`Request::Protect`]).
+    pub fn protect(&self, paths: &[String]) -> Result<(), ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Protect {
+            paths: paths.to_vec(),
+        })?;
+        match conn.response()? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// What is under `paths` now, in path order (see [`Request::Digest`]);
+    /// at most [`MAX_DIR_ENTRIES`] entries.
+    pub fn digest(&self, paths: &[String]) -> Result<Vec<DigestEntry>, ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Digest {
+            paths: paths.to_vec(),
+        })?;
+        let mut all = Vec::new();
+        loop {
+            match conn.response()? {
+                Response::Digests { entries } => {
                     if all.len() + entries.len() > MAX_DIR_ENTRIES {
                         return Err(ClientError::TooManyEntries {
                             limit: MAX_DIR_ENTRIES,

@@ -39,7 +39,9 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// 3: `ConnectPort` (raw relay to a guest port) and background processes
 /// (`Spawn`, `ListProcesses`, `WaitProcess`, `KillProcess`,
 /// `ProcessStdin`, `AttachProcess`); `ErrorKind::ConnectionRefused`.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: `AsUser` (file requests with a user's rights), `AfterFork`'s seed,
+/// `Protect` and `Digest` (protected paths).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;

@@ -181,6 +181,22 @@ pub enum Request {
         pid: u32,
         follow: bool,
     },
+    /// Make `paths` unchangeable by anyone but root: everything under
+    /// them (links not followed) becomes root's, without write permission
+    /// for group and others, and immutable (`chattr +i`; links, devices
+    /// and FIFOs are covered by their directory's immutability), so no
+    /// other user can write, rename or remove a protected path, even in
+    /// a directory it owns. A missing path is `NotFound`; a file system
+    /// without the immutable attribute is an error.
+    Protect {
+        paths: Vec<String>,
+    },
+    /// Everything under `paths` (links not followed), in path order:
+    /// `Digests` batches, then `Done` with the count. A missing path has
+    /// no entries.
+    Digest {
+        paths: Vec<String>,
+    },
     /// A file request (`ReadFile`, `WriteFile`, `ListDir`, `Stat`,
     /// `Mkdir`, `Remove`, `DownloadTar`, `UploadTar`) carried out with
     /// `user`'s rights: the kernel checks every path, link and directory
@@ -438,7 +454,7 @@ impl ExecResult {
 }
 
 /// File type as seen by `lstat`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FileKind {
     File,
@@ -467,6 +483,22 @@ pub struct DirEntry {
     pub stat: FileStat,
 }
 
+/// One file, directory or link under a protected path, as `Digest`
+/// records it: two records are equal exactly when nothing about it that
+/// matters to a grader changed (its modification time is left out).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DigestEntry {
+    pub path: String,
+    pub kind: FileKind,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// A file's SHA-256 (hex), a link's target; empty for anything else.
+    pub content: String,
+}
+
 /// Agent → client, after the request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "type")]
@@ -485,6 +517,9 @@ pub enum Response {
     },
     Entries {
         entries: Vec<DirEntry>,
+    },
+    Digests {
+        entries: Vec<DigestEntry>,
     },
     Stat {
         stat: FileStat,

@@ -26,15 +26,16 @@ Modules:
 
 from ._client import AsyncClient, Client, default_url
 from .async_sandbox import AsyncSandbox
-from .async_sandbox import AsyncCommandHandle, AsyncNetwork
+from .async_sandbox import AsyncCommandHandle, AsyncIntegrity, AsyncNetwork
 from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          DaemonUnavailableError, ForkboxError, InfrastructureError,
                          InvalidRequestError, NotFoundError, ProcessTimeoutError, TemplateError,
                          TemplateInfrastructureError, UnsafeArchiveError, UnsupportedError,
                          TooLargeError, GuestTimeoutError, GuestEndedError,
-                         DownloadInterruptedError)
-from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
-from .sandbox import CommandHandle, Network, Sandbox
+                         DownloadInterruptedError, TamperedError)
+from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
+                     TemplateInfo)
+from .sandbox import CommandHandle, Integrity, Network, Sandbox
 from .template import AsyncTemplate, Template
 
 __all__ = [
@@ -45,5 +46,5 @@ __all__ = [
     "InfrastructureError", "DaemonUnavailableError", "TooLargeError", "GuestTimeoutError",
     "DownloadInterruptedError", "CommandHandle", "AsyncCommandHandle",
     "ProcessInfo", "ProcessOutput", "ProcessTimeoutError", "Network", "AsyncNetwork",
-    "UnsafeArchiveError", "GuestEndedError",
+    "UnsafeArchiveError", "GuestEndedError", "TamperedError", "IntegrityReport", "Integrity", "AsyncIntegrity",
 ]

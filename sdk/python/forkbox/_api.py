@@ -17,7 +17,8 @@ import httpx
 
 from .exceptions import (ForkboxError, InfrastructureError, TemplateError, from_bake_failure,
                          from_response)
-from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
+from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
+                     TemplateInfo)
 
 T = TypeVar("T")
 
@@ -467,12 +468,16 @@ def download_tar(sandbox_id: str, path: str, max_bytes: Optional[int] = None,
 def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
                   setup: Optional[Sequence[str]], ready: Ready, ready_timeout: Optional[float],
                   envs: Optional[Mapping[str, str]],
-                  network: Optional[NetworkArg] = None) -> Json:
+                  network: Optional[NetworkArg] = None,
+                  protect: Optional[Sequence[str]] = None) -> Json:
     """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
     one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
-    `{"http_url": url}`. `network`: the egress policy while it bakes."""
+    `{"http_url": url}`. `network`: the egress policy while it bakes.
+    `protect`: paths the policy may not change."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
+    if isinstance(protect, str):
+        raise TypeError("protect is a list of paths, not one string")
     spec: Json = {"name": name, "image": image, "vcpus": vcpus, "memory_mib": memory_mib,
                   "setup": list(setup or []), "envs": dict(envs or {})}
     if ready is not None:
@@ -481,7 +486,14 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
         spec["ready_timeout_secs"] = int(ready_timeout)
     if network is not None:
         spec["network"] = network_policy(network)
+    if protect:
+        spec["protect"] = list(protect)
     return spec
+
+
+def integrity(sandbox_id: str) -> "Call[IntegrityReport]":
+    return Call("GET", _sb(sandbox_id) + "/integrity", {},
+                lambda r: IntegrityReport.from_json(r.json()))
 
 
 def list_templates() -> "Call[List[TemplateInfo]]":

@@ -13,7 +13,8 @@ from . import _api, _tar
 from ._api import Call
 from ._client import AsyncClient, shared_async_client
 from .exceptions import ForkboxError, NotFoundError
-from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
+from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
+                     TemplateInfo)
 from .sandbox import SandboxBase
 
 T = TypeVar("T")
@@ -204,6 +205,17 @@ class AsyncNetwork:
         return await self._do(_api.egress_log(self._sb.sandbox_id, limit))
 
 
+class AsyncIntegrity:
+    """As `Integrity` (`sb.integrity`), for asyncio."""
+
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def check(self) -> IntegrityReport:
+        """As `Integrity.check`."""
+        return await _do(self._sb._client, _api.integrity(self._sb.sandbox_id))
+
+
 class AsyncSandbox(SandboxBase):
     """A sandbox on forkboxd, for asyncio. `async with` kills it on exit."""
 
@@ -213,6 +225,7 @@ class AsyncSandbox(SandboxBase):
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
+        self.integrity = AsyncIntegrity(self)
 
     @classmethod
     async def create(cls, template: str = "minimal", *, timeout: Optional[float] = 300,

@@ -97,6 +97,20 @@ class GuestEndedError(ForkboxError):
     mask it."""
 
 
+class TamperedError(ForkboxError):
+    """A rollout changed its protected paths (its template's `protect`:
+    the grader, the tests): its result is withheld. `report` is the
+    `IntegrityReport` saying which paths. The policy's doing, not the
+    infrastructure's: score it as a failure, don't mask it."""
+
+    def __init__(self, report: Any) -> None:
+        paths = report.tampered
+        shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+        super().__init__(f"the rollout changed protected paths: {shown}", kind="tampered",
+                         detail={"infrastructure": False, "tampered": paths})
+        self.report = report
+
+
 class DownloadInterruptedError(ForkboxError):
     """A file read or tar download whose stream stopped short of its
     end, not at its limit: the guest failed or did not answer in time

@@ -29,6 +29,12 @@ When the guest ends its own VM (powers off, reboots, panics its kernel)
 the step is the policy's failure, not an error: the episode is
 `terminated` with reward `0.0` and `info["guest_ended"]` says how.
 
+Before each grading the env checks the sandbox's protected paths (the
+template's `protect`: grader, tests; see `Template.build`). If the policy
+changed any, the grader does not run: the episode is `terminated` with
+reward `0.0`, and `info["tampered"]` lists the paths
+(`check_integrity=False` skips the check).
+
 Observations live in `observation_space`, a `Text` space: output is
 sanitized (CR/LF to LF, characters outside the printable Basic
 Multilingual Plane become `?`) and, past `max_output_chars`, its middle is
@@ -47,7 +53,8 @@ import functools
 import math
 import re
 import string
-from typing import Any, Callable, Dict, Mapping, Optional, SupportsFloat, Tuple, Union
+from typing import (Any, Callable, Dict, List, Mapping, Optional, SupportsFloat, Tuple,
+                    Union)
 
 import gymnasium
 import numpy as np
@@ -156,7 +163,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
                  sandbox_metadata: Optional[Mapping[str, str]] = None,
                  sandbox_timeout: Optional[float] = 3600.0, render_mode: Optional[str] = None,
                  network: Optional[Mapping[str, Any]] = None, url: Optional[str] = None,
-                 reward_range: Tuple[float, float] = DEFAULT_REWARD_RANGE) -> None:
+                 reward_range: Tuple[float, float] = DEFAULT_REWARD_RANGE,
+                 check_integrity: bool = True) -> None:
         """`reset_command`: run after each reset, its output is the first
         observation (default: none, the first observation is `""`).
         `step_timeout`/`grader_timeout`: seconds per action / grading (an
@@ -176,6 +184,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         if not reward_range[0] <= reward_range[1]:
             raise ValueError(f"reward_range {reward_range}: low above high")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
+        self.check_integrity = check_integrity
         self.max_steps = max_steps
         self.reset_command = reset_command
         self.step_timeout = step_timeout
@@ -230,6 +239,14 @@ class SandboxEnv(gymnasium.Env[str, str]):
         try:
             result = self._run(action, self.step_timeout)
             obs = self._observe(result)
+            tampered = self._tampered()
+            if tampered:
+                # The grader (or what it stands on) may be the policy's now.
+                self._transcript = f"$ {action}\n{obs}"
+                return obs, 0.0, True, False, {"exit_code": result.exit_code,
+                                               "timed_out": result.timed_out,
+                                               "steps": self._steps, "tampered": tampered,
+                                               "infrastructure": False}
             reward, terminated, grade = self._grade(result)
         except GuestEndedError as e:
             # The policy ended its own machine: its failure, scored.
@@ -287,6 +304,15 @@ class SandboxEnv(gymnasium.Env[str, str]):
         if isinstance(out, tuple):
             return checked_reward(float(out[0]), self.reward_range), bool(out[1]), {}
         return checked_reward(float(out), self.reward_range), False, {}
+
+    def _tampered(self) -> List[str]:
+        """The protected paths the policy changed (none if the template
+        protects nothing, or nothing grades)."""
+        sb = self.sandbox
+        if sb is None or self.grader is None or not self.check_integrity:
+            return []
+        report = self._infra(sb.integrity.check)
+        return [] if report else list(report.tampered)
 
     def _observe(self, result: CommandResult) -> str:
         return fit_text(result.stdout, self._output_space)

@@ -80,6 +80,9 @@ class TemplateInfo:
     """`not_baked`, `baking`, `ready` or `failed`."""
     from_sandbox: Optional[str]
     """The sandbox a snapshot template was taken from; `None` otherwise."""
+    protect: List[str] = field(default_factory=list)
+    """Paths the policy may not change (grader, tests): root's and
+    read-only to others from the end of the bake, recorded then."""
     error: Optional[str] = None
     """Why the last bake failed."""
     bake_ms: Optional[int] = None
@@ -94,4 +97,38 @@ class TemplateInfo:
                    ready_timeout_secs=int(d.get("ready_timeout_secs", 0)),
                    envs=dict(d.get("envs") or {}), state=str(d.get("state", default_state)),
                    from_sandbox=d.get("from_sandbox"), error=d.get("error"),
+                   protect=list(d.get("protect") or []),
                    bake_ms=d.get("bake_ms"), raw=dict(d))
+
+
+@dataclass
+class IntegrityReport:
+    """Whether a sandbox's protected paths (its template's `protect`) still
+    hold what the template's bake recorded (`sb.integrity.check()`).
+    Truthy when intact."""
+
+    intact: bool
+    """Nothing protected changed (also True when nothing is protected)."""
+    protected: List[str]
+    changed: List[str]
+    """Paths whose content, type, owner or permissions differ."""
+    added: List[str]
+    """Paths under a protected path that were not there at the bake."""
+    removed: List[str]
+    """Paths recorded at the bake that are gone."""
+    entries: int
+    """Entries recorded at the bake."""
+
+    def __bool__(self) -> bool:
+        return self.intact
+
+    @property
+    def tampered(self) -> List[str]:
+        """Every changed, added and removed path, sorted."""
+        return sorted(self.changed + self.added + self.removed)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "IntegrityReport":
+        return cls(intact=bool(d["intact"]), protected=list(d.get("protected") or []),
+                   changed=list(d.get("changed") or []), added=list(d.get("added") or []),
+                   removed=list(d.get("removed") or []), entries=int(d.get("entries", 0)))

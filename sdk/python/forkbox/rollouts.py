@@ -13,7 +13,10 @@ for it), or a `TimeoutError` when the group's time ran out before `fn`
 finished. Entries that are `ForkboxError`s with `.infrastructure` set are
 the machinery's fault: mask those rather than scoring them. A
 `GuestEndedError` (the child's guest powered off, rebooted or panicked)
-is the policy's own failure: score it.
+is the policy's own failure: score it. So is a `TamperedError`: the
+child's template protects paths (`Template.build(protect=...)`) and they
+had changed by the time `fn` returned, so its result is withheld
+(`check_integrity=False` skips the check).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import (Any, Awaitable, Callable, Dict, List, Mapping, Optional, Typ
                     cast)
 
 from .async_sandbox import AsyncSandbox
-from .exceptions import ForkboxError
+from .exceptions import ForkboxError, TamperedError
 from .sandbox import Sandbox
 
 T = TypeVar("T")
@@ -39,7 +42,7 @@ def _timed_out(timeout: Optional[float]) -> TimeoutError:
 def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
           timeout: Optional[float] = None, metadata: Optional[Mapping[str, str]] = None,
           sandbox_timeout: Optional[float] = 3600, network: Optional[Mapping[str, Any]] = None,
-          url: Optional[str] = None) -> List[Outcome[T]]:
+          check_integrity: bool = True, url: Optional[str] = None) -> List[Outcome[T]]:
     """Forks `n` sandboxes from one state and runs `fn(child)` in each,
     each in its own thread.
 
@@ -66,19 +69,23 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
     children: List[Union[Sandbox, ForkboxError]] = []
     try:
         children = parent.fork(count=n)
-        return _run_threads(children, fn, timeout)
+        return _run_threads(children, fn, timeout, check_integrity)
     finally:
         _kill_all([c for c in children if isinstance(c, Sandbox)] + ([parent] if owned else []))
 
 
 def _run_threads(children: List[Union[Sandbox, ForkboxError]], fn: Callable[[Sandbox], T],
-                 timeout: Optional[float]) -> List[Outcome[T]]:
+                 timeout: Optional[float], check_integrity: bool) -> List[Outcome[T]]:
     results: Dict[int, Outcome[T]] = {}
     cond = threading.Condition()
 
     def work(i: int, sb: Sandbox) -> None:
         try:
             r: Outcome[T] = fn(sb)
+            if check_integrity:
+                report = sb.integrity.check()
+                if not report:
+                    r = TamperedError(report)
         except Exception as e:  # noqa: BLE001 - every failure is a result here
             r = e
         with cond:
@@ -126,9 +133,19 @@ async def agroup(source: Union[str, AsyncSandbox], n: int,
                  metadata: Optional[Mapping[str, str]] = None,
                  sandbox_timeout: Optional[float] = 3600,
                  network: Optional[Mapping[str, Any]] = None,
+                 check_integrity: bool = True,
                  url: Optional[str] = None) -> List[Outcome[T]]:
     """`group` for asyncio: `fn` is a coroutine function, run as one task
     per child; tasks still running at the time limit are cancelled."""
+
+    async def checked(sb: AsyncSandbox) -> T:
+        r = await fn(sb)
+        if check_integrity:
+            report = await sb.integrity.check()
+            if not report:
+                raise TamperedError(report)
+        return r
+
     parent: AsyncSandbox
     if isinstance(source, str):
         parent = await AsyncSandbox.create(source, timeout=sandbox_timeout, metadata=metadata,
@@ -140,7 +157,7 @@ async def agroup(source: Union[str, AsyncSandbox], n: int,
     tasks: Dict[int, "asyncio.Future[T]"] = {}
     try:
         children = await parent.fork(count=n)
-        tasks = {i: asyncio.ensure_future(fn(c)) for i, c in enumerate(children)
+        tasks = {i: asyncio.ensure_future(checked(c)) for i, c in enumerate(children)
                  if isinstance(c, AsyncSandbox)}
         if tasks:
             await asyncio.wait(list(tasks.values()), timeout=timeout)

@@ -10,7 +10,8 @@ from . import _api, _tar
 from ._api import Call
 from ._client import Client, shared_client
 from .exceptions import ForkboxError, NotFoundError, UnsupportedError
-from .models import CommandResult, EntryInfo, ProcessInfo, ProcessOutput, TemplateInfo
+from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
+                     TemplateInfo)
 
 T = TypeVar("T")
 
@@ -266,6 +267,22 @@ class Network:
         return self._do(_api.egress_log(self._sb.sandbox_id, limit))
 
 
+class Integrity:
+    """A sandbox's protected paths (`sb.integrity`): its template's
+    `protect`, recorded when the template was baked."""
+
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def check(self) -> IntegrityReport:
+        """Compares the protected paths with the bake's record: which
+        changed (content, type, owner, permissions), were added under a
+        protected path, or are gone. The report is truthy when nothing
+        did; a fork is compared with its template's record, never with
+        its parent's state. Check before grading."""
+        return _do(self._sb._client, _api.integrity(self._sb.sandbox_id))
+
+
 class SandboxBase:
     """What the blocking and async sandboxes share: identity and the last
     info the daemon gave."""
@@ -301,6 +318,7 @@ class Sandbox(SandboxBase):
         self.commands = Commands(self)
         self.files = Files(self)
         self.network = Network(self)
+        self.integrity = Integrity(self)
 
     # -- creation and lookup
 

@@ -28,6 +28,7 @@ class Template:
               setup: Optional[Sequence[str]] = None, ready: Ready = None,
               ready_timeout: Optional[float] = None, envs: Optional[Mapping[str, str]] = None,
               network: Optional[NetworkArg] = None,
+              protect: Optional[Sequence[str]] = None,
               on_progress: Optional[ProgressCallback] = None,
               url: Optional[str] = None) -> TemplateInfo:
         """Registers and bakes a template: boot `image`, run each `setup`
@@ -42,13 +43,19 @@ class Template:
         created from the template start with their own (default: deny
         all).
 
+        `protect`: paths the policy may not change (the grader, the tests,
+        the task; at most 64, each must exist after setup). At the end of
+        the bake they become root's and read-only to everyone else, and
+        what they hold is recorded: `sb.integrity.check()` on any sandbox
+        of the template (or fork of one) says what changed since.
+
         `on_progress` gets every event of the bake as a dict: `{"type":
         "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,
         and the last one, `done` (with `boot_ms`, `total_ms`) or `failed`.
         A failed bake raises `TemplateError` (`.step`, `.output`);
         `TemplateInfrastructureError` when the VM failed, not the recipe."""
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network)
+                                  envs, network, protect)
         return _bake(shared_client(url).stream_ndjson("POST", "/templates", json=spec),
                      on_progress)
 
@@ -101,10 +108,11 @@ class AsyncTemplate:
                     ready: Ready = None, ready_timeout: Optional[float] = None,
                     envs: Optional[Mapping[str, str]] = None,
                     network: Optional[NetworkArg] = None,
+                    protect: Optional[Sequence[str]] = None,
                     on_progress: Optional[ProgressCallback] = None,
                     url: Optional[str] = None) -> TemplateInfo:
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network)
+                                  envs, network, protect)
         return await _abake(shared_async_client(url).stream_ndjson("POST", "/templates",
                                                                    json=spec), on_progress)
 

@@ -48,7 +48,8 @@ use utoipa::OpenApi;
 use crate::core::{DeathCause, ExpiryAction, SandboxId, SandboxState};
 use crate::network::NetworkPolicy;
 use crate::service::{
-    BakeEvent, BakeFailure, Daemon, NetworkInfo, PortForwardInfo, SandboxInfo, SandboxMetrics,
+    BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, SandboxInfo,
+    SandboxMetrics,
 };
 use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -98,6 +99,7 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         sandbox_fork,
         sandbox_snapshot,
         sandbox_logs,
+        sandbox_integrity,
         network_get,
         network_set,
         egress_log,
@@ -158,7 +160,8 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         NetworkPolicy,
         NetworkInfo,
         EgressLog,
-        EgressRecordDoc
+        EgressRecordDoc,
+        IntegrityReport
     ))
 )]
 pub struct ApiDoc;
@@ -192,6 +195,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         .route("/fork", post(sandbox_fork))
         .route("/snapshot", post(sandbox_snapshot))
         .route("/logs", get(sandbox_logs))
+        .route("/integrity", get(sandbox_integrity))
         .route("/network", get(network_get).post(network_set))
         .route("/egress", get(egress_log))
         .route(

@@ -16,7 +16,7 @@ use super::extract::{policy, query, secs, JsonBody, OnSandbox};
 use super::AppState;
 use crate::core::{ExpiryAction, Labels, SandboxId};
 use crate::network::NetworkPolicy;
-use crate::service::{CreateSandbox, Lifecycle, Reply, SandboxInfo};
+use crate::service::{CreateSandbox, IntegrityReport, Lifecycle, Reply, SandboxInfo};
 use crate::template::TemplateInfo;
 
 /// `POST /sandboxes`.
@@ -317,6 +317,20 @@ pub(super) async fn sandbox_logs(
     let lines = q.lines.unwrap_or(200).clamp(1, 10_000);
     let text = daemon.console(&id, lines).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
+/// Whether the sandbox's protected paths (its template's `protect`) still
+/// hold what the template's bake recorded: which paths changed, were
+/// added under a protected path, or are gone. Check before grading: a
+/// rollout whose report is not `intact` tampered with what grades it.
+#[utoipa::path(get, path = "/sandboxes/{id}/integrity", params(("id" = String, Path)),
+    responses((status = 200, body = IntegrityReport), (status = 404, body = ApiErrorBody),
+              (status = 409, body = ApiErrorBody), (status = 410, body = ApiErrorBody),
+              (status = 502, body = ApiErrorBody)))]
+pub(super) async fn sandbox_integrity(
+    OnSandbox { daemon, id }: OnSandbox,
+) -> ApiResult<Json<IntegrityReport>> {
+    Ok(Json(daemon.integrity(&id).await?))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ pub(super) use std::sync::Arc;
 pub(super) use tower::ServiceExt;
 
 pub(super) use super::router;
-pub(super) use crate::backend::fake::Fake;
+pub(super) use crate::backend::fake::{scripted_agent, Fake};
 pub(super) use crate::service::{Config, Daemon};
 
 pub(super) fn app(token: Option<&str>) -> Router {
@@ -51,43 +51,6 @@ pub(super) fn app_with_agent_and(
     config.bounds = bounds;
     let d = Daemon::new(Arc::new(fake), config).expect("daemon");
     router(d, None)
-}
-
-/// An agent on a unix socket in `dir`: says hello, reads one request,
-/// hands both to `then` (on a thread per connection).
-pub(super) fn scripted_agent(
-    dir: &std::path::Path,
-    then: impl Fn(&mut std::os::unix::net::UnixStream, forkbox_proto::Request) + Send + Sync + 'static,
-) -> std::path::PathBuf {
-    use forkbox_proto::frame::{read_frame, write_frame};
-    use forkbox_proto::{encode_control, FrameKind, Hello, PROTOCOL_VERSION};
-    let sock = dir.join("agent.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
-    let then = Arc::new(then);
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { return };
-            let then = then.clone();
-            std::thread::spawn(move || {
-                let hello = Hello {
-                    protocol_version: PROTOCOL_VERSION,
-                    agent_version: "scripted".into(),
-                    boot: Default::default(),
-                };
-                if write_frame(&mut conn, FrameKind::Control, &encode_control(&hello)).is_err() {
-                    return;
-                }
-                let Ok(Some(f)) = read_frame(&mut conn, forkbox_proto::MAX_FRAME_LEN) else {
-                    return;
-                };
-                let Ok(req) = forkbox_proto::decode_control(&f.body) else {
-                    return;
-                };
-                then(&mut conn, req);
-            });
-        }
-    });
-    sock
 }
 
 /// A created sandbox's id.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use forkbox_net::policy::Policy;
 
 use super::view::info;
-use super::{blocking, chain, reap, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
+use super::{blocking, chain, reap, Baseline, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
 use crate::template::TemplateSpec;
@@ -89,6 +89,16 @@ pub enum Reply {
     /// One entry per fork child, in order.
     Forked(Vec<Result<SandboxInfo, DaemonError>>),
     Network(NetworkInfo),
+}
+
+/// What a fork child takes from its parent besides its memory.
+pub(super) struct Inherited {
+    envs: BTreeMap<String, String>,
+    spec: TemplateSpec,
+    /// The parent's policy as written down (the one in force, when the
+    /// fork says).
+    policy: Policy,
+    baseline: Option<Arc<Baseline>>,
 }
 
 impl Daemon {
@@ -196,7 +206,7 @@ impl Daemon {
     /// A sandbox from a template: a fork of the template's zygote, baked
     /// first if it is not yet.
     pub(super) async fn create(&self, req: CreateSandbox) -> Result<SandboxInfo, DaemonError> {
-        let (zygote, template) = match self.zygote(&req.template).await {
+        let (zygote, template, baseline) = match self.zygote(&req.template).await {
             Ok(z) => z,
             Err(e) => {
                 if !matches!(e, DaemonError::NoTemplate(_)) {
@@ -251,6 +261,7 @@ impl Daemon {
                                 envs,
                                 spec: template,
                                 ports: BTreeMap::new(),
+                                baseline,
                             },
                         );
                         self.save(&s, &id);
@@ -338,7 +349,7 @@ impl Daemon {
         count: usize,
         seed: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
-        let (machine, envs, spec, policy, adm) = {
+        let (machine, inherited, adm) = {
             let s = self.lock();
             let (r, live) = s.forkable(&parent, "fork")?;
             let adm = Admission {
@@ -348,13 +359,13 @@ impl Daemon {
                 on_expiry: r.on_expiry,
                 parent: Some(parent.clone()),
             };
-            (
-                live.machine.clone(),
-                live.envs.clone(),
-                live.spec.clone(),
-                live.policy.clone(),
-                adm,
-            )
+            let inherited = Inherited {
+                envs: live.envs.clone(),
+                spec: live.spec.clone(),
+                policy: live.policy.clone(),
+                baseline: live.baseline.clone(),
+            };
+            (live.machine.clone(), inherited, adm)
         };
         let started = Instant::now();
         let mut slots: Vec<Result<SandboxId, DaemonError>> = {
@@ -410,8 +421,14 @@ impl Daemon {
             .and_then(|r| r.map_err(|e: BackendError| DaemonError::from(e)))
         };
         let now = Instant::now();
-        let (mut made, policy) = match children {
-            Ok((c, in_force)) => (c.into_iter(), in_force.unwrap_or(policy)),
+        let (mut made, inherited) = match children {
+            Ok((c, in_force)) => (
+                c.into_iter(),
+                Inherited {
+                    policy: in_force.unwrap_or(inherited.policy),
+                    ..inherited
+                },
+            ),
             Err(e) => {
                 // The request as a whole failed: no child exists.
                 let mut s = self.lock();
@@ -439,7 +456,7 @@ impl Daemon {
                 ))
             });
             let child = child.map_err(DaemonError::from);
-            out.push(self.record_fork_child(&id, child, &envs, &spec, &policy, now));
+            out.push(self.record_fork_child(&id, child, &inherited, now));
         }
         let ok = out.iter().filter(|r| r.is_ok()).count();
         self.inner.metrics.fork_children.inc_by(ok as u64);
@@ -461,9 +478,7 @@ impl Daemon {
         &self,
         id: &SandboxId,
         child: Result<Box<dyn BackendVm>, DaemonError>,
-        envs: &BTreeMap<String, String>,
-        spec: &TemplateSpec,
-        policy: &Policy,
+        inherited: &Inherited,
         now: Instant,
     ) -> Result<SandboxInfo, DaemonError> {
         let mut s = self.lock();
@@ -487,10 +502,11 @@ impl Daemon {
                     id.clone(),
                     Live {
                         machine,
-                        policy: policy.clone(),
-                        envs: envs.clone(),
-                        spec: spec.clone(),
+                        policy: inherited.policy.clone(),
+                        envs: inherited.envs.clone(),
+                        spec: inherited.spec.clone(),
                         ports: BTreeMap::new(),
+                        baseline: inherited.baseline.clone(),
                     },
                 );
                 self.save(&s, id);

@@ -41,6 +41,7 @@
 mod error;
 mod files;
 mod guest;
+mod integrity;
 mod lifecycle;
 mod network;
 mod ports;
@@ -71,6 +72,7 @@ use crate::template::TemplateSpec;
 pub use error::{chain, DaemonError};
 pub use files::{Download, Transfer};
 pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
+pub use integrity::{Baseline, IntegrityReport};
 pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
 pub use templates::{BakeEvent, BakeFailure};
@@ -162,6 +164,8 @@ struct Live {
     /// Open port forwards by guest port; they close with the sandbox
     /// (dropping one stops its listener and its connections).
     ports: BTreeMap<u16, PortForward>,
+    /// Its template's protected paths as baked, if it protects any.
+    baseline: Option<Arc<Baseline>>,
 }
 
 struct Shared {

@@ -39,6 +39,7 @@ impl Daemon {
             spec: live.spec.clone(),
             vm,
             network: Some(live.policy.clone()),
+            baseline: live.baseline.as_deref().cloned(),
         });
     }
 
@@ -81,6 +82,7 @@ impl Daemon {
                             zygote: Zygote::Ready {
                                 machine: Arc::from(m),
                                 bake_ms: t.bake_ms,
+                                baseline: t.baseline.map(Arc::new),
                             },
                         },
                     );
@@ -113,6 +115,7 @@ impl Daemon {
                             envs: saved.envs,
                             spec: saved.spec,
                             ports: BTreeMap::new(),
+                            baseline: saved.baseline.map(Arc::new),
                         },
                     );
                 }

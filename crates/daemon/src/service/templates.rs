@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, watch};
 use utoipa::ToSchema;
 
 use super::lifecycle::fork_one;
-use super::{blocking, chain, reap, Daemon, DaemonError};
+use super::{blocking, chain, reap, Baseline, Daemon, DaemonError};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
@@ -91,6 +91,9 @@ impl BakeFailure {
     }
 }
 
+/// A zygote made, with the record of its protected paths.
+pub(super) type Baked = (Arc<dyn BackendVm>, Option<Arc<Baseline>>);
+
 /// `None` while the bake runs, then its outcome.
 pub(super) type BakeWatch = watch::Receiver<Option<Result<(), BakeFailure>>>;
 
@@ -112,6 +115,9 @@ pub(super) enum Zygote {
     Ready {
         machine: Arc<dyn BackendVm>,
         bake_ms: u64,
+        /// Its protected paths as baked (a template from a sandbox: the
+        /// sandbox's template's).
+        baseline: Option<Arc<Baseline>>,
     },
 }
 
@@ -121,9 +127,9 @@ impl Template {
             Zygote::None { error: None } => (TemplateState::NotBaked, None, None, None),
             Zygote::None { error } => (TemplateState::Failed, error.clone(), None, None),
             Zygote::Baking(_) => (TemplateState::Baking, None, None, None),
-            Zygote::Ready { machine, bake_ms } => {
-                (TemplateState::Ready, None, Some(*bake_ms), machine.pid())
-            }
+            Zygote::Ready {
+                machine, bake_ms, ..
+            } => (TemplateState::Ready, None, Some(*bake_ms), machine.pid()),
         };
         TemplateInfo {
             spec: self.spec.clone(),
@@ -154,13 +160,13 @@ impl Daemon {
         id: &SandboxId,
         name: String,
     ) -> Result<TemplateInfo, DaemonError> {
-        let (machine, mut spec) = {
+        let (machine, mut spec, baseline) = {
             let s = self.lock();
             // "snapshot": the API's word for it, in messages and events.
             let (_, live) = s.forkable(id, "snapshot")?;
             let mut spec = live.spec.clone();
             spec.envs = live.envs.clone();
-            (live.machine.clone(), spec)
+            (live.machine.clone(), spec, live.baseline.clone())
         };
         // Its state holds what the recipe did; it is never baked.
         spec.name = name.clone();
@@ -196,7 +202,7 @@ impl Daemon {
         .await
         .and_then(|r| r);
         let outcome = match made {
-            Ok(z) => Ok(Arc::from(z)),
+            Ok(z) => Ok((Arc::from(z), baseline)),
             Err(e) => Err(BakeFailure::of("snapshot".into(), &e)),
         };
         let result = self.bake_ended(&name, outcome, start.elapsed(), &tx);
@@ -310,11 +316,12 @@ impl Daemon {
         Ok(())
     }
 
-    /// The zygote of `name` and its spec, baking it first when needed.
+    /// The zygote of `name`, its spec and its protected paths' record,
+    /// baking it first when needed.
     pub(super) async fn zygote(
         &self,
         name: &str,
-    ) -> Result<(Arc<dyn BackendVm>, TemplateSpec), DaemonError> {
+    ) -> Result<(Arc<dyn BackendVm>, TemplateSpec, Option<Arc<Baseline>>), DaemonError> {
         loop {
             let mut w = match self.start_bake(name, None)? {
                 BakeStart::Ready => {
@@ -323,8 +330,11 @@ impl Daemon {
                         .templates
                         .get(name)
                         .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
-                    if let Zygote::Ready { machine, .. } = &t.zygote {
-                        return Ok((machine.clone(), t.spec.clone()));
+                    if let Zygote::Ready {
+                        machine, baseline, ..
+                    } = &t.zygote
+                    {
+                        return Ok((machine.clone(), t.spec.clone(), baseline.clone()));
                     }
                     continue;
                 }
@@ -377,45 +387,63 @@ impl Daemon {
             let backend = this.inner.backend.clone();
             let recipe = spec.clone();
             let send2 = send.clone();
-            let baked = blocking(move || -> Result<(Box<dyn BackendVm>, u64), BakeFailure> {
-                send2(BakeEvent::Step {
-                    step: "boot".into(),
-                    detail: format!(
-                        "image {}, {} vCPU, {} MiB",
-                        recipe.image, recipe.vcpus, recipe.memory_mib
-                    ),
-                });
-                let machine = backend
-                    .boot(&machine_spec)
-                    .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
-                let boot_ms = machine.boot_time().as_millis() as u64;
-                run_recipe(
-                    &machine.agent(),
-                    max_exec,
-                    &recipe,
-                    &recipe.envs,
-                    &mut |e| send2(e),
-                )
-                .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
-                send2(BakeEvent::Step {
-                    step: "zygote".into(),
-                    detail: "denying all egress (each sandbox gets its own policy), a warm-up \
+            let baked = blocking(
+                move || -> Result<(Box<dyn BackendVm>, u64, _), BakeFailure> {
+                    send2(BakeEvent::Step {
+                        step: "boot".into(),
+                        detail: format!(
+                            "image {}, {} vCPU, {} MiB",
+                            recipe.image, recipe.vcpus, recipe.memory_mib
+                        ),
+                    });
+                    let machine = backend
+                        .boot(&machine_spec)
+                        .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
+                    let boot_ms = machine.boot_time().as_millis() as u64;
+                    run_recipe(
+                        &machine.agent(),
+                        max_exec,
+                        &recipe,
+                        &recipe.envs,
+                        &mut |e| send2(e),
+                    )
+                    .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
+                    let baseline = if recipe.protect.is_empty() {
+                        None
+                    } else {
+                        send2(BakeEvent::Step {
+                            step: "protect".into(),
+                            detail: format!(
+                                "making {} root's and read-only to everyone else, and \
+                             recording what they hold",
+                                recipe.protect.join(", ")
+                            ),
+                        });
+                        let agent = machine.agent().with_call_timeout(max_exec);
+                        let b = Baseline::take(&agent, &recipe.protect)
+                            .map_err(|e| BakeFailure::of("protect".into(), &e))?;
+                        Some(Arc::new(b))
+                    };
+                    send2(BakeEvent::Step {
+                        step: "zygote".into(),
+                        detail: "denying all egress (each sandbox gets its own policy), a warm-up \
                              `sh -c true` (the shell into the page cache every fork \
                              shares), pausing the VM; its memory becomes copy-on-write \
                              for every fork"
-                        .into(),
-                });
-                let zygote_failed =
-                    |e: BackendError| BakeFailure::of("zygote".into(), &DaemonError::from(e));
-                machine
-                    .set_network_policy(&Policy::deny_all())
-                    .map_err(zygote_failed)?;
-                machine.make_zygote().map_err(zygote_failed)?;
-                Ok((machine, boot_ms))
-            })
+                            .into(),
+                    });
+                    let zygote_failed =
+                        |e: BackendError| BakeFailure::of("zygote".into(), &DaemonError::from(e));
+                    machine
+                        .set_network_policy(&Policy::deny_all())
+                        .map_err(zygote_failed)?;
+                    machine.make_zygote().map_err(zygote_failed)?;
+                    Ok((machine, boot_ms, baseline))
+                },
+            )
             .await;
             let (outcome, boot_ms) = match baked {
-                Ok(Ok((m, boot_ms))) => (Ok(Arc::from(m)), boot_ms),
+                Ok(Ok((m, boot_ms, baseline))) => (Ok((Arc::from(m), baseline)), boot_ms),
                 Ok(Err(f)) => (Err(f), 0),
                 Err(e) => (Err(BakeFailure::of("task".into(), &e)), 0),
             };
@@ -438,14 +466,14 @@ impl Daemon {
     pub(super) fn bake_ended(
         &self,
         name: &str,
-        outcome: Result<Arc<dyn BackendVm>, BakeFailure>,
+        outcome: Result<Baked, BakeFailure>,
         took: Duration,
         done: &watch::Sender<Option<Result<(), BakeFailure>>>,
     ) -> Result<TemplateInfo, BakeFailure> {
-        let zygote_policy = outcome.as_ref().ok().and_then(|m| m.network_policy());
+        let zygote_policy = outcome.as_ref().ok().and_then(|(m, _)| m.network_policy());
         let mut s = self.lock();
         let result = match (outcome, s.templates.get_mut(name)) {
-            (Ok(machine), Some(t)) => {
+            (Ok((machine, baseline)), Some(t)) => {
                 if let (Some(store), Some(vm)) = (&self.inner.store, machine.handle()) {
                     store.save_template(&SavedTemplate {
                         spec: t.spec.clone(),
@@ -454,15 +482,17 @@ impl Daemon {
                         bake_ms: took.as_millis() as u64,
                         vm,
                         network: zygote_policy,
+                        baseline: baseline.as_deref().cloned(),
                     });
                 }
                 t.zygote = Zygote::Ready {
                     machine,
                     bake_ms: took.as_millis() as u64,
+                    baseline,
                 };
                 Ok(t.info())
             }
-            (Ok(machine), None) => {
+            (Ok((machine, _)), None) => {
                 reap(machine);
                 Err(BakeFailure {
                     step: "register".into(),

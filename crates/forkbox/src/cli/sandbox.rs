@@ -61,6 +61,10 @@ pub enum SandboxCmd {
     Resume { sandbox: SandboxId },
     /// Everything the daemon knows about one sandbox.
     Info { sandbox: SandboxId },
+    /// Whether a sandbox's protected paths (its template's `protect`)
+    /// still hold what the bake recorded; lists what changed, was added or
+    /// removed. Exits 0 when intact, 1 when not.
+    Integrity { sandbox: SandboxId },
     /// Show a sandbox's egress policy; with --allow-out/--deny-out (or
     /// --deny-all), replace it. New connections and DNS lookups follow a
     /// new policy at once.
@@ -219,6 +223,7 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
             }
             Ok(0)
         }
+        SandboxCmd::Integrity { sandbox } => integrity(client, &sandbox, format),
         SandboxCmd::Pause { sandbox } => state_change(client, &sandbox, "pause", format),
         SandboxCmd::Resume { sandbox } => state_change(client, &sandbox, "resume", format),
         SandboxCmd::Info { sandbox } => {
@@ -362,6 +367,49 @@ fn details(info: &Value) {
     for (k, v) in lines {
         println!("{:<w$}  {v}", format!("{k}:"), w = w + 1);
     }
+}
+
+/// `forkbox sandbox integrity`.
+fn integrity(client: &Client, sandbox: &SandboxId, format: Format) -> anyhow::Result<i32> {
+    let path = format!("{}/integrity", sandbox_path(sandbox));
+    let report: Value = client.call(Method::GET, &path, Body::Empty)?.json()?;
+    let intact = report["intact"].as_bool().unwrap_or(false);
+    if format == Format::Json {
+        print_json(&report)?;
+    } else {
+        let paths = |key: &str| -> Vec<String> {
+            report[key]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|p| p.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let protected = paths("protected");
+        if protected.is_empty() {
+            println!("{sandbox}: its template protects nothing");
+        } else if intact {
+            println!(
+                "{sandbox}: intact ({} entries under {})",
+                report["entries"],
+                protected.join(", ")
+            );
+        } else {
+            println!("{sandbox}: TAMPERED (protected: {})", protected.join(", "));
+            for (key, mark) in [
+                ("changed", "changed"),
+                ("added", "added  "),
+                ("removed", "removed"),
+            ] {
+                for p in paths(key) {
+                    println!("  {mark}  {p}");
+                }
+            }
+        }
+    }
+    Ok(if intact { 0 } else { 1 })
 }
 
 /// `forkbox logs`: the sandbox's serial console, its last lines (kernel

@@ -289,6 +289,7 @@ impl Progress {
 /// setup = ["apt-get install -y python3", "mkdir /work"]
 /// ready = { tcp_port = 8000 }   # or command = "…", file = "/path", http_url = "…"
 /// ready_timeout_secs = 60
+/// protect = ["/task/tests", "/task/grade.sh"]   # the policy may not change these
 /// [envs]
 /// PYTHONUNBUFFERED = "1"
 /// [network]                 # egress while it bakes only; default: none
@@ -317,6 +318,10 @@ pub struct TemplateFile {
     /// The egress policy while it bakes (sandboxes do not inherit it).
     #[serde(default)]
     pub network: Option<PolicySpec>,
+    /// Paths the policy may not change (made root's, read-only to others,
+    /// and recorded at the end of the bake).
+    #[serde(default)]
+    pub protect: Vec<String>,
 }
 
 /// When a baked template counts as ready (forkboxd's `Readiness`).
@@ -346,6 +351,8 @@ pub struct TemplateSpec {
     pub envs: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<PolicySpec>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub protect: Vec<String>,
 }
 
 impl TemplateFile {
@@ -376,6 +383,7 @@ impl TemplateFile {
             ready_timeout_secs: self.ready_timeout_secs,
             envs: self.envs,
             network: self.network,
+            protect: self.protect,
         })
     }
 }
@@ -394,6 +402,7 @@ memory_mib = 1024
 setup = ["apt-get install -y python3", "mkdir /work"]
 ready = { tcp_port = 8000 }
 ready_timeout_secs = 30
+protect = ["/task/tests"]
 [envs]
 A = "1"
 [network]
@@ -409,7 +418,8 @@ allow_out = ["deb.debian.org:80"]
                 "setup": ["apt-get install -y python3", "mkdir /work"],
                 "ready": {"tcp_port": 8000}, "ready_timeout_secs": 30,
                 "envs": {"A": "1"},
-                "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []}
+                "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []},
+                "protect": ["/task/tests"]
             })
         );
     }
