@@ -9,7 +9,6 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -23,6 +22,7 @@ use forkbox_proto::{
 };
 
 use crate::background::Background;
+use crate::cgroup::ExecCgroup;
 use crate::execs::ExecTable;
 use crate::reaper::Reaper;
 use crate::sys::{self, WaitStatus};
@@ -61,10 +61,19 @@ enum Event {
     ClientGone,
 }
 
+/// A command ready to spawn, with what it runs in.
+struct Prepared {
+    cmd: Command,
+    argv0: String,
+    /// Its own cgroup (as PID 1): a bounded one for an unprivileged user.
+    /// Dropped once the command has ended.
+    cgroup: Option<ExecCgroup>,
+}
+
 /// Builds the command for `req`: argv, user, working directory,
-/// environment, a new session. `stdin_piped`: stdin is a pipe (else
-/// `/dev/null`). Returns it with `argv[0]`.
-fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<(Command, String), AgentError> {
+/// environment, a new session, its cgroup. `stdin_piped`: stdin is a pipe
+/// (else `/dev/null`).
+fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<Prepared, AgentError> {
     let argv = match &req.command {
         forkbox_proto::Command::Argv(v) if v.is_empty() => {
             return Err(AgentError::new(ErrorKind::InvalidRequest, "empty argv"))
@@ -96,9 +105,14 @@ fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<(Command, String), Ag
         ));
     }
 
+    let cwd_c = std::ffi::CString::new(cwd.clone()).map_err(|_| {
+        AgentError::new(
+            ErrorKind::InvalidRequest,
+            "working directory holds a NUL byte",
+        )
+    })?;
     let mut cmd = Command::new(&argv[0]);
     cmd.args(&argv[1..])
-        .current_dir(&cwd)
         .env_clear()
         .envs(default_env(&home, account.as_ref()))
         .envs(&req.env)
@@ -109,11 +123,19 @@ fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<(Command, String), Ag
         })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(a) = &account {
-        cmd.uid(a.uid).gid(a.gid);
-    }
-    sys::spawn_in_new_session(&mut cmd);
-    Ok((cmd, argv[0].clone()))
+    let unprivileged = account.as_ref().is_some_and(|a| a.uid != 0);
+    let cgroup = ExecCgroup::new(unprivileged);
+    sys::prepare_child(
+        &mut cmd,
+        cgroup.as_ref().map(ExecCgroup::procs_fd),
+        account.as_ref().map(|a| (a.uid, a.gid)),
+        cwd_c,
+    );
+    Ok(Prepared {
+        cmd,
+        argv0: argv[0].clone(),
+        cgroup,
+    })
 }
 
 /// Runs `req`, streaming output to `conn`, and writes the final
@@ -126,7 +148,11 @@ pub fn run(
     req: &ExecRequest,
     stdin_streamed: bool,
 ) -> Result<(), AgentError> {
-    let (mut cmd, argv0) = prepare(req, stdin_streamed)?;
+    let Prepared {
+        mut cmd,
+        argv0,
+        cgroup,
+    } = prepare(req, stdin_streamed)?;
     let out_sock = conn
         .try_clone()
         .map_err(|e| internal("cannot clone connection", &e))?;
@@ -168,7 +194,10 @@ pub fn run(
     let outcome = wait_events(
         &rx,
         Some(conn),
-        pgid,
+        &Group {
+            pgid,
+            cgroup: cgroup.as_ref(),
+        },
         start,
         req.timeout.and_then(|t| start.checked_add(t)),
     );
@@ -189,7 +218,11 @@ pub fn spawn(
     execs: &ExecTable,
     req: &ExecRequest,
 ) -> Result<(), AgentError> {
-    let (mut cmd, argv0) = prepare(req, true)?;
+    let Prepared {
+        mut cmd,
+        argv0,
+        cgroup,
+    } = prepare(req, true)?;
     let (tx, rx) = mpsc::channel::<Event>();
     let start = Instant::now();
     let exit_tx = tx.clone();
@@ -219,7 +252,10 @@ pub fn spawn(
     let outcome = wait_events(
         &rx,
         None,
-        pgid,
+        &Group {
+            pgid,
+            cgroup: cgroup.as_ref(),
+        },
         start,
         req.timeout.and_then(|t| start.checked_add(t)),
     );
@@ -318,7 +354,7 @@ impl Outcome {
 fn wait_events(
     rx: &mpsc::Receiver<Event>,
     conn: Option<&UnixStream>,
-    pgid: u32,
+    group: &Group<'_>,
     start: Instant,
     deadline: Option<Instant>,
 ) -> Outcome {
@@ -345,14 +381,14 @@ fn wait_events(
                     deadline = None;
                 } else if expired {
                     out.timed_out = true;
-                    kill(pgid);
+                    group.kill();
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
                 } else if !killed && conn.is_some_and(sys::peer_hung_up) {
                     // The watcher may be stuck writing stdin the command
                     // does not read; notice a vanished client anyway.
                     out.client_gone = true;
-                    kill(pgid);
+                    group.kill();
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
                 }
@@ -375,7 +411,7 @@ fn wait_events(
             Event::ClientGone => {
                 if !killed {
                     out.client_gone = true;
-                    kill(pgid);
+                    group.kill();
                     killed = true;
                     deadline = Some(Instant::now() + KILL_GRACE);
                 }
@@ -385,9 +421,23 @@ fn wait_events(
     out
 }
 
-fn kill(pgid: u32) {
-    // ESRCH (group already gone) is fine.
-    let _ = sys::kill_group(pgid, libc::SIGKILL);
+/// What a command started: its process group, and its cgroup if it has
+/// one.
+struct Group<'a> {
+    pgid: u32,
+    cgroup: Option<&'a ExecCgroup>,
+}
+
+impl Group<'_> {
+    /// SIGKILL to the process group, and to everything in the cgroup
+    /// (what left the group, what forks faster than signals reach it).
+    fn kill(&self) {
+        // ESRCH (group already gone) is fine.
+        let _ = sys::kill_group(self.pgid, libc::SIGKILL);
+        if let Some(c) = self.cgroup {
+            c.kill();
+        }
+    }
 }
 
 /// A pipe we can read and raise the capacity of.

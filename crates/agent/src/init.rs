@@ -268,6 +268,11 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
             crate::log(&crate::chain(&e));
         }
     }
+    if let Err(e) = crate::cgroup::setup() {
+        crate::log(&format!(
+            "commands run without cgroups (no bounds on the policy's, no cgroup.kill): {e}"
+        ));
+    }
     if let Err(e) = sys::sethostname("forkbox") {
         crate::log(&format!("sethostname: {e}"));
     }

@@ -30,6 +30,7 @@
 #![deny(unsafe_code)]
 
 mod background;
+mod cgroup;
 mod exec;
 mod execs;
 mod files;

@@ -13,7 +13,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::mem;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -168,17 +168,40 @@ pub fn set_pipe_size(pipe: &impl AsFd, size: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// Makes the command the leader of a new session (and so of a new process
-/// group whose id is its pid), so that `kill_group` reaches everything it
-/// starts.
-pub fn spawn_in_new_session(cmd: &mut Command) {
+/// What a command's child does between fork and exec, in this order:
+/// lead a new session (and so a new process group whose id is its pid,
+/// which `kill_group` reaches); join a cgroup (`cgroup_procs`: its open
+/// `cgroup.procs`); become `user` (uid, gid: real, effective and saved,
+/// no supplementary groups, no capabilities); change to `cwd`. Joining
+/// comes before the change of user, which could not write the cgroup's
+/// file, and the change of directory after it, so that the kernel checks
+/// the directory as the user's.
+pub fn prepare_child(
+    cmd: &mut Command,
+    cgroup_procs: Option<RawFd>,
+    user: Option<(u32, u32)>,
+    cwd: CString,
+) {
+    use rustix::process::{Gid, Uid};
     // SAFETY: the closure runs between fork and exec in the child, where
-    // only async-signal-safe calls are allowed: rustix's setsid is the bare
-    // system call, and the closure neither allocates nor takes locks (its
-    // error converts to an `io::Error` that holds only the errno).
+    // only async-signal-safe calls are allowed: each rustix call is the
+    // bare system call, and the closure neither allocates nor takes locks
+    // (its errors convert to `io::Error`s that hold only the errno). The
+    // child has one thread, so the thread's credentials are the process's.
+    // `cgroup_procs` stays open in the parent until `spawn` returns.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             rustix::process::setsid()?;
+            if let Some(fd) = cgroup_procs {
+                rustix::io::write(BorrowedFd::borrow_raw(fd), b"0")?;
+            }
+            if let Some((uid, gid)) = user {
+                let (uid, gid) = (Uid::from_raw(uid), Gid::from_raw(gid));
+                rustix::thread::set_thread_groups(&[])?;
+                rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+                rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+            }
+            rustix::process::chdir(cwd.as_c_str())?;
             Ok(())
         });
     }

@@ -4,6 +4,7 @@ killed, and a bystander sandbox is not affected."""
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import pytest
@@ -23,13 +24,25 @@ def _unaffected(bystander: Sandbox) -> None:
     assert (r.exit_code, r.stdout) == (0, "untouched")
 
 
+POLICY_CGROUP = "/sys/fs/cgroup/forkbox-policy"
+POLICY_PIDS = 1024  # the agent's bound on the policy's tasks (agent/src/cgroup.rs)
+
+
+def _policy_event(sb: Sandbox, file: str, key: str) -> int:
+    """A counter of the policy's cgroup (`pids.events`' `max`, say)."""
+    text = sb.files.read(f"{POLICY_CGROUP}/{file}", user="root")
+    return int(dict(line.split() for line in text.splitlines())[key])
+
+
 def test_guest_out_of_memory_is_the_commands_own(bystander: Sandbox) -> None:
     with Sandbox.create("minimal", timeout=600) as sb:
-        # A string that doubles until the guest's 512 MiB run out: the
-        # guest's OOM killer ends it (or its allocation fails first).
+        # A string that doubles until the policy's memory (the guest's 512
+        # MiB less a reserve) runs out: its cgroup's OOM kill ends the
+        # command, not the guest's.
         r = sb.commands.run("awk 'BEGIN { s = \"x\"; while (1) s = s s }'", timeout=300)
         assert not r.timed_out
         assert r.signal == 9 or (r.exit_code or 0) != 0, r
+        assert _policy_event(sb, "memory.events", "oom_kill") >= 1
         assert sb.commands.run("echo alive").stdout == "alive\n"
         _unaffected(bystander)
 
@@ -43,19 +56,36 @@ def test_guest_disk_full_is_the_commands_own(bystander: Sandbox) -> None:
         _unaffected(bystander)
 
 
-def test_guest_fork_bomb_is_its_own_and_the_sandbox_can_be_killed(bystander: Sandbox) -> None:
-    sb = Sandbox.create("minimal", timeout=600)
-    try:
-        try:
-            r = sb.commands.run("f() { f | f & }; f; sleep 600", timeout=15)
-            # The agent ended its process group at the timeout.
-            assert r.timed_out, r
-        except ForkboxError as e:
-            # Or the guest was too busy to answer in time: its own fault.
-            assert not e.infrastructure, e
+def _policy_tasks(sb: Sandbox) -> int:
+    """The policy's tasks now, asked by a command of root's."""
+    r = sb.commands.run(f"cat {POLICY_CGROUP}/pids.current", user="root", timeout=120)
+    assert r.exit_code == 0, r
+    return int(r.stdout)
+
+
+def test_policy_fork_bomb_is_confined_and_the_sandbox_still_grades(bystander: Sandbox) -> None:
+    with Sandbox.create("minimal", timeout=600) as sb:
+        # At the timeout, cgroup.kill ends everything the command started:
+        # what left its process group (setsid) too, however fast it forks.
+        r = sb.commands.run("setsid sleep 1000 & f() { f | f & }; f; sleep 600", timeout=15)
+        assert r.timed_out, r
+        deadline = time.monotonic() + 30
+        while _policy_tasks(sb) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _policy_tasks(sb) == 0
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+        # One left running in the background, past its command: its tasks
+        # stop at the policy's bound, and root's commands (the grader's)
+        # keep answering meanwhile.
+        sb.commands.run("f() { f | f & }; f", background=True)
+        seen = [0]
+        deadline = time.monotonic() + 240
+        while seen[-1] < 1000 and time.monotonic() < deadline:
+            seen.append(_policy_tasks(sb))
+        assert 1000 <= seen[-1] and max(seen) <= POLICY_PIDS, seen
+        r = sb.commands.run("echo graded", user="root", timeout=120)
+        assert (r.exit_code, r.stdout) == (0, "graded\n"), r
         _unaffected(bystander)
-    finally:
-        sb.kill()
     _unaffected(bystander)
 
 
