@@ -72,6 +72,7 @@ test: build lint
 # and the suite goes on, instead of the whole session hitting its limit.
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
+	$(FORKBOX) image debian >/dev/null
 	$(FORKBOX) testbed run --if-needed --timeout 1800 --host-crash-retries 2 -- env PYTHONDONTWRITEBYTECODE=1 \
 		python3 -m pytest -p no:cacheprovider -q --timeout 600 sdk/python/tests
 
