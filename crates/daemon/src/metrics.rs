@@ -41,6 +41,11 @@ struct OutcomeLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabel {
+    cause: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
 }
@@ -194,6 +199,7 @@ pub struct Metrics {
     pub fork_latency: Latency,
     pub exec_latency: Latency,
     errors: Family<KindLabel, Counter>,
+    deaths: Family<CauseLabel, Counter>,
     vmm: VmmGauges,
 }
 
@@ -269,6 +275,12 @@ impl Default for Metrics {
             "Failed requests by error kind",
             errors.clone(),
         );
+        let deaths = Family::<CauseLabel, Counter>::default();
+        registry.register(
+            "forkbox_sandbox_deaths",
+            "Sandboxes that ended, by cause: killed, expired, guest_ended (the guest ended its own VM: the policy's failure), vm_lost (infrastructure), daemon_stopped",
+            deaths.clone(),
+        );
         let vmm = VmmGauges::register(&mut registry);
         let outcome = |family: &Family<OutcomeLabel, Counter>, outcome| {
             family.get_or_create(&OutcomeLabel { outcome }).clone()
@@ -292,12 +304,26 @@ impl Default for Metrics {
             fork_latency,
             exec_latency,
             errors,
+            deaths,
             vmm,
         }
     }
 }
 
 impl Metrics {
+    /// Counts a sandbox's end by its cause.
+    pub fn died(&self, cause: &crate::core::DeathCause) {
+        use crate::core::DeathCause;
+        let cause = match cause {
+            DeathCause::Killed => "killed",
+            DeathCause::Expired => "expired",
+            DeathCause::VmLost { .. } => "vm_lost",
+            DeathCause::GuestEnded { .. } => "guest_ended",
+            DeathCause::DaemonStopped => "daemon_stopped",
+        };
+        self.deaths.get_or_create(&CauseLabel { cause }).inc();
+    }
+
     /// Counts a failed request of this kind.
     pub fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();

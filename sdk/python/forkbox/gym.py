@@ -35,6 +35,13 @@ changed any, the grader does not run: the episode is `terminated` with
 reward `0.0`, and `info["tampered"]` lists the paths
 (`check_integrity=False` skips the check).
 
+With `grade_outputs=[paths]`, a shell grader runs where the policy has no
+hand: in a fresh sandbox of the episode's template, as root, with only
+those paths carried over from the episode (read as the policy's user; see
+`forkbox.grading`). An output that cannot be carried (a link to the
+expected answer, say) ends the episode with reward `0.0` and
+`info["bad_output"]`.
+
 Observations live in `observation_space`, a `Text` space: output is
 sanitized (CR/LF to LF, characters outside the printable Basic
 Multilingual Plane become `?`) and, past `max_output_chars`, its middle is
@@ -53,14 +60,15 @@ import functools
 import math
 import re
 import string
-from typing import (Any, Callable, Dict, List, Mapping, Optional, SupportsFloat, Tuple,
-                    Union)
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence, SupportsFloat,
+                    Tuple, Union)
 
 import gymnasium
 import numpy as np
 from gymnasium import spaces
 
 from .exceptions import ForkboxError, GuestEndedError, InfrastructureError
+from .grading import OutputError, grade_in_fresh_sandbox
 from .models import CommandResult
 from .sandbox import Sandbox
 
@@ -164,7 +172,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
                  sandbox_timeout: Optional[float] = 3600.0, render_mode: Optional[str] = None,
                  network: Optional[Mapping[str, Any]] = None, url: Optional[str] = None,
                  reward_range: Tuple[float, float] = DEFAULT_REWARD_RANGE,
-                 check_integrity: bool = True) -> None:
+                 check_integrity: bool = True,
+                 grade_outputs: Optional[Sequence[str]] = None) -> None:
         """`reset_command`: run after each reset, its output is the first
         observation (default: none, the first observation is `""`).
         `step_timeout`/`grader_timeout`: seconds per action / grading (an
@@ -185,6 +194,10 @@ class SandboxEnv(gymnasium.Env[str, str]):
             raise ValueError(f"reward_range {reward_range}: low above high")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
         self.check_integrity = check_integrity
+        self.grade_outputs = list(grade_outputs) if grade_outputs is not None else None
+        if self.grade_outputs is not None and not isinstance(grader, str):
+            raise ValueError("grade_outputs needs a shell-command grader")
+        self._template = template
         self.max_steps = max_steps
         self.reset_command = reset_command
         self.step_timeout = step_timeout
@@ -219,6 +232,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
             self._seeded = True
         sandbox_seed = int(self.np_random.integers(0, 2 ** 63)) if self._seeded else None
         template = str((options or {}).get("template", self.template))
+        self._template = template
         self._kill()
         self._steps = 0
         self.sandbox = self._infra(lambda: Sandbox.create(
@@ -247,7 +261,14 @@ class SandboxEnv(gymnasium.Env[str, str]):
                                                "timed_out": result.timed_out,
                                                "steps": self._steps, "tampered": tampered,
                                                "infrastructure": False}
-            reward, terminated, grade = self._grade(result)
+            try:
+                reward, terminated, grade = self._grade(result)
+            except OutputError as e:
+                self._transcript = f"$ {action}\n{obs}"
+                return obs, 0.0, True, False, {"exit_code": result.exit_code,
+                                               "timed_out": result.timed_out,
+                                               "steps": self._steps, "bad_output": str(e),
+                                               "infrastructure": False}
         except GuestEndedError as e:
             # The policy ended its own machine: its failure, scored.
             obs = fit_text(str(e), self._output_space)
@@ -295,8 +316,15 @@ class SandboxEnv(gymnasium.Env[str, str]):
         if isinstance(g, str):
             sb = self.sandbox
             assert sb is not None
-            r = self._infra(lambda: sb.commands.run(g, timeout=self.grader_timeout,
-                                                    user=self.user, cwd=self.cwd))
+            outputs = self.grade_outputs
+            if outputs is not None:
+                graded = self._infra(lambda: grade_in_fresh_sandbox(
+                    sb, outputs, g, template=self._template, timeout=self.grader_timeout,
+                    cwd=self.cwd, url=self.url))
+                r = graded.result
+            else:
+                r = self._infra(lambda: sb.commands.run(g, timeout=self.grader_timeout,
+                                                        user=self.user, cwd=self.cwd))
             reward, done = score(r, self.reward_range)
             return reward, done, {"grader_exit_code": r.exit_code}
         assert self.sandbox is not None

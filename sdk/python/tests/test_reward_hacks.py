@@ -21,6 +21,7 @@ import pytest
 
 from forkbox import ForkboxError, Sandbox, Template, NotFoundError
 from forkbox.grading import OutputError, grade_in_fresh_sandbox
+from forkbox.gym import SandboxEnv
 
 PROJECT = {
     "calc/__init__.py": "from .ops import add, mean\n",
@@ -39,14 +40,15 @@ PROJECT = {
         "    def test_mean(self):\n"
         "        self.assertEqual(mean([1, 2, 3]), 2)\n"),
     # The grader: the project's tests in a fresh interpreter, its own
-    # environment; prints the reward on its last line.
+    # environment; prints the reward on its last line, exits 0 once solved.
     "grade.py": (
         "import subprocess, sys\n"
         "r = subprocess.run([sys.executable, '-m', 'unittest', 'discover', '-s', '/task/tests'],\n"
         "                   cwd='/task', env={'PYTHONPATH': '/task', 'PYTHONDONTWRITEBYTECODE': '1',\n"
         "                   'PATH': '/usr/bin:/bin'}, capture_output=True, text=True)\n"
         "sys.stderr.write(r.stderr)\n"
-        "print('1.0' if r.returncode == 0 else '0.0')\n"),
+        "print('1.0' if r.returncode == 0 else '0.0')\n"
+        "sys.exit(r.returncode and 1)\n"),
     "expected_answer": "42\n",
 }
 PROTECT = ["/task/tests", "/task/grade.py", "/task/expected_answer"]
@@ -122,7 +124,7 @@ def score(sb: Sandbox) -> Union[float, str]:
         g = grade_in_fresh_sandbox(sb, OUTPUTS, GRADE)
     except OutputError:
         return "bad_output"
-    assert g.result.exit_code == 0, g.result
+    assert g.result.exit_code in (0, 1), g.result
     return float(g.result.stdout.strip().splitlines()[-1])
 
 
@@ -229,3 +231,22 @@ def test_nothing_crosses_episodes(task: str) -> None:
             assert "sleep 1000" not in second.commands.run("ps -eo args").stdout
             assert second.integrity.check()
             assert score(second) == 0.0, "the bug is still there"
+
+
+def test_gym_env_grades_in_a_fresh_sandbox_with_only_the_outputs(task: str) -> None:
+    env = SandboxEnv(task, grader=GRADE, grade_outputs=OUTPUTS, max_steps=2, cwd="/task")
+    try:
+        env.reset()
+        hook = dict((h[0], h[1]) for h in HACKS)["usercustomize_hook"]
+        _, reward, terminated, _, info = env.step(hook)
+        assert (reward, terminated) == (0.0, False), info
+        env.reset()
+        _, reward, terminated, _, info = env.step(FIX)
+        assert (reward, terminated) == (1.0, True), info
+        env.reset()
+        _, reward, terminated, _, info = env.step(
+            FIX + " && ln -sf /task/expected_answer /task/answer")
+        assert (reward, terminated) == (0.0, True), info
+        assert "/task/answer" in info["bad_output"] and info["infrastructure"] is False
+    finally:
+        env.close()

@@ -317,7 +317,7 @@ impl Daemon {
     }
 
     pub(super) fn kill(&self, id: &SandboxId, cause: DeathCause) -> Result<(), DaemonError> {
-        let expired = cause == DeathCause::Expired;
+        let died = cause.clone();
         let machine = {
             let mut s = self.lock();
             s.registry.kill(id, Instant::now(), cause)?;
@@ -327,11 +327,13 @@ impl Daemon {
             store.forget_sandbox(id);
         }
         self.inner.egress.retire(id, Instant::now());
-        if expired {
-            self.inner.metrics.expiries.inc();
-        } else {
-            self.inner.metrics.kills.inc();
-        }
+        let metrics = &self.inner.metrics;
+        match died {
+            DeathCause::Expired => metrics.expiries.inc(),
+            DeathCause::Killed => metrics.kills.inc(),
+            _ => 0,
+        };
+        metrics.died(&died);
         if let Some(live) = machine {
             reap(live.machine);
         }

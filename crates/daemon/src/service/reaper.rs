@@ -165,6 +165,13 @@ mod tests {
                 reason: "the guest powered off".into()
             })
         );
+        // Counted as the guest's end, not as a client's kill.
+        let text = d.metrics_text();
+        assert!(
+            text.contains("forkbox_sandbox_deaths_total{cause=\"guest_ended\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("forkbox_sandbox_kills_total 0"), "{text}");
         created(&d, None).await;
     }
 }
