@@ -214,6 +214,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             exec_timeout_kills_process_group,
         ),
         (
+            "policy_user_cannot_touch_protected_paths_or_outlive_its_timeout",
+            policy_user_cannot_touch_protected_paths_or_outlive_its_timeout,
+        ),
+        (
             "exec_concurrent_commands_all_complete",
             exec_concurrent_commands_all_complete,
         ),
