@@ -39,3 +39,23 @@ def test_replay_from_a_running_sandbox_forks_it(daemon_url: str) -> None:
         assert r.trajectories[0].steps[0].stdout == "mid-episode\n"
         # The source is left as it was.
         assert sb.commands.run("cat /tmp/state").stdout == "mid-episode\n"
+
+
+def test_gym_env_episodes_repeat_with_the_reset_seed(daemon_url: str) -> None:
+    from forkbox.gym import SandboxEnv
+
+    def episodes(seed: int) -> list:
+        env = SandboxEnv("minimal", max_steps=2)
+        try:
+            seen = []
+            for i in range(2):
+                env.reset(seed=seed if i == 0 else None)
+                seen.append(env.step("echo $FORKBOX_SEED")[0])
+            return seen
+        finally:
+            env.close()
+
+    a, b, c = episodes(5), episodes(5), episodes(6)
+    assert a == b, (a, b)
+    assert a[0] != a[1], "each episode its own seed"
+    assert a[0] != c[0]
