@@ -72,8 +72,9 @@ pub struct Args {
     /// for this many seconds: from the start, from its last owner's going
     /// (a daemon that died and was not followed by one that adopts it),
     /// and from the last control connection accepted while unowned (an
-    /// owner about to say so). Fork children inherit it. Without it the
-    /// VM runs unowned.
+    /// owner about to say so). Counted by the VMM's running loop: a stall
+    /// of the whole machine counts at most 1.5 s. Fork children inherit
+    /// it. Without it the VM runs unowned.
     #[arg(long)]
     pub orphan_grace_secs: Option<u64>,
     /// Exit with an error instead of running without a part of the jail

@@ -64,7 +64,7 @@ impl Machine {
                     // A connection may be an owner about to say so: the
                     // orphan grace starts again.
                     if self.owners == 0 {
-                        self.unowned_since = Instant::now();
+                        self.unowned.restart(Instant::now());
                     }
                     let fd = stream.as_raw_fd();
                     self.add_item(
@@ -159,7 +159,7 @@ impl Machine {
                 } else if *owner {
                     self.owners -= 1;
                     if self.owners == 0 {
-                        self.unowned_since = Instant::now();
+                        self.unowned.restart(Instant::now());
                         tracing::info!("the VM's last owner went away");
                     }
                 }

@@ -13,6 +13,7 @@
 //! the VM's work is served between.
 
 use std::os::fd::AsRawFd;
+use std::time::Instant;
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -117,12 +118,11 @@ impl Machine {
         let mut panic_watch = PanicWatch::default();
         loop {
             if let Some(grace) = super::orphan_grace() {
-                if self.owners == 0 && self.unowned_since.elapsed() >= grace {
-                    // Its owner may be waiting to be accepted: a main
-                    // thread starved by its vCPUs (one host CPU) can come
-                    // here long after the owner connected.
+                let unowned = self.unowned.turn(Instant::now());
+                if self.owners == 0 && unowned >= grace {
+                    // Its owner may be waiting to be accepted.
                     self.accept_clients();
-                    if self.unowned_since.elapsed() >= grace {
+                    if self.owners == 0 && self.unowned.turn(Instant::now()) >= grace {
                         return Err(VmError::Orphaned(grace));
                     }
                 }

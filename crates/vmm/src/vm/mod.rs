@@ -16,6 +16,7 @@
 mod control_server;
 mod event_loop;
 mod forking;
+mod orphan;
 mod snapshot;
 
 use std::collections::HashMap;
@@ -203,10 +204,10 @@ pub struct Machine {
     exit: Arc<ExitSignal>,
     vcpus: Vcpus,
     run_state: RunState,
-    /// Control connections that own the VM (`own`), and since when it
-    /// has had none.
+    /// Control connections that own the VM (`own`), and how long it has
+    /// had none.
     owners: usize,
-    unowned_since: std::time::Instant,
+    unowned: orphan::Unowned,
     /// The VM-wide state (irqchip, PIT, kvmclock) read in the same pause as
     /// the vCPUs' states, kept while the VM stays paused: a zygote forked
     /// minutes after its bake gives every child the clock and the TSC of
@@ -535,7 +536,7 @@ impl Machine {
             vcpus,
             run_state: RunState::Running,
             owners: 0,
-            unowned_since: std::time::Instant::now(),
+            unowned: orphan::Unowned::new(std::time::Instant::now()),
             paused_vm: None,
         })
     }
