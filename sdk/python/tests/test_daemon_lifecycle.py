@@ -13,7 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import json
 
@@ -24,11 +24,12 @@ from conftest import REPO, SDK
 from forkbox import ConflictError, Sandbox
 
 
-def _start(sock: str, state: str, log_path: str, *extra: str) -> subprocess.Popen:
+def _start(sock: str, state: str, log_path: str, *extra: str,
+           env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
     exe = os.environ.get("FORKBOXD") or str(REPO / "target" / "release" / "forkboxd")
     log = open(log_path, "ab")
     proc = subprocess.Popen([exe, "--listen", f"unix://{sock}", "--state-dir", state, *extra],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, Path(log_path).read_text()
@@ -119,7 +120,9 @@ def test_daemon_killed_and_not_restarted_leaves_no_vmm_past_the_grace() -> None:
     sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
     url = f"unix://{sock}"
     grace = 5
-    daemon = _start(sock, state, log, "--orphan-grace-secs", str(grace))
+    # The VMMs' own account of their owners, in the log shown on failure.
+    daemon = _start(sock, state, log, "--orphan-grace-secs", str(grace),
+                    env={**os.environ, "FORKBOX_LOG": "forkbox_vmm=info"})
     try:
         sb = Sandbox.create("minimal", timeout=600, url=url)
         assert sb.commands.run("true").exit_code == 0

@@ -85,16 +85,26 @@ impl Daemon {
                 message: e.to_string(),
             };
         }
-        // Killed (or expired) while the call ran: the caller's doing, not
-        // the machinery's.
+        // Dead already while the call ran: killed or expired (the
+        // caller's doing), or found ended by the reaper first (then as it
+        // ended: the guest's doing, or the machinery's).
         if let Ok(r) = self.lock().registry.get(id) {
             if r.state == SandboxState::Dead {
-                return DaemonError::State(CoreError::WrongState {
-                    id: id.clone(),
-                    state: r.state,
-                    wanted: "finish the call",
-                    needs: "running",
-                });
+                return match &r.died {
+                    Some((_, DeathCause::GuestEnded { reason })) => DaemonError::GuestEnded {
+                        what: format!("sandbox {id} died: {reason}"),
+                    },
+                    Some((_, DeathCause::VmLost { reason })) => DaemonError::Infrastructure {
+                        what: format!("sandbox {id} died: {reason}"),
+                        cause: Some(Box::new(e)),
+                    },
+                    _ => DaemonError::State(CoreError::WrongState {
+                        id: id.clone(),
+                        state: r.state,
+                        wanted: "finish the call",
+                        needs: "running",
+                    }),
+                };
             }
         }
         if let Some(end) = machine.exited() {
@@ -382,6 +392,32 @@ mod tests {
     use super::*;
     use crate::service::chain;
     use crate::service::testing::*;
+
+    fn gone() -> forkbox_proto::ClientError {
+        forkbox_proto::ClientError::Disconnected(std::io::ErrorKind::ConnectionReset.into())
+    }
+
+    #[tokio::test]
+    async fn a_call_that_fails_after_the_reaper_found_its_guest_ended_says_so() {
+        // The race of a guest's `poweroff -f`: the reaper marks the sandbox
+        // dead before the failed call is classified.
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let (a, b) = (created(&d, None).await, created(&d, None).await);
+        world.guest_ends_last("the guest powered off");
+        d.tick(Instant::now());
+        let machine = d.machine_any(&b.id).ok();
+        assert!(machine.is_none(), "dead and gone");
+        let any = d.machine(&a.id).expect("a lives");
+        let e = d.agent_failure(&b.id, &any, gone());
+        assert!(matches!(e, DaemonError::GuestEnded { .. }), "{e:?}");
+        assert!(!e.is_infrastructure());
+        // Killed by its client meanwhile: a wrong state, the caller's.
+        d.kill(&a.id, DeathCause::Killed).expect("kill");
+        let e = d.agent_failure(&a.id, &any, gone());
+        assert_eq!(e.kind(), "conflict", "{e:?}");
+    }
 
     #[tokio::test]
     async fn exec_on_unreachable_agent_is_infrastructure() {

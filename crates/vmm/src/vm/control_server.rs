@@ -65,6 +65,7 @@ impl Machine {
                     // orphan grace starts again.
                     if self.owners == 0 {
                         self.unowned.restart(Instant::now());
+                        tracing::info!("a control connection while unowned");
                     }
                     let fd = stream.as_raw_fd();
                     self.add_item(
@@ -141,6 +142,7 @@ impl Machine {
                                 if !*owner {
                                     *owner = true;
                                     self.owners += 1;
+                                    tracing::info!(owners = self.owners, "owned");
                                 }
                                 Response::Done
                             }
