@@ -315,21 +315,10 @@ impl AgentClient {
     pub fn list_dir(&self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
         let conn = self.connect()?;
         conn.send(&self.file_request(Request::ListDir { path: path.into() }))?;
-        let mut all = Vec::new();
-        loop {
-            match conn.response()? {
-                Response::Entries { entries } => {
-                    if all.len() + entries.len() > MAX_DIR_ENTRIES {
-                        return Err(ClientError::TooManyEntries {
-                            limit: MAX_DIR_ENTRIES,
-                        });
-                    }
-                    all.extend(entries)
-                }
-                Response::Done { .. } => return Ok(all),
-                other => return Err(unexpected(&other)),
-            }
-        }
+        conn.batches(|r| match r {
+            Response::Entries { entries } => Ok(entries),
+            other => Err(other),
+        })
     }
 
     /// Makes `paths` unchangeable by anyone but root (see
@@ -352,21 +341,10 @@ impl AgentClient {
         conn.send(&Request::Digest {
             paths: paths.to_vec(),
         })?;
-        let mut all = Vec::new();
-        loop {
-            match conn.response()? {
-                Response::Digests { entries } => {
-                    if all.len() + entries.len() > MAX_DIR_ENTRIES {
-                        return Err(ClientError::TooManyEntries {
-                            limit: MAX_DIR_ENTRIES,
-                        });
-                    }
-                    all.extend(entries)
-                }
-                Response::Done { .. } => return Ok(all),
-                other => return Err(unexpected(&other)),
-            }
-        }
+        conn.batches(|r| match r {
+            Response::Digests { entries } => Ok(entries),
+            other => Err(other),
+        })
     }
 
     /// `lstat` of a guest path.
@@ -764,6 +742,30 @@ impl Conn {
     }
 
     /// Next control message; an agent error becomes `Err`.
+    /// Answers in batches (`batch` takes each one's items, or gives back
+    /// what is not a batch) until `Done`; at most [`MAX_DIR_ENTRIES`]
+    /// items in all, whatever the agent sends.
+    fn batches<T>(
+        &self,
+        batch: impl Fn(Response) -> Result<Vec<T>, Response>,
+    ) -> Result<Vec<T>, ClientError> {
+        let mut all = Vec::new();
+        loop {
+            match batch(self.response()?) {
+                Ok(items) => {
+                    if all.len() + items.len() > MAX_DIR_ENTRIES {
+                        return Err(ClientError::TooManyEntries {
+                            limit: MAX_DIR_ENTRIES,
+                        });
+                    }
+                    all.extend(items)
+                }
+                Err(Response::Done { .. }) => return Ok(all),
+                Err(other) => return Err(unexpected(&other)),
+            }
+        }
+    }
+
     fn response(&self) -> Result<Response, ClientError> {
         let frame = self.frame()?;
         if frame.kind != FrameKind::Control {
