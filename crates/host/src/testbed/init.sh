@@ -56,7 +56,7 @@ watchdog() {
     while sleep 60; do
         beats=$((beats + 1)) now=""
         for stat in /proc/[0-9]*/stat; do
-            read -r line <"$stat" 2>/dev/null || continue
+            { read -r line <"$stat"; } 2>/dev/null || continue
             rest=${line##*) }
             [ "${rest%% *}" = D ] || continue
             pid=${stat#/proc/} pid=${pid%/stat}
@@ -64,8 +64,8 @@ watchdog() {
             case " $prev " in *" $pid "*) ;; *) continue ;; esac
             case " $told " in *" $pid "*) continue ;; esac
             told="$told $pid"
-            echo "testbed: pid $pid ($(cat /proc/$pid/comm)) blocked over a minute, in $(cat /proc/$pid/wchan):"
-            cat "/proc/$pid/stack"
+            echo "testbed: pid $pid ($(cat /proc/$pid/comm 2>/dev/null)) blocked over a minute, in $(cat /proc/$pid/wchan 2>/dev/null):"
+            cat "/proc/$pid/stack" 2>/dev/null
         done
         prev=$now
         if [ $((beats % 5)) -eq 0 ]; then
