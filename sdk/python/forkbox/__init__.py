@@ -18,6 +18,10 @@ Modules:
   function in each, collect results and errors, kill them all.
 - `gym`: `SandboxEnv`, a Gymnasium environment (imported on its own, as it
   needs `gymnasium`).
+- `grading`: `grade_in_fresh_sandbox`: grade a rollout in a fresh sandbox
+  of its template with only its declared outputs carried over.
+- `replay`: `replay`: a scripted trajectory run twice from one state and
+  seed, the runs compared.
 - `exceptions`: one class per daemon error kind; `.infrastructure` tells
   the machinery's failures from yours.
 - `_api`: the HTTP API as data (no IO), shared by the blocking and async
