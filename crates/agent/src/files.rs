@@ -146,7 +146,8 @@ pub fn write_file(
     send(conn, &Response::Done { bytes }).map_err(|e| gone(&e))
 }
 
-fn file_stat(meta: &fs::Metadata) -> FileStat {
+/// A path's `lstat` as the protocol carries it.
+pub(crate) fn file_stat(meta: &fs::Metadata) -> FileStat {
     let ft = meta.file_type();
     let kind = if ft.is_symlink() {
         FileKind::Symlink

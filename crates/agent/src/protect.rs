@@ -20,7 +20,7 @@ use forkbox_proto::{AgentError, DigestEntry, ErrorKind, FileKind, Response};
 use sha2::{Digest as _, Sha256};
 
 use crate::server::send;
-use crate::sys;
+use crate::{files, sys};
 
 /// Digest entries per `Digests` frame: ~250 bytes of JSON each keeps a
 /// batch far below the frame limit.
@@ -161,24 +161,26 @@ pub fn digest(conn: &UnixStream, paths: &[String]) -> Result<(), AgentError> {
 }
 
 fn entry(path: &Path, meta: &Metadata) -> Result<DigestEntry, AgentError> {
-    let ft = meta.file_type();
-    let (kind, content) = if ft.is_symlink() {
-        let target = fs::read_link(path).map_err(|e| io_err("readlink", path, &e))?;
-        (FileKind::Symlink, target.to_string_lossy().into_owned())
-    } else if ft.is_dir() {
-        (FileKind::Dir, String::new())
-    } else if ft.is_file() {
-        (FileKind::File, sha256_of(path)?)
-    } else {
-        (FileKind::Other, String::new())
+    let stat = files::file_stat(meta);
+    let content = match stat.kind {
+        FileKind::Symlink => fs::read_link(path)
+            .map_err(|e| io_err("readlink", path, &e))?
+            .to_string_lossy()
+            .into_owned(),
+        FileKind::File => sha256_of(path)?,
+        FileKind::Dir | FileKind::Other => String::new(),
     };
     Ok(DigestEntry {
         path: path.to_string_lossy().into_owned(),
-        kind,
-        mode: meta.mode() & 0o7777,
-        uid: meta.uid(),
-        gid: meta.gid(),
-        size: if ft.is_file() { meta.len() } else { 0 },
+        kind: stat.kind,
+        mode: stat.mode,
+        uid: stat.uid,
+        gid: stat.gid,
+        size: if stat.kind == FileKind::File {
+            stat.size
+        } else {
+            0
+        },
         content,
     })
 }
