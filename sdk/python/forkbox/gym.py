@@ -256,32 +256,32 @@ class SandboxEnv(gymnasium.Env[str, str]):
             tampered = self._tampered()
             if tampered:
                 # The grader (or what it stands on) may be the policy's now.
-                self._transcript = f"$ {action}\n{obs}"
-                return obs, 0.0, True, False, {"exit_code": result.exit_code,
-                                               "timed_out": result.timed_out,
-                                               "steps": self._steps, "tampered": tampered,
-                                               "infrastructure": False}
+                return self._policy_failed(action, obs, result, tampered=tampered)
             try:
                 reward, terminated, grade = self._grade(result)
             except OutputError as e:
-                self._transcript = f"$ {action}\n{obs}"
-                return obs, 0.0, True, False, {"exit_code": result.exit_code,
-                                               "timed_out": result.timed_out,
-                                               "steps": self._steps, "bad_output": str(e),
-                                               "infrastructure": False}
+                return self._policy_failed(action, obs, result, bad_output=str(e))
         except GuestEndedError as e:
             # The policy ended its own machine: its failure, scored.
-            obs = fit_text(str(e), self._output_space)
-            self._transcript = f"$ {action}\n{obs}"
-            return obs, 0.0, True, False, {"exit_code": None, "timed_out": False,
-                                             "steps": self._steps, "guest_ended": str(e),
-                                             "infrastructure": False}
+            return self._policy_failed(action, fit_text(str(e), self._output_space), None,
+                                       guest_ended=str(e))
         truncated = not terminated and self._steps >= self.max_steps
         info: Dict[str, Any] = {"exit_code": result.exit_code, "timed_out": result.timed_out,
                                 "steps": self._steps}
         info.update(grade)
         self._transcript = f"$ {action}\n{obs}"
         return obs, reward, terminated, truncated, info
+
+    def _policy_failed(self, action: str, obs: str, result: Optional[CommandResult],
+                       **why: Any) -> Tuple[str, float, bool, bool, Dict[str, Any]]:
+        """A step that ends the episode as the policy's failure: reward 0,
+        terminated, `why` in the info (never infrastructure)."""
+        self._transcript = f"$ {action}\n{obs}"
+        info: Dict[str, Any] = {"exit_code": result.exit_code if result else None,
+                                "timed_out": result.timed_out if result else False,
+                                "steps": self._steps, "infrastructure": False}
+        info.update(why)
+        return obs, 0.0, True, False, info
 
     def render(self) -> Optional[str]:
         """`ansi`: the last action and its output."""
