@@ -68,7 +68,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Value> {
             .into_iter()
             .enumerate()
         {
-            let child = match child {
+            let mut child = match child {
                 Ok(c) => c,
                 Err(e) => {
                     *lost
@@ -86,17 +86,23 @@ pub fn run(opts: &Options) -> anyhow::Result<Value> {
                 Ok(v) => inconsistent.push(format!(
                     "fork {f} (parent paused: {paused}), child {i}: {v:?}"
                 )),
-                Err(e) => inconsistent.push(format!("fork {f}, child {i}: no verdict: {e}")),
+                Err(e) => inconsistent.push(format!(
+                    "fork {f}, child {i}: no verdict: {e}\n{}",
+                    child.post_mortem()
+                )),
             }
             check_times.push(t.elapsed());
             if let Err(e) = mark(child.agent()) {
-                inconsistent.push(format!("fork {f}, child {i}: {e}"));
+                inconsistent.push(format!("fork {f}, child {i}: {e}\n{}", child.post_mortem()));
             }
         }
         match verdict(parent.agent()) {
             Ok(v) if v.is_consistent() => {}
             Ok(v) => parent_inconsistent.push(format!("after fork {f}: {v:?}")),
-            Err(e) => parent_inconsistent.push(format!("after fork {f}: no verdict: {e}")),
+            Err(e) => parent_inconsistent.push(format!(
+                "after fork {f}: no verdict: {e}\n{}",
+                parent.post_mortem()
+            )),
         }
         progress("isolation", "forks", f + 1, opts.forks);
     }

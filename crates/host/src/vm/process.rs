@@ -353,6 +353,27 @@ impl Vm {
     }
 }
 
+impl Vm {
+    /// What to say about a VM whose guest stopped answering: how it ended
+    /// if its VMM has (after a short wait for the VMM to finish dying),
+    /// else where its vCPUs are; with its serial log's tail either way.
+    pub fn post_mortem(&mut self) -> String {
+        let _ = self.wait_exit(Duration::from_secs(2));
+        let state = match self.ended() {
+            Some(end) => format!("--- the VM ended ---\n{}", end.how),
+            None => format!(
+                "--- the VM runs; its vCPUs ---\n{}",
+                fork::where_vcpus_are(&self.control)
+            ),
+        };
+        format!(
+            "VMM {}\n{state}\n--- serial log (tail) ---\n{}",
+            self.pid(),
+            self.serial_tail(20)
+        )
+    }
+}
+
 /// "powered off", "kernel panic", "exit code 1", "killed by signal 9".
 pub fn describe_exit(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
