@@ -614,6 +614,73 @@ fn template() {
     }
 }
 
+fn net() {
+    // Ring::at(0, 16) for rx (table 0, avail 0x100, used 0x128) and
+    // Ring::at(0x200, 16) for tx (table 0x200, avail 0x300, used 0x328).
+    let with = |ops: &[u8], frames: &[u16], mem: Vec<u8>| {
+        let mut v = vec![ops.len() as u8];
+        v.extend_from_slice(ops);
+        v.push(frames.len() as u8);
+        for f in frames {
+            v.extend_from_slice(&f.to_le_bytes());
+        }
+        v.extend(mem);
+        v
+    };
+    // Two rx buffers (a header's descriptor, then a page, as Linux posts
+    // them) and one tx frame (its header, then a 60-byte frame).
+    let rx = table(&[
+        desc(0x1000, 12, 2 | 1, 1),
+        desc(0x2000, 4096, 2, 0),
+        desc(0x3000, 12 + 1514, 2, 0),
+    ]);
+    let tx = table(&[desc(0x4000, 12, 1, 1), desc(0x5000, 60, 0, 0)]);
+    let rx_avail = [0u8, 0, 2, 0, 0, 0, 2, 0];
+    let tx_avail = [0u8, 0, 1, 0, 0, 0];
+    let mem = image(&[
+        (0, &rx),
+        (0x100, &rx_avail),
+        (0x200, &tx),
+        (0x300, &tx_avail),
+        (0x5000, &[0xab; 60]),
+    ]);
+    put(
+        "virtio_net",
+        "rx-tx",
+        &with(&[2, 1, 0], &[60, 1514], mem.clone()),
+    );
+    put(
+        "virtio_net",
+        "fork-midway",
+        &with(&[2, 3, 1, 2, 0], &[60, 4000, 100], mem.clone()),
+    );
+    put(
+        "virtio_net",
+        "reset-midway",
+        &with(&[1, 4, 2, 0], &[100, 100], mem.clone()),
+    );
+    put(
+        "virtio_net",
+        "rx-too-small",
+        &with(&[2], &[4096, 4096, 4096], mem),
+    );
+}
+
+fn template_file() {
+    for (i, toml) in [
+        "image = \"debian\"\nsetup = [\"apt-get install -y python3\"]\nready = { file = \"/tmp\" }\n",
+        "image = \"minimal\"\nvcpus = 2\nmemory_mib = 1024\nready = { tcp_port = 8000 }\nready_timeout_secs = 30\n[envs]\nA = \"1\"\n",
+        "name = \"fuzz\"\nimage = \"minimal\"\nprotect = [\"/task/tests\"]\n[network]\nallow_out = [\"mirror.local:80\"]\n",
+        "image = \"debian\"\n[network]\nallow_out = [\"not a rule\"]\n",
+        "image = \"debian\"\n[ready]\ncommand = \"test -e /ok\"\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        put("template_file", &format!("{i}"), toml.as_bytes());
+    }
+}
+
 fn main() {
     chains();
     blk();
@@ -625,4 +692,6 @@ fn main() {
     agent();
     policy();
     template();
+    template_file();
+    net();
 }

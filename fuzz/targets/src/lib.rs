@@ -29,6 +29,10 @@
 //! - [`broker_requests`]: the network broker's parsing and planning of
 //!   what a VMM asks it.
 //! - [`template_spec`]: forkboxd's template specs (`POST /templates`).
+//! - [`template_file`]: the CLI's TOML template files, and the JSON they
+//!   become for forkboxd.
+//! - [`virtio_net`]: the virtio-net device serving rx and tx queues the
+//!   input lays out, with frames for the guest, forks and resets.
 
 mod agent;
 mod blk;
@@ -38,9 +42,11 @@ mod dns;
 mod gateway;
 mod input;
 mod mmio;
+mod net;
 mod policy;
 mod ring;
 mod template;
+mod template_file;
 mod vsock;
 
 pub use agent::{agent_client, agent_frames};
@@ -50,8 +56,10 @@ pub use chain::virtio_chain;
 pub use dns::dns_query;
 pub use gateway::{fix_checksums, gateway_frames};
 pub use mmio::virtio_mmio;
+pub use net::virtio_net;
 pub use policy::policy_rules;
 pub use template::template_spec;
+pub use template_file::template_file;
 pub use vsock::vsock_packets;
 
 /// A fuzz target's body.
@@ -71,4 +79,6 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("policy_rules", policy_rules),
     ("broker_requests", broker_requests),
     ("template_spec", template_spec),
+    ("template_file", template_file),
+    ("virtio_net", virtio_net),
 ];
