@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::{Bytes, HttpBody};
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
@@ -16,7 +16,7 @@ use super::error::{ApiError, ApiResult};
 use super::{AppState, MAX_COMMAND_BODY, MAX_JSON_BODY};
 use crate::core::SandboxId;
 use crate::network::NetworkPolicy;
-use crate::service::{chain, Daemon};
+use crate::service::{chain, Daemon, Upload};
 
 /// A request about one sandbox (`/sandboxes/{id}/...`): the daemon and
 /// the sandbox's id. An id that cannot be one is a 404.
@@ -109,6 +109,36 @@ impl FromRequest<AppState> for RawBody {
                 rej.body_text()
             ))),
         }
+    }
+}
+
+/// A file, tar or stdin upload, streamed to the guest as it arrives
+/// ([`Upload`]). A body whose `Content-Length` is over the daemon's
+/// `--max-upload-bytes` is refused (413) before the guest is touched; one
+/// without a length is cut at the limit.
+pub(super) struct UploadBody(pub(super) Upload);
+
+impl FromRequest<AppState> for UploadBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, st: &AppState) -> Result<Self, Self::Rejection> {
+        let bounds = st.daemon.bounds();
+        let limit = u64::try_from(bounds.upload_max).unwrap_or(u64::MAX);
+        // Exact when the request has a `Content-Length` (hyper's bodies
+        // take it from there).
+        if HttpBody::size_hint(req.body())
+            .exact()
+            .is_some_and(|n| n > limit)
+        {
+            return Err(too_large(st));
+        }
+        // A client may pause between chunks as long as an agent call may
+        // wait on the guest.
+        Ok(Self(Upload::start(
+            req.into_body(),
+            limit,
+            bounds.agent_call,
+        )))
     }
 }
 

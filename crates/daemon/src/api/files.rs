@@ -13,7 +13,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::commands::acting_user;
 use super::error::{report, ApiError, ApiErrorBody, ApiResult};
-use super::extract::{query, OnSandbox, RawBody};
+use super::extract::{query, OnSandbox, UploadBody};
 use super::stream::unexpected_end;
 use crate::service::{Daemon, Download, Transfer};
 
@@ -226,7 +226,7 @@ async fn download_response(
 pub(super) async fn file_write(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
-    RawBody(body): RawBody,
+    UploadBody(body): UploadBody,
 ) -> ApiResult<Json<Written>> {
     let q: WriteQuery = query(raw)?;
     let path = guest_path(q.path)?;
@@ -336,7 +336,7 @@ pub(super) async fn tar_download(
 pub(super) async fn tar_upload(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
-    RawBody(body): RawBody,
+    UploadBody(body): UploadBody,
 ) -> ApiResult<Json<Written>> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
@@ -574,5 +574,205 @@ mod tests {
         assert_eq!(err["error"]["kind"], "too_large", "{err}");
         let msg = err["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains("--max-upload-bytes"), "{msg}");
+    }
+    /// An agent that takes one upload: `Ready`, then data frames until
+    /// the end frame (answered `Done`) or a cut; what it got goes to `got`.
+    fn receiving_agent(
+        dir: &std::path::Path,
+        got: Arc<std::sync::Mutex<Vec<(u64, bool)>>>,
+    ) -> std::path::PathBuf {
+        use forkbox_proto::frame::read_frame;
+        scripted_agent(dir, move |conn, _| {
+            write_frame(conn, FrameKind::Control, &encode_control(&Response::Ready))
+                .expect("ready");
+            let mut bytes = 0u64;
+            let ended = loop {
+                match read_frame(conn, forkbox_proto::MAX_FRAME_LEN) {
+                    Ok(Some(f)) if f.kind == FrameKind::Data => bytes += f.body.len() as u64,
+                    Ok(Some(f)) => break f.kind == FrameKind::Eof,
+                    _ => break false,
+                }
+            };
+            got.lock().expect("got").push((bytes, ended));
+            let done = Response::Done { bytes };
+            let _ = write_frame(conn, FrameKind::Control, &encode_control(&done));
+        })
+    }
+
+    /// What the receiving agent got, once it has (within 5 s).
+    async fn received(got: &std::sync::Mutex<Vec<(u64, bool)>>) -> (u64, bool) {
+        for _ in 0..500 {
+            if let Some(&g) = got.lock().expect("got").first() {
+                return g;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the agent got no upload");
+    }
+
+    /// A request body of `chunks` with no length, as a chunked upload.
+    fn chunked(chunks: Vec<Vec<u8>>) -> Body {
+        Body::from_stream(futures_util::stream::iter(
+            chunks.into_iter().map(Ok::<_, std::io::Error>),
+        ))
+    }
+
+    async fn put(app: &Router, uri: &str, body: Body) -> axum::response::Response {
+        let req = axum::http::Request::builder()
+            .method("PUT")
+            .uri(uri)
+            .body(body)
+            .expect("request");
+        app.clone().oneshot(req).await.expect("infallible")
+    }
+
+    /// A streamed upload reaches the agent whole, chunk after chunk.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_upload_without_a_length_streams_whole_to_the_agent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let got = Arc::default();
+        let sock = receiving_agent(dir.path(), Arc::clone(&got));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let body = chunked((0..64).map(|i| vec![i as u8; 100_000]).collect());
+        let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(json(resp).await["bytes"], 6_400_000);
+        assert_eq!(*got.lock().expect("got"), vec![(6_400_000, true)]);
+    }
+
+    /// The daemon holds a few chunks of an upload, never the whole: with
+    /// an agent slower than the client, the body is read only as far
+    /// ahead of the agent as the chunks in flight and the socket buffers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_upload_is_read_only_a_few_chunks_ahead_of_a_slow_agent() {
+        use forkbox_proto::frame::read_frame;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        const CHUNK: u64 = 100_000;
+        const CHUNKS: u64 = 128;
+        let produced = Arc::new(AtomicU64::new(0));
+        let lead = Arc::new(AtomicU64::new(0));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (p, l) = (Arc::clone(&produced), Arc::clone(&lead));
+        let sock = scripted_agent(dir.path(), move |conn, _| {
+            write_frame(conn, FrameKind::Control, &encode_control(&Response::Ready))
+                .expect("ready");
+            let mut bytes = 0u64;
+            while let Ok(Some(f)) = read_frame(conn, forkbox_proto::MAX_FRAME_LEN) {
+                if f.kind != FrameKind::Data {
+                    break;
+                }
+                bytes += f.body.len() as u64;
+                l.fetch_max(
+                    p.load(Ordering::SeqCst).saturating_sub(bytes),
+                    Ordering::SeqCst,
+                );
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let done = Response::Done { bytes };
+            let _ = write_frame(conn, FrameKind::Control, &encode_control(&done));
+        });
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let p = Arc::clone(&produced);
+        let body = Body::from_stream(futures_util::stream::unfold(0u64, move |i| {
+            let p = Arc::clone(&p);
+            async move {
+                (i < CHUNKS).then(|| {
+                    p.fetch_add(CHUNK, Ordering::SeqCst);
+                    (Ok::<_, std::io::Error>(vec![1u8; CHUNK as usize]), i + 1)
+                })
+            }
+        }));
+        let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(json(resp).await["bytes"], CHUNK * CHUNKS);
+        let lead = lead.load(Ordering::SeqCst);
+        // Chunks in flight, the one being read and the one being sent, and
+        // what the socket buffers: far below the 12.8 MB upload.
+        assert!(
+            lead <= 2_000_000,
+            "the body was read {lead} bytes ahead of the agent"
+        );
+    }
+
+    /// Without a length, an upload over the limit is cut there: the guest
+    /// got exactly the limit, the client a 413 that says so.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_upload_without_a_length_over_the_limit_is_cut_at_it_and_413() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let got = Arc::default();
+        let sock = receiving_agent(dir.path(), Arc::clone(&got));
+        let bounds = Bounds {
+            upload_max: 250_000,
+            ..Bounds::default()
+        };
+        let app = app_with_agent_and(Some(sock), bounds);
+        let id = sandbox(&app).await;
+        let body = chunked((0..8).map(|_| vec![7u8; 100_000]).collect());
+        let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let err = json(resp).await;
+        assert_eq!(err["error"]["kind"], "too_large", "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("250000") && msg.contains("guest file /f"),
+            "{msg}"
+        );
+        // The daemon answers without waiting for the agent's last word.
+        let got = received(&got).await;
+        assert_eq!(got.0, 250_000, "the guest got exactly the limit");
+        // The sandbox is not blamed: it still runs.
+        let (_, info) = call(&app, "GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(info["state"], "running");
+    }
+
+    /// With a length over the limit, nothing reaches the guest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_upload_with_a_length_over_the_limit_never_reaches_the_agent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let got: Arc<std::sync::Mutex<Vec<(u64, bool)>>> = Arc::default();
+        let sock = receiving_agent(dir.path(), Arc::clone(&got));
+        let bounds = Bounds {
+            upload_max: 1000,
+            ..Bounds::default()
+        };
+        let app = app_with_agent_and(Some(sock), bounds);
+        let id = sandbox(&app).await;
+        for uri in [
+            format!("/sandboxes/{id}/files?path=/f"),
+            format!("/sandboxes/{id}/files/tar?path=/d"),
+        ] {
+            let resp = put(&app, &uri, Body::from(vec![0u8; 1001])).await;
+            assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE, "{uri}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(got.lock().expect("got").is_empty());
+    }
+
+    /// A client whose body breaks off: a 400 saying what the guest holds,
+    /// and the agent saw the upload end early, not a whole file.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_upload_whose_body_breaks_off_is_the_clients_400() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let got = Arc::default();
+        let sock = receiving_agent(dir.path(), Arc::clone(&got));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let body = Body::from_stream(futures_util::stream::iter(vec![
+            Ok(vec![1u8; 1000]),
+            Err(std::io::Error::other("connection reset")),
+        ]));
+        let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        let err = json(resp).await;
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("broke off") && msg.contains("connection reset"),
+            "{msg}"
+        );
+        assert_eq!(err["error"]["infrastructure"], false);
+        assert_eq!(received(&got).await.0, 1000);
     }
 }

@@ -11,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::commands::{exit_output, ExecOutput};
 use super::error::{report, ApiError, ApiErrorBody, ApiResult};
-use super::extract::{optional_json, query, secs, OnProcess, OnSandbox, RawBody};
+use super::extract::{optional_json, query, secs, OnProcess, OnSandbox, RawBody, UploadBody};
 use super::stream::{output_event, relay, streamed, unexpected_end, Framing, StreamEvent};
 use crate::service::{AttachEvent, ProcessEnded};
 
@@ -152,7 +152,7 @@ pub struct StdinWritten {
 pub(super) async fn process_stdin(
     OnProcess { daemon, id, pid }: OnProcess,
     RawQuery(raw): RawQuery,
-    RawBody(body): RawBody,
+    UploadBody(body): UploadBody,
 ) -> ApiResult<Json<StdinWritten>> {
     let q: StdinQuery = query(raw)?;
     let close = q.close.unwrap_or(false);

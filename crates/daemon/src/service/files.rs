@@ -16,7 +16,8 @@ use forkbox_proto::{DirEntry, ErrorKind as GuestKind, FileStat, User};
 use tokio::sync::mpsc;
 
 use super::guest::LAST_EVENT_WAIT;
-use super::{deadline_in, send_until, Daemon, DaemonError};
+use super::upload::{self, UploadFailure};
+use super::{deadline_in, send_until, Daemon, DaemonError, Upload};
 use crate::backend::BackendVm;
 use crate::core::SandboxId;
 
@@ -121,12 +122,16 @@ impl Daemon {
         user: Option<User>,
         path: String,
         mode: u32,
-        data: impl AsRef<[u8]> + Send + 'static,
+        mut data: Upload,
     ) -> Result<u64, DaemonError> {
-        self.with_agent(id, move |a| {
-            as_user(a, user).write_file_with(&path, mode, true, &mut data.as_ref())
-        })
-        .await
+        let failed = data.failure_slot();
+        let written = format!("guest file {path}");
+        let r = self
+            .with_agent(id, move |a| {
+                as_user(a, user).write_file_with(&path, mode, true, &mut data)
+            })
+            .await;
+        upload_result(r, &failed, &written)
     }
 
     /// Removes a file, symlink or empty directory (with `recursive`, a
@@ -181,12 +186,29 @@ impl Daemon {
         id: &SandboxId,
         user: Option<User>,
         path: String,
-        archive: impl AsRef<[u8]> + Send + 'static,
+        mut archive: Upload,
     ) -> Result<u64, DaemonError> {
-        self.with_agent(id, move |a| {
-            as_user(a, user).upload_tar(&path, &mut archive.as_ref())
-        })
-        .await
+        let failed = archive.failure_slot();
+        let written = format!("guest directory {path}");
+        let r = self
+            .with_agent(id, move |a| {
+                as_user(a, user).upload_tar(&path, &mut archive)
+            })
+            .await;
+        upload_result(r, &failed, &written)
+    }
+}
+
+/// An upload's result: when its body stopped early, the client's fault
+/// (whatever the agent call made of the cut), saying what `written` got.
+pub(super) fn upload_result(
+    r: Result<u64, DaemonError>,
+    failed: &std::sync::Mutex<Option<UploadFailure>>,
+    written: &str,
+) -> Result<u64, DaemonError> {
+    match upload::failure(failed) {
+        Some(f) => Err(f.into_error(written)),
+        None => r,
     }
 }
 

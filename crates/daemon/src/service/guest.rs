@@ -10,7 +10,7 @@ use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{ExecRequest, ExecResult, OutputStream, ProcessInfo};
 use tokio::sync::mpsc;
 
-use super::{blocking, deadline_in, send_until, Daemon, DaemonError};
+use super::{blocking, deadline_in, send_until, Daemon, DaemonError, Upload};
 
 /// How long a call's last event waits for a client that stopped reading.
 pub(super) const LAST_EVENT_WAIT: Duration = Duration::from_secs(5);
@@ -319,10 +319,13 @@ impl Daemon {
         id: &SandboxId,
         pid: u32,
         close: bool,
-        data: impl AsRef<[u8]> + Send + 'static,
+        mut data: Upload,
     ) -> Result<u64, DaemonError> {
-        self.with_agent(id, move |a| a.process_stdin(pid, close, &mut data.as_ref()))
-            .await
+        let failed = data.failure_slot();
+        let r = self
+            .with_agent(id, move |a| a.process_stdin(pid, close, &mut data))
+            .await;
+        super::files::upload_result(r, &failed, &format!("the stdin of process {pid}"))
     }
 
     /// Reattaches to background process `pid`: its buffered output, with

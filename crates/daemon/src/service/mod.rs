@@ -50,6 +50,7 @@ mod recovery;
 mod templates;
 #[cfg(test)]
 mod testing;
+mod upload;
 mod view;
 mod vmm_metrics;
 
@@ -76,6 +77,7 @@ pub use integrity::{Baseline, IntegrityReport};
 pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
 pub use templates::{BakeEvent, BakeFailure};
+pub use upload::{Upload, UploadFailure, CHUNKS_IN_FLIGHT};
 pub use view::{NetworkInfo, SandboxInfo, SandboxMetrics};
 pub use vmm_metrics::VMM_COUNTERS_WAIT;
 
