@@ -419,14 +419,14 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
             let mut retries = host_crash_retries;
             loop {
                 let outcome = tb.run(&opts)?;
-                let host_died = matches!(outcome, testbed::Outcome::HostDied { .. });
+                let host_died = outcome.host_failed();
                 let code = testbed::report(&argv, opts.timeout, outcome);
                 if !host_died || retries == 0 {
                     return Ok(code);
                 }
                 retries -= 1;
                 eprintln!(
-                    "forkbox testbed: the emulated host itself crashed (its serial log is above); running `{}` again in a new one ({retries} more allowed)",
+                    "forkbox testbed: the emulated host itself crashed or wedged (above); running `{}` again in a new one ({retries} more allowed; a test-bed fault, not a pass)",
                     argv.join(" ")
                 );
             }

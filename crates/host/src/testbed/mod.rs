@@ -12,6 +12,7 @@
 //! share, and are streamed to the caller as they are written.
 
 pub mod suite;
+pub mod wedge;
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -159,6 +160,18 @@ pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
             );
             125
         }
+        Outcome::Wedged {
+            serial_tail,
+            cpus,
+            stuck,
+        } => {
+            eprintln!(
+                "forkbox testbed: the emulated host's CPU stopped making progress under `{}`: the same instruction, with an interrupt it should have taken pending, for {} s (QEMU's emulation is stuck; a test-bed fault, not the command's). The emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                argv.join(" "),
+                stuck.as_secs()
+            );
+            125
+        }
     }
 }
 
@@ -240,6 +253,23 @@ pub enum Outcome {
         serial_tail: String,
         qemu_stderr: String,
     },
+    /// An emulated CPU showed the same instruction with an interrupt it
+    /// should have taken for `stuck` ([`wedge`]): QEMU stopped running the
+    /// emulated host, which was killed. A test-bed fault, like a crash.
+    Wedged {
+        serial_tail: String,
+        cpus: String,
+        stuck: Duration,
+    },
+}
+
+impl Outcome {
+    /// The emulated host failed under the command (crashed or wedged): a
+    /// fault of the test bed, after which the command may run again in a
+    /// new one.
+    pub fn host_failed(&self) -> bool {
+        matches!(self, Outcome::HostDied { .. } | Outcome::Wedged { .. })
+    }
 }
 
 /// The assets to boot the emulated host, built once and cached.
@@ -304,19 +334,30 @@ impl Testbed {
             .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
             .spawn()
             .map_err(TestbedError::Qemu)?;
+        let mut watch = CpuWatch::new(run.join(MONITOR), opts.cpus);
         let outcome = match &opts.label {
-            None => pump(run, &mut qemu, opts.timeout, stdout, &mut std::io::stderr()),
+            None => pump(
+                run,
+                &mut qemu,
+                opts.timeout,
+                &mut watch,
+                stdout,
+                &mut std::io::stderr(),
+            ),
             Some(label) => pump(
                 run,
                 &mut qemu,
                 opts.timeout,
+                &mut watch,
                 &mut Labelled::new(label, stdout),
                 &mut Labelled::new(label, std::io::stderr()),
             ),
         }
         .map_err(io(run));
         let cpus = match outcome {
-            Ok(Some(Pumped::Timeout)) => ask_monitor(&run.join(MONITOR), STALL_QUESTIONS),
+            Ok(Some(Pumped::Timeout | Pumped::Wedged(_))) => {
+                ask_monitor(&run.join(MONITOR), STALL_QUESTIONS, MONITOR_QUIET)
+            }
             _ => String::new(),
         };
         let _ = qemu.kill();
@@ -327,6 +368,11 @@ impl Testbed {
             Some(Pumped::Timeout) => Outcome::TimedOut {
                 serial_tail: tail(&serial, 40),
                 cpus,
+            },
+            Some(Pumped::Wedged(stuck)) => Outcome::Wedged {
+                serial_tail: tail(&serial, 40),
+                cpus,
+                stuck,
             },
             None => Outcome::HostDied {
                 serial_tail: tail(&serial, 40),
@@ -383,14 +429,62 @@ impl Testbed {
 enum Pumped {
     Status(i32),
     Timeout,
+    /// An emulated CPU wedged, for this long.
+    Wedged(Duration),
+}
+
+/// How often the emulated CPUs are sampled, and how long one may show
+/// the same instruction with an interrupt owed before its host is given
+/// up ([`wedge`]).
+const WEDGE_SAMPLE_EVERY: Duration = Duration::from_secs(15);
+const WEDGED_AFTER: Duration = Duration::from_secs(120);
+
+/// Samples an emulated host's CPUs through its monitor.
+struct CpuWatch {
+    monitor: PathBuf,
+    cpus: Vec<wedge::Watch>,
+    next: Instant,
+}
+
+impl CpuWatch {
+    fn new(monitor: PathBuf, cpus: u32) -> Self {
+        Self {
+            monitor,
+            cpus: (0..cpus).map(|_| wedge::Watch::default()).collect(),
+            next: Instant::now() + WEDGE_SAMPLE_EVERY,
+        }
+    }
+
+    /// Samples every CPU when it is time; how long one has been wedged,
+    /// once one has been for [`WEDGED_AFTER`].
+    fn check(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        if now < self.next {
+            return None;
+        }
+        self.next = now + WEDGE_SAMPLE_EVERY;
+        let mut wedged = None;
+        for (i, watch) in self.cpus.iter_mut().enumerate() {
+            let select = format!("cpu {i}");
+            let text = ask_monitor(
+                &self.monitor,
+                &[&select, "info registers", "info lapic"],
+                SAMPLE_QUIET,
+            );
+            let sample = wedge::CpuSample::parse(&text, &text);
+            wedged = wedged.or(watch.sample(now, sample, WEDGED_AFTER));
+        }
+        wedged
+    }
 }
 
 /// Copies new stdout/stderr bytes to ours until the status file appears,
-/// QEMU exits (`None`) or the time limit passes.
+/// QEMU exits (`None`), the time limit passes or an emulated CPU wedges.
 fn pump(
     run: &Path,
     qemu: &mut Child,
     timeout: Duration,
+    watch: &mut CpuWatch,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> std::io::Result<Option<Pumped>> {
@@ -415,6 +509,11 @@ fn pump(
         }
         if start.elapsed() > timeout {
             return Ok(Some(Pumped::Timeout));
+        }
+        if let Some(stuck) = watch.check() {
+            out.copy_to(stdout)?;
+            err.copy_to(stderr)?;
+            return Ok(Some(Pumped::Wedged(stuck)));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -474,12 +573,18 @@ const MONITOR: &str = "monitor.sock";
 /// What to ask the monitor of an emulated host that ran out of time.
 const STALL_QUESTIONS: &[&str] = &["info registers -a", "info lapic"];
 
+/// How long the monitor must be quiet for its answer to count as whole:
+/// for a report, and for a routine sample.
+const MONITOR_QUIET: Duration = Duration::from_secs(2);
+const SAMPLE_QUIET: Duration = Duration::from_millis(300);
+
 /// Asks QEMU's human monitor `questions` and returns what it answered, or
-/// why it could not; waits at most a few seconds for each answer.
-fn ask_monitor(socket: &Path, questions: &[&str]) -> String {
+/// why it could not; an answer ends when the monitor has said nothing
+/// more for `quiet`.
+fn ask_monitor(socket: &Path, questions: &[&str], quiet: Duration) -> String {
     let talk = || -> std::io::Result<String> {
         let mut monitor = std::os::unix::net::UnixStream::connect(socket)?;
-        monitor.set_read_timeout(Some(Duration::from_secs(2)))?;
+        monitor.set_read_timeout(Some(quiet))?;
         read_until_quiet(&mut monitor); // its greeting
         let mut answers = Vec::new();
         for question in questions {

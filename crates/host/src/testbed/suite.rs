@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{report, rerun_inside_with, shards, Outcome};
+use super::{report, rerun_inside_with, shards};
 
 /// `i/n` (1-based) inside an emulated host that runs shard i of n.
 pub const SHARD_ENV: &str = "FORKBOX_VM_TESTS_SHARD";
@@ -149,14 +149,15 @@ impl Suite {
                     .push((SHARD_ENV.into(), format!("{}/{shards}", shard + 1)));
             });
             match run {
-                Ok((argv, outcome @ Outcome::HostDied { .. })) => {
-                    // Prints the host's serial log and QEMU's stderr.
+                Ok((argv, outcome)) if outcome.host_failed() => {
+                    // Prints the host's serial log and QEMU's stderr, or
+                    // where its CPUs were.
                     report(&argv, self.timeout, outcome);
                     if host == HOSTS {
                         break;
                     }
                     eprintln!(
-                        "{label}vm tests: the emulated host itself crashed (its serial log is above) after {} trials had ended; \
+                        "{label}vm tests: the emulated host itself crashed or wedged (above) after {} trials had ended; \
                          a new one runs the rest ({} of {HOSTS}; a test-bed fault, counted here, not a pass)",
                         Ledger::at(ledger.clone()).ended().len(),
                         host + 1
@@ -169,7 +170,7 @@ impl Suite {
                 }
             }
         }
-        eprintln!("{label}vm tests: the emulated host crashed {HOSTS} times; giving up");
+        eprintln!("{label}vm tests: the emulated host crashed or wedged {HOSTS} times; giving up");
         125
     }
 }
