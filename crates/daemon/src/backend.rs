@@ -407,6 +407,8 @@ pub(crate) mod fake {
         /// Every machine says it replaced a lost fork child (this cause).
         pub replaced: Mutex<Option<String>>,
         pub fail_children: AtomicBool,
+        /// The pids of the machines told to resume, in order.
+        pub resumed: Mutex<Vec<u32>>,
         /// Handles given out (each machine's pid is its index here).
         pub handed: AtomicUsize,
         /// Pids of VMs discarded; adopting a pid listed in `gone` fails.
@@ -583,6 +585,7 @@ pub(crate) mod fake {
             Ok(())
         }
         fn resume(&self) -> Result<(), BackendError> {
+            self.world.resumed.lock().expect("resumed").push(self.pid);
             Ok(())
         }
         fn make_zygote(&self) -> Result<(), BackendError> {

@@ -143,6 +143,95 @@ def test_daemon_killed_and_not_restarted_leaves_no_vmm_past_the_grace() -> None:
         sys.stderr.write("--- orphan test daemon log ---\n" + Path(log).read_text()[-3000:])
 
 
+def _running_vmms() -> set:
+    """Every forkbox-vmm process running on this host."""
+    return {int(p) for p in os.listdir("/proc") if p.isdigit() and _vmm_running(int(p))}
+
+
+def _wait_for_line(log_path: str, text: str, after: int, limit: float) -> None:
+    """Waits until `text` appears in the log past byte `after`."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with open(log_path, "rb") as f:
+            f.seek(after)
+            if text.encode() in f.read():
+                return
+        time.sleep(0.01)
+    pytest.fail(f"{text!r} not in the daemon's log within {limit} s")
+
+
+def test_daemon_killed_mid_fork_and_mid_command_harms_no_sandbox_and_leaks_no_vmm() -> None:
+    d = tempfile.mkdtemp(prefix="forkboxd-midfork-", dir="/tmp")
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    grace = 5
+    # The VMMs log each fork child they make: the moment to kill the daemon.
+    env = {**os.environ, "FORKBOX_LOG": "forkbox_vmm=info"}
+    first = _start(sock, state, log, "--orphan-grace-secs", str(grace), env=env)
+    second = None
+    try:
+        bystander = Sandbox.create("minimal", timeout=600, url=url)
+        bystander.files.write("/tmp/mark", "untouched")
+        parent = Sandbox.create("minimal", timeout=600, url=url)
+        before = _running_vmms()
+        errors: List[BaseException] = []
+
+        def call(f) -> None:
+            try:
+                f()
+            except BaseException as e:  # the daemon dies under it
+                errors.append(e)
+
+        command = threading.Thread(
+            target=call, args=(lambda: parent.commands.run("sleep 30", timeout=120),))
+        command.start()
+        time.sleep(1)  # the command is running in the guest
+        mark = os.path.getsize(log)
+        fork = threading.Thread(target=call, args=(lambda: parent.fork(8),))
+        fork.start()
+        # Killed once the first child exists and before the request ends:
+        # children forked, not yet answered or owned.
+        _wait_for_line(log, "fork child", mark, 300)
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        command.join(60)
+        fork.join(60)
+        assert len(errors) == 2, f"both calls should fail with their daemon: {errors}"
+
+        second = _start(sock, state, log, "--orphan-grace-secs", str(grace), env=env)
+        # The other sandbox and the forked one serve on, as they were.
+        again = Sandbox.connect(bystander.sandbox_id, url=url)
+        assert again.files.read("/tmp/mark") == "untouched"
+        assert again.commands.run("echo alive").stdout == "alive\n"
+        p = Sandbox.connect(parent.sandbox_id, url=url)
+        assert p.commands.run("echo alive").stdout == "alive\n"
+        # And forks again.
+        children = p.fork(2)
+        assert all(isinstance(c, Sandbox) for c in children), children
+        assert all(c.commands.run("true").exit_code == 0 for c in children)
+        for c in children:
+            c.kill()
+        # Every VMM that appeared since is one the new daemon owns, once the
+        # orphans' grace has passed: no child of the interrupted fork stays.
+        deadline = time.monotonic() + grace + 60
+        while True:
+            owned = set(_vmm_pids(state))
+            leaked = _running_vmms() - before - owned
+            if not leaked or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not leaked, f"VMMs {sorted(leaked)} of the interrupted fork outlived it"
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        sys.stderr.write("--- mid-fork test daemon log ---\n" + Path(log).read_text()[-4000:])
+
+
 def _metric(url: str, name: str) -> float:
     sock = url[len("unix://"):]
     with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:

@@ -376,6 +376,23 @@ mod tests {
         serde_json::from_slice(&bytes).expect("a JSON body")
     }
 
+    /// The message of an error response that must be `status`, of `kind`,
+    /// and not the machinery's fault.
+    async fn clients_fault(
+        resp: axum::response::Response,
+        status: StatusCode,
+        kind: &str,
+    ) -> String {
+        assert_eq!(resp.status(), status);
+        let err = json(resp).await;
+        assert_eq!(err["error"]["kind"], kind, "{err}");
+        assert_eq!(err["error"]["infrastructure"], false);
+        err["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     /// Also: a read that names no user acts as the image's unprivileged
     /// user.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -426,11 +443,7 @@ mod tests {
             &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes=10000"),
         )
         .await;
-        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
-        let err = json(resp).await;
-        assert_eq!(err["error"]["kind"], "too_large", "{err}");
-        assert_eq!(err["error"]["infrastructure"], false);
-        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        let msg = clients_fault(resp, StatusCode::PAYLOAD_TOO_LARGE, "too_large").await;
         assert!(
             msg.contains("10000 bytes") && msg.contains("max_bytes"),
             "{msg}"
@@ -711,11 +724,7 @@ mod tests {
         let id = sandbox(&app).await;
         let body = chunked((0..8).map(|_| vec![7u8; 100_000]).collect());
         let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
-        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
-        let err = json(resp).await;
-        assert_eq!(err["error"]["kind"], "too_large", "{err}");
-        assert_eq!(err["error"]["infrastructure"], false);
-        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        let msg = clients_fault(resp, StatusCode::PAYLOAD_TOO_LARGE, "too_large").await;
         assert!(
             msg.contains("250000") && msg.contains("guest file /f"),
             "{msg}"
@@ -765,14 +774,11 @@ mod tests {
             Err(std::io::Error::other("connection reset")),
         ]));
         let resp = put(&app, &format!("/sandboxes/{id}/files?path=/f"), body).await;
-        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
-        let err = json(resp).await;
-        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        let msg = clients_fault(resp, StatusCode::BAD_REQUEST, "invalid_request").await;
         assert!(
             msg.contains("broke off") && msg.contains("connection reset"),
             "{msg}"
         );
-        assert_eq!(err["error"]["infrastructure"], false);
         assert_eq!(received(&got).await.0, 1000);
     }
 }

@@ -104,6 +104,15 @@ impl Daemon {
             match backend.adopt(&saved.vm, network.as_ref()) {
                 Ok(m) => {
                     adopted += 1;
+                    // A daemon that died during a fork request left its
+                    // running parent paused (it is paused for the whole
+                    // request): it runs again. Resuming a running VM
+                    // changes nothing.
+                    if !saved.paused {
+                        if let Err(e) = m.resume() {
+                            tracing::warn!(id = %saved.id, error = %chain(&e), "cannot resume a re-adopted running sandbox");
+                        }
+                    }
                     let mut s = self.lock();
                     s.registry
                         .restore(saved.record(Instant::now(), SystemTime::now()));
@@ -191,6 +200,9 @@ mod tests {
             "zygote, a, b adopted; c cleared"
         );
         assert_eq!(*world.discarded.lock().expect("discarded"), vec![c_pid]);
+        // The running sandbox is told to run (a dead daemon may have left
+        // it paused mid-fork); the paused one and the zygote are not.
+        assert_eq!(world.resumed.lock().expect("resumed").len(), 1);
         let info = |id: &SandboxId| d.execute_sync_info(id).expect("known");
         assert_eq!(info(&a.id).state, SandboxState::Running);
         assert!(info(&a.id).expires_in_ms.is_some_and(|ms| ms > 590_000));
