@@ -2,9 +2,11 @@
 //! caller (the daemon at start), and refused with `--require-jail`.
 //!
 //! Every VMM drops its capabilities, sets `no_new_privs` and installs its
-//! seccomp filters wherever it runs (no privilege needed). What needs one:
-//! leaving the host's network namespace (`CAP_SYS_ADMIN`), without which a
-//! VMM that a guest took over could reach the host's network.
+//! seccomp filters wherever it runs (no privilege needed). What needs one
+//! (`CAP_SYS_ADMIN`): leaving the host's network namespace, without which a
+//! VMM that a guest took over could reach the host's network, and a mount
+//! namespace in which the host's files are read-only to it, without which
+//! it could rewrite any file of the daemon's user.
 
 /// `CAP_SYS_ADMIN`'s bit in the capability sets.
 const CAP_SYS_ADMIN: u32 = 21;
@@ -38,7 +40,7 @@ pub fn gaps_in(status: &str) -> Vec<Gap> {
     let mut gaps = Vec::new();
     if effective & (1 << CAP_SYS_ADMIN) == 0 {
         gaps.push(Gap {
-            missing: "VMMs keep the host's network namespace: leaving it needs CAP_SYS_ADMIN",
+            missing: "VMMs keep the host's network namespace and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN",
             remedy: "run forkboxd as root",
         });
     }

@@ -78,9 +78,16 @@ pub struct Args {
     #[arg(long)]
     pub orphan_grace_secs: Option<u64>,
     /// Exit with an error instead of running without a part of the jail
-    /// this host does not allow (leaving the host's network namespace).
+    /// this host does not allow (leaving the host's network and mount
+    /// namespaces).
     #[arg(long)]
     pub require_jail: bool,
+    /// A directory this VMM and its fork children may write (their
+    /// sockets, logs, snapshots); repeatable. Given once or more, every
+    /// other mount is read-only to them (a mount namespace of their own,
+    /// which needs CAP_SYS_ADMIN).
+    #[arg(long)]
+    pub writable: Vec<PathBuf>,
 }
 
 /// Why the command line cannot be used.

@@ -28,6 +28,8 @@
 //!   frames) for the `status` answer.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
+//! - [`mounts`]: the host's files read-only to the VMM but for its own
+//!   directories (a mount namespace of its own).
 //! - [`lockdown`]: what the process gives up before its guest runs: its
 //!   privileges, and every system call outside each thread's seccomp filter.
 //! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
@@ -55,6 +57,7 @@ pub mod host;
 pub mod layout;
 pub mod lockdown;
 pub mod memory;
+pub mod mounts;
 pub mod net;
 pub mod pio;
 pub mod serial;

@@ -33,6 +33,7 @@ fn main() {
         forkbox_vmm::vm::set_orphan_grace(std::time::Duration::from_secs(secs));
     }
     let require_jail = args.require_jail;
+    let writable = args.writable.clone();
     let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {
@@ -54,6 +55,25 @@ fn main() {
                 tracing::info!("not privileged: the VMM keeps the host's network namespace");
             }
             Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
+        }
+    }
+    if !writable.is_empty() {
+        match forkbox_vmm::mounts::read_only_host(&writable) {
+            Ok(()) => {}
+            Err(e) if require_jail => {
+                eprintln!(
+                    "forkbox-vmm: error: cannot make the host's files read-only to this VMM ({e}; \
+                     it needs CAP_SYS_ADMIN), and --require-jail refuses to run without it"
+                );
+                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                tracing::info!("not privileged: the host's files stay writable to the VMM");
+            }
+            Err(e) => {
+                eprintln!("forkbox-vmm: error: cannot make the host's files read-only: {e}");
+                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+            }
         }
     }
     // Nothing below needs a privilege: the guest's exits reach a process

@@ -210,9 +210,43 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
             vcpu_threads >= 1,
             format!("{what} VMM {pid}: no vCPU thread seen"),
         )?;
+        // The host's files are read-only to it but for the temporary
+        // directory, where its and its children's directories are.
+        let ns =
+            |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).map_err(|e| e.to_string());
+        check(
+            ns(&pid.to_string())? != ns("self")?,
+            format!("{what} VMM {pid}: in this process's mount namespace"),
+        )?;
+        let tmp = std::env::temp_dir()
+            .canonicalize()
+            .map_err(|e| e.to_string())?;
+        for (point, want) in [(Path::new("/"), "ro"), (tmp.as_path(), "rw")] {
+            let got = mount_access(pid, point)?;
+            check(
+                got.as_deref() == Some(want),
+                format!(
+                    "{what} VMM {pid}: {} is mounted {got:?}, want {want}",
+                    point.display()
+                ),
+            )?;
+        }
         sh(v.agent(), "true")?;
     }
     Ok(())
+}
+
+/// Whether `point` is mounted `ro` or `rw` as process `pid` sees it (the
+/// last mount there, the one on top).
+fn mount_access(pid: u32, point: &Path) -> Result<Option<String>, Failed> {
+    let path = format!("/proc/{pid}/mountinfo");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(text.lines().rev().find_map(|l| {
+        let fields: Vec<&str> = l.split(' ').collect();
+        (Path::new(fields.get(4)?) == point)
+            .then(|| fields.get(5)?.split(',').next().map(str::to_owned))
+            .flatten()
+    }))
 }
 
 /// `/proc/.../status` as field → value.

@@ -12,6 +12,7 @@
 //! here are the harness's glue and the helpers they share.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::Duration;
 

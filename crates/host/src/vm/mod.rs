@@ -185,6 +185,11 @@ pub struct VmSpec {
     /// jail cannot be set up ([`crate::jail`]), instead of running
     /// without it.
     pub require_jail: bool,
+    /// Directories the VMM and its fork children may write besides the
+    /// temporary directory (where VM directories are) and its egress log's:
+    /// where its children's egress logs will go. Every other mount is
+    /// read-only to it ([`crate::jail`]).
+    pub writable: Vec<PathBuf>,
 }
 
 /// [`VmSpec::orphan_grace`] unless asked otherwise (and of a restored VM).
@@ -212,6 +217,7 @@ impl Default for VmSpec {
             network: None,
             orphan_grace: ORPHAN_GRACE,
             require_jail: false,
+            writable: Vec::new(),
         }
     }
 }
