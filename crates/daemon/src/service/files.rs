@@ -16,7 +16,6 @@ use forkbox_proto::{DirEntry, ErrorKind as GuestKind, FileStat, User};
 use tokio::sync::mpsc;
 
 use super::guest::LAST_EVENT_WAIT;
-use super::upload::{self, UploadFailure};
 use super::{deadline_in, send_until, Daemon, DaemonError, Upload};
 use crate::backend::BackendVm;
 use crate::core::SandboxId;
@@ -122,16 +121,13 @@ impl Daemon {
         user: Option<User>,
         path: String,
         mode: u32,
-        mut data: Upload,
+        data: Upload,
     ) -> Result<u64, DaemonError> {
-        let failed = data.failure_slot();
-        let written = format!("guest file {path}");
-        let r = self
-            .with_agent(id, move |a| {
-                as_user(a, user).write_file_with(&path, mode, true, &mut data)
-            })
-            .await;
-        upload_result(r, &failed, &written)
+        let into = format!("guest file {path}");
+        self.upload_with_agent(id, data, into, move |a, data| {
+            as_user(a, user).write_file_with(&path, mode, true, data)
+        })
+        .await
     }
 
     /// Removes a file, symlink or empty directory (with `recursive`, a
@@ -186,29 +182,13 @@ impl Daemon {
         id: &SandboxId,
         user: Option<User>,
         path: String,
-        mut archive: Upload,
+        archive: Upload,
     ) -> Result<u64, DaemonError> {
-        let failed = archive.failure_slot();
-        let written = format!("guest directory {path}");
-        let r = self
-            .with_agent(id, move |a| {
-                as_user(a, user).upload_tar(&path, &mut archive)
-            })
-            .await;
-        upload_result(r, &failed, &written)
-    }
-}
-
-/// An upload's result: when its body stopped early, the client's fault
-/// (whatever the agent call made of the cut), saying what `written` got.
-pub(super) fn upload_result(
-    r: Result<u64, DaemonError>,
-    failed: &std::sync::Mutex<Option<UploadFailure>>,
-    written: &str,
-) -> Result<u64, DaemonError> {
-    match upload::failure(failed) {
-        Some(f) => Err(f.into_error(written)),
-        None => r,
+        let into = format!("guest directory {path}");
+        self.upload_with_agent(id, archive, into, move |a, archive| {
+            as_user(a, user).upload_tar(&path, archive)
+        })
+        .await
     }
 }
 

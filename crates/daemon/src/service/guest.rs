@@ -319,13 +319,13 @@ impl Daemon {
         id: &SandboxId,
         pid: u32,
         close: bool,
-        mut data: Upload,
+        data: Upload,
     ) -> Result<u64, DaemonError> {
-        let failed = data.failure_slot();
-        let r = self
-            .with_agent(id, move |a| a.process_stdin(pid, close, &mut data))
-            .await;
-        super::files::upload_result(r, &failed, &format!("the stdin of process {pid}"))
+        let into = format!("the stdin of process {pid}");
+        self.upload_with_agent(id, data, into, move |a, data| {
+            a.process_stdin(pid, close, data)
+        })
+        .await
     }
 
     /// Reattaches to background process `pid`: its buffered output, with

@@ -6,9 +6,9 @@
 //! to the blocking agent call, which reads them as an [`std::io::Read`].
 //! The task counts the bytes and stops at the upload's limit; the reader
 //! waits for the next chunk at most as long as an agent call may take.
-//! Why an upload stopped early is kept ([`Upload::failure`]) so that the
-//! daemon answers with the client's fault (413, 400), not the guest's or
-//! its own.
+//! Why an upload stopped early is kept, so that the daemon answers with
+//! the client's fault (413, 400), not the guest's or its own
+//! ([`Daemon::upload_with_agent`]).
 
 use std::io::{self, Read};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,10 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use tokio::sync::mpsc;
 
-use super::DaemonError;
+use forkbox_proto::client::{AgentClient, ClientError};
+
+use super::{Daemon, DaemonError};
+use crate::core::SandboxId;
 
 /// Chunks of one upload between the request and the guest (hyper's are
 /// up to a few tens of KiB each).
@@ -97,6 +100,27 @@ impl Upload {
 /// Why the upload behind `slot` stopped early, if it did.
 pub fn failure(slot: &Mutex<Option<UploadFailure>>) -> Option<UploadFailure> {
     slot.lock().expect("upload failure").clone()
+}
+
+impl Daemon {
+    /// Runs `op` on sandbox `id`'s agent, uploading `data` into `into`
+    /// (what the guest receives, for the error: "guest file /f"). When the
+    /// body stopped early, the answer is the client's fault, whatever the
+    /// agent call made of the cut.
+    pub(super) async fn upload_with_agent(
+        &self,
+        id: &SandboxId,
+        mut data: Upload,
+        into: String,
+        op: impl FnOnce(&AgentClient, &mut Upload) -> Result<u64, ClientError> + Send + 'static,
+    ) -> Result<u64, DaemonError> {
+        let failed = data.failure_slot();
+        let r = self.with_agent(id, move |a| op(a, &mut data)).await;
+        match failure(&failed) {
+            Some(f) => Err(f.into_error(&into)),
+            None => r,
+        }
+    }
 }
 
 impl Read for Upload {

@@ -118,9 +118,9 @@ impl Vm {
         let egress_dir = net
             .as_ref()
             .and_then(|n| n.egress_log.parent().map(Path::to_path_buf));
-        for dir in writable_dirs(egress_dir.into_iter().chain(spec.writable.iter().cloned())) {
-            cmd.arg("--writable").arg(dir);
-        }
+        cmd.args(writable_args(
+            egress_dir.into_iter().chain(spec.writable.iter().cloned()),
+        ));
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
         if let Err(e) = limit_vmm(child.id()) {
@@ -289,11 +289,7 @@ impl Vm {
             .arg(&paths.serial_log)
             .arg("--orphan-grace-secs")
             .arg(ORPHAN_GRACE.as_secs().to_string())
-            .args(
-                writable_dirs(std::iter::empty())
-                    .into_iter()
-                    .flat_map(|d| [std::ffi::OsString::from("--writable"), d.into_os_string()]),
-            )
+            .args(writable_args(std::iter::empty()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -340,14 +336,17 @@ impl Vm {
     }
 }
 
-/// What a VMM may write ([`VmSpec::writable`]): the temporary directory,
-/// where its and its fork children's directories are made, and `more`.
-fn writable_dirs(more: impl Iterator<Item = PathBuf>) -> Vec<PathBuf> {
+/// The VMM's `--writable` arguments ([`VmSpec::writable`]): the temporary
+/// directory, where its and its fork children's directories are made, and
+/// `more`.
+fn writable_args(more: impl Iterator<Item = PathBuf>) -> Vec<std::ffi::OsString> {
     let mut dirs = vec![std::env::temp_dir()];
     for d in more {
         if !dirs.contains(&d) {
             dirs.push(d);
         }
     }
-    dirs
+    dirs.into_iter()
+        .flat_map(|d| ["--writable".into(), d.into_os_string()])
+        .collect()
 }
