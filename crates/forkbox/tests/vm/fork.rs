@@ -362,51 +362,79 @@ pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestR
 /// Reads the TSC from guest user space (`rdtsc` through ctypes), measures
 /// its rate over a second of CLOCK_MONOTONIC (kvmclock), and prints the TSC
 /// in seconds, CLOCK_MONOTONIC and CLOCK_REALTIME.
+/// The guest's TSC in seconds (at the rate it runs against kvmclock's
+/// CLOCK_MONOTONIC over 2 s), CLOCK_MONOTONIC, the wall clock, and the
+/// two samples' widths. Each sample is the tightest of 50 (kvmclock read,
+/// TSC read, kvmclock read), the TSC paired with the middle: a vCPU
+/// preempted between two reads (the emulated host under load) widens that
+/// sample, not the rate (a single pair 0.2 s apart skewed it by a fifth).
 const TSC_VS_KVMCLOCK: &str = r#"
 import ctypes, mmap, time
 code = bytes([0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0, 0xc3])  # rdtsc; shl rdx,32; or rax,rdx; ret
 buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
 buf.write(code)
 rdtsc = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
-t0, m0 = rdtsc(), time.clock_gettime(time.CLOCK_MONOTONIC)
-time.sleep(1)
-t1, m1 = rdtsc(), time.clock_gettime(time.CLOCK_MONOTONIC)
+def sample():
+    best = None
+    for _ in range(50):
+        a = time.clock_gettime(time.CLOCK_MONOTONIC)
+        t = rdtsc()
+        b = time.clock_gettime(time.CLOCK_MONOTONIC)
+        if best is None or b - a < best[0]:
+            best = (b - a, t, (a + b) / 2)
+    return best
+w0, t0, m0 = sample()
+time.sleep(2)
+w1, t1, m1 = sample()
 hz = (t1 - t0) / (m1 - m0)
-print("%.3f %.3f %.3f" % (t1 / hz, m1, time.time()))
+print("%.3f %.3f %.3f %.6f %.6f" % (t1 / hz, m1, time.time(), w0, w1))
 "#;
 
 /// A zygote's children get the vCPUs' TSC and the VM's kvmclock of one
-/// instant, both advanced by the same gap: in a child of a zygote made 90 s
-/// earlier the TSC (in seconds since the VM was made) and kvmclock's
-/// CLOCK_MONOTONIC (since boot) still agree within the boot's few seconds,
+/// instant, both advanced by the same gap: how far the TSC (in seconds
+/// since the VM was made) runs ahead of kvmclock's CLOCK_MONOTONIC (since
+/// the guest's kernel started keeping time) is the same in a child of a
+/// zygote made 90 s earlier as in the VM before it became the zygote,
 /// where a TSC captured at the bake beside a kvmclock read at the fork
-/// would lag by the zygote's age; and its wall clock is the host's.
+/// would lag by the zygote's age; and the child's wall clock is the host's.
+/// (The offset itself is the boot's first seconds, and under load in the
+/// emulated host it was 28 s once: the test compares offsets, not 0.)
 pub(crate) fn fork_zygote_aged_child_tsc_and_kvmclock_agree() -> TestResult {
     let mut vm = boot(VmSpec {
         image: ImageName::Debian,
         ..VmSpec::default()
     });
-    let before_zygote = sh(vm.agent(), &format!("python3 -c '{TSC_VS_KVMCLOCK}'"))?;
+    let clocks = |what: &str, agent: &AgentClient| -> Result<[f64; 5], Failed> {
+        let out = sh(agent, &format!("python3 -c '{TSC_VS_KVMCLOCK}'"))?;
+        let nums: Vec<f64> = out
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let [tsc_s, mono_s, real_s, w0, w1] = nums[..] else {
+            return Err(format!("{what} printed {out:?}").into());
+        };
+        eprintln!(
+            "{what}: TSC {tsc_s:.1} s, kvmclock {mono_s:.1} s (samples {:.0} and {:.0} µs wide)",
+            w0 * 1e6,
+            w1 * 1e6
+        );
+        Ok([tsc_s, mono_s, real_s, w0, w1])
+    };
+    let [tsc_before, mono_before, ..] = clocks("before the zygote", vm.agent())?;
     vm.make_warm_zygote()
         .map_err(|e| format!("making the zygote: {e:#}"))?;
     std::thread::sleep(Duration::from_secs(90));
     let children = fork(&mut vm, 1)?;
     let child = &children[0];
     let host_before = unix_now();
-    let out = sh(child.agent(), &format!("python3 -c '{TSC_VS_KVMCLOCK}'"))?;
+    let [tsc_s, mono_s, real_s, ..] = clocks("aged zygote's child", child.agent())?;
     let host_after = unix_now();
-    let nums: Vec<f64> = out
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    let [tsc_s, mono_s, real_s] = nums[..] else {
-        return Err(format!("the child printed {out:?}").into());
-    };
-    eprintln!("aged zygote's child: TSC {tsc_s:.1} s, kvmclock {mono_s:.1} s");
+    let (offset_before, offset_child) = (tsc_before - mono_before, tsc_s - mono_s);
     check(
-        (tsc_s - mono_s).abs() < 20.0,
+        (offset_child - offset_before).abs() < 10.0,
         format!(
-            "the child's TSC says {tsc_s:.1} s, its kvmclock {mono_s:.1} s (before the zygote: {before_zygote:?})"
+            "the child's TSC runs {offset_child:.1} s ahead of its kvmclock ({tsc_s:.1} s against \
+             {mono_s:.1} s), the VM's before the zygote {offset_before:.1} s"
         ),
     )?;
     check(
