@@ -73,6 +73,10 @@ pub enum NetBrokerError {
 /// The policy, and the VMM connections it is pushed to.
 struct Shared {
     policy: RwLock<Policy>,
+    /// The sandbox's egress log, opened here (to append) for each VMM
+    /// connection and sent with its first policy: the VMM's own user may
+    /// not open it.
+    egress_log: Option<PathBuf>,
     /// Held while the policy changes and while a new connection is sent
     /// its first policy, so that no connection misses a change.
     pushed: Mutex<Pushed>,
@@ -125,6 +129,17 @@ impl std::fmt::Debug for NetBroker {
 impl NetBroker {
     /// Listens at `path` and serves `policy`.
     pub fn start(path: &Path, policy: Policy) -> Result<Self, NetBrokerError> {
+        Self::start_with_log(path, policy, None)
+    }
+
+    /// [`start`](Self::start), handing each VMM that connects
+    /// `egress_log` (created if missing, opened to append) with its first
+    /// policy.
+    pub fn start_with_log(
+        path: &Path,
+        policy: Policy,
+        egress_log: Option<PathBuf>,
+    ) -> Result<Self, NetBrokerError> {
         let message = policy_message(&policy)?;
         let err = |source: io::Error| NetBrokerError::Listen {
             path: path.to_path_buf(),
@@ -144,6 +159,7 @@ impl NetBroker {
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             policy: RwLock::new(policy),
+            egress_log,
             pushed: Mutex::new(Pushed {
                 message,
                 conns: Vec::new(),
@@ -221,9 +237,9 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
             Ok(conn) => {
                 let conn = Arc::new(conn);
                 {
+                    let log = shared.egress_log.as_deref().and_then(open_egress_log);
                     let mut pushed = shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Err(e) = rustix::net::send(&*conn, &pushed.message, SendFlags::NOSIGNAL)
-                    {
+                    if let Err(e) = send_first(&conn, &pushed.message, log.as_ref()) {
                         tracing::warn!(error = %e, "net broker: cannot send the policy");
                     }
                     pushed.conns.retain(|c| c.strong_count() > 0);
@@ -241,6 +257,37 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
             Err(_) => return,
         }
     }
+}
+
+/// The egress log, opened to append for a VMM (`None`, said, if it
+/// cannot be: the VMM then tries the path itself).
+fn open_egress_log(path: &Path) -> Option<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "net broker: cannot open the egress log"))
+        .ok()
+}
+
+/// A new connection's first message, the policy (`message`), with the
+/// egress log as its `SCM_RIGHTS` if there is one.
+fn send_first(conn: &OwnedFd, message: &[u8], log: Option<&std::fs::File>) -> io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage};
+    let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    if let Some(log) = log {
+        fds = [log.as_fd()];
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+    }
+    rustix::net::sendmsg(
+        conn,
+        &[io::IoSlice::new(message)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    Ok(())
 }
 
 /// Serves one VMM connection until it hangs up.

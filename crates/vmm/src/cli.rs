@@ -88,6 +88,29 @@ pub struct Args {
     /// which needs CAP_SYS_ADMIN).
     #[arg(long)]
     pub writable: Vec<PathBuf>,
+    /// Run the guest as this user and group (`UID:GID`, both numbers): the
+    /// VMM gives up root for them once its VM is built, before any guest
+    /// instruction runs (it needs CAP_SETUID and CAP_SETGID to).
+    #[arg(long, value_parser = parse_user)]
+    pub run_as: Option<(u32, u32)>,
+}
+
+/// `UID:GID`, neither of them root's.
+fn parse_user(s: &str) -> Result<(u32, u32), String> {
+    let (uid, gid) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}` is not UID:GID"))?;
+    let number = |what: &str, v: &str| {
+        v.parse::<u32>()
+            .map_err(|e| format!("the {what} in `{s}`: {e}"))
+    };
+    let (uid, gid) = (number("uid", uid)?, number("gid", gid)?);
+    if uid == 0 || gid == 0 {
+        return Err(format!(
+            "`{s}` is root's: the VMM runs as root without --run-as"
+        ));
+    }
+    Ok((uid, gid))
 }
 
 /// Why the command line cannot be used.

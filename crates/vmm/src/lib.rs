@@ -30,6 +30,9 @@
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
 //! - [`mounts`]: the host's files read-only to the VMM but for its own
 //!   directories (a mount namespace of its own).
+//! - [`opened`]: `/dev/kvm` and the disk images, opened once as the
+//!   daemon's user and used again by fork children (which run as the
+//!   VMM's own).
 //! - [`lockdown`]: what the process gives up before its guest runs: its
 //!   privileges, and every system call outside each thread's seccomp filter.
 //! - [`vm`]: boots or restores the VM (`vm/mod.rs`); its submodules run
@@ -59,6 +62,7 @@ pub mod lockdown;
 pub mod memory;
 pub mod mounts;
 pub mod net;
+pub mod opened;
 pub mod pio;
 pub mod serial;
 pub mod state;

@@ -7,8 +7,11 @@
 //! 1. [`drop_privileges`], once, in `main`, while the process has one
 //!    thread and after it left the host's network namespace (the only step
 //!    that needs `CAP_SYS_ADMIN`): threads and fork children inherit it.
-//! 2. [`confine_vcpu_thread`] at the start of each vCPU thread.
-//! 3. [`confine_main_thread`] when the VM is built and about to run: the
+//! 2. [`become_user`], with `--run-as`, once the VM is built and before
+//!    its first vCPU thread starts: the daemon's user (root) for the
+//!    VMM's own, the last two capabilities gone with it.
+//! 3. [`confine_vcpu_thread`] at the start of each vCPU thread.
+//! 4. [`confine_main_thread`] when the VM is built and about to run: the
 //!    event loop, the control server and the fork path stay on this thread,
 //!    and a fork child (whose only thread is this one) inherits the filter,
 //!    so it is installed once per process tree, never stacked again.
@@ -69,11 +72,38 @@ pub(crate) fn note_serial_log(fd: RawFd) {
     SERIAL_LOG_FD.store(fd, Ordering::SeqCst);
 }
 
+/// Appends `bytes` to the serial log (the descriptor [`note_serial_log`]
+/// named; the log is opened to append).
+pub(crate) fn append_to_serial_log(bytes: &[u8]) -> std::io::Result<()> {
+    let fd = SERIAL_LOG_FD.load(Ordering::SeqCst);
+    if fd < 0 {
+        return Err(std::io::Error::other("no serial log is open"));
+    }
+    // SAFETY: the serial output owns this descriptor for the life of the
+    // VM, which outlives this call (made while the VM ends).
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        match rustix::io::write(fd, rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// No capabilities (effective, permitted, inheritable, ambient, bounding),
 /// no privileges gained through exec (`no_new_privs`), not dumpable (no
 /// `ptrace` attach or `/proc/PID/mem` by a process of the same user, a
 /// sibling VMM included), no core files. Call while single-threaded.
-pub fn drop_privileges() -> Result<(), LockdownError> {
+///
+/// With `run_as`, `CAP_SETUID` and `CAP_SETGID` stay (effective and
+/// permitted, nothing else) until [`become_user`] spends them: the VMM
+/// opens what it boots from as the daemon's user, then becomes its own
+/// before its guest runs.
+pub fn drop_privileges(run_as: Option<(u32, u32)>) -> Result<(), LockdownError> {
     use rustix::thread::{self, CapabilitySet, CapabilitySets};
     let io = |what| move |e: rustix::io::Errno| LockdownError::Privileges(what, e.into());
     // The bounding set first: dropping from it needs CAP_SETPCAP, which the
@@ -96,24 +126,85 @@ pub fn drop_privileges() -> Result<(), LockdownError> {
         }
     }
     thread::clear_ambient_capability_set().map_err(io("clear the ambient capabilities"))?;
+    let kept = match run_as {
+        Some(user) => {
+            let _ = RUN_AS.set(user);
+            CapabilitySet::SETUID | CapabilitySet::SETGID
+        }
+        None => CapabilitySet::empty(),
+    };
     thread::set_capabilities(
         None,
         CapabilitySets {
-            effective: CapabilitySet::empty(),
-            permitted: CapabilitySet::empty(),
+            effective: kept,
+            permitted: kept,
             inheritable: CapabilitySet::empty(),
         },
     )
     .map_err(io("drop every capability"))?;
     thread::set_no_new_privs(true).map_err(io("set no_new_privs"))?;
-    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
-        .map_err(io("make the process not dumpable"))?;
+    not_dumpable()?;
     let none = rustix::process::Rlimit {
         current: Some(0),
         maximum: Some(0),
     };
     rustix::process::setrlimit(rustix::process::Resource::Core, none)
         .map_err(io("forbid core files"))?;
+    Ok(())
+}
+
+fn not_dumpable() -> Result<(), LockdownError> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(|e| LockdownError::Privileges("make the process not dumpable", e.into()))
+}
+
+/// The user [`drop_privileges`] was told to become (`--run-as`).
+static RUN_AS: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+/// [`become_user`] is done (a fork child inherits it done).
+static BECAME: AtomicBool = AtomicBool::new(false);
+
+/// Becomes the `--run-as` user and group, with no supplementary groups,
+/// as real, effective and saved ids: the kernel then clears the last two
+/// capabilities, and the VMM can open, connect to or signal only what
+/// that user may. Call while single-threaded (the ids are per thread to
+/// the kernel), before the first vCPU runs. A no-op without `--run-as`,
+/// and after the first call in a process tree.
+pub fn become_user() -> Result<(), LockdownError> {
+    let Some(&(uid, gid)) = RUN_AS.get() else {
+        return Ok(());
+    };
+    if BECAME.swap(true, Ordering::SeqCst) {
+        return Ok(());
+    }
+    crate::memory::keep_pagemap();
+    let last = || std::io::Error::last_os_error();
+    // SAFETY: setgroups reads no memory with a count of 0; setresgid and
+    // setresuid take integers. The C library applies each to every thread
+    // (there is one).
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0 {
+            return Err(LockdownError::Privileges(
+                "drop the supplementary groups",
+                last(),
+            ));
+        }
+        if libc::setresgid(gid, gid, gid) != 0 {
+            return Err(LockdownError::Privileges("become the VMM's group", last()));
+        }
+        if libc::setresuid(uid, uid, uid) != 0 {
+            return Err(LockdownError::Privileges("become the VMM's user", last()));
+        }
+    }
+    // Changing user makes the process dumpable again.
+    not_dumpable()?;
+    let caps = rustix::thread::capabilities(None)
+        .map_err(|e| LockdownError::Privileges("read the capabilities", e.into()))?;
+    if !(caps.effective.is_empty() && caps.permitted.is_empty()) {
+        return Err(LockdownError::Privileges(
+            "give up CAP_SETUID and CAP_SETGID",
+            std::io::Error::other(format!("{caps:?} left after changing user")),
+        ));
+    }
     Ok(())
 }
 
@@ -553,6 +644,74 @@ mod tests {
         assert!(std::str::from_utf8(&buf[..n])
             .expect("ascii")
             .contains("the main thread made system call 0,"));
+    }
+
+    /// As root: the user and group given, no supplementary group, no
+    /// capability, not dumpable. Otherwise: refused (no CAP_SETUID to
+    /// keep), which is what a daemon that is not root must not ask.
+    #[test]
+    fn become_user_leaves_that_user_and_no_capability() {
+        const NOBODY: u32 = 65534;
+        // SAFETY: the child makes system calls and reads what they return
+        // into stack values, then ends with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = match drop_privileges(Some((NOBODY, NOBODY))) {
+                Err(_) => 10,
+                Ok(()) => match become_user() {
+                    Err(_) => 11,
+                    Ok(()) => {
+                        let (mut r, mut e, mut s) = (0, 0, 0);
+                        let (mut rg, mut eg, mut sg) = (0, 0, 0);
+                        // SAFETY: out pointers to stack values.
+                        let ids = unsafe {
+                            libc::getresuid(&mut r, &mut e, &mut s) == 0
+                                && libc::getresgid(&mut rg, &mut eg, &mut sg) == 0
+                        };
+                        // SAFETY: a count of 0 makes getgroups write nothing.
+                        let groups = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+                        let caps = rustix::thread::capabilities(None);
+                        let dumpable = rustix::process::dumpable_behavior();
+                        match () {
+                            _ if !ids || [r, e, s] != [NOBODY; 3] => 12,
+                            _ if [rg, eg, sg] != [NOBODY; 3] => 13,
+                            _ if groups != 0 => 14,
+                            _ if !caps.is_ok_and(|c| {
+                                c.effective.is_empty()
+                                    && c.permitted.is_empty()
+                                    && c.inheritable.is_empty()
+                            }) =>
+                            {
+                                15
+                            }
+                            _ if !matches!(
+                                dumpable,
+                                Ok(rustix::process::DumpableBehavior::NotDumpable)
+                            ) =>
+                            {
+                                16
+                            }
+                            _ => 0,
+                        }
+                    }
+                },
+            };
+            // SAFETY: ends the child without running the parent's atexit
+            // handlers or destructors.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is a valid out pointer.
+        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(rc, pid, "waitpid: {}", std::io::Error::last_os_error());
+        assert!(libc::WIFEXITED(status), "status {status:#x}");
+        let want = if rustix::process::geteuid().is_root() {
+            0
+        } else {
+            10
+        };
+        assert_eq!(libc::WEXITSTATUS(status), want, "status {status:#x}");
     }
 
     /// Runs `f` in a fork child whose thread has `kind`'s filters, and

@@ -34,6 +34,7 @@ fn main() {
     }
     let require_jail = args.require_jail;
     let writable = args.writable.clone();
+    let run_as = args.run_as;
     let invocation = match args.into_invocation() {
         Ok(c) => c,
         Err(e) => {
@@ -76,9 +77,10 @@ fn main() {
             }
         }
     }
-    // Nothing below needs a privilege: the guest's exits reach a process
-    // with none to give away.
-    if let Err(e) = forkbox_vmm::lockdown::drop_privileges() {
+    // Nothing below needs a privilege (but for becoming `run_as`, which
+    // gives up the rest before the guest runs): the guest's exits reach a
+    // process with none to give away.
+    if let Err(e) = forkbox_vmm::lockdown::drop_privileges(run_as) {
         eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
         std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
     }

@@ -472,11 +472,35 @@ pub fn file_data_pages(file: &File, offset: u64, out: &mut [bool]) -> io::Result
     Ok(())
 }
 
+/// This process's `/proc/self/pagemap`, opened while it could be, and
+/// whose it is (a fork child inherits the descriptor, which describes its
+/// parent's memory). The file is readable by its owner only, and the
+/// files of a process that is not dumpable are root's: once the VMM is
+/// its own user it cannot open it again.
+static PAGEMAP: std::sync::OnceLock<(u32, File)> = std::sync::OnceLock::new();
+
+/// Opens this process's pagemap for later (before it gives up root).
+pub fn keep_pagemap() {
+    match File::open("/proc/self/pagemap") {
+        Ok(f) => {
+            let _ = PAGEMAP.set((std::process::id(), f));
+        }
+        Err(e) => tracing::debug!("/proc/self/pagemap: {e}"),
+    }
+}
+
+fn pagemap() -> io::Result<File> {
+    match PAGEMAP.get() {
+        Some((pid, f)) if *pid == std::process::id() => f.try_clone(),
+        _ => File::open("/proc/self/pagemap"),
+    }
+}
+
 /// Marks the pages from `addr` on (one per entry of `out`) that this
 /// process maps: present (bit 63 of a pagemap entry) or swapped (bit 62).
 fn mapped_pages(addr: usize, out: &mut [bool]) -> io::Result<()> {
     const PRESENT_OR_SWAPPED: u64 = 0b11 << 62;
-    let pagemap = File::open("/proc/self/pagemap")?;
+    let pagemap = pagemap()?;
     let mut buf = vec![0u8; 8 * 8192];
     for (chunk_index, chunk) in out.chunks_mut(8192).enumerate() {
         let first_page = addr / PAGE + chunk_index * 8192;

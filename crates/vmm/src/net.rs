@@ -131,14 +131,15 @@ fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
 }
 
 /// Waits (up to [`BLOCKING_LIMIT`]) for the policy a broker sends first
-/// on a new connection.
-fn first_policy(conn: &OwnedFd) -> io::Result<Policy> {
+/// on a new connection, and the egress log it may send with it (opened
+/// to append by the broker, whose user may open it; the VMM's may not).
+fn first_policy(conn: &OwnedFd) -> io::Result<(Policy, Option<OwnedFd>)> {
     use rustix::net::sockopt::{set_socket_timeout, Timeout};
     set_socket_timeout(conn, Timeout::Recv, Some(BLOCKING_LIMIT))?;
     let first = recv_message(conn);
     set_socket_timeout(conn, Timeout::Recv, None)?;
     match first? {
-        Some((BrokerMessage::Policy { policy }, _)) => Ok(policy),
+        Some((BrokerMessage::Policy { policy }, log)) => Ok((policy, log)),
         Some((BrokerMessage::Reply(r), _)) => Err(io::Error::other(format!(
             "expected the policy first, got a reply to {}",
             r.id
@@ -159,17 +160,18 @@ fn watch_stream(epoll: &Epoll, stream: &TcpStream) -> io::Result<()> {
 }
 
 /// Opens a connector's link to the broker at `path`: its first message
-/// (the policy) read, then non-blocking and watched by `epoll`.
-fn open_connect_link(path: &Path, epoll: &Epoll) -> io::Result<(OwnedFd, Policy)> {
+/// (the policy, and the egress log if the broker keeps one) read, then
+/// non-blocking and watched by `epoll`.
+fn open_connect_link(path: &Path, epoll: &Epoll) -> io::Result<(OwnedFd, Policy, Option<OwnedFd>)> {
     let conn = seqpacket_connect(path)?;
-    let policy = first_policy(&conn)?;
+    let (policy, log) = first_policy(&conn)?;
     rustix::io::ioctl_fionbio(&conn, true)?;
     epoll.ctl(
         ControlOperation::Add,
         conn.as_raw_fd(),
         EpollEvent::new(EventSet::IN, TOKEN_BROKER),
     )?;
-    Ok((conn, policy))
+    Ok((conn, policy, log))
 }
 
 /// Opens a resolver's link to the broker at `path`: blocking, each answer
@@ -277,7 +279,8 @@ impl Connector for AnyConnector {
             } => {
                 if sock.is_none() {
                     match open_connect_link(path, epoll) {
-                        Ok((s, policy)) => {
+                        // The log this VMM has is the same file.
+                        Ok((s, policy, _log)) => {
                             tracing::info!("network broker reached again");
                             *sock = Some(s);
                             *pending_policy = Some(policy);
@@ -440,6 +443,7 @@ impl GatewayBackend {
                 EpollEvent::new(EventSet::IN, TOKEN_TIMER),
             )
             .map_err(NetError::Setup)?;
+        let mut broker_log = None;
         let (resolver, connector) = match &cfg.broker {
             Some(path) => {
                 let err = |source| NetError::Broker {
@@ -448,8 +452,9 @@ impl GatewayBackend {
                 };
                 // The broker's policy is the sandbox's now (it may have
                 // changed since boot, or differ in a fork child).
-                let (conn, broker_policy) = open_connect_link(path, &epoll).map_err(err)?;
+                let (conn, broker_policy, log) = open_connect_link(path, &epoll).map_err(err)?;
                 policy = broker_policy;
+                broker_log = log;
                 let res = open_resolve_link(path).map_err(err)?;
                 (
                     AnyResolver::Broker {
@@ -472,16 +477,23 @@ impl GatewayBackend {
                 },
             ),
         };
-        let log = match &cfg.log {
-            Some(path) => {
-                let f = OpenOptions::new()
+        let log = match (&cfg.log, broker_log) {
+            (Some(path), Some(fd)) => Some((path, File::from(fd))),
+            (Some(path), None) => Some((
+                path,
+                OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(path)
                     .map_err(|source| NetError::Log {
                         path: path.clone(),
                         source,
-                    })?;
+                    })?,
+            )),
+            (None, _) => None,
+        };
+        let log = match log {
+            Some((path, f)) => {
                 let used = f.metadata().map_or(0, |m| m.len());
                 let room = EGRESS_LOG_MAX_BYTES.saturating_sub(used);
                 Some((path.clone(), JsonLinesWriter::with_room(f, room)))

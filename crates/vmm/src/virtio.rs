@@ -114,12 +114,14 @@ pub fn restore(
 
 fn new_device(spec: &DeviceSpec) -> Result<Box<dyn VirtioDevice>, DeviceError> {
     Ok(match spec {
-        DeviceSpec::Block(path) => {
-            Box::new(Block::new(path).map_err(|source| DeviceError::Block {
-                path: path.clone(),
-                source,
-            })?)
-        }
+        DeviceSpec::Block(path) => Box::new(
+            crate::opened::disk(path)
+                .and_then(Block::from_file)
+                .map_err(|source| DeviceError::Block {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
         DeviceSpec::Vsock { uds } => {
             Box::new(
                 Vsock::new(GUEST_CID, uds).map_err(|source| DeviceError::Vsock {

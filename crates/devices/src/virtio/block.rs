@@ -91,7 +91,11 @@ impl Block {
     /// Opens `path` read-only. The disk is the file's length rounded down
     /// to whole sectors.
     pub fn new(path: &Path) -> io::Result<Block> {
-        let file = File::open(path)?;
+        Self::from_file(File::open(path)?)
+    }
+
+    /// A disk backed by `file`, opened to read.
+    pub fn from_file(file: File) -> io::Result<Block> {
         let meta = file.metadata()?;
         let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         let text = format!("fbx{:x}-{:x}", meta.dev(), meta.ino());

@@ -236,6 +236,141 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
     Ok(())
 }
 
+/// A VMM started by root runs its guest as a user and group of its own,
+/// with no other group, which its fork children share, and another VM's
+/// VMM has another. That user can write in its VM's directory, but not
+/// list another VM's, connect to a socket only root may (the daemon's
+/// API, the service manager's), or signal root's processes or another
+/// VM's VMM: what a VMM its guest took over could try, tried by a process
+/// of the test with the VMM's ids.
+pub(crate) fn vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_vms() -> TestResult {
+    check(
+        rustix::process::geteuid().is_root(),
+        "the VM trials run as root; a VMM started by another user keeps that user",
+    )?;
+    let mut vm = boot(VmSpec::default());
+    let other = boot(VmSpec::default());
+    let child = fork(&mut vm, 1)?.pop().ok_or("fork gave no child")?;
+    let ids = |what: &str, pid: u32| -> Result<(u32, u32), Failed> {
+        let status = proc_status(&format!("/proc/{pid}/status"))?;
+        let same = |field: &str| -> Result<u32, Failed> {
+            let v: Vec<&str> = status
+                .get(field)
+                .map(|v| v.split_whitespace().collect())
+                .unwrap_or_default();
+            check(
+                v.len() == 4 && v.iter().all(|x| *x == v[0]),
+                format!("{what} VMM {pid}: {field} is {v:?}, not one id four times"),
+            )?;
+            v[0].parse().map_err(|e| format!("{field}: {e}").into())
+        };
+        let (uid, gid) = (same("Uid")?, same("Gid")?);
+        let groups = status.get("Groups").map(String::as_str).unwrap_or("?");
+        check(
+            uid != 0 && gid != 0 && groups.is_empty(),
+            format!("{what} VMM {pid}: uid {uid}, gid {gid}, groups {groups:?}"),
+        )?;
+        Ok((uid, gid))
+    };
+    let user = ids("booted", vm.pid())?;
+    check(
+        ids("fork child", child.pid())? == user,
+        "the fork child runs as another user than its parent",
+    )?;
+    let other_user = ids("other", other.pid())?;
+    check(
+        other_user != user,
+        format!("two booted VMs share the user {user:?}"),
+    )?;
+    // A socket only root may connect to, as the daemon's is.
+    let rooms = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let root_socket = rooms.path().join("root-only.sock");
+    let _listener =
+        std::os::unix::net::UnixListener::bind(&root_socket).map_err(|e| e.to_string())?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(rooms.path(), std::fs::Permissions::from_mode(0o755))
+            .and_then(|()| {
+                std::fs::set_permissions(&root_socket, std::fs::Permissions::from_mode(0o600))
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    let cstr = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())
+    };
+    let own_file = cstr(&vm.handle().dir.join("written-by-its-user"))?;
+    let other_dir = cstr(&other.handle().dir)?;
+    let socket_addr = {
+        let path = root_socket.as_os_str().as_encoded_bytes();
+        // SAFETY: sockaddr_un is plain data; zeroed is a valid value.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr.sun_path.iter_mut().zip(path) {
+            *d = *s as libc::c_char;
+        }
+        addr
+    };
+    let other_pid = other.pid() as libc::pid_t;
+    // SAFETY: the child makes system calls on values prepared above (no
+    // allocation, no lock) and ends with _exit.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(format!("fork: {}", std::io::Error::last_os_error()).into());
+    }
+    if pid == 0 {
+        let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        // SAFETY: as above; each call's pointers are to live values.
+        let code = unsafe {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setresgid(user.1, user.1, user.1) != 0
+                || libc::setresuid(user.0, user.0, user.0) != 0
+            {
+                10
+            } else if libc::open(own_file.as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o600) < 0 {
+                11
+            } else if libc::open(other_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) >= 0
+                || errno() != libc::EACCES
+            {
+                12
+            } else {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let connected = libc::connect(
+                    fd,
+                    std::ptr::addr_of!(socket_addr).cast(),
+                    std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+                );
+                if fd < 0 || connected == 0 || errno() != libc::EACCES {
+                    13
+                } else if libc::kill(1, 0) == 0 || errno() != libc::EPERM {
+                    14
+                } else if libc::kill(other_pid, 0) == 0 || errno() != libc::EPERM {
+                    15
+                } else {
+                    0
+                }
+            }
+        };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child; `status` is a valid out pointer.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err(format!("waitpid: {}", std::io::Error::last_os_error()).into());
+    }
+    let why = match libc::WEXITSTATUS(status) {
+        0 if libc::WIFEXITED(status) => return sh(child.agent(), "true").map(drop),
+        10 => "could not take the VMM's ids",
+        11 => "could not write in its own VM's directory",
+        12 => "could open another VM's directory (or failed otherwise than EACCES)",
+        13 => "could connect to a socket only root may (or failed otherwise than EACCES)",
+        14 => "could signal pid 1 (or failed otherwise than EPERM)",
+        15 => "could signal another VM's VMM (or failed otherwise than EPERM)",
+        _ => "ended otherwise",
+    };
+    Err(format!("as the VMM's user {user:?}: {why} (status {status:#x})").into())
+}
+
 /// Whether `point` is mounted `ro` or `rw` as process `pid` sees it (the
 /// last mount there, the one on top).
 fn mount_access(pid: u32, point: &Path) -> Result<Option<String>, Failed> {

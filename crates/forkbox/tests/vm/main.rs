@@ -255,6 +255,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             vmm_confined_without_capabilities_and_filtered,
         ),
         (
+            "vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_vms",
+            vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_vms,
+        ),
+        (
             "vmm_forbidden_syscall_ends_it_with_sigsys",
             vmm_forbidden_syscall_ends_it_with_sigsys,
         ),

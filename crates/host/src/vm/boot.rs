@@ -64,6 +64,10 @@ impl Vm {
         // 2 MiB only while huge pages are allowed for them.
         crate::hugepages::allow_for_zygotes();
         let dir = vm_dir("forkbox-vm-")?;
+        let user = VmmUser::new();
+        if let Some(user) = user {
+            user.grant_dir(dir.path()).map_err(VmError::Io)?;
+        }
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
         let mut cmd = vmm_command(&assets.vmm, &spec.vmm_env);
@@ -78,6 +82,7 @@ impl Vm {
                     dir.path(),
                     network.policy.clone(),
                     network.egress_log.clone(),
+                    user,
                 )?;
                 cmd.arg("--net-policy")
                     .arg(&policy_path)
@@ -114,6 +119,9 @@ impl Vm {
         }
         if spec.require_jail {
             cmd.arg("--require-jail");
+        }
+        if let Some(user) = user {
+            cmd.arg("--run-as").arg(user.arg());
         }
         let egress_dir = net
             .as_ref()
@@ -181,6 +189,7 @@ impl Vm {
             replaced: None,
             net,
             owner,
+            user,
         })
     }
 
@@ -211,6 +220,7 @@ impl Vm {
         let state = status.state;
         let pidfd = pidfd_of(h.pid)?;
         let owner = control.own()?;
+        let user = VmmUser::of_dir(&h.dir);
         let net = match network {
             Some(n) => {
                 // The dead broker's socket file.
@@ -219,6 +229,7 @@ impl Vm {
                     &h.dir,
                     n.policy.clone(),
                     n.egress_log.clone(),
+                    user,
                 )?)
             }
             None => None,
@@ -235,6 +246,7 @@ impl Vm {
             replaced: None,
             net,
             owner: Some(owner),
+            user,
         })
     }
 
@@ -277,8 +289,16 @@ impl Vm {
         become_subreaper()?;
         let start = Instant::now();
         let dir = vm_dir("forkbox-restore-")?;
+        let user = VmmUser::new();
+        if let Some(user) = user {
+            user.grant_dir(dir.path()).map_err(VmError::Io)?;
+        }
         let paths = paths_in(dir.path());
-        let mut child = vmm_command(&assets.vmm, &[])
+        let mut cmd = vmm_command(&assets.vmm, &[]);
+        if let Some(user) = user {
+            cmd.arg("--run-as").arg(user.arg());
+        }
+        let mut child = cmd
             .arg("--restore")
             .arg(snapshot)
             .arg("--control")
@@ -311,6 +331,7 @@ impl Vm {
             replaced: None,
             net: None,
             owner: None,
+            user,
         };
         let status = poll::until(
             start + AFTER_FORK_TIMEOUT,

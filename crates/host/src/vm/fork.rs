@@ -91,8 +91,14 @@ impl Vm {
     ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         let start = Instant::now();
         let dirs = (0..n)
-            .map(|_| vm_dir("forkbox-fork-"))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|_| {
+                let dir = vm_dir("forkbox-fork-")?;
+                if let Some(user) = self.user {
+                    user.grant_dir(dir.path()).map_err(VmError::Io)?;
+                }
+                Ok(dir)
+            })
+            .collect::<Result<Vec<_>, VmError>>()?;
         let nets: Vec<Option<VmNet>> = match &self.net {
             None => dirs.iter().map(|_| None).collect(),
             Some(parent) => {
@@ -104,7 +110,7 @@ impl Vm {
                     .enumerate()
                     .map(|(i, d)| {
                         let log = opts.egress_logs.get(i).cloned();
-                        VmNet::start(d.path(), policy.clone(), log).map(Some)
+                        VmNet::start(d.path(), policy.clone(), log, self.user).map(Some)
                     })
                     .collect::<Result<_, _>>()?
             }
@@ -165,6 +171,7 @@ impl Vm {
                             start,
                             answered,
                             seed: opts.seeds.get(index).copied(),
+                            user: self.user,
                         };
                         let first = match held {
                             Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
@@ -334,6 +341,8 @@ pub(super) struct ForkedVm {
     answered: Duration,
     /// The child's seed, kept for a replacement of the same place.
     seed: Option<u64>,
+    /// Its parent's user, and so its own.
+    user: Option<VmmUser>,
 }
 
 impl ForkedVm {
@@ -357,6 +366,7 @@ impl ForkedVm {
             replaced: None,
             net: self.net,
             owner: None,
+            user: self.user,
         };
         let hooked = match vm.control.own() {
             Ok(owner) => {
@@ -385,6 +395,7 @@ impl ForkedVm {
                     start: self.start,
                     answered: self.answered,
                     seed: self.seed,
+                    user: self.user,
                 });
                 Err((e, place))
             }

@@ -35,6 +35,7 @@ mod boot;
 mod fork;
 mod net;
 mod process;
+mod user;
 
 pub use assets::Assets;
 pub use fork::{after_fork_deadline, child_seed, loss_signature, seeded_entropy, ForkOptions};
@@ -45,6 +46,7 @@ pub use process::{become_subreaper, describe_exit, VmEnd};
 use fork::*;
 use net::*;
 use process::*;
+use user::VmmUser;
 
 /// The guest kernel's command line. `panic=-1` turns a panic into an
 /// immediate reset that the VMM reports; `pci=off` skips probing a bus the
@@ -246,6 +248,8 @@ pub struct Vm {
     /// The control connection through which this process owns the VMM
     /// (`own`): when it closes, the VMM's orphan grace starts.
     owner: Option<std::os::unix::net::UnixStream>,
+    /// The VMM's own user, if it gave ours up (its fork children share it).
+    user: Option<VmmUser>,
 }
 
 impl Vm {
@@ -317,14 +321,42 @@ impl Vm {
         self.make_zygote()
     }
 
-    /// Writes a snapshot of the VM into `dir` (created by the VMM); the VM
-    /// keeps its run state. Returns the bytes written.
+    /// Writes a snapshot of the VM into `dir` (created if missing: its
+    /// `memory` and `state.json`); the VM keeps its run state. Returns the
+    /// bytes written.
     pub fn snapshot(&mut self, dir: &Path) -> Result<u64, VmError> {
         let then = match self.state {
             RunState::Running => Then::Resume,
             RunState::Paused | RunState::Zygote => Then::Pause,
         };
-        Ok(self.control.snapshot(dir, then)?)
+        let Some(user) = self.user else {
+            return Ok(self.control.snapshot(dir, then)?);
+        };
+        // The VMM's user reaches only its VM's directory (not `dir`, which
+        // may lie under one of ours): it writes there, and the files are
+        // moved to `dir`.
+        let staging = self.dir.path().join("snapshot");
+        std::fs::create_dir_all(&staging).map_err(VmError::Io)?;
+        user.grant_dir(&staging).map_err(VmError::Io)?;
+        let bytes = self.control.snapshot(&staging, then)?;
+        std::fs::create_dir_all(dir).map_err(VmError::Io)?;
+        for name in ["memory", "state.json"] {
+            move_file(&staging.join(name), &dir.join(name)).map_err(VmError::Io)?;
+        }
+        let _ = std::fs::remove_dir(&staging);
+        Ok(bytes)
+    }
+}
+
+/// Renames `from` to `to`, or copies it there (another file system) and
+/// removes it.
+fn move_file(from: &Path, to: &Path) -> std::io::Result<()> {
+    match std::fs::rename(from, to) {
+        Err(e) if e.kind() == std::io::ErrorKind::CrossesDevices => {
+            std::fs::copy(from, to)?;
+            std::fs::remove_file(from)
+        }
+        other => other,
     }
 }
 

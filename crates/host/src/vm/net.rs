@@ -26,16 +26,22 @@ impl VmNet {
         dir.join("net-broker.sock")
     }
 
-    /// Starts the broker of a VM whose directory is `dir`.
+    /// Starts the broker of a VM whose directory is `dir`, for a VMM that
+    /// runs as `user` (who may connect to it, and is handed the egress log
+    /// by it).
     pub(super) fn start(
         dir: &Path,
         policy: Policy,
         egress_log: Option<PathBuf>,
+        user: Option<VmmUser>,
     ) -> Result<Self, VmError> {
-        Ok(Self {
-            broker: NetBroker::start(&Self::broker_path(dir), policy)?,
-            egress_log: egress_log.unwrap_or_else(|| dir.join(EGRESS_LOG)),
-        })
+        let egress_log = egress_log.unwrap_or_else(|| dir.join(EGRESS_LOG));
+        let path = Self::broker_path(dir);
+        let broker = NetBroker::start_with_log(&path, policy, Some(egress_log.clone()))?;
+        if let Some(user) = user {
+            user.grant_socket(&path).map_err(VmError::Io)?;
+        }
+        Ok(Self { broker, egress_log })
     }
 }
 

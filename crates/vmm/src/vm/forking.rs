@@ -117,6 +117,7 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     std::mem::forget(parent);
     let mut keep = ram.fds();
     keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
+    keep.extend(crate::opened::fds());
     fork::close_inherited(&keep);
     crate::counters::COUNTERS.reset();
     tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: inherited fds closed");

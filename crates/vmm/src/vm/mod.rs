@@ -21,7 +21,6 @@ mod snapshot;
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -335,7 +334,7 @@ struct Parts {
 impl Machine {
     /// Boots the VM `cfg` describes.
     pub fn boot(cfg: &VmConfig) -> Result<Machine, VmError> {
-        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let kvm = crate::opened::kvm()?;
         let layout = MemoryLayout::new(cfg.memory_mib * MIB);
         let ram = GuestRam::new(&layout)?;
         let vm = create_vm(&kvm, &ram)?;
@@ -427,7 +426,7 @@ impl Machine {
             });
         }
         let t0 = Instant::now();
-        let kvm = Kvm::new().map_err(|e| host::kvm_open_error(e.errno()))?;
+        let kvm = crate::opened::kvm()?;
         let vm = create_vm(&kvm, &ram)?;
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: VM, memory slots, irqchip, PIT");
         let mmap_size = kvm
@@ -514,6 +513,8 @@ impl Machine {
                 exit: Arc::clone(&exit),
             })
             .collect();
+        // The last step as the daemon's user: the guest runs as the VMM's.
+        crate::lockdown::become_user().map_err(VmError::Lockdown)?;
         let vcpus = Vcpus::start(contexts).map_err(|(id, e)| VmError::Thread(id, e))?;
         Ok(Machine {
             hw: p.hw,
@@ -593,15 +594,13 @@ impl Machine {
         }
     }
 
+    /// Through the descriptor the serial console writes to: the VMM's
+    /// user may not open the log again (it was opened as the daemon's).
     fn note_in_serial_log(&self, line: &str) {
         let Some(path) = &self.endpoints.serial_log else {
             return;
         };
-        let written = OpenOptions::new()
-            .append(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(format!("\n{line}\n").as_bytes()));
-        if let Err(e) = written {
+        if let Err(e) = crate::lockdown::append_to_serial_log(format!("\n{line}\n").as_bytes()) {
             tracing::warn!("cannot note the VM's end in {}: {e}", path.display());
         }
     }
