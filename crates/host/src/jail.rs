@@ -6,7 +6,9 @@
 //! (`CAP_SYS_ADMIN`): leaving the host's network namespace, without which a
 //! VMM that a guest took over could reach the host's network, and a mount
 //! namespace in which the host's files are read-only to it, without which
-//! it could rewrite any file of the daemon's user.
+//! it could rewrite any file of the daemon's user. What needs root: a user
+//! of its own for each VMM (`vm::user`), without which a VMM runs as the
+//! daemon's user and may reach whatever that user may.
 
 /// `CAP_SYS_ADMIN`'s bit in the capability sets.
 const CAP_SYS_ADMIN: u32 = 21;
@@ -37,7 +39,18 @@ pub fn gaps_in(status: &str) -> Vec<Gap> {
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
         .unwrap_or(0);
+    let euid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u32>().ok());
     let mut gaps = Vec::new();
+    if euid != Some(0) {
+        gaps.push(Gap {
+            missing: "VMMs run as this daemon's user instead of a user of their own each: changing user needs root",
+            remedy: "run forkboxd as root",
+        });
+    }
     if effective & (1 << CAP_SYS_ADMIN) == 0 {
         gaps.push(Gap {
             missing: "VMMs keep the host's network namespace and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN",
@@ -52,16 +65,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gaps_in_root_has_none_and_unprivileged_names_the_network() {
-        let root = "Name:\tforkboxd\nCapEff:\t000001ffffffffff\n";
+    fn gaps_in_root_has_none_and_unprivileged_names_the_user_and_the_network() {
+        let root = "Name:\tforkboxd\nUid:\t0\t0\t0\t0\nCapEff:\t000001ffffffffff\n";
         assert_eq!(gaps_in(root), vec![]);
-        let user = "Name:\tforkboxd\nCapEff:\t0000000000000000\n";
+        let user = "Name:\tforkboxd\nUid:\t65534\t65534\t65534\t65534\nCapEff:\t0000000000000000\n";
         let gaps = gaps_in(user);
-        assert_eq!(gaps.len(), 1);
-        assert!(gaps[0].to_string().contains("CAP_SYS_ADMIN"), "{}", gaps[0]);
-        // All but CAP_SYS_ADMIN is still a gap.
-        assert_eq!(gaps_in("CapEff:\t000001ffffdfffff\n").len(), 1);
+        assert_eq!(gaps.len(), 2, "{gaps:?}");
+        assert!(
+            gaps[0].to_string().contains("changing user needs root"),
+            "{}",
+            gaps[0]
+        );
+        assert!(gaps[1].to_string().contains("CAP_SYS_ADMIN"), "{}", gaps[1]);
+        // Root without CAP_SYS_ADMIN: that one gap.
+        let no_admin = "Uid:\t0\t0\t0\t0\nCapEff:\t000001ffffdfffff\n";
+        assert_eq!(gaps_in(no_admin).len(), 1);
+        // CAP_SYS_ADMIN but not root: no user of their own.
+        let admin = "Uid:\t1000\t1000\t1000\t1000\nCapEff:\t0000000000200000\n";
+        assert_eq!(gaps_in(admin).len(), 1);
         // An unreadable status is treated as no privilege.
-        assert_eq!(gaps_in("").len(), 1);
+        assert_eq!(gaps_in("").len(), 2);
     }
 }
