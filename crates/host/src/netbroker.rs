@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use forkbox_net::broker::{
-    plan_connect, BrokerMessage, BrokerReply, BrokerRequest, ConnectPlan, MAX_MESSAGE,
+    link, plan_connect, BrokerMessage, BrokerReply, BrokerRequest, ConnectPlan, MAX_MESSAGE,
 };
 use forkbox_net::dns::MAX_ANSWERS;
 use forkbox_net::policy::Policy;
@@ -73,10 +73,10 @@ pub enum NetBrokerError {
 /// The policy, and the VMM connections it is pushed to.
 struct Shared {
     policy: RwLock<Policy>,
-    /// The sandbox's egress log, opened here (to append) for each VMM
-    /// connection and sent with its first policy: the VMM's own user may
-    /// not open it.
-    egress_log: Option<PathBuf>,
+    /// The sandbox's egress log, opened here once (to append) and sent with
+    /// the first policy on each VMM connection: the VMM's own user may not
+    /// open it.
+    egress_log: Option<std::fs::File>,
     /// Held while the policy changes and while a new connection is sent
     /// its first policy, so that no connection misses a change.
     pushed: Mutex<Pushed>,
@@ -159,7 +159,7 @@ impl NetBroker {
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             policy: RwLock::new(policy),
-            egress_log,
+            egress_log: egress_log.as_deref().and_then(open_egress_log),
             pushed: Mutex::new(Pushed {
                 message,
                 conns: Vec::new(),
@@ -237,9 +237,9 @@ fn accept_loop(listener: &OwnedFd, stop: &AtomicBool, shared: &Arc<Shared>) {
             Ok(conn) => {
                 let conn = Arc::new(conn);
                 {
-                    let log = shared.egress_log.as_deref().and_then(open_egress_log);
+                    let log = shared.egress_log.as_ref().map(AsFd::as_fd);
                     let mut pushed = shared.pushed.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Err(e) = send_first(&conn, &pushed.message, log.as_ref()) {
+                    if let Err(e) = link::send_encoded(&*conn, &pushed.message, log) {
                         tracing::warn!(error = %e, "net broker: cannot send the policy");
                     }
                     pushed.conns.retain(|c| c.strong_count() > 0);
@@ -268,26 +268,6 @@ fn open_egress_log(path: &Path) -> Option<std::fs::File> {
         .open(path)
         .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "net broker: cannot open the egress log"))
         .ok()
-}
-
-/// A new connection's first message, the policy (`message`), with the
-/// egress log as its `SCM_RIGHTS` if there is one.
-fn send_first(conn: &OwnedFd, message: &[u8], log: Option<&std::fs::File>) -> io::Result<()> {
-    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage};
-    let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(log) = log {
-        fds = [log.as_fd()];
-        control.push(SendAncillaryMessage::ScmRights(&fds));
-    }
-    rustix::net::sendmsg(
-        conn,
-        &[io::IoSlice::new(message)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?;
-    Ok(())
 }
 
 /// Serves one VMM connection until it hangs up.
@@ -463,7 +443,7 @@ fn send(
     reply: BrokerReply,
     fd: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<()> {
-    forkbox_net::broker::link::send_message(conn, &BrokerMessage::Reply(reply), fd)
+    link::send_message(conn, &BrokerMessage::Reply(reply), fd)
 }
 
 #[cfg(test)]

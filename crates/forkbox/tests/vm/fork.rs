@@ -359,10 +359,8 @@ pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestR
     check(out == "before\n", format!("the parent answered {out:?}"))
 }
 
-/// Reads the TSC from guest user space (`rdtsc` through ctypes), measures
-/// its rate over a second of CLOCK_MONOTONIC (kvmclock), and prints the TSC
-/// in seconds, CLOCK_MONOTONIC and CLOCK_REALTIME.
-/// The guest's TSC in seconds (at the rate it runs against kvmclock's
+/// Reads the TSC from guest user space (`rdtsc` through ctypes) and prints
+/// the guest's TSC in seconds (at the rate it runs against kvmclock's
 /// CLOCK_MONOTONIC over 2 s), CLOCK_MONOTONIC, the wall clock, and the
 /// two samples' widths. Each sample is the tightest of 50 (kvmclock read,
 /// TSC read, kvmclock read), the TSC paired with the middle: a vCPU

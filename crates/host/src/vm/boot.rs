@@ -63,14 +63,11 @@ impl Vm {
         // Before the VMM maps its RAM: the kernel aligns memfd mappings to
         // 2 MiB only while huge pages are allowed for them.
         crate::hugepages::allow_for_zygotes();
-        let dir = vm_dir("forkbox-vm-")?;
-        let user = VmmUser::new();
-        if let Some(user) = user {
-            user.grant_dir(dir.path()).map_err(VmError::Io)?;
-        }
+        let user = VmmUser::new()?;
+        let dir = vm_dir("forkbox-vm-", user)?;
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
-        let mut cmd = vmm_command(&assets.vmm, &spec.vmm_env);
+        let mut cmd = vmm_command(&assets.vmm, &spec.vmm_env, user);
         let mut cmdline = GUEST_CMDLINE.to_owned();
         let net = match &spec.network {
             Some(network) => {
@@ -119,9 +116,6 @@ impl Vm {
         }
         if spec.require_jail {
             cmd.arg("--require-jail");
-        }
-        if let Some(user) = user {
-            cmd.arg("--run-as").arg(user.arg());
         }
         let egress_dir = net
             .as_ref()
@@ -288,17 +282,10 @@ impl Vm {
     pub fn restore(assets: &Assets, snapshot: &Path) -> Result<Vm, VmError> {
         become_subreaper()?;
         let start = Instant::now();
-        let dir = vm_dir("forkbox-restore-")?;
-        let user = VmmUser::new();
-        if let Some(user) = user {
-            user.grant_dir(dir.path()).map_err(VmError::Io)?;
-        }
+        let user = VmmUser::new()?;
+        let dir = vm_dir("forkbox-restore-", user)?;
         let paths = paths_in(dir.path());
-        let mut cmd = vmm_command(&assets.vmm, &[]);
-        if let Some(user) = user {
-            cmd.arg("--run-as").arg(user.arg());
-        }
-        let mut child = cmd
+        let mut child = vmm_command(&assets.vmm, &[], user)
             .arg("--restore")
             .arg(snapshot)
             .arg("--control")

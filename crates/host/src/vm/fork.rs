@@ -91,14 +91,8 @@ impl Vm {
     ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
         let start = Instant::now();
         let dirs = (0..n)
-            .map(|_| {
-                let dir = vm_dir("forkbox-fork-")?;
-                if let Some(user) = self.user {
-                    user.grant_dir(dir.path()).map_err(VmError::Io)?;
-                }
-                Ok(dir)
-            })
-            .collect::<Result<Vec<_>, VmError>>()?;
+            .map(|_| vm_dir("forkbox-fork-", self.user))
+            .collect::<Result<Vec<_>, _>>()?;
         let nets: Vec<Option<VmNet>> = match &self.net {
             None => dirs.iter().map(|_| None).collect(),
             Some(parent) => {

@@ -39,8 +39,15 @@ const VMM_ENV_PASSED: &[&str] = &[
 
 /// A command for the VMM binary with a scrubbed environment: only
 /// [`VMM_ENV_PASSED`] from ours, then `extra` (test hooks).
-pub(super) fn vmm_command(vmm: &Path, extra: &[(String, String)]) -> std::process::Command {
+pub(super) fn vmm_command(
+    vmm: &Path,
+    extra: &[(String, String)],
+    user: Option<VmmUser>,
+) -> std::process::Command {
     let mut cmd = std::process::Command::new(vmm);
+    if let Some(user) = user {
+        cmd.arg("--run-as").arg(user.arg());
+    }
     cmd.env_clear();
     for name in VMM_ENV_PASSED {
         if let Some(v) = std::env::var_os(name) {
@@ -113,12 +120,18 @@ impl Drop for VmDir {
     }
 }
 
-pub(super) fn vm_dir(prefix: &str) -> Result<VmDir, VmError> {
-    tempfile::Builder::new()
+/// A new VM directory in the temporary directory, granted to the VMM's
+/// `user` if it has one of its own.
+pub(super) fn vm_dir(prefix: &str, user: Option<VmmUser>) -> Result<VmDir, VmError> {
+    let dir = tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
         .map(|d| VmDir(d.keep()))
-        .map_err(VmError::Io)
+        .map_err(VmError::Io)?;
+    if let Some(user) = user {
+        user.grant_dir(dir.path()).map_err(VmError::Io)?;
+    }
+    Ok(dir)
 }
 
 /// The sockets and logs of one VM in its directory (a fork child's are

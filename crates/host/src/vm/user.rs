@@ -15,6 +15,8 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
+use super::VmError;
+
 /// The first number handed out, and how many there are: far above the
 /// ranges of system and login accounts and of container id maps.
 const FIRST: u32 = 0x6000_0000;
@@ -29,23 +31,14 @@ impl VmmUser {
     /// started by anyone else runs as its starter, who has nothing to
     /// give up). Two VMs sharing one by chance (1 in 16 million) lose
     /// only the separation between them.
-    pub(super) fn new() -> Option<Self> {
+    pub(super) fn new() -> Result<Option<Self>, VmError> {
         if !rustix::process::geteuid().is_root() {
-            return None;
+            return Ok(None);
         }
         let mut bytes = [0u8; 4];
-        let rand = rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty());
-        let random = match rand {
-            Ok(4) => u32::from_le_bytes(bytes),
-            // No entropy to be had: the clock and our pid still spread them.
-            _ => {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.subsec_nanos());
-                now ^ std::process::id().rotate_left(16)
-            }
-        };
-        Some(Self(FIRST + random % COUNT))
+        rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| VmError::Entropy(e.into()))?;
+        Ok(Some(Self(FIRST + u32::from_le_bytes(bytes) % COUNT)))
     }
 
     /// The user of the VMM whose directory is `dir` (its group), if it
@@ -94,7 +87,7 @@ mod tests {
 
     #[test]
     fn new_is_in_the_range_for_root_and_none_otherwise() {
-        match VmmUser::new() {
+        match VmmUser::new().expect("random bytes") {
             Some(VmmUser(n)) => {
                 assert!(rustix::process::geteuid().is_root());
                 assert!((FIRST..FIRST + COUNT).contains(&n), "{n:#x}");
@@ -106,7 +99,7 @@ mod tests {
 
     #[test]
     fn granted_dir_is_the_vmms_group_and_found_again_from_it() {
-        let Some(user) = VmmUser::new() else {
+        let Some(user) = VmmUser::new().expect("random bytes") else {
             // Not root: chown to another group is refused, which is why no
             // user is made then.
             assert!(!rustix::process::geteuid().is_root());

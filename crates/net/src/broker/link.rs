@@ -38,6 +38,13 @@ pub fn send_message(
     passed: Option<BorrowedFd<'_>>,
 ) -> io::Result<()> {
     let msg = serde_json::to_vec(msg).map_err(invalid)?;
+    send_encoded(link, &msg, passed)
+}
+
+/// Sends a broker's message already encoded (`msg`, the JSON of a
+/// [`BrokerMessage`]: a message sent to many VMMs is encoded once), with
+/// `passed` as its `SCM_RIGHTS` if given.
+pub fn send_encoded(link: impl AsFd, msg: &[u8], passed: Option<BorrowedFd<'_>>) -> io::Result<()> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     let fds;
@@ -49,7 +56,7 @@ pub fn send_message(
     }
     rustix::net::sendmsg(
         link,
-        &[IoSlice::new(&msg)],
+        &[IoSlice::new(msg)],
         &mut control,
         SendFlags::NOSIGNAL,
     )?;
