@@ -66,15 +66,19 @@ test: build lint
 	$(MAKE) sdk-test
 
 # The Python SDK against a real forkboxd. Without hardware virtualization
-# the whole pytest session runs inside the emulated KVM host (QEMU TCG; its
-# root is this machine's, read-only), so the image is built out here first.
+# the pytest session runs inside the emulated KVM host (QEMU TCG; its root
+# is this machine's, read-only), so the image is built out here first: in
+# one-CPU hosts side by side (one per CPU, at most 2), each running its
+# share of the modules, and a host that crashes or wedges is replaced by
+# one that runs only what had not ended (sdk/python/tests/testbed_shard.py).
 # A test that hangs fails after 10 minutes with where it waited (pytest-timeout)
 # and the suite goes on, instead of the whole session hitting its limit.
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
 	$(FORKBOX) image debian >/dev/null
-	$(FORKBOX) testbed run --if-needed --timeout 1800 --host-crash-retries 2 -- env PYTHONDONTWRITEBYTECODE=1 \
-		python3 -m pytest -p no:cacheprovider -q --timeout 600 sdk/python/tests
+	$(FORKBOX) testbed run --if-needed --shards 2 --label sdk --timeout 1800 --host-crash-retries 2 -- \
+		env PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -p no:cacheprovider -q --timeout 600 \
+		--durations 10 sdk/python/tests
 
 fmt:
 	$(CARGO) fmt --all

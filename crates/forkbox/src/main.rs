@@ -107,7 +107,7 @@ enum TestbedCmd {
         /// Memory of the emulated host, in MiB.
         #[arg(long, default_value_t = 6144)]
         memory: u32,
-        /// vCPUs of the emulated host [default: 2, or $FORKBOX_TESTBED_CPUS].
+        /// vCPUs of the emulated host [default: 1, or $FORKBOX_TESTBED_CPUS].
         #[arg(long)]
         cpus: Option<u32>,
         /// Run CMD directly where this machine has hardware virtualization
@@ -115,11 +115,22 @@ enum TestbedCmd {
         /// where microVMs could not run otherwise.
         #[arg(long)]
         if_needed: bool,
-        /// Run CMD again, from the start, in a new emulated host when the
-        /// emulated host itself crashes (its kernel, not CMD), up to N
-        /// times. Only for commands that may safely run twice.
+        /// When the emulated host itself crashes or wedges (its kernel or
+        /// QEMU, not CMD), run CMD again in a new one, up to N times. CMD
+        /// runs from the start, told by its ledger ($FORKBOX_TESTBED_LEDGER)
+        /// what ended before; only for commands that may safely run again.
         #[arg(long, value_name = "N", default_value_t = 0)]
         host_crash_retries: u32,
+        /// Run CMD in up to N one-CPU emulated hosts side by side (one per
+        /// CPU of this machine; $FORKBOX_TESTBED_SHARDS overrides), each
+        /// told its share in $FORKBOX_TESTBED_SHARD (`i/n`); a test suite
+        /// runs only its share (sdk/python/tests/conftest.py does).
+        #[arg(long, value_name = "N", default_value_t = 1,
+              value_parser = clap::value_parser!(u32).range(1..=16))]
+        shards: u32,
+        /// With --shards: put `[NAME i/n] ` before each output line.
+        #[arg(long, value_name = "NAME", default_value = "run")]
+        label: String,
         #[arg(required = true, last = true)]
         argv: Vec<String>,
     },
@@ -395,6 +406,8 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
             cpus,
             if_needed,
             host_crash_retries,
+            shards,
+            label,
             argv,
         } => {
             if if_needed && Environment::detect() != Environment::NeedsEmulatedHost {
@@ -416,20 +429,17 @@ fn testbed_cmd(cmd: TestbedCmd) -> anyhow::Result<i32> {
                 .and_then(|e| e.parent().map(Into::into))
                 .into_iter()
                 .collect();
-            let mut retries = host_crash_retries;
-            loop {
-                let outcome = tb.run(&opts)?;
-                let host_died = outcome.host_failed();
-                let code = testbed::report(&argv, opts.timeout, outcome);
-                if !host_died || retries == 0 {
-                    return Ok(code);
-                }
-                retries -= 1;
-                eprintln!(
-                    "forkbox testbed: the emulated host itself crashed or wedged (above); running `{}` again in a new one ({retries} more allowed; a test-bed fault, not a pass)",
-                    argv.join(" ")
-                );
-            }
+            let sharded = testbed::suite::Sharded {
+                what: &label,
+                shards: testbed::shards(shards as usize),
+                hosts: host_crash_retries.saturating_add(1),
+                timeout: opts.timeout,
+            };
+            Ok(sharded.run(|adjust| {
+                let mut opts = opts.clone();
+                adjust(&mut opts);
+                Ok((argv.clone(), tb.run(&opts)?))
+            }))
         }
     }
 }

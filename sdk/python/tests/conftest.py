@@ -21,6 +21,13 @@ sys.path.insert(0, str(SDK))
 
 import httpx  # noqa: E402
 
+import testbed_shard  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shard of `forkbox testbed run --shards N` (testbed_shard.py).
+    testbed_shard.register(config)
+
 # Room for a parent and a fork of 16 plus what the other tests keep live.
 MAX_LIVE = 24
 # The cap test's own daemon: small enough to fill.

@@ -149,6 +149,7 @@ fn resumed(trials: Vec<(&'static str, TrialFn)>) -> Vec<Trial> {
             None => {
                 let ledger = ledger.clone();
                 out.push(Trial::test(name, move || {
+                    ledger.start(name);
                     let result = std::panic::catch_unwind(f).unwrap_or_else(|panic| {
                         let msg = panic
                             .downcast_ref::<String>()

@@ -139,11 +139,16 @@ pub fn rerun_inside_with(
 /// Turns an outcome into an exit code, printing what went wrong if the
 /// command did not simply exit: 124 for a timeout, 125 for a dead host.
 pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
+    report_labelled("", argv, timeout, outcome)
+}
+
+/// Like [`report`], its first line after `label` (`[sdk 1/2] `).
+pub fn report_labelled(label: &str, argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
     match outcome {
         Outcome::Exited(code) => code,
         Outcome::TimedOut { serial_tail, cpus } => {
             eprintln!(
-                "forkbox testbed: `{}` did not finish within {} s; the emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                "{label}forkbox testbed: `{}` did not finish within {} s; the emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
                 argv.join(" "),
                 timeout.as_secs()
             );
@@ -154,7 +159,7 @@ pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
             qemu_stderr,
         } => {
             eprintln!(
-                "forkbox testbed: the emulated host stopped before `{}` finished.\n--- qemu stderr ---\n{}\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                "{label}forkbox testbed: the emulated host stopped before `{}` finished.\n--- qemu stderr ---\n{}\n--- emulated host serial log (tail) ---\n{serial_tail}",
                 argv.join(" "),
                 qemu_stderr.trim()
             );
@@ -166,7 +171,7 @@ pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
             stuck,
         } => {
             eprintln!(
-                "forkbox testbed: the emulated host's CPU stopped making progress under `{}`: the same instruction, with an interrupt it should have taken pending, for {} s (QEMU's emulation is stuck; a test-bed fault, not the command's). The emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
+                "{label}forkbox testbed: the emulated host's CPU stopped making progress under `{}`: the same instruction, with an interrupt it should have taken pending, for {} s (QEMU's emulation is stuck; a test-bed fault, not the command's). The emulated host was stopped.\n--- its CPUs, from QEMU's monitor ---\n{cpus}\n--- emulated host serial log (tail) ---\n{serial_tail}",
                 argv.join(" "),
                 stuck.as_secs()
             );
@@ -176,6 +181,7 @@ pub fn report(argv: &[String], timeout: Duration, outcome: Outcome) -> i32 {
 }
 
 /// What to run inside the emulated host.
+#[derive(Debug, Clone)]
 pub struct RunOptions {
     pub argv: Vec<String>,
     pub cwd: PathBuf,
@@ -571,7 +577,9 @@ impl<W: Write> Drop for Labelled<'_, W> {
 const MONITOR: &str = "monitor.sock";
 
 /// What to ask the monitor of an emulated host that ran out of time.
-const STALL_QUESTIONS: &[&str] = &["info registers -a", "info lapic"];
+/// `info status` says whether QEMU still runs it at all (a paused VM
+/// stops its clocks too).
+const STALL_QUESTIONS: &[&str] = &["info status", "info registers -a", "info lapic"];
 
 /// How long the monitor must be quiet for its answer to count as whole:
 /// for a report, and for a routine sample.
