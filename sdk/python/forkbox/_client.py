@@ -11,11 +11,13 @@ import asyncio
 import json
 import os
 import weakref
-from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import httpx
 
 from .exceptions import DaemonUnavailableError, ForkboxError, from_cut_download, from_response
+
+T = TypeVar("T")
 
 MAX_BYTES_HEADER = "x-forkbox-max-bytes"
 
@@ -131,7 +133,15 @@ class Client:
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 
-    def stream_ndjson(self, method: str, path: str, **kw: Any) -> Iterator[Dict[str, Any]]:
+    def follow_ndjson(self, method: str, path: str, feed: Callable[[Dict[str, Any]], Optional[T]],
+                      **kw: Any) -> Optional[T]:
+        """Feeds each event of an NDJSON stream to `feed` until it returns a
+        result, which is returned (None: the stream ended first). The
+        response is closed before this returns or raises: a streaming
+        response left to the garbage collector is closed whenever the
+        collector runs, which may be while this thread holds httpcore's
+        pool lock, and that thread then waits for itself forever
+        (encode/httpcore#990; seen here as a test stalled 10 minutes)."""
         headers = _stream_headers(kw)
         try:
             with self._http.stream(method, path, headers=headers, **kw) as r:
@@ -141,9 +151,12 @@ class Client:
                 for line in r.iter_lines():
                     ev = _ndjson_line(line)
                     if ev is not None:
-                        yield ev
+                        result = feed(ev)
+                        if result is not None:
+                            return result
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
+        return None
 
 
 class AsyncClient:
@@ -193,8 +206,11 @@ class AsyncClient:
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 
-    async def stream_ndjson(self, method: str, path: str,
-                            **kw: Any) -> AsyncIterator[Dict[str, Any]]:
+    async def follow_ndjson(self, method: str, path: str,
+                            feed: Callable[[Dict[str, Any]], Optional[T]],
+                            **kw: Any) -> Optional[T]:
+        """As `Client.follow_ndjson`: the response is closed before this
+        returns or raises."""
         headers = _stream_headers(kw)
         try:
             async with self._http.stream(method, path, headers=headers, **kw) as r:
@@ -204,9 +220,12 @@ class AsyncClient:
                 async for line in r.aiter_lines():
                     ev = _ndjson_line(line)
                     if ev is not None:
-                        yield ev
+                        result = feed(ev)
+                        if result is not None:
+                            return result
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
+        return None
 
 
 _shared: Dict[str, Client] = {}

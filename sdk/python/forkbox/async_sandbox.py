@@ -43,12 +43,11 @@ class AsyncCommandHandle:
         if on_stdout is None and on_stderr is None:
             return await self._do(_api.wait_process(sid, self.pid, timeout))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        async for ev in self._sb._client.stream_ndjson(
-                "GET", _api.follow_output_path(sid, self.pid), **_api.FOLLOW):
-            result = stream.feed(ev)
-            if result is not None:
-                return result
-        raise stream.ended()
+        result = await self._sb._client.follow_ndjson(
+            "GET", _api.follow_output_path(sid, self.pid), stream.feed, **_api.FOLLOW)
+        if result is None:
+            raise stream.ended()
+        return result
 
     async def kill(self, signal: int = 9) -> bool:
         try:
@@ -109,12 +108,11 @@ class AsyncCommands:
         if on_stdout is None and on_stderr is None:
             return await _do(self._sb._client, _api.run(sid, body))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        async for ev in self._sb._client.stream_ndjson("POST", _api.run_stream_path(sid),
-                                                       json=body):
-            result = stream.feed(ev)
-            if result is not None:
-                return result
-        raise stream.ended()
+        result = await self._sb._client.follow_ndjson("POST", _api.run_stream_path(sid),
+                                                      stream.feed, json=body)
+        if result is None:
+            raise stream.ended()
+        return result
 
     async def list(self) -> List[ProcessInfo]:
         return await _do(self._sb._client, _api.list_processes(self._sb.sandbox_id))

@@ -8,11 +8,11 @@ zygote that every sandbox created from the template is forked from.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _api
 from ._api import NetworkArg, Ready
-from ._client import shared_async_client, shared_client
+from ._client import AsyncClient, Client, shared_async_client, shared_client
 from .models import TemplateInfo
 from .sandbox import _do
 from .async_sandbox import _do as _ado
@@ -56,8 +56,7 @@ class Template:
         `TemplateInfrastructureError` when the VM failed, not the recipe."""
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
                                   envs, network, protect)
-        return _bake(shared_client(url).stream_ndjson("POST", "/templates", json=spec),
-                     on_progress)
+        return _bake(shared_client(url), ("POST", "/templates"), on_progress, json=spec)
 
     @staticmethod
     def bake(name: str, *, on_progress: Optional[ProgressCallback] = None,
@@ -65,8 +64,7 @@ class Template:
         """Bakes a registered template that is not baked yet (the built-in
         `minimal` and `debian` are baked on first use otherwise); a ready
         one answers at once. Events and errors as in `build`."""
-        return _bake(shared_client(url).stream_ndjson("POST", _api.bake_path(name)),
-                     on_progress)
+        return _bake(shared_client(url), ("POST", _api.bake_path(name)), on_progress)
 
     @staticmethod
     def list(url: Optional[str] = None) -> List[TemplateInfo]:
@@ -81,22 +79,22 @@ class Template:
         _do(shared_client(url), _api.delete_template(name))
 
 
-def _bake(events: Any, on_progress: Optional[ProgressCallback]) -> TemplateInfo:
+def _bake(client: Client, route: Tuple[str, str], on_progress: Optional[ProgressCallback],
+          **kw: Any) -> TemplateInfo:
     stream = _api.BakeStream(on_progress)
-    for ev in events:
-        info = stream.feed(ev)
-        if info is not None:
-            return info
-    raise stream.ended()
+    info = client.follow_ndjson(*route, stream.feed, **kw)
+    if info is None:
+        raise stream.ended()
+    return info
 
 
-async def _abake(events: Any, on_progress: Optional[ProgressCallback]) -> TemplateInfo:
+async def _abake(client: AsyncClient, route: Tuple[str, str],
+                 on_progress: Optional[ProgressCallback], **kw: Any) -> TemplateInfo:
     stream = _api.BakeStream(on_progress)
-    async for ev in events:
-        info = stream.feed(ev)
-        if info is not None:
-            return info
-    raise stream.ended()
+    info = await client.follow_ndjson(*route, stream.feed, **kw)
+    if info is None:
+        raise stream.ended()
+    return info
 
 
 class AsyncTemplate:
@@ -113,13 +111,13 @@ class AsyncTemplate:
                     url: Optional[str] = None) -> TemplateInfo:
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
                                   envs, network, protect)
-        return await _abake(shared_async_client(url).stream_ndjson("POST", "/templates",
-                                                                   json=spec), on_progress)
+        return await _abake(shared_async_client(url), ("POST", "/templates"), on_progress,
+                            json=spec)
 
     @staticmethod
     async def bake(name: str, *, on_progress: Optional[ProgressCallback] = None,
                    url: Optional[str] = None) -> TemplateInfo:
-        return await _abake(shared_async_client(url).stream_ndjson("POST", _api.bake_path(name)),
+        return await _abake(shared_async_client(url), ("POST", _api.bake_path(name)),
                             on_progress)
 
     @staticmethod

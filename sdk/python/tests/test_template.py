@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
+import gc
 import uuid
 from typing import Any, Dict, List
 
 import pytest
 
 from forkbox import ConflictError, NotFoundError, Sandbox, Template, TemplateError
+from forkbox._client import shared_client
 
 
 def _name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def _busy_connections() -> int:
+    """Connections of the shared client that a response still holds."""
+    pool = shared_client()._http._transport._pool  # type: ignore[attr-defined]
+    return sum(1 for c in pool.connections if not (c.is_idle() or c.is_closed()))
+
+
 def test_template_build_failing_setup_raises_with_step_and_output(daemon_url: str) -> None:
     events: List[Dict[str, Any]] = []
     name = _name("broken")
-    with pytest.raises(TemplateError) as ei:
-        Template.build(name, setup=["echo fine", "echo going wrong >&2; exit 7"],
-                       on_progress=events.append)
+    # With the collector off, only the SDK itself can close the bake's
+    # stream. One it left open was closed by the collector whenever it ran,
+    # once while this thread held httpcore's pool lock: the next test then
+    # waited for itself for ten minutes (encode/httpcore#990).
+    gc.disable()
+    try:
+        with pytest.raises(TemplateError) as ei:
+            Template.build(name, setup=["echo fine", "echo going wrong >&2; exit 7"],
+                           on_progress=events.append)
+        assert _busy_connections() == 0, "the failed bake's response is still open"
+    finally:
+        gc.enable()
     e = ei.value
     assert e.step == "setup[1]", e.detail
     assert "going wrong" in e.output
