@@ -340,7 +340,11 @@ impl Testbed {
             .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
             .spawn()
             .map_err(TestbedError::Qemu)?;
-        let mut watch = CpuWatch::new(run.join(MONITOR), opts.cpus);
+        let mut watch = CpuWatch::new(
+            run.join(MONITOR),
+            opts.cpus,
+            opts.label.clone().unwrap_or_default(),
+        );
         let outcome = match &opts.label {
             None => pump(
                 run,
@@ -360,6 +364,13 @@ impl Testbed {
             ),
         }
         .map_err(io(run));
+        if watch.nudges > 0 {
+            eprintln!(
+                "{}forkbox testbed: {} key presses to wake an emulated CPU that owed an interrupt; \
+                 it went on after {} of them",
+                watch.label, watch.nudges, watch.went_on
+            );
+        }
         let cpus = match outcome {
             Ok(Some(Pumped::Timeout | Pumped::Wedged(_))) => {
                 ask_monitor(&run.join(MONITOR), STALL_QUESTIONS, MONITOR_QUIET)
@@ -450,14 +461,25 @@ struct CpuWatch {
     monitor: PathBuf,
     cpus: Vec<wedge::Watch>,
     next: Instant,
+    /// Key presses sent to wake a CPU that owed an interrupt, and how many
+    /// of them it went on after ([`wedge`]).
+    nudges: u32,
+    nudged: Vec<bool>,
+    went_on: u32,
+    /// Put before its messages (`[sdk 1/2] `).
+    label: String,
 }
 
 impl CpuWatch {
-    fn new(monitor: PathBuf, cpus: u32) -> Self {
+    fn new(monitor: PathBuf, cpus: u32, label: String) -> Self {
         Self {
             monitor,
             cpus: (0..cpus).map(|_| wedge::Watch::default()).collect(),
             next: Instant::now() + WEDGE_SAMPLE_EVERY,
+            nudges: 0,
+            nudged: vec![false; cpus as usize],
+            went_on: 0,
+            label,
         }
     }
 
@@ -479,6 +501,28 @@ impl CpuWatch {
             );
             let sample = wedge::CpuSample::parse(&text, &text);
             wedged = wedged.or(watch.sample(now, sample, WEDGED_AFTER));
+            let stuck = watch.stuck(now);
+            if self.nudged[i] && stuck.is_none_or(|d| d < WEDGE_SAMPLE_EVERY) {
+                self.went_on += 1;
+                eprintln!(
+                    "{}forkbox testbed: emulated CPU {i} went on after the key press",
+                    self.label
+                );
+            }
+            self.nudged[i] = false;
+            if stuck.is_some_and(|d| d >= WEDGE_SAMPLE_EVERY) && wedged.is_none() {
+                self.nudges += 1;
+                self.nudged[i] = true;
+                eprintln!(
+                    "{}forkbox testbed: emulated CPU {i} has owed an interrupt at the same instruction for {} s \
+                     (QEMU's lost-interrupt race, a test-bed fault); pressing a key from the monitor to wake it \
+                     (nudge {} of this host)",
+                    self.label,
+                    stuck.unwrap_or_default().as_secs(),
+                    self.nudges
+                );
+                ask_monitor(&self.monitor, &["sendkey shift"], SAMPLE_QUIET);
+            }
         }
         wedged
     }

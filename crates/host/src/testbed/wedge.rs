@@ -11,6 +11,19 @@
 //! running the emulated host's kernel any more: QEMU's TCG is stuck (the
 //! instruction was in a nested guest, where the monitor cannot even read
 //! it). The test bed ends such a host as it would a crashed one.
+//!
+//! The likely mechanism (read in QEMU's source, not yet seen in a
+//! debugger): QEMU 10.0's `helper_vmrun` sets `CPU_INTERRUPT_VIRQ` in the
+//! CPU's `interrupt_request` with a plain read-modify-write, on the vCPU
+//! thread without the big lock, while the APIC timer, on the main loop's
+//! thread, sets `CPU_INTERRUPT_POLL` in the same word; when the two meet,
+//! the timer's bit is lost, the vector stays in `IRR` and nothing tells the
+//! CPU again (fixed in QEMU 10.2 by atomic updates of that word). Any later
+//! interrupt raised from outside the vCPU sets the bit again, so before
+//! giving a host up the test bed nudges a CPU that has owed the same
+//! interrupt at the same instruction for one sampling period with a key
+//! press from the monitor (the keyboard's interrupt comes from the main
+//! loop), and counts the nudges that let it go on.
 
 use std::time::{Duration, Instant};
 
@@ -70,6 +83,14 @@ pub struct Watch {
 }
 
 impl Watch {
+    /// How long, as of `now`, the CPU has shown the same instruction with
+    /// the same interrupt owed (`None`: it owed nothing at the last sample).
+    pub fn stuck(&self, now: Instant) -> Option<Duration> {
+        self.since
+            .as_ref()
+            .map(|(start, _)| now.duration_since(*start))
+    }
+
     /// Takes a sample made at `now`; returns how long the CPU has shown the
     /// same instruction with the same interrupt owed, once that is at
     /// least `after`.
@@ -176,5 +197,29 @@ mod tests {
         assert_eq!(w.sample(t0 + Duration::from_secs(300), wedged, after), None);
         // A monitor that did not answer says nothing either way.
         assert_eq!(w.sample(t0 + Duration::from_secs(400), None, after), None);
+    }
+
+    #[test]
+    fn stuck_counts_from_the_first_sample_of_the_same_owed_interrupt() {
+        let t0 = Instant::now();
+        let after = Duration::from_secs(120);
+        let wedged = CpuSample::parse(REGISTERS, LAPIC);
+        let mut w = Watch::default();
+        assert_eq!(w.stuck(t0), None);
+        w.sample(t0, wedged.clone(), after);
+        assert_eq!(w.stuck(t0), Some(Duration::ZERO));
+        w.sample(t0 + Duration::from_secs(15), wedged, after);
+        assert_eq!(
+            w.stuck(t0 + Duration::from_secs(15)),
+            Some(Duration::from_secs(15))
+        );
+        // Once it has moved on (a nudge worked), it is not stuck.
+        let moved = CpuSample::parse(&REGISTERS.replace("abb02d54", "abb02d60"), LAPIC);
+        let idle = moved.map(|mut s| {
+            s.deliverable = None;
+            s
+        });
+        w.sample(t0 + Duration::from_secs(30), idle, after);
+        assert_eq!(w.stuck(t0 + Duration::from_secs(30)), None);
     }
 }
