@@ -76,7 +76,7 @@ test: build lint
 sdk-test: build python-deps
 	$(FORKBOX) image minimal >/dev/null
 	$(FORKBOX) image debian >/dev/null
-	$(FORKBOX) testbed run --if-needed --shards 2 --label sdk --timeout 1800 --host-crash-retries 2 -- \
+	$(FORKBOX) testbed run --if-needed --shards 2 --label sdk --timeout 1800 --host-crash-retries 4 -- \
 		env PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -p no:cacheprovider -q --timeout 600 \
 		--durations 10 sdk/python/tests
 

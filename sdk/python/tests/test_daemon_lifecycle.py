@@ -164,7 +164,10 @@ def test_daemon_killed_mid_fork_and_mid_command_harms_no_sandbox_and_leaks_no_vm
     d = tempfile.mkdtemp(prefix="forkboxd-midfork-", dir="/tmp")
     sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
     url = f"unix://{sock}"
-    grace = 5
+    # Room for the second daemon to start and re-adopt: on a loaded 2-core
+    # machine that took 12 s once (2026-12-05), past a 5 s grace, and the
+    # bystander had ended as an orphan.
+    grace = 30
     # The VMMs log each fork child they make: the moment to kill the daemon.
     env = {**os.environ, "FORKBOX_LOG": "forkbox_vmm=info"}
     first = _start(sock, state, log, "--orphan-grace-secs", str(grace), env=env)

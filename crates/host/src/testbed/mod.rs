@@ -454,7 +454,7 @@ enum Pumped {
 /// the same instruction with an interrupt owed before its host is given
 /// up ([`wedge`]).
 const WEDGE_SAMPLE_EVERY: Duration = Duration::from_secs(15);
-const WEDGED_AFTER: Duration = Duration::from_secs(120);
+const WEDGED_AFTER: Duration = Duration::from_secs(60);
 
 /// Samples an emulated host's CPUs through its monitor.
 struct CpuWatch {
