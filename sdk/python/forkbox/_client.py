@@ -11,13 +11,23 @@ import asyncio
 import json
 import os
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+from typing import Any, Dict, Optional, Protocol, Tuple, TypeVar
 
 import httpx
 
 from .exceptions import DaemonUnavailableError, ForkboxError, from_cut_download, from_response
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class EventReader(Protocol[T_co]):
+    """What reads a stream of events (`_api.CommandStream`,
+    `_api.BakeStream`): `feed` answers the result once there is one."""
+
+    def feed(self, ev: Dict[str, Any]) -> Optional[T_co]: ...
+
+    def ended(self) -> Exception: ...
 
 MAX_BYTES_HEADER = "x-forkbox-max-bytes"
 
@@ -133,11 +143,11 @@ class Client:
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 
-    def follow_ndjson(self, method: str, path: str, feed: Callable[[Dict[str, Any]], Optional[T]],
-                      **kw: Any) -> Optional[T]:
-        """Feeds each event of an NDJSON stream to `feed` until it returns a
-        result, which is returned (None: the stream ended first). The
-        response is closed before this returns or raises: a streaming
+    def follow_ndjson(self, method: str, path: str, reader: "EventReader[T]", **kw: Any) -> T:
+        """Feeds each event of an NDJSON stream to `reader.feed` until it
+        returns a result, which is returned; a stream that ends first raises
+        `reader.ended()`. The response is closed before this returns or
+        raises: a streaming
         response left to the garbage collector is closed whenever the
         collector runs, which may be while this thread holds httpcore's
         pool lock, and that thread then waits for itself forever
@@ -151,12 +161,12 @@ class Client:
                 for line in r.iter_lines():
                     ev = _ndjson_line(line)
                     if ev is not None:
-                        result = feed(ev)
+                        result = reader.feed(ev)
                         if result is not None:
                             return result
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
-        return None
+        raise reader.ended()
 
 
 class AsyncClient:
@@ -206,9 +216,8 @@ class AsyncClient:
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 
-    async def follow_ndjson(self, method: str, path: str,
-                            feed: Callable[[Dict[str, Any]], Optional[T]],
-                            **kw: Any) -> Optional[T]:
+    async def follow_ndjson(self, method: str, path: str, reader: "EventReader[T]",
+                            **kw: Any) -> T:
         """As `Client.follow_ndjson`: the response is closed before this
         returns or raises."""
         headers = _stream_headers(kw)
@@ -220,12 +229,12 @@ class AsyncClient:
                 async for line in r.aiter_lines():
                     ev = _ndjson_line(line)
                     if ev is not None:
-                        result = feed(ev)
+                        result = reader.feed(ev)
                         if result is not None:
                             return result
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
-        return None
+        raise reader.ended()
 
 
 _shared: Dict[str, Client] = {}

@@ -43,11 +43,8 @@ class AsyncCommandHandle:
         if on_stdout is None and on_stderr is None:
             return await self._do(_api.wait_process(sid, self.pid, timeout))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        result = await self._sb._client.follow_ndjson(
-            "GET", _api.follow_output_path(sid, self.pid), stream.feed, **_api.FOLLOW)
-        if result is None:
-            raise stream.ended()
-        return result
+        return await self._sb._client.follow_ndjson(
+            "GET", _api.follow_output_path(sid, self.pid), stream, **_api.FOLLOW)
 
     async def kill(self, signal: int = 9) -> bool:
         try:
@@ -108,11 +105,8 @@ class AsyncCommands:
         if on_stdout is None and on_stderr is None:
             return await _do(self._sb._client, _api.run(sid, body))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        result = await self._sb._client.follow_ndjson("POST", _api.run_stream_path(sid),
-                                                      stream.feed, json=body)
-        if result is None:
-            raise stream.ended()
-        return result
+        return await self._sb._client.follow_ndjson("POST", _api.run_stream_path(sid),
+                                                      stream, json=body)
 
     async def list(self) -> List[ProcessInfo]:
         return await _do(self._sb._client, _api.list_processes(self._sb.sandbox_id))

@@ -45,11 +45,8 @@ class CommandHandle:
         if on_stdout is None and on_stderr is None:
             return self._do(_api.wait_process(sid, self.pid, timeout))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        result = self._sb._client.follow_ndjson("GET", _api.follow_output_path(sid, self.pid),
-                                                stream.feed, **_api.FOLLOW)
-        if result is None:
-            raise stream.ended()
-        return result
+        return self._sb._client.follow_ndjson("GET", _api.follow_output_path(sid, self.pid),
+                                                stream, **_api.FOLLOW)
 
     def kill(self, signal: int = 9) -> bool:
         """Signals its process group (default SIGKILL); False if it had
@@ -120,11 +117,8 @@ class Commands:
         if on_stdout is None and on_stderr is None:
             return _do(self._sb._client, _api.run(sid, body))
         stream = _api.CommandStream(on_stdout, on_stderr)
-        result = self._sb._client.follow_ndjson("POST", _api.run_stream_path(sid), stream.feed,
+        return self._sb._client.follow_ndjson("POST", _api.run_stream_path(sid), stream,
                                                 json=body)
-        if result is None:
-            raise stream.ended()
-        return result
 
     def list(self) -> List[ProcessInfo]:
         """Background processes (running, and the last 64 that ended) and

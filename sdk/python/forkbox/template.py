@@ -81,20 +81,12 @@ class Template:
 
 def _bake(client: Client, route: Tuple[str, str], on_progress: Optional[ProgressCallback],
           **kw: Any) -> TemplateInfo:
-    stream = _api.BakeStream(on_progress)
-    info = client.follow_ndjson(*route, stream.feed, **kw)
-    if info is None:
-        raise stream.ended()
-    return info
+    return client.follow_ndjson(*route, _api.BakeStream(on_progress), **kw)
 
 
 async def _abake(client: AsyncClient, route: Tuple[str, str],
                  on_progress: Optional[ProgressCallback], **kw: Any) -> TemplateInfo:
-    stream = _api.BakeStream(on_progress)
-    info = await client.follow_ndjson(*route, stream.feed, **kw)
-    if info is None:
-        raise stream.ended()
-    return info
+    return await client.follow_ndjson(*route, _api.BakeStream(on_progress), **kw)
 
 
 class AsyncTemplate:

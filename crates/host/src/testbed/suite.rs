@@ -269,16 +269,12 @@ impl Ledger {
 
     /// Every trial that ended so far, in order.
     pub fn ended(&self) -> Vec<(String, Ended)> {
-        let text = std::fs::read_to_string(&self.path).unwrap_or_default();
-        text.lines()
-            .filter_map(|line| {
-                let (verdict, rest) = line.split_once(' ')?;
-                let (name, msg) = rest.split_once(' ').unwrap_or((rest, ""));
-                match verdict {
-                    "ok" => Some((name.to_owned(), Ended::Passed)),
-                    "FAILED" => Some((name.to_owned(), Ended::Failed(msg.replace("\\n", "\n")))),
-                    _ => None,
-                }
+        self.lines()
+            .into_iter()
+            .filter_map(|(verdict, name, msg)| match verdict.as_str() {
+                "ok" => Some((name, Ended::Passed)),
+                "FAILED" => Some((name, Ended::Failed(msg.replace("\\n", "\n")))),
+                _ => None,
             })
             .collect()
     }
@@ -286,20 +282,27 @@ impl Ledger {
     /// Tests that started and have not ended (what a host was running when
     /// it crashed, wedged or ran out of time), in the order they started.
     pub fn running(&self) -> Vec<String> {
-        let text = std::fs::read_to_string(&self.path).unwrap_or_default();
         let mut running: Vec<String> = Vec::new();
-        for line in text.lines() {
-            let mut words = line.split(' ');
-            let (Some(verdict), Some(name)) = (words.next(), words.next()) else {
-                continue;
-            };
-            match verdict {
-                "started" => running.push(name.to_owned()),
-                "ok" | "FAILED" => running.retain(|n| n != name),
+        for (verdict, name, _) in self.lines() {
+            match verdict.as_str() {
+                "started" => running.push(name),
+                "ok" | "FAILED" => running.retain(|n| *n != name),
                 _ => {}
             }
         }
         running
+    }
+
+    /// Every line as (verdict, name, the rest).
+    fn lines(&self) -> Vec<(String, String, String)> {
+        let text = std::fs::read_to_string(&self.path).unwrap_or_default();
+        text.lines()
+            .filter_map(|line| {
+                let (verdict, rest) = line.split_once(' ')?;
+                let (name, msg) = rest.split_once(' ').unwrap_or((rest, ""));
+                Some((verdict.to_owned(), name.to_owned(), msg.to_owned()))
+            })
+            .collect()
     }
 
     /// Appends that `name` started.
