@@ -4,7 +4,8 @@
 //! Every VMM drops its capabilities, sets `no_new_privs` and installs its
 //! seccomp filters wherever it runs (no privilege needed). What needs one
 //! (`CAP_SYS_ADMIN`): leaving the host's network namespace, without which a
-//! VMM that a guest took over could reach the host's network, and a mount
+//! VMM that a guest took over could reach the host's network, its IPC
+//! namespace (System V shared memory and queues) and hostname, and a mount
 //! namespace in which the host's files are read-only to it, without which
 //! it could rewrite any file of the daemon's user. What needs root: a user
 //! of its own for each VMM (`vm::user`), without which a VMM runs as the
@@ -53,7 +54,7 @@ pub fn gaps_in(status: &str) -> Vec<Gap> {
     }
     if effective & (1 << CAP_SYS_ADMIN) == 0 {
         gaps.push(Gap {
-            missing: "VMMs keep the host's network namespace and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN",
+            missing: "VMMs keep the host's network, IPC and UTS namespaces and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN",
             remedy: "run forkboxd as root",
         });
     }

@@ -61,6 +61,7 @@ pub mod layout;
 pub mod lockdown;
 pub mod memory;
 pub mod mounts;
+pub mod namespaces;
 pub mod net;
 pub mod opened;
 pub mod pio;

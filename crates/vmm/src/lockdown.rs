@@ -97,7 +97,8 @@ pub(crate) fn append_to_serial_log(bytes: &[u8]) -> std::io::Result<()> {
 /// No capabilities (effective, permitted, inheritable, ambient, bounding),
 /// no privileges gained through exec (`no_new_privs`), not dumpable (no
 /// `ptrace` attach or `/proc/PID/mem` by a process of the same user, a
-/// sibling VMM included), no core files. Call while single-threaded.
+/// sibling VMM included), no core files, and the rest of [`LIMITS`]. Call
+/// while single-threaded.
 ///
 /// With `run_as`, `CAP_SETUID` and `CAP_SETGID` stay (effective and
 /// permitted, nothing else) until [`become_user`] spends them: the VMM
@@ -144,14 +145,36 @@ pub fn drop_privileges(run_as: Option<(u32, u32)>) -> Result<(), LockdownError> 
     .map_err(io("drop every capability"))?;
     thread::set_no_new_privs(true).map_err(io("set no_new_privs"))?;
     not_dumpable()?;
-    let none = rustix::process::Rlimit {
-        current: Some(0),
-        maximum: Some(0),
-    };
-    rustix::process::setrlimit(rustix::process::Resource::Core, none)
-        .map_err(io("forbid core files"))?;
+    for (resource, limit, what) in LIMITS {
+        let both = rustix::process::Rlimit {
+            current: Some(limit),
+            maximum: Some(limit),
+        };
+        rustix::process::setrlimit(resource, both).map_err(io(what))?;
+    }
     Ok(())
 }
+
+/// The resource limits [`drop_privileges`] sets, soft and hard alike (so a
+/// VMM its guest took over cannot raise them again), with what each stops.
+pub const LIMITS: [(rustix::process::Resource, u64, &str); 4] = {
+    use rustix::process::Resource;
+    [
+        // No core file: it would be the guest's memory on the host's disk.
+        (Resource::Core, 0, "forbid core files"),
+        // A VMM holds its VM's descriptors, at most
+        // `vsock::MAX_CONNECTIONS` host streams and its control clients:
+        // well under this, which bounds what a runaway one can hold.
+        (Resource::Nofile, MAX_OPEN_FILES, "bound its open files"),
+        // Nothing of a VMM's is locked in memory, and no POSIX message
+        // queue is its.
+        (Resource::Memlock, 0, "forbid locked memory"),
+        (Resource::Msgqueue, 0, "forbid message queues"),
+    ]
+};
+
+/// `RLIMIT_NOFILE` of a VMM and its fork children.
+pub const MAX_OPEN_FILES: u64 = 4096;
 
 fn not_dumpable() -> Result<(), LockdownError> {
     rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
@@ -647,7 +670,7 @@ mod tests {
     }
 
     /// As root: the user and group given, no supplementary group, no
-    /// capability, not dumpable. Otherwise: refused (no CAP_SETUID to
+    /// capability, not dumpable, every limit of [`LIMITS`]. Otherwise: refused (no CAP_SETUID to
     /// keep), which is what a daemon that is not root must not ask.
     #[test]
     fn become_user_leaves_that_user_and_no_capability() {
@@ -691,6 +714,13 @@ mod tests {
                             ) =>
                             {
                                 16
+                            }
+                            _ if !LIMITS.iter().all(|&(resource, limit, _)| {
+                                let got = rustix::process::getrlimit(resource);
+                                (got.current, got.maximum) == (Some(limit), Some(limit))
+                            }) =>
+                            {
+                                17
                             }
                             _ => 0,
                         }

@@ -42,40 +42,27 @@ fn main() {
             std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
     };
+    // The jail's privileged steps: each needs CAP_SYS_ADMIN, which a VMM
+    // started by a user without it lacks (said once by the daemon; with
+    // --require-jail, refused).
     if !invocation.needs_host_network() {
-        match forkbox_vmm::net::leave_host_network() {
-            Ok(()) => {}
-            Err(e) if require_jail => {
-                eprintln!(
-                    "forkbox-vmm: error: cannot leave the host's network namespace ({e}; it needs \
-                     CAP_SYS_ADMIN), and --require-jail refuses to run without it"
-                );
-                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                tracing::info!("not privileged: the VMM keeps the host's network namespace");
-            }
-            Err(e) => tracing::warn!("cannot leave the host's network namespace: {e}"),
-        }
+        jail_step(
+            forkbox_vmm::namespaces::leave_host_network(),
+            "leave the host's network namespace",
+            require_jail,
+        );
     }
+    jail_step(
+        forkbox_vmm::namespaces::leave_host_ipc_and_hostname(),
+        "leave the host's IPC and UTS namespaces",
+        require_jail,
+    );
     if !writable.is_empty() {
-        match forkbox_vmm::mounts::read_only_host(&writable) {
-            Ok(()) => {}
-            Err(e) if require_jail => {
-                eprintln!(
-                    "forkbox-vmm: error: cannot make the host's files read-only to this VMM ({e}; \
-                     it needs CAP_SYS_ADMIN), and --require-jail refuses to run without it"
-                );
-                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                tracing::info!("not privileged: the host's files stay writable to the VMM");
-            }
-            Err(e) => {
-                eprintln!("forkbox-vmm: error: cannot make the host's files read-only: {e}");
-                std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
-            }
-        }
+        jail_step(
+            forkbox_vmm::mounts::read_only_host(&writable),
+            "make the host's files read-only to this VMM",
+            require_jail,
+        );
     }
     // Nothing below needs a privilege (but for becoming `run_as`, which
     // gives up the rest before the guest runs): the guest's exits reach a
@@ -102,4 +89,23 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+/// One step of the jail that needs `CAP_SYS_ADMIN`: without it (`EPERM`),
+/// the VMM goes on without that part (the daemon said so at start), unless
+/// `--require-jail`; any other failure ends the VMM.
+fn jail_step(result: std::io::Result<()>, what: &str, require_jail: bool) {
+    let Err(e) = result else { return };
+    let unprivileged = e.raw_os_error() == Some(libc::EPERM);
+    if unprivileged && !require_jail {
+        tracing::info!("not privileged: cannot {what}: {e}");
+        return;
+    }
+    let why = if unprivileged {
+        " (it needs CAP_SYS_ADMIN), and --require-jail refuses to run without it"
+    } else {
+        ""
+    };
+    eprintln!("forkbox-vmm: error: cannot {what}: {e}{why}");
+    std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
 }

@@ -102,22 +102,6 @@ pub enum NetError {
     Setup(#[source] io::Error),
 }
 
-/// Moves this process into a new network namespace of its own, with no
-/// interface but a loopback that is down: a VMM whose guest's connections
-/// are opened by a broker (or whose guest has no network) has no route to
-/// anything, even if the guest took the VMM over. Unix sockets named by a
-/// path keep working. A namespace belongs to a thread: call this before
-/// any thread starts. Needs `CAP_SYS_ADMIN` (the daemon runs as root);
-/// without it, `EPERM`.
-pub fn leave_host_network() -> io::Result<()> {
-    // SAFETY: unshare takes no pointers; CLONE_NEWNET affects only the
-    // calling thread's network namespace.
-    match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
-        0 => Ok(()),
-        _ => Err(io::Error::last_os_error()),
-    }
-}
-
 /// Connects a `SOCK_SEQPACKET` unix socket to `path`.
 fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
     let fd = rustix::net::socket_with(

@@ -122,8 +122,9 @@ pub(crate) fn vm_guest_has_no_nested_virtualization() -> TestResult {
 }
 
 /// A VMM sees none of its caller's environment but what it needs (no
-/// token, no `PATH`), and writes no core dump (the guest's memory) when it
-/// crashes; its fork children inherit both.
+/// token, no `PATH`), writes no core dump (the guest's memory) when it
+/// crashes, and has its other resource limits; its fork children inherit
+/// them all.
 pub(crate) fn vmm_environment_scrubbed_and_no_core_dumps() -> TestResult {
     check(
         std::env::var_os("PATH").is_some(),
@@ -156,14 +157,21 @@ pub(crate) fn vmm_environment_scrubbed_and_no_core_dumps() -> TestResult {
         )?;
         let limits =
             std::fs::read_to_string(format!("/proc/{pid}/limits")).map_err(|e| e.to_string())?;
-        let core = limits
-            .lines()
-            .find(|l| l.starts_with("Max core file size"))
-            .unwrap_or("");
-        check(
-            core.split_whitespace().skip(4).take(2).eq(["0", "0"]),
-            format!("{what} VMM {pid}: {core:?}"),
-        )?;
+        let open_files = forkbox_vmm::lockdown::MAX_OPEN_FILES.to_string();
+        for (name, want) in [
+            ("Max core file size", "0"),
+            ("Max open files", open_files.as_str()),
+            ("Max locked memory", "0"),
+            ("Max msgqueue size", "0"),
+        ] {
+            // "Max open files  4096  4096  files": soft and hard.
+            let line = limits.lines().find(|l| l.starts_with(name)).unwrap_or("");
+            let values = line[line.len().min(name.len())..].split_whitespace();
+            check(
+                values.take(2).eq([want, want]),
+                format!("{what} VMM {pid}: {line:?}, want {want} twice"),
+            )?;
+        }
     }
     Ok(())
 }
@@ -210,14 +218,19 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
             vcpu_threads >= 1,
             format!("{what} VMM {pid}: no vCPU thread seen"),
         )?;
-        // The host's files are read-only to it but for the temporary
+        // Namespaces of its own (a fork child shares its parent's): the
+        // network, System V IPC and hostname, and the mounts, in which the
+        // host's files are read-only to it but for the temporary
         // directory, where its and its children's directories are.
-        let ns =
-            |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).map_err(|e| e.to_string());
-        check(
-            ns(&pid.to_string())? != ns("self")?,
-            format!("{what} VMM {pid}: in this process's mount namespace"),
-        )?;
+        for kind in ["net", "ipc", "uts", "mnt"] {
+            let ns = |p: &str| {
+                std::fs::read_link(format!("/proc/{p}/ns/{kind}")).map_err(|e| e.to_string())
+            };
+            check(
+                ns(&pid.to_string())? != ns("self")?,
+                format!("{what} VMM {pid}: in this process's {kind} namespace"),
+            )?;
+        }
         let tmp = std::env::temp_dir()
             .canonicalize()
             .map_err(|e| e.to_string())?;
