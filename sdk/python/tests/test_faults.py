@@ -91,15 +91,12 @@ def test_policy_fork_bomb_is_confined_and_the_sandbox_still_grades(bystander: Sa
     _unaffected(bystander)
 
 
-# A panic and a reboot end the VM the same way for the daemon (the VMM's
-# note says which); they are tested in the VM trials
-# (`fork_child_ended_by_its_guest_says_so_killed_one_does_not`,
-# `vm_guest_panic_ends_vmm_with_panic_status`). Here only a power-off. (The
-# panic was taken out when the suite's stalls were first seen after one;
-# they were the SDK's own deadlock, since fixed: docs/SPEC.md, "Known
-# problems".)
+# A panic, a power-off and a reboot each end the VM; the VMM's note says
+# which, and the daemon reports it as the guest's own.
 @pytest.mark.parametrize("how,cmd,words", [
+    ("panic", "echo c > /proc/sysrq-trigger", "panicked"),
     ("poweroff", "poweroff -f", "powered off"),
+    ("reboot", "reboot -f", "guest reset ("),
 ])
 def test_guest_that_ends_its_own_vm_is_its_own_failure(bystander: Sandbox, how: str, cmd: str,
                                                        words: str) -> None:
