@@ -36,4 +36,6 @@ fn forkboxd_without_cap_sys_admin_says_so_and_require_jail_refuses() {
         err.matches("JAIL IS INCOMPLETE").count() == 1 && err.contains("needs a bearer token"),
         "{err}"
     );
+    // Nobody may make cgroups at the top of the hierarchy.
+    assert!(err.contains("no cgroup of their own"), "{err}");
 }

@@ -9,7 +9,9 @@
 //! namespace in which the host's files are read-only to it, without which
 //! it could rewrite any file of the daemon's user. What needs root: a user
 //! of its own for each VMM (`vm::user`), without which a VMM runs as the
-//! daemon's user and may reach whatever that user may.
+//! daemon's user and may reach whatever that user may. What needs root and
+//! cgroup v2: a cgroup of its own for each VMM ([`crate::cgroup`]), without
+//! which no sandbox's host memory, tasks or CPU time is limited.
 
 /// `CAP_SYS_ADMIN`'s bit in the capability sets.
 const CAP_SYS_ADMIN: u32 = 21;
@@ -17,7 +19,7 @@ const CAP_SYS_ADMIN: u32 = 21;
 /// One part of the jail this process cannot give its VMMs, with what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gap {
-    pub missing: &'static str,
+    pub missing: String,
     pub remedy: &'static str,
 }
 
@@ -27,10 +29,22 @@ impl std::fmt::Display for Gap {
     }
 }
 
-/// The parts of the jail this process's VMMs will run without.
+/// The parts of the jail this process's VMMs will run without. Sets up
+/// the `forkbox` cgroup ([`crate::cgroup::hierarchy`]) to find out whether
+/// VMMs get cgroups of their own.
 pub fn gaps() -> Vec<Gap> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    gaps_in(&status)
+    let mut gaps = gaps_in(&status);
+    if let Err(why) = crate::cgroup::hierarchy() {
+        gaps.push(Gap {
+            missing: format!(
+                "VMMs run in no cgroup of their own, so no sandbox's host memory, tasks or CPU \
+                 time is limited: {why}"
+            ),
+            remedy: "run forkboxd as root on a host with cgroup v2 (the unified hierarchy)",
+        });
+    }
+    gaps
 }
 
 /// [`gaps`] for a `/proc/PID/status` text.
@@ -48,13 +62,13 @@ pub fn gaps_in(status: &str) -> Vec<Gap> {
     let mut gaps = Vec::new();
     if euid != Some(0) {
         gaps.push(Gap {
-            missing: "VMMs run as this daemon's user instead of a user of their own each: changing user needs root",
+            missing: "VMMs run as this daemon's user instead of a user of their own each: changing user needs root".into(),
             remedy: "run forkboxd as root",
         });
     }
     if effective & (1 << CAP_SYS_ADMIN) == 0 {
         gaps.push(Gap {
-            missing: "VMMs keep the host's network, IPC and UTS namespaces and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN",
+            missing: "VMMs keep the host's network, IPC and UTS namespaces and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN".into(),
             remedy: "run forkboxd as root",
         });
     }

@@ -21,13 +21,15 @@
 //!   that a directory or socket path is one this user made.
 //! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
 //! - [`jail`]: which parts of the VMM's jail this host cannot give
-//!   (said once by the daemon; `--require-jail` refuses instead).
+//!   (said once by the daemon; `--require-jail` refuses instead);
+//!   [`cgroup`]: each VMM's cgroup, with its memory, pids and CPU limits.
 //!
 //! Must not depend on the VMM's internals: it starts `forkbox-vmm` as a
 //! process and talks to the guest through `forkbox-proto`.
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub mod cgroup;
 pub mod control;
 pub mod cpio;
 pub mod debs;

@@ -93,6 +93,11 @@ pub struct Args {
     /// instruction runs (it needs CAP_SETUID and CAP_SETGID to).
     #[arg(long, value_parser = parse_user)]
     pub run_as: Option<(u32, u32)>,
+    /// Join this cgroup (a cgroup v2 directory, made with its limits by
+    /// the caller) first thing, before opening anything; fork children
+    /// start in it and are moved by the caller.
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
 }
 
 /// `UID:GID`, neither of them root's.

@@ -32,6 +32,16 @@ fn main() {
     if let Some(secs) = args.orphan_grace_secs {
         forkbox_vmm::vm::set_orphan_grace(std::time::Duration::from_secs(secs));
     }
+    if let Some(dir) = &args.cgroup {
+        // Everything it allocates from here on is charged there.
+        if let Err(e) = std::fs::write(dir.join("cgroup.procs"), "0") {
+            eprintln!(
+                "forkbox-vmm: error: cannot join the cgroup {}: {e}",
+                dir.display()
+            );
+            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+        }
+    }
     let require_jail = args.require_jail;
     let writable = args.writable.clone();
     let run_as = args.run_as;

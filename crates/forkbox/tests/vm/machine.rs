@@ -572,3 +572,163 @@ pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
         format!("error: {text}"),
     )
 }
+
+/// Every VMM runs in a cgroup of its own under `forkbox` (a fork child
+/// moved into its own before its after-fork hook), with the memory, pids
+/// and CPU limits of its shape; a zygote's memory limit is lifted; a VMM
+/// that reaches its memory limit is ended by the kernel alone, and says
+/// so; each cgroup is removed once its VMM is gone.
+pub(crate) fn vmm_runs_in_a_cgroup_of_its_own_whose_limits_hold() -> TestResult {
+    use forkbox_host::cgroup::{hierarchy, Limits};
+    use forkbox_host::poll;
+    use std::ops::ControlFlow;
+    use std::time::Instant;
+    let hierarchy = hierarchy().map_err(|why| format!("VMMs get no cgroup here: {why}"))?;
+    let spec = VmSpec::default();
+    let limits = Limits::for_vm(spec.vcpus, spec.memory_mib);
+    let mut vm = boot(spec);
+    let mut children = fork(&mut vm, 2)?;
+    let read = |dir: &Path, file: &str| -> Result<String, Failed> {
+        std::fs::read_to_string(dir.join(file))
+            .map(|s| s.trim().to_owned())
+            .map_err(|e| format!("{}/{file}: {e}", dir.display()).into())
+    };
+    let mut dirs = Vec::new();
+    for (what, v) in [
+        ("booted", &vm),
+        ("fork child 0", &children[0]),
+        ("fork child 1", &children[1]),
+    ] {
+        let pid = v.pid();
+        let cgroup = v.cgroup().ok_or(format!("{what} VMM {pid}: no cgroup"))?;
+        let dir = cgroup.dir().to_owned();
+        check(
+            dir.parent() == Some(hierarchy.dir()),
+            format!(
+                "{what}: {} is not under {}",
+                dir.display(),
+                hierarchy.dir().display()
+            ),
+        )?;
+        let procs = cgroup.pids().map_err(|e| e.to_string())?;
+        let described: Vec<String> = procs
+            .iter()
+            .map(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+                format!(
+                    "{p}: {}",
+                    stat.split(' ').take(4).collect::<Vec<_>>().join(" ")
+                )
+            })
+            .collect();
+        // Besides the VMM: KVM's kernel threads of its children's VMs,
+        // made in its cgroup before the children were moved.
+        let others_are_kvm_threads = described
+            .iter()
+            .filter(|d| !d.starts_with(&format!("{pid}:")))
+            .all(|d| d.contains("(kvm-") && d.ends_with(" S 2"));
+        check(
+            procs.contains(&pid) && others_are_kvm_threads,
+            format!("{what} VMM {pid}: its cgroup holds {described:?}"),
+        )?;
+        let own =
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|e| e.to_string())?;
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("?");
+        check(
+            own.trim().ends_with(&format!("/forkbox/{name}")),
+            format!("{what} VMM {pid}: /proc/PID/cgroup says {own:?}"),
+        )?;
+        let memory = limits.memory_max.map(|b| b.to_string());
+        for (file, want) in [
+            ("memory.max", memory.as_deref().unwrap_or("max").to_owned()),
+            ("pids.max", limits.pids_max.to_string()),
+            ("cpu.max", format!("{} 100000", limits.cpu_quota_us)),
+        ] {
+            let got = read(&dir, file)?;
+            check(
+                got == want,
+                format!("{what}: {file} is {got:?}, want {want:?}"),
+            )?;
+        }
+        check(
+            !dirs.contains(&dir),
+            format!("{what} shares {}", dir.display()),
+        )?;
+        dirs.push(dir);
+    }
+    // Child 1's limit lowered under what its guest then writes: the kernel
+    // ends that VMM, and only it.
+    let mut victim = children.pop().ok_or("no child")?;
+    let victim_dir = dirs[2].clone();
+    let current: u64 = read(&victim_dir, "memory.current")?
+        .parse()
+        .map_err(|e| format!("memory.current: {e}"))?;
+    // Where the host swaps, the limit would swap instead of ending it.
+    let _ = std::fs::write(victim_dir.join("memory.swap.max"), "0");
+    std::fs::write(
+        victim_dir.join("memory.max"),
+        (current + (64 << 20)).to_string(),
+    )
+    .map_err(|e| format!("lowering memory.max: {e}"))?;
+    // 160 MiB: within the guest's tmpfs (half its RAM).
+    let wrote = sh(
+        victim.agent(),
+        "dd if=/dev/zero of=/tmp/fill bs=1M count=160 2>&1 && echo wrote",
+    );
+    let state = || {
+        [
+            "memory.current",
+            "memory.max",
+            "memory.events",
+            "cgroup.procs",
+        ]
+        .map(|f| format!("{f}: {:?}", read(&victim_dir, f).unwrap_or_default()))
+        .join(", ")
+    };
+    check(
+        wrote.is_err(),
+        format!(
+            "160 MiB written past a limit of 64 MiB more: {wrote:?}; {}",
+            state()
+        ),
+    )?;
+    let gone = poll::until(
+        Instant::now() + Duration::from_secs(60),
+        Duration::from_millis(100),
+        || match victim.ended() {
+            Some(end) => ControlFlow::Break(end),
+            None => ControlFlow::Continue(()),
+        },
+    )
+    .map_err(|_| {
+        format!(
+            "the VMM over its memory limit did not end within 60 s: the command: {wrote:?}; {}",
+            state()
+        )
+    })?;
+    check(
+        gone.how.contains("OOM killer") && !gone.by_guest,
+        format!("the VMM over its limit ended so: {gone:?}"),
+    )?;
+    sh(children[0].agent(), "true")?;
+    sh(vm.agent(), "true")?;
+    // A zygote runs nothing and is charged what its children share.
+    vm.make_zygote().map_err(|e| format!("zygote: {e:#}"))?;
+    for file in ["memory.max", "pids.max"] {
+        let got = read(&dirs[0], file)?;
+        check(got == "max", format!("the zygote's {file} is {got}"))?;
+    }
+    drop((victim, children, vm));
+    poll::until(
+        Instant::now() + Duration::from_secs(60),
+        Duration::from_millis(100),
+        || match dirs.iter().find(|d| d.exists()) {
+            Some(left) => ControlFlow::Continue(left.clone()),
+            None => ControlFlow::Break(()),
+        },
+    )
+    .map_err(|poll::TimedOut(left)| {
+        format!("{} still there a minute after its VMM", left.display())
+    })?;
+    Ok(())
+}

@@ -256,6 +256,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             vmm_confined_without_capabilities_and_filtered,
         ),
         (
+            "vmm_runs_in_a_cgroup_of_its_own_whose_limits_hold",
+            vmm_runs_in_a_cgroup_of_its_own_whose_limits_hold,
+        ),
+        (
             "vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_vms",
             vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_vms,
         ),

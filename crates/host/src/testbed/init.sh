@@ -20,6 +20,8 @@ mkdir -p /upper/data /upper/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /host || fail "cannot mount the overlay root"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
+# cgroup v2, as on a systemd host: each VMM gets a cgroup of its own.
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || echo "testbed: warning: no cgroup v2"
 mount -t devtmpfs devtmpfs /host/dev
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts

@@ -65,9 +65,18 @@ impl Vm {
         crate::hugepages::allow_for_zygotes();
         let user = VmmUser::new()?;
         let dir = vm_dir("forkbox-vm-", user)?;
+        let cgroup = vm_cgroup(
+            dir.path(),
+            Limits::for_vm(spec.vcpus, spec.memory_mib),
+            spec.require_jail,
+        )?;
         let paths = paths_in(dir.path());
         let (vsock, serial) = (paths.vsock_uds.clone(), paths.serial_log.clone());
         let mut cmd = vmm_command(&assets.vmm, &spec.vmm_env, user);
+        if let Some(dir) = cgroup.dir() {
+            // The VMM joins it first thing, before it opens anything.
+            cmd.arg("--cgroup").arg(dir);
+        }
         let mut cmdline = GUEST_CMDLINE.to_owned();
         let net = match &spec.network {
             Some(network) => {
@@ -184,6 +193,7 @@ impl Vm {
             net,
             owner,
             user,
+            cgroup: cgroup.take(),
         })
     }
 
@@ -215,6 +225,16 @@ impl Vm {
         let pidfd = pidfd_of(h.pid)?;
         let owner = control.own()?;
         let user = VmmUser::of_dir(&h.dir);
+        // Its cgroup, if it was given one; its limits are what its fork
+        // children get.
+        let memory_mib = u32::try_from(status.memory_mib).unwrap_or(u32::MAX);
+        let cgroup = crate::cgroup::hierarchy().ok().and_then(|hier| {
+            let name = h.dir.file_name()?.to_str()?;
+            let cgroup = hier
+                .existing(name, Limits::for_vm(status.vcpus, memory_mib))
+                .ok()?;
+            cgroup.dir().is_dir().then_some(cgroup)
+        });
         let net = match network {
             Some(n) => {
                 // The dead broker's socket file.
@@ -241,6 +261,7 @@ impl Vm {
             net,
             owner: Some(owner),
             user,
+            cgroup,
         })
     }
 
@@ -251,6 +272,7 @@ impl Vm {
     pub fn detach(mut self) -> VmHandle {
         let handle = self.handle();
         self.net = None;
+        self.cgroup = None;
         // Neither killed nor waited for: dropping a `Child` does neither.
         self.vmm = None;
         self.dir.keep();
@@ -268,7 +290,14 @@ impl Vm {
         if is_vmm {
             if let Ok(fd) = pidfd_of(h.pid) {
                 let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
+                pidfd_exited(&fd, Duration::from_secs(5));
             }
+        }
+        if let (Ok(hier), Some(name)) = (
+            crate::cgroup::hierarchy(),
+            h.dir.file_name().and_then(|n| n.to_str()),
+        ) {
+            let _ = hier.remove(name);
         }
         // Removed only if it is one we made: compared after
         // canonicalizing, never as text (`/tmp/../home` starts with `/tmp`).
@@ -319,6 +348,7 @@ impl Vm {
             net: None,
             owner: None,
             user,
+            cgroup: None,
         };
         let status = poll::until(
             start + AFTER_FORK_TIMEOUT,
@@ -334,6 +364,18 @@ impl Vm {
             serial_tail: vm.serial_tail(30),
             code: None,
         })?;
+        let memory_mib = u32::try_from(status.memory_mib).unwrap_or(u32::MAX);
+        let cgroup = vm_cgroup(
+            vm.dir.path(),
+            Limits::for_vm(status.vcpus, memory_mib),
+            false,
+        )?;
+        if let Some(cgroup) = &cgroup.0 {
+            cgroup
+                .add(vm.pid())
+                .map_err(|e| VmError::Cgroup(e.to_string()))?;
+        }
+        vm.cgroup = cgroup.take();
         vm.owner = Some(vm.control.own()?);
         if status.state != RunState::Running {
             vm.resume()?;

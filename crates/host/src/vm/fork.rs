@@ -166,6 +166,7 @@ impl Vm {
                             answered,
                             seed: opts.seeds.get(index).copied(),
                             user: self.user,
+                            limits: self.cgroup.as_ref().map(VmCgroup::limits),
                         };
                         let first = match held {
                             Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
@@ -317,7 +318,7 @@ pub(super) fn kill_forked(answers: &[ChildResult]) {
                     let vmm = Vmm::Forked { pid: *pid, pidfd };
                     let _ = std::thread::Builder::new()
                         .name("vm-reap".into())
-                        .spawn(move || reap_vmm(vmm));
+                        .spawn(move || reap_vmm(vmm, None));
                 }
                 Err(e) => tracing::warn!(pid, error = %e, "cannot kill a fork child"),
             }
@@ -337,6 +338,8 @@ pub(super) struct ForkedVm {
     seed: Option<u64>,
     /// Its parent's user, and so its own.
     user: Option<VmmUser>,
+    /// Its cgroup's limits (its parent's), where its parent has one.
+    limits: Option<Limits>,
 }
 
 impl ForkedVm {
@@ -361,14 +364,25 @@ impl ForkedVm {
             net: self.net,
             owner: None,
             user: self.user,
+            cgroup: None,
         };
-        let hooked = match vm.control.own() {
-            Ok(owner) => {
-                vm.owner = Some(owner);
-                vm.after_fork_hook(deadline, self.seed)
-            }
-            Err(e) => Err(e.into()),
+        // Into its own cgroup before anything of its caller's runs in it
+        // (it started in its parent's).
+        let placed = match self.limits {
+            Some(limits) => vm_cgroup(vm.dir.path(), limits, true).and_then(|cgroup| {
+                if let Some(c) = &cgroup.0 {
+                    c.add(pid).map_err(|e| VmError::Cgroup(e.to_string()))?;
+                }
+                Ok(cgroup.take())
+            }),
+            None => Ok(None),
         };
+        let hooked = placed.and_then(|cgroup| {
+            vm.cgroup = cgroup;
+            let owner = vm.control.own()?;
+            vm.owner = Some(owner);
+            vm.after_fork_hook(deadline, self.seed)
+        });
         match hooked {
             Ok(()) => {
                 vm.boot_time = self.start.elapsed();
@@ -380,6 +394,10 @@ impl ForkedVm {
                 if let Some(Vmm::Forked { pidfd, pid }) = &vm.vmm {
                     if pidfd_exited(pidfd, Duration::from_secs(10)) {
                         let _ = reap_pid(*pid);
+                        // A replacement makes it again.
+                        if let Some(cgroup) = vm.cgroup.take() {
+                            let _ = cgroup.remove();
+                        }
                     }
                 }
                 let place = Box::new(ForkedVm {
@@ -390,6 +408,7 @@ impl ForkedVm {
                     answered: self.answered,
                     seed: self.seed,
                     user: self.user,
+                    limits: self.limits,
                 });
                 Err((e, place))
             }

@@ -23,6 +23,7 @@ use forkbox_net::log::ReadLogError;
 use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{AfterForkReport, AGENT_PORT};
 
+use crate::cgroup::{Limits, VmCgroup};
 use crate::control::{Control, ControlError};
 use crate::image::{ImageError, ImageName};
 use crate::initramfs::InitramfsError;
@@ -132,6 +133,8 @@ pub enum VmError {
     Shape(#[from] ShapeError),
     #[error("the zygote's warm-up command (`sh -c true`) failed: {0}")]
     WarmUp(String),
+    #[error("the VMM's cgroup: {0}")]
+    Cgroup(String),
 }
 
 /// Where a running VM can be found again by another process: its
@@ -250,6 +253,9 @@ pub struct Vm {
     owner: Option<std::os::unix::net::UnixStream>,
     /// The VMM's own user, if it gave ours up (its fork children share it).
     user: Option<VmmUser>,
+    /// The VMM's own cgroup, where this host gives it one
+    /// ([`crate::cgroup`]); removed once the VMM is reaped.
+    cgroup: Option<VmCgroup>,
 }
 
 impl Vm {
@@ -291,10 +297,25 @@ impl Vm {
     /// mapped `MAP_PRIVATE`, so forks of it are O(1) in memory size.
     /// Dense 2 MiB regions of that file go in huge pages where the host
     /// allows it ([`crate::hugepages`]).
+    ///
+    /// Its cgroup's memory and task limits are lifted: a zygote runs
+    /// nothing, and the kernel charges it the pages its children share with
+    /// it, their page tables and KVM's threads of their VMs
+    /// ([`crate::cgroup`]).
     pub fn make_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
         let memory = self.control.zygote()?;
         self.state = RunState::Zygote;
+        if let Some(cgroup) = &self.cgroup {
+            cgroup
+                .lift_limits_for_zygote()
+                .map_err(|e| VmError::Cgroup(e.to_string()))?;
+        }
         Ok(memory)
+    }
+
+    /// The VMM's cgroup on the host, if this host gives it one.
+    pub fn cgroup(&self) -> Option<&VmCgroup> {
+        self.cgroup.as_ref()
     }
 
     /// [`make_zygote`](Self::make_zygote) after a warm-up command

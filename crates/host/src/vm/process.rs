@@ -294,27 +294,76 @@ impl Drop for Vm {
         let Some(vmm) = self.vmm.take() else {
             return;
         };
+        let cgroup = self.cgroup.take();
         // Reap off the caller's path: a VM's teardown takes 17-88 ms.
         let reaped = std::thread::Builder::new()
             .name("vm-reap".into())
-            .spawn(move || reap_vmm(vmm));
+            .spawn(move || reap_vmm(vmm, cgroup));
         if let Err(e) = reaped {
             tracing::warn!(error = %e, "cannot start a reaper thread");
         }
     }
 }
 
-pub(super) fn reap_vmm(vmm: Vmm) {
-    match vmm {
-        Vmm::Spawned(mut child) => {
-            let _ = child.wait();
-        }
+/// Waits for a VMM that was killed (or ended) and reaps it, then removes
+/// its cgroup.
+pub(super) fn reap_vmm(vmm: Vmm, cgroup: Option<VmCgroup>) {
+    let ended = match vmm {
+        Vmm::Spawned(mut child) => child.wait().is_ok(),
         Vmm::Forked { pid, pidfd } => {
             // Exited (a zombie counts); if it is ours by now, reap it,
             // otherwise its parent VMM does.
-            if pidfd_exited(&pidfd, Duration::from_secs(30)) {
+            let exited = pidfd_exited(&pidfd, Duration::from_secs(30));
+            if exited {
                 let _ = reap_pid(pid);
             }
+            exited
+        }
+    };
+    if let Some(cgroup) = cgroup.filter(|_| ended) {
+        if let Err(e) = cgroup.remove() {
+            tracing::warn!(cgroup = %cgroup.dir().display(), error = %e, "cannot remove a VMM's cgroup");
+        }
+    }
+}
+
+/// The cgroup of a VM still being made: removed if dropped before the VM
+/// takes it (the VMM is then gone: killed and waited for).
+pub(super) struct NewCgroup(pub(super) Option<VmCgroup>);
+
+impl NewCgroup {
+    pub(super) fn dir(&self) -> Option<&Path> {
+        self.0.as_ref().map(VmCgroup::dir)
+    }
+
+    /// Hands the cgroup to the VM made.
+    pub(super) fn take(mut self) -> Option<VmCgroup> {
+        self.0.take()
+    }
+}
+
+impl Drop for NewCgroup {
+    fn drop(&mut self) {
+        if let Some(cgroup) = self.0.take() {
+            let _ = cgroup.remove();
+        }
+    }
+}
+
+/// The cgroup of the VM whose directory is `dir`, named after it, with
+/// `limits`. `None` where this host gives VMMs none (`cgroup::hierarchy`
+/// says why; the daemon said so once at start), unless `required`.
+pub(super) fn vm_cgroup(dir: &Path, limits: Limits, required: bool) -> Result<NewCgroup, VmError> {
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let made = crate::cgroup::hierarchy()
+        .map_err(str::to_owned)
+        .and_then(|h| h.create(name, limits).map_err(|e| e.to_string()));
+    match made {
+        Ok(cgroup) => Ok(NewCgroup(Some(cgroup))),
+        Err(why) if required => Err(VmError::Cgroup(why)),
+        Err(why) => {
+            tracing::debug!("the VMM runs in no cgroup of its own: {why}");
+            Ok(NewCgroup(None))
         }
     }
 }
@@ -351,7 +400,7 @@ impl Vm {
                 by_guest: end.by_guest(),
             });
         }
-        Some(match status {
+        let mut end = match status {
             Ok(status) => VmEnd {
                 how: describe_exit(status),
                 // A VMM that saw the guest end says so in its note first;
@@ -362,7 +411,20 @@ impl Vm {
                 how: format!("forkbox-vmm ended without saying how (killed?): {e}"),
                 by_guest: false,
             },
-        })
+        };
+        if let Some(cgroup) = self.cgroup.as_ref().filter(|c| c.oom_kills() > 0) {
+            let limit = cgroup
+                .limits()
+                .memory_max
+                .map_or("none".to_owned(), |b| format!("{} MiB", b >> 20));
+            end.how = format!(
+                "the kernel's OOM killer ended it: its cgroup reached its memory limit \
+                 ({limit}; {}); {}",
+                cgroup.dir().display(),
+                end.how
+            );
+        }
+        Some(end)
     }
 }
 

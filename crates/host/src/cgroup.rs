@@ -1,0 +1,346 @@
+//! A cgroup (v2) of its own for every VMM on the host, with memory, pids
+//! and CPU limits, so that no sandbox takes the host's memory or CPUs from
+//! the others.
+//!
+//! The cgroups live under one `forkbox` cgroup at the top of the host's
+//! cgroup v2 hierarchy (set up once per process, [`hierarchy`]), each
+//! named after its VM's directory (`forkbox-vm-…`, `forkbox-fork-…`), so
+//! that a restarted daemon finds the one of a VM it adopts. A booted VMM
+//! joins its cgroup itself, first thing (`forkbox-vmm --cgroup`); a fork
+//! child, which starts in its parent's, is moved into its own as soon as
+//! its parent VMM answers the fork, before anything of its caller's runs
+//! in it.
+//!
+//! What the kernel charges where: memory a process allocates stays charged
+//! to the cgroup it was in when it did. So a fork child's page tables and
+//! KVM objects (made during the fork) and the pages its guest writes in
+//! the milliseconds before it is moved count against its parent, and the
+//! pages children share with a zygote count against the zygote. Likewise
+//! a kernel thread KVM makes for a child's VM (`kvm-nx-lpage-recovery-PID`,
+//! where the host mitigates iTLB multihit; kernels before 6.13) is put in
+//! the cgroup the child was in then, its parent's, and stays there. That
+//! is why a running VM's limits leave room beyond its own needs
+//! ([`Limits::for_vm`]) and a zygote's cgroup has no memory or task limit
+//! ([`VmCgroup::lift_limits_for_zygote`]): a zygote runs nothing, and what
+//! is charged to it grows with its children, whose count the daemon
+//! bounds.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
+
+/// The controllers a VMM's cgroup needs.
+const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
+/// The cgroup under which every VMM's is made, at the top of the hierarchy.
+const PARENT: &str = "forkbox";
+/// Room in a running VM's `pids.max` for the KVM threads of the children
+/// it forks (one each, see the module's text).
+pub const TASKS_OF_CHILDREN: u64 = 4096;
+/// The CPU period `cpu.max` is given in, in microseconds (the kernel's
+/// default).
+const CPU_PERIOD_US: u64 = 100_000;
+/// A running VM's memory limit beyond its guest RAM: its VMM's own memory,
+/// and the page tables and KVM objects (about 1.2 MiB each) of the
+/// children it forks while it runs, which the kernel charges to it.
+pub const MEMORY_BEYOND_GUEST: u64 = 512 << 20;
+
+/// The limits of one VMM's cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// `memory.max` in bytes; `None`: no limit.
+    pub memory_max: Option<u64>,
+    /// `pids.max`: its threads, and its fork children until they are moved.
+    pub pids_max: u64,
+    /// `cpu.max` quota per [`CPU_PERIOD_US`], in microseconds.
+    pub cpu_quota_us: u64,
+}
+
+impl Limits {
+    /// The limits of a VM of `vcpus` and `memory_mib`: its guest RAM plus
+    /// [`MEMORY_BEYOND_GUEST`]; its vCPUs plus one for its devices' thread
+    /// in CPU time; and tasks for its own threads, for the children of the
+    /// largest fork request (which start in its cgroup) and for
+    /// [`TASKS_OF_CHILDREN`].
+    pub fn for_vm(vcpus: u8, memory_mib: u32) -> Self {
+        let threads = u64::from(vcpus) + 2;
+        Self {
+            memory_max: Some((u64::from(memory_mib) << 20) + MEMORY_BEYOND_GUEST),
+            pids_max: 32 + (MAX_CHILDREN_PER_FORK as u64 + 1) * threads + TASKS_OF_CHILDREN,
+            cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
+        }
+    }
+}
+
+/// The `forkbox` cgroup this process makes VMMs' cgroups under.
+#[derive(Debug)]
+pub struct Hierarchy {
+    dir: PathBuf,
+}
+
+/// The `forkbox` cgroup, set up on first use: found under the host's
+/// cgroup v2 mount, made if missing, with the memory, pids and CPU
+/// controllers enabled for its children. `Err` says what is missing (a
+/// host with no cgroup v2, or one whose controllers are with cgroup v1, or
+/// a process that may not write there) and is the same for the life of
+/// the process.
+pub fn hierarchy() -> Result<&'static Hierarchy, &'static str> {
+    static ONCE: OnceLock<Result<Hierarchy, String>> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        let root = cgroup2_mount(&mountinfo).ok_or("no cgroup v2 file system is mounted")?;
+        Hierarchy::set_up(&root)
+    })
+    .as_ref()
+    .map_err(String::as_str)
+}
+
+impl Hierarchy {
+    fn set_up(root: &Path) -> Result<Self, String> {
+        let available = std::fs::read_to_string(root.join("cgroup.controllers"))
+            .map_err(|e| format!("cannot read {}/cgroup.controllers: {e}", root.display()))?;
+        let missing: Vec<&str> = CONTROLLERS
+            .iter()
+            .copied()
+            .filter(|c| !available.split_whitespace().any(|a| a == *c))
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "cgroup v2 at {} lacks the {} controller(s) (in use by cgroup v1?)",
+                root.display(),
+                missing.join(", ")
+            ));
+        }
+        let dir = root.join(PARENT);
+        enable_controllers(root)?;
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("cannot make the cgroup {}: {e}", dir.display())),
+        }
+        enable_controllers(&dir)?;
+        Ok(Self { dir })
+    }
+
+    /// The directory of the `forkbox` cgroup.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Makes (or, if it is there, takes) the cgroup `name` and sets its
+    /// `limits`.
+    pub fn create(&self, name: &str, limits: Limits) -> io::Result<VmCgroup> {
+        let cgroup = self.existing(name, limits)?;
+        match std::fs::create_dir(&cgroup.dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        cgroup.set_memory_max(limits.memory_max)?;
+        cgroup.write("pids.max", &limits.pids_max.to_string())?;
+        cgroup.write(
+            "cpu.max",
+            &format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+        )?;
+        Ok(cgroup)
+    }
+
+    /// Removes the cgroup `name` if it is there and empty (the kernel
+    /// refuses to remove one with a process in it).
+    pub fn remove(&self, name: &str) -> io::Result<()> {
+        self.existing(name, Limits::for_vm(1, 0))?.remove()
+    }
+
+    /// The cgroup `name` (made by [`create`](Self::create), maybe by
+    /// another process: a daemon adopting VMs), not checked for; `limits`
+    /// are what its VM's fork children get.
+    pub fn existing(&self, name: &str, limits: Limits) -> io::Result<VmCgroup> {
+        if name.is_empty() || name.contains('/') || name.starts_with('.') {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} cannot name a cgroup"),
+            ));
+        }
+        Ok(VmCgroup {
+            dir: self.dir.join(name),
+            limits,
+        })
+    }
+}
+
+/// One VMM's cgroup. Removed by [`remove`](Self::remove) once its
+/// processes have ended, not when dropped (a VM handed to another process
+/// keeps it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmCgroup {
+    dir: PathBuf,
+    limits: Limits,
+}
+
+impl VmCgroup {
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The limits it was made with (a zygote's memory limit lifted since),
+    /// which its VM's fork children get.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Moves the process `pid`, all its threads, into this cgroup.
+    pub fn add(&self, pid: u32) -> io::Result<()> {
+        self.write("cgroup.procs", &pid.to_string())
+    }
+
+    /// Removes the memory and task limits (a VM that became a zygote);
+    /// its CPU limit stays.
+    pub fn lift_limits_for_zygote(&self) -> io::Result<()> {
+        self.set_memory_max(None)?;
+        self.write("pids.max", "max")
+    }
+
+    fn set_memory_max(&self, bytes: Option<u64>) -> io::Result<()> {
+        let value = bytes.map_or_else(|| "max".to_owned(), |b| b.to_string());
+        self.write("memory.max", &value)
+    }
+
+    /// Times the kernel's OOM killer ended a process of this cgroup because
+    /// it reached its memory limit (`oom_kill` in `memory.events`).
+    pub fn oom_kills(&self) -> u64 {
+        std::fs::read_to_string(self.dir.join("memory.events"))
+            .ok()
+            .and_then(|events| {
+                events.lines().find_map(|l| {
+                    l.strip_prefix("oom_kill ")
+                        .and_then(|n| n.trim().parse().ok())
+                })
+            })
+            .unwrap_or(0)
+    }
+
+    /// The processes in it.
+    pub fn pids(&self) -> io::Result<Vec<u32>> {
+        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs"))?;
+        Ok(procs
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect())
+    }
+
+    /// Removes the cgroup, waiting up to a second for processes that are
+    /// ending to leave it. Gone already is not an error.
+    pub fn remove(&self) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            match std::fs::remove_dir(&self.dir) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e)
+                    if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
+                        && tries < 50 =>
+                {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn write(&self, file: &str, value: &str) -> io::Result<()> {
+        std::fs::write(self.dir.join(file), value).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot write {value:?} to {}/{file}: {e}",
+                    self.dir.display()
+                ),
+            )
+        })
+    }
+}
+
+/// Enables [`CONTROLLERS`] for the children of the cgroup `dir` (a no-op
+/// where they are).
+fn enable_controllers(dir: &Path) -> Result<(), String> {
+    let file = dir.join("cgroup.subtree_control");
+    let enabled = std::fs::read_to_string(&file).unwrap_or_default();
+    let wanted: Vec<String> = CONTROLLERS
+        .iter()
+        .filter(|c| !enabled.split_whitespace().any(|e| e == **c))
+        .map(|c| format!("+{c}"))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    std::fs::write(&file, wanted.join(" ")).map_err(|e| {
+        format!(
+            "cannot enable {} in {}: {e}",
+            wanted.join(" "),
+            file.display()
+        )
+    })
+}
+
+/// Where the cgroup v2 file system is mounted, from a
+/// `/proc/self/mountinfo` text (the first such mount).
+fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (mount, fs) = line.split_once(" - ")?;
+        if fs.split(' ').next()? != "cgroup2" {
+            return None;
+        }
+        // Fields: id, parent id, major:minor, root, mount point, ...
+        let point = mount.split(' ').nth(4)?;
+        Some(PathBuf::from(point.replace("\\040", " ")))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup2_mount_is_found_among_v1_mounts() {
+        let hybrid = "\
+30 25 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw
+32 30 0:28 / /sys/fs/cgroup/memory rw,nosuid shared:11 - cgroup cgroup rw,memory
+";
+        assert_eq!(
+            cgroup2_mount(hybrid),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        let v1_only = "32 30 0:28 / /sys/fs/cgroup/memory rw shared:11 - cgroup cgroup rw,memory\n";
+        assert_eq!(cgroup2_mount(v1_only), None);
+    }
+
+    #[test]
+    fn limits_leave_room_for_the_vmm_and_a_whole_fork_request() {
+        let l = Limits::for_vm(2, 512);
+        assert_eq!(l.memory_max, Some((512 << 20) + MEMORY_BEYOND_GUEST));
+        assert_eq!(l.cpu_quota_us, 3 * CPU_PERIOD_US);
+        // A request's children start in the parent's cgroup, each with a
+        // main thread and its vCPUs.
+        assert!(l.pids_max > (MAX_CHILDREN_PER_FORK as u64) * 3, "{l:?}");
+    }
+
+    #[test]
+    fn a_cgroup_name_is_one_plain_component() {
+        let h = Hierarchy {
+            dir: PathBuf::from("/sys/fs/cgroup/forkbox"),
+        };
+        let l = Limits::for_vm(1, 64);
+        for bad in ["", "..", ".hidden", "a/b", "../x"] {
+            assert!(h.existing(bad, l).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            h.existing("forkbox-vm-x", l).expect("plain").dir(),
+            Path::new("/sys/fs/cgroup/forkbox/forkbox-vm-x")
+        );
+    }
+}
