@@ -57,6 +57,8 @@ struct Held {
     fds: usize,
     /// VM directories in the temporary directory, by name.
     vm_dirs: Vec<String>,
+    /// VMMs' cgroups (named after their directories), where VMMs get them.
+    cgroups: Vec<String>,
     mem_available_kib: u64,
 }
 
@@ -86,10 +88,21 @@ impl Held {
                     .collect()
             })
             .unwrap_or_default();
+        let cgroups = forkbox_host::cgroup::hierarchy()
+            .ok()
+            .and_then(|h| std::fs::read_dir(h.dir()).ok())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|name| is_vm_dir(name))
+                    .collect()
+            })
+            .unwrap_or_default();
         Self {
             vmm_processes,
             fds,
             vm_dirs,
+            cgroups,
             mem_available_kib: mem_available_kib().unwrap_or(0),
         }
     }
@@ -240,6 +253,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         if now.vmm_processes > before.vmm_processes
             || now.fds > before.fds
             || now.vm_dirs.iter().any(|d| !before.vm_dirs.contains(d))
+            || now.cgroups.iter().any(|c| !before.cgroups.contains(c))
         {
             ControlFlow::Continue(now)
         } else {
@@ -266,6 +280,11 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             format!("{d}: [{}]", files.join(", "))
         })
         .collect();
+    let leaked_cgroups: Vec<&String> = after
+        .cgroups
+        .iter()
+        .filter(|c| !before.cgroups.contains(c))
+        .collect();
     let tally = tally.into_inner().unwrap_or_else(|p| p.into_inner());
     let lost: usize = tally.lost.values().sum();
     let stats =
@@ -288,6 +307,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             "fds": after.fds as i64 - before.fds as i64,
             "vm_dirs": leaked_dirs.len(),
             "vm_dirs_left": leaked_dirs,
+            "cgroups": leaked_cgroups.len(),
+            "cgroups_left": leaked_cgroups,
             "mem_available_kib_drop": before.mem_available_kib as i64 - after.mem_available_kib as i64,
         },
     }))

@@ -112,7 +112,8 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
             let clean = report["lost_children"] == 0
                 && report["leaks"]["vmm_processes"] == 0
                 && report["leaks"]["fds"] == 0
-                && report["leaks"]["vm_dirs"] == 0;
+                && report["leaks"]["vm_dirs"] == 0
+                && report["leaks"]["cgroups"] == 0;
             print_report(opts.json, report);
             Ok(if clean { 0 } else { 1 })
         }

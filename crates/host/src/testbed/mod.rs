@@ -450,10 +450,11 @@ enum Pumped {
     Wedged(Duration),
 }
 
-/// How often the emulated CPUs are sampled, and how long one may show
-/// the same instruction with an interrupt owed before its host is given
-/// up ([`wedge`]).
-const WEDGE_SAMPLE_EVERY: Duration = Duration::from_secs(15);
+/// How often the emulated CPUs are sampled (a CPU that shows the same
+/// instruction with an interrupt owed in two samples in a row is nudged:
+/// a stall of 3 to 6 s, under the guest-side timeouts of 10 s and more),
+/// and how long one may stay so before its host is given up ([`wedge`]).
+const WEDGE_SAMPLE_EVERY: Duration = Duration::from_secs(3);
 const WEDGED_AFTER: Duration = Duration::from_secs(60);
 
 /// Samples an emulated host's CPUs through its monitor.
