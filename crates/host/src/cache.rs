@@ -64,16 +64,29 @@ pub fn lock(name: &str) -> std::io::Result<std::fs::File> {
     Ok(file)
 }
 
-/// A sibling path to build into before renaming onto `path`.
+/// A sibling path to build into before renaming onto `path`, its own to
+/// this call: two threads of one process building the same entry at once
+/// (two test-bed shards preparing their initramfs) must not share one, or
+/// the second rename finds the first's staging file gone.
 pub fn staging_path(path: &Path) -> PathBuf {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp-{}", std::process::id()));
+    name.push(format!(".tmp-{}-{call}", std::process::id()));
     path.with_file_name(name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn staging_paths_differ_between_calls_of_one_process() {
+        let out = Path::new("/cache/initramfs/testbed-abc.cpio");
+        let (a, b) = (staging_path(out), staging_path(out));
+        assert_ne!(a, b);
+        assert_eq!(a.parent(), out.parent());
+    }
 
     #[test]
     fn key_same_inputs_same_digest() {
