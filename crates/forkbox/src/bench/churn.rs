@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -80,23 +81,20 @@ impl Held {
             })
             .unwrap_or(0);
         let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-        let vm_dirs = std::fs::read_dir(std::env::temp_dir())
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|name| is_vm_dir(name))
-                    .collect()
-            })
-            .unwrap_or_default();
+        // VM directories, and VMMs' cgroups named after them.
+        let vm_names_in = |dir: &Path| -> Vec<String> {
+            std::fs::read_dir(dir)
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .filter(|name| is_vm_dir(name))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let vm_dirs = vm_names_in(&std::env::temp_dir());
         let cgroups = forkbox_host::cgroup::hierarchy()
-            .ok()
-            .and_then(|h| std::fs::read_dir(h.dir()).ok())
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|name| is_vm_dir(name))
-                    .collect()
-            })
+            .map(|h| vm_names_in(h.dir()))
             .unwrap_or_default();
         Self {
             vmm_processes,
