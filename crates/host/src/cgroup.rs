@@ -151,23 +151,28 @@ impl Hierarchy {
     /// Removes the cgroup `name` if it is there and empty (the kernel
     /// refuses to remove one with a process in it).
     pub fn remove(&self, name: &str) -> io::Result<()> {
-        self.existing(name, Limits::for_vm(1, 0))?.remove()
+        remove_dir(&self.path_of(name)?)
     }
 
     /// The cgroup `name` (made by [`create`](Self::create), maybe by
     /// another process: a daemon adopting VMs), not checked for; `limits`
     /// are what its VM's fork children get.
     pub fn existing(&self, name: &str, limits: Limits) -> io::Result<VmCgroup> {
+        Ok(VmCgroup {
+            dir: self.path_of(name)?,
+            limits,
+        })
+    }
+
+    /// The directory of the cgroup `name`, one plain path component.
+    fn path_of(&self, name: &str) -> io::Result<PathBuf> {
         if name.is_empty() || name.contains('/') || name.starts_with('.') {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("{name:?} cannot name a cgroup"),
             ));
         }
-        Ok(VmCgroup {
-            dir: self.dir.join(name),
-            limits,
-        })
+        Ok(self.dir.join(name))
     }
 }
 
@@ -185,8 +190,8 @@ impl VmCgroup {
         &self.dir
     }
 
-    /// The limits it was made with (a zygote's memory limit lifted since),
-    /// which its VM's fork children get.
+    /// The limits it was made with (a zygote's memory and task limits
+    /// lifted since), which its VM's fork children get.
     pub fn limits(&self) -> Limits {
         self.limits
     }
@@ -231,24 +236,9 @@ impl VmCgroup {
             .collect())
     }
 
-    /// Removes the cgroup, waiting up to a second for processes that are
-    /// ending to leave it. Gone already is not an error.
+    /// Removes the cgroup once its processes have left ([`remove_dir`]).
     pub fn remove(&self) -> io::Result<()> {
-        let mut tries = 0;
-        loop {
-            match std::fs::remove_dir(&self.dir) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-                Err(e)
-                    if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
-                        && tries < 50 =>
-                {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        remove_dir(&self.dir)
     }
 
     fn write(&self, file: &str, value: &str) -> io::Result<()> {
@@ -261,6 +251,26 @@ impl VmCgroup {
                 ),
             )
         })
+    }
+}
+
+/// Removes the cgroup directory `dir`, waiting up to a second for processes
+/// that are ending to leave it. Gone already is not an error.
+fn remove_dir(dir: &Path) -> io::Result<()> {
+    let mut tries = 0;
+    loop {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e)
+                if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
+                    && tries < 50 =>
+            {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
