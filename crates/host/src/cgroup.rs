@@ -6,26 +6,28 @@
 //! cgroup v2 hierarchy (set up once per process, [`hierarchy`]), each
 //! named after its VM's directory (`forkbox-vm-…`, `forkbox-fork-…`), so
 //! that a restarted daemon finds the one of a VM it adopts. A booted VMM
-//! joins its cgroup itself, first thing (`forkbox-vmm --cgroup`); a fork
-//! child, which starts in its parent's, is moved into its own as soon as
-//! its parent VMM answers the fork, before anything of its caller's runs
-//! in it.
+//! joins its cgroup itself, first thing (`forkbox-vmm --cgroup`). A fork
+//! child starts in its parent's (`fork()` puts it there) and joins its own
+//! first thing after the fork, before it builds its VM: the host makes the
+//! child's cgroup before the fork request and sends its `cgroup.procs`,
+//! opened, with the request ([`VmCgroup::procs_for_joining`]; a jailed VMM
+//! may not open it, but the kernel checks the rights of whoever opened it).
 //!
 //! What the kernel charges where: memory a process allocates stays charged
-//! to the cgroup it was in when it did. So a fork child's page tables and
-//! KVM objects (made during the fork) and the pages its guest writes in
-//! the milliseconds before it is moved count against its parent, and the
-//! pages children share with a zygote count against the zygote. Likewise
-//! a kernel thread KVM makes for a child's VM (`kvm-nx-lpage-recovery-PID`,
-//! where the host mitigates iTLB multihit; kernels before 6.13) is put in
-//! the cgroup the child was in then, its parent's, and stays there. That
-//! is why a running VM's limits leave room beyond its own needs
-//! ([`Limits::for_vm`]) and a zygote's cgroup has no memory or task limit
+//! to the cgroup it was in when it did. So a fork child's KVM objects, page
+//! tables and vCPU threads count against its own cgroup, and so does the
+//! kernel thread KVM makes for its VM (`kvm-nx-lpage-recovery`, where the
+//! host mitigates iTLB multihit), which goes to the cgroup of whoever made
+//! the VM. What `fork()` itself allocates (the child's task and its copy
+//! of the VMM's own page tables, some tens of KiB) counts against the
+//! parent, and the pages children share with a zygote count against the
+//! zygote. That is why a zygote's cgroup has no memory or task limit
 //! ([`VmCgroup::lift_limits_for_zygote`]): a zygote runs nothing, and what
 //! is charged to it grows with its children, whose count the daemon
 //! bounds.
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -36,15 +38,12 @@ use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
 const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
 /// The cgroup under which every VMM's is made, at the top of the hierarchy.
 const PARENT: &str = "forkbox";
-/// Room in a running VM's `pids.max` for the KVM threads of the children
-/// it forks (one each, see the module's text).
-pub const TASKS_OF_CHILDREN: u64 = 4096;
 /// The CPU period `cpu.max` is given in, in microseconds (the kernel's
 /// default).
 const CPU_PERIOD_US: u64 = 100_000;
 /// A running VM's memory limit beyond its guest RAM: its VMM's own memory,
-/// and the page tables and KVM objects (about 1.2 MiB each) of the
-/// children it forks while it runs, which the kernel charges to it.
+/// its KVM objects and page tables, and what `fork()` charges it for each
+/// child it forks while it runs.
 pub const MEMORY_BEYOND_GUEST: u64 = 512 << 20;
 
 /// The limits of one VMM's cgroup.
@@ -52,7 +51,8 @@ pub const MEMORY_BEYOND_GUEST: u64 = 512 << 20;
 pub struct Limits {
     /// `memory.max` in bytes; `None`: no limit.
     pub memory_max: Option<u64>,
-    /// `pids.max`: its threads, and its fork children until they are moved.
+    /// `pids.max`: its threads, and its fork children until they join
+    /// their own.
     pub pids_max: u64,
     /// `cpu.max` quota per [`CPU_PERIOD_US`], in microseconds.
     pub cpu_quota_us: u64,
@@ -61,14 +61,14 @@ pub struct Limits {
 impl Limits {
     /// The limits of a VM of `vcpus` and `memory_mib`: its guest RAM plus
     /// [`MEMORY_BEYOND_GUEST`]; its vCPUs plus one for its devices' thread
-    /// in CPU time; and tasks for its own threads, for the children of the
-    /// largest fork request (which start in its cgroup) and for
-    /// [`TASKS_OF_CHILDREN`].
+    /// in CPU time; and tasks for its own threads (its vCPUs, its main and
+    /// helper threads, KVM's thread for its VM) and for the children of
+    /// the largest fork request, which start in its cgroup, one task each,
+    /// until they join their own.
     pub fn for_vm(vcpus: u8, memory_mib: u32) -> Self {
-        let threads = u64::from(vcpus) + 2;
         Self {
             memory_max: Some((u64::from(memory_mib) << 20) + MEMORY_BEYOND_GUEST),
-            pids_max: 32 + (MAX_CHILDREN_PER_FORK as u64 + 1) * threads + TASKS_OF_CHILDREN,
+            pids_max: 32 + u64::from(vcpus) + MAX_CHILDREN_PER_FORK as u64,
             cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
         }
     }
@@ -199,6 +199,18 @@ impl VmCgroup {
     /// Moves the process `pid`, all its threads, into this cgroup.
     pub fn add(&self, pid: u32) -> io::Result<()> {
         self.write("cgroup.procs", &pid.to_string())
+    }
+
+    /// Its `cgroup.procs`, open for writing: a process that may not move
+    /// itself (a jailed VMM's fork child) joins the cgroup by writing "0"
+    /// to it, since the kernel checks the rights of whoever opened it.
+    pub fn procs_for_joining(&self) -> io::Result<OwnedFd> {
+        let path = self.dir.join("cgroup.procs");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map(OwnedFd::from)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))
     }
 
     /// Removes the memory and task limits (a VM that became a zygote);
@@ -334,9 +346,9 @@ mod tests {
         let l = Limits::for_vm(2, 512);
         assert_eq!(l.memory_max, Some((512 << 20) + MEMORY_BEYOND_GUEST));
         assert_eq!(l.cpu_quota_us, 3 * CPU_PERIOD_US);
-        // A request's children start in the parent's cgroup, each with a
-        // main thread and its vCPUs.
-        assert!(l.pids_max > (MAX_CHILDREN_PER_FORK as u64) * 3, "{l:?}");
+        // A request's children start in the parent's cgroup, one task
+        // each until they join their own; the parent's threads besides.
+        assert!(l.pids_max >= MAX_CHILDREN_PER_FORK as u64 + 2 + 3, "{l:?}");
     }
 
     #[test]

@@ -2,16 +2,19 @@
 //! one JSON line each way. The requests and answers are
 //! `forkbox-vmm-api`'s; this module only carries them.
 
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, IoSlice, Write};
+use std::mem::MaybeUninit;
 use std::ops::ControlFlow;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use forkbox_vmm_api::{
     decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, Snapshotted, Status,
-    Then, Vcpus, VmmCounters, ZygoteMemory,
+    Then, Vcpus, VmmCounters, ZygoteMemory, MAX_CHILDREN_PER_FORK,
 };
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use serde::de::DeserializeOwned;
 
 use crate::poll::{self, TimedOut};
@@ -86,14 +89,19 @@ impl Control {
         self.call(&Request::Zygote)
     }
 
-    /// Forks the VM; one entry per requested child, in order.
+    /// Forks the VM; one entry per requested child, in order. `cgroups`
+    /// are the open `cgroup.procs` of the children that join a cgroup
+    /// (`ChildSpec::joins_cgroup`), in their order, sent with the request.
     pub fn fork(
         &self,
         children: Vec<ChildSpec>,
         then: Then,
+        cgroups: &[OwnedFd],
     ) -> Result<Vec<ChildResult>, ControlError> {
         let asked = children.len();
-        let forked: Forked = self.call(&Request::Fork { children, then })?;
+        let fds: Vec<BorrowedFd<'_>> = cgroups.iter().map(AsFd::as_fd).collect();
+        let (_, forked): (_, Forked) =
+            self.exchange_with(&Request::Fork { children, then }, &fds, ANSWER_TIMEOUT)?;
         if forked.children.len() != asked {
             return Err(ControlError::Malformed {
                 op: "fork",
@@ -164,11 +172,24 @@ impl Control {
         req: &Request,
         timeout: Duration,
     ) -> Result<(UnixStream, T), ControlError> {
+        self.exchange_with(req, &[], timeout)
+    }
+
+    /// [`exchange`](Self::exchange), with `fds` sent along (`SCM_RIGHTS`,
+    /// with the request's first bytes).
+    fn exchange_with<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        fds: &[BorrowedFd<'_>],
+        timeout: Duration,
+    ) -> Result<(UnixStream, T), ControlError> {
         let op = req.op();
         let stream = self.connect()?;
         let io_err = |source| ControlError::Io { op, source };
         stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-        (&stream).write_all(&req.to_line()).map_err(io_err)?;
+        let line = req.to_line();
+        let sent = send_with_fds(&stream, &line, fds).map_err(io_err)?;
+        (&stream).write_all(&line[sent..]).map_err(io_err)?;
         let mut answer = String::new();
         BufReader::new(&stream)
             .read_line(&mut answer)
@@ -198,6 +219,39 @@ impl Control {
             path: self.path.clone(),
             source,
         })
+    }
+}
+
+/// Sends the start of `bytes` with `fds` (`SCM_RIGHTS`, at most a fork
+/// request's worth); returns how many bytes went (the rest follow as
+/// plain writes). Without fds, nothing is sent here.
+fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    if fds.is_empty() {
+        return Ok(0);
+    }
+    if fds.len() > MAX_CHILDREN_PER_FORK {
+        return Err(io::Error::other(format!(
+            "{} descriptors for one request; at most {MAX_CHILDREN_PER_FORK}",
+            fds.len()
+        )));
+    }
+    let mut space =
+        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_CHILDREN_PER_FORK))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("no room for the descriptors"));
+    }
+    loop {
+        match rustix::net::sendmsg(
+            stream,
+            &[IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => return Ok(n),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 

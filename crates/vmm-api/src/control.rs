@@ -10,7 +10,10 @@
 //! - `{"op":"pause"}`, `{"op":"resume"}`
 //! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P,"net_broker":P}, ...],"then":"resume"|"pause"}`
 //!   (`net_log`: the child's own egress log, without it the child has none;
-//!   `net_broker`: the child's own broker, without it the parent's)
+//!   `net_broker`: the child's own broker, without it the parent's;
+//!   `"joins_cgroup":true`: the request carries, as `SCM_RIGHTS`, an open
+//!   `cgroup.procs` of the child's own cgroup, one per such child in the
+//!   children's order, which the child joins before it builds its VM)
 //! - `{"op":"zygote"}`
 //! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
 //! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
@@ -56,6 +59,12 @@ pub struct ChildSpec {
     /// The child's own network broker; without it the parent's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net_broker: Option<PathBuf>,
+    /// An open `cgroup.procs` of the child's own cgroup comes with the
+    /// request (`SCM_RIGHTS`): the child writes itself into it first
+    /// thing, so that what it allocates (its KVM objects, page tables,
+    /// KVM's kernel thread for its VM) is charged there, not to its parent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub joins_cgroup: bool,
 }
 
 /// One control request.
@@ -415,7 +424,7 @@ mod tests {
     #[test]
     fn request_fork_parses_children_and_then() {
         let r = parse(
-            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n","net_broker":"/b"},{"control":"/c2"}],"then":"pause"}"#,
+            br#"{"op":"fork","children":[{"control":"/c","vsock_uds":"/v","serial_log":"/s","net_log":"/n","net_broker":"/b"},{"control":"/c2","joins_cgroup":true}],"then":"pause"}"#,
         )
         .expect("valid");
         assert_eq!(
@@ -428,6 +437,7 @@ mod tests {
                         serial_log: Some("/s".into()),
                         net_log: Some("/n".into()),
                         net_broker: Some("/b".into()),
+                        joins_cgroup: false,
                     },
                     ChildSpec {
                         control: "/c2".into(),
@@ -435,6 +445,7 @@ mod tests {
                         serial_log: None,
                         net_log: None,
                         net_broker: None,
+                        joins_cgroup: true,
                     }
                 ],
                 then: Then::Pause
@@ -478,6 +489,7 @@ mod tests {
             serial_log: None,
             net_log: None,
             net_broker: None,
+            joins_cgroup: false,
         };
         let fork = |n| Request::Fork {
             children: vec![child.clone(); n],
@@ -505,6 +517,7 @@ mod tests {
                 serial_log: Some("/s".into()),
                 net_log: None,
                 net_broker: None,
+                joins_cgroup: false,
             }],
             then: Then::Pause,
         };

@@ -94,8 +94,9 @@ pub struct Args {
     #[arg(long, value_parser = parse_user)]
     pub run_as: Option<(u32, u32)>,
     /// Join this cgroup (a cgroup v2 directory, made with its limits by
-    /// the caller) first thing, before opening anything; fork children
-    /// start in it and are moved by the caller.
+    /// the caller) first thing, before opening anything; a fork child
+    /// joins its own first thing after the fork, through the cgroup's
+    /// `cgroup.procs` the caller sends, opened, with the fork request.
     #[arg(long)]
     pub cgroup: Option<PathBuf>,
 }

@@ -82,6 +82,18 @@ pub fn close_inherited(keep: &[RawFd]) {
     }
 }
 
+/// Moves this process into the cgroup whose `cgroup.procs` is `procs`
+/// (opened by whoever may move it: the kernel checks the opener's rights),
+/// then closes it.
+pub fn join_cgroup(procs: OwnedFd) -> std::io::Result<()> {
+    // "0" is the writer itself, all its threads (a fork child has one).
+    let n = rustix::io::write(&procs, b"0")?;
+    if n != 1 {
+        return Err(std::io::Error::other("short write to cgroup.procs"));
+    }
+    Ok(())
+}
+
 /// The child reports it is ready (its control socket listens).
 pub fn report_ready(ready: OwnedFd) {
     let mut f = std::fs::File::from(ready);

@@ -574,7 +574,8 @@ pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
 }
 
 /// Every VMM runs in a cgroup of its own under `forkbox` (a fork child
-/// moved into its own before its after-fork hook), with the memory, pids
+/// joins its own before it builds its VM, so KVM's kernel thread for the
+/// child's VM is made there, not in its parent's), with the memory, pids
 /// and CPU limits of its shape; a zygote's memory limit is lifted; a VMM
 /// that reaches its memory limit is ended by the kernel alone, and says
 /// so; each cgroup is removed once its VMM is gone.
@@ -621,14 +622,20 @@ pub(crate) fn vmm_runs_in_a_cgroup_of_its_own_whose_limits_hold() -> TestResult 
                 )
             })
             .collect();
-        // Besides the VMM: KVM's kernel threads of its children's VMs,
-        // made in its cgroup before the children were moved.
-        let others_are_kvm_threads = described
+        // Besides the VMM, at most KVM's kernel thread for its own VM
+        // (`kvm-nx-lpage-recovery`, where the host mitigates iTLB
+        // multihit), made in the cgroup of whoever made the VM: a fork
+        // child's would be in its parent's had it not joined its own first.
+        let others: Vec<&String> = described
             .iter()
             .filter(|d| !d.starts_with(&format!("{pid}:")))
-            .all(|d| d.contains("(kvm-") && d.ends_with(" S 2"));
+            .collect();
+        let others_are_its_kvm_thread = others.len() <= 1
+            && others
+                .iter()
+                .all(|d| d.contains("(kvm-") && d.ends_with(" S 2"));
         check(
-            procs.contains(&pid) && others_are_kvm_threads,
+            procs.contains(&pid) && others_are_its_kvm_thread,
             format!("{what} VMM {pid}: its cgroup holds {described:?}"),
         )?;
         let own =

@@ -124,12 +124,30 @@ impl Vm {
             RunState::Running => Some(PausedWhileForking::pause(&self.control)?),
             RunState::Paused | RunState::Zygote => None,
         };
+        // Each child's own cgroup, with its parent's limits, made first:
+        // the child joins it before it builds its VM.
+        let limits = self.cgroup.as_ref().map(VmCgroup::limits);
+        let cgroups = dirs
+            .iter()
+            .map(|d| child_cgroup(d.path(), limits))
+            .collect::<Result<Vec<_>, _>>()?;
+        let procs = cgroups
+            .iter()
+            .map(NewCgroup::procs_for_joining)
+            .collect::<Result<Vec<_>, _>>()?;
         // The VMM takes at most this many children per request. Should a
         // later request fail, the children of the earlier ones are killed.
         let mut answers = Vec::with_capacity(n);
+        let mut procs = procs.into_iter();
         for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
-            let specs = batch.iter().map(ChildPaths::spec).collect();
-            match self.control.fork(specs, Then::Pause) {
+            let batch_procs: Vec<Option<OwnedFd>> = procs.by_ref().take(batch.len()).collect();
+            let specs = batch
+                .iter()
+                .zip(&batch_procs)
+                .map(|(p, fd)| p.spec(fd.is_some()))
+                .collect();
+            let fds: Vec<OwnedFd> = batch_procs.into_iter().flatten().collect();
+            match self.control.fork(specs, Then::Pause, &fds) {
                 Ok(a) => answers.extend(a),
                 Err(e) => {
                     kill_forked(&answers);
@@ -155,8 +173,9 @@ impl Vm {
                 .zip(dirs)
                 .zip(paths)
                 .zip(nets)
+                .zip(cgroups)
                 .enumerate()
-                .map(|(index, (((held, dir), paths), net))| {
+                .map(|(index, ((((held, dir), paths), net), cgroup))| {
                     scope.spawn(move || {
                         let child = ForkedVm {
                             dir,
@@ -166,7 +185,8 @@ impl Vm {
                             answered,
                             seed: opts.seeds.get(index).copied(),
                             user: self.user,
-                            limits: self.cgroup.as_ref().map(VmCgroup::limits),
+                            cgroup,
+                            limits,
                         };
                         let first = match held {
                             Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
@@ -338,7 +358,10 @@ pub(super) struct ForkedVm {
     seed: Option<u64>,
     /// Its parent's user, and so its own.
     user: Option<VmmUser>,
-    /// Its cgroup's limits (its parent's), where its parent has one.
+    /// Its own cgroup, made before it was forked, which it joined itself.
+    cgroup: NewCgroup,
+    /// Its cgroup's limits (its parent's), where its parent has one: a
+    /// replacement's cgroup gets them.
     limits: Option<Limits>,
 }
 
@@ -364,22 +387,10 @@ impl ForkedVm {
             net: self.net,
             owner: None,
             user: self.user,
-            cgroup: None,
+            // It joined its cgroup itself, first thing after the fork.
+            cgroup: self.cgroup.take(),
         };
-        // Into its own cgroup before anything of its caller's runs in it
-        // (it started in its parent's).
-        let placed = match self.limits {
-            Some(limits) => vm_cgroup(vm.dir.path(), limits, true).and_then(|cgroup| {
-                if let Some(c) = &cgroup.0 {
-                    c.add(pid).map_err(|e| VmError::Cgroup(e.to_string()))?;
-                }
-                Ok(cgroup.take())
-            }),
-            None => Ok(None),
-        };
-        let hooked = placed.and_then(|cgroup| {
-            vm.cgroup = cgroup;
-            let owner = vm.control.own()?;
+        let hooked = vm.control.own().map_err(VmError::from).and_then(|owner| {
             vm.owner = Some(owner);
             vm.after_fork_hook(deadline, self.seed)
         });
@@ -408,6 +419,8 @@ impl ForkedVm {
                     answered: self.answered,
                     seed: self.seed,
                     user: self.user,
+                    // A replacement makes its own.
+                    cgroup: NewCgroup(None),
                     limits: self.limits,
                 });
                 Err((e, place))
@@ -418,7 +431,7 @@ impl ForkedVm {
     /// Forks one new child of the parent's (unchanged) state into this
     /// place, keeping the lost child's serial log as `serial.log.lost`.
     pub(super) fn replace(
-        self,
+        mut self,
         parent: &Control,
         deadline: Duration,
         why: String,
@@ -435,8 +448,11 @@ impl ForkedVm {
             first: why.clone(),
             error,
         };
+        self.cgroup = child_cgroup(self.dir.path(), self.limits)?;
+        let procs: Vec<OwnedFd> = self.cgroup.procs_for_joining()?.into_iter().collect();
+        let spec = self.paths.spec(!procs.is_empty());
         let answer = parent
-            .fork(vec![self.paths.spec()], Then::Pause)
+            .fork(vec![spec], Then::Pause, &procs)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
             Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),

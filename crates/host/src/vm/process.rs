@@ -148,9 +148,11 @@ pub(super) struct ChildPaths {
 }
 
 impl ChildPaths {
-    /// The fork request's entry for a child in these paths.
-    pub(super) fn spec(&self) -> ChildSpec {
+    /// The fork request's entry for a child in these paths, which joins
+    /// its own cgroup if `joins_cgroup` (its `cgroup.procs` sent along).
+    pub(super) fn spec(&self, joins_cgroup: bool) -> ChildSpec {
         ChildSpec {
+            joins_cgroup,
             control: self.control.clone(),
             vsock_uds: Some(self.vsock_uds.clone()),
             serial_log: Some(self.serial_log.clone()),
@@ -340,6 +342,16 @@ impl NewCgroup {
     pub(super) fn take(mut self) -> Option<VmCgroup> {
         self.0.take()
     }
+
+    /// What a fork child joins it by ([`VmCgroup::procs_for_joining`]);
+    /// `None` without a cgroup.
+    pub(super) fn procs_for_joining(&self) -> Result<Option<OwnedFd>, VmError> {
+        self.0
+            .as_ref()
+            .map(VmCgroup::procs_for_joining)
+            .transpose()
+            .map_err(|e| VmError::Cgroup(e.to_string()))
+    }
 }
 
 impl Drop for NewCgroup {
@@ -347,6 +359,15 @@ impl Drop for NewCgroup {
         if let Some(cgroup) = self.0.take() {
             let _ = cgroup.remove();
         }
+    }
+}
+
+/// A fork child's own cgroup, in its directory `dir`, with its parent's
+/// `limits`; none where its parent has none.
+pub(super) fn child_cgroup(dir: &Path, limits: Option<Limits>) -> Result<NewCgroup, VmError> {
+    match limits {
+        Some(limits) => vm_cgroup(dir, limits, true),
+        None => Ok(NewCgroup(None)),
     }
 }
 

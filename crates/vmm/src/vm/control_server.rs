@@ -2,15 +2,18 @@
 //! lines, turning each request into the machine's action and its answer
 //! (`forkbox-vmm-api`'s types), and reaping fork children by pidfd.
 
-use std::io::{Read, Write};
+use std::io::{IoSliceMut, Write};
+use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 
 use forkbox_vmm_api::{
-    self as api, Request, Response, Snapshotted, Status, ZygoteMemory, MAX_LINE,
+    self as api, Request, Response, Snapshotted, Status, ZygoteMemory, MAX_CHILDREN_PER_FORK,
+    MAX_LINE,
 };
 
 use crate::control::{Line, LineBuffer};
@@ -32,6 +35,9 @@ pub(super) enum CtlItem {
     Client {
         stream: UnixStream,
         lines: LineBuffer,
+        /// Descriptors it sent (`SCM_RIGHTS`) that no request took yet:
+        /// the cgroups of a fork's children.
+        fds: Vec<OwnedFd>,
         /// It asked to own the VM (`own`).
         owner: bool,
     },
@@ -73,6 +79,7 @@ impl Machine {
                         CtlItem::Client {
                             stream,
                             lines: LineBuffer::default(),
+                            fds: Vec::new(),
                             owner: false,
                         },
                     );
@@ -99,6 +106,7 @@ impl Machine {
             CtlItem::Client {
                 stream,
                 lines,
+                fds,
                 owner,
             } => {
                 let mut buf = [0u8; 4096];
@@ -107,7 +115,7 @@ impl Machine {
                 // Bounded per wake-up; the level-triggered epoll calls again.
                 let mut budget = 4 * MAX_LINE;
                 while budget > 0 {
-                    match stream.read(&mut buf) {
+                    match recv_with_fds(stream, &mut buf, fds) {
                         Ok(0) => {
                             open = false;
                             break;
@@ -133,7 +141,7 @@ impl Machine {
                             open = false;
                             Response::error(format!("request longer than {MAX_LINE} bytes"))
                         }
-                        Line::Complete(line) => match self.handle_line(&line) {
+                        Line::Complete(line) => match self.handle_line(&line, fds) {
                             Outcome::Reply(r) => r,
                             // Dropping `item` here only closes this
                             // process's descriptor of the parent's client.
@@ -170,7 +178,9 @@ impl Machine {
         }
     }
 
-    pub(super) fn handle_line(&mut self, line: &[u8]) -> Outcome {
+    /// Answers one request; a fork takes the descriptors its client sent
+    /// with it (`fds`).
+    pub(super) fn handle_line(&mut self, line: &[u8], fds: &mut Vec<OwnedFd>) -> Outcome {
         let request = match Request::from_line(line) {
             Ok(r) => r,
             Err(e) => return Outcome::Reply(Response::error(e)),
@@ -203,7 +213,7 @@ impl Machine {
                 Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
                 Err(e) => Response::error(chain(e)),
             }),
-            Request::Fork { children, then } => match self.fork(&children, then) {
+            Request::Fork { children, then } => match self.fork(&children, then, fds) {
                 Ok(o) => o,
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
@@ -227,9 +237,86 @@ impl Machine {
     }
 }
 
+/// Reads what a client sent into `buf`, and the descriptors that came
+/// with it (close-on-exec) onto `fds`. A client that sends more than one
+/// fork request takes is an error: the connection is then dropped.
+fn recv_with_fds(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> std::io::Result<usize> {
+    let mut space =
+        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_CHILDREN_PER_FORK))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        stream,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(passed) = msg {
+            fds.extend(passed);
+        }
+    }
+    if got.flags.contains(ReturnFlags::CTRUNC) || fds.len() > MAX_CHILDREN_PER_FORK {
+        return Err(std::io::Error::other(
+            "more descriptors than a fork request takes",
+        ));
+    }
+    Ok(got.bytes)
+}
+
 fn reply(r: Result<(), VmError>) -> Response {
     match r {
         Ok(()) => Response::Done,
         Err(e) => Response::error(chain(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::IoSlice;
+    use std::os::fd::AsFd;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    use super::*;
+
+    /// Sends `bytes` with `n` descriptors (copies of one pipe end).
+    fn send(stream: &UnixStream, bytes: &[u8], n: usize) {
+        let (r, _w) = rustix::pipe::pipe().expect("pipe");
+        let fds = vec![r.as_fd(); n];
+        let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(n))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let sent = rustix::net::sendmsg(
+            stream,
+            &[IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .expect("sendmsg");
+        assert_eq!(sent, bytes.len());
+    }
+
+    #[test]
+    fn a_clients_descriptors_come_with_its_bytes_and_are_bounded() {
+        let (client, vmm) = UnixStream::pair().expect("socketpair");
+        send(&client, b"{\"op\":\"fork\"", 3);
+        let mut buf = [0u8; 64];
+        let mut fds = Vec::new();
+        let n = recv_with_fds(&vmm, &mut buf, &mut fds).expect("received");
+        assert_eq!(&buf[..n], b"{\"op\":\"fork\"");
+        assert_eq!(fds.len(), 3);
+        // Close-on-exec, as everything the VMM holds.
+        let flags = rustix::io::fcntl_getfd(&fds[0]).expect("getfd");
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        // More than a fork request takes, however they come: refused.
+        send(&client, b"x", MAX_CHILDREN_PER_FORK - 2);
+        assert!(recv_with_fds(&vmm, &mut buf, &mut fds).is_err());
+        let mut fresh = Vec::new();
+        send(&client, b"y", MAX_CHILDREN_PER_FORK + 1);
+        assert!(recv_with_fds(&vmm, &mut buf, &mut fresh).is_err());
     }
 }

@@ -28,7 +28,22 @@ pub(super) struct ChildPlan {
 }
 
 impl Machine {
-    pub(super) fn fork(&mut self, children: &[ChildSpec], then: Then) -> Result<Outcome, VmError> {
+    /// Forks one child per spec; `cgroups` are the open `cgroup.procs` of
+    /// the children that join a cgroup (`ChildSpec::joins_cgroup`), in
+    /// their order.
+    pub(super) fn fork(
+        &mut self,
+        children: &[ChildSpec],
+        then: Then,
+        cgroups: &mut Vec<OwnedFd>,
+    ) -> Result<Outcome, VmError> {
+        let named = children.iter().filter(|c| c.joins_cgroup).count();
+        if named != cgroups.len() {
+            let carried = cgroups.len();
+            cgroups.clear();
+            return Err(VmError::CgroupFds { named, carried });
+        }
+        let mut cgroups = std::mem::take(cgroups).into_iter();
         let started = Instant::now();
         let vcpus = self.pause()?;
         let paused = started.elapsed();
@@ -42,6 +57,11 @@ impl Machine {
                 pending.push(Err(VmError::VsockPathMissing.to_string()));
                 continue;
             }
+            let cgroup = if spec.joins_cgroup {
+                cgroups.next()
+            } else {
+                None
+            };
             let before_fork = Instant::now();
             let ordinal = FORKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             // SAFETY: every vCPU thread is parked in a condition wait
@@ -50,6 +70,15 @@ impl Machine {
             match unsafe { fork::fork() } {
                 Err(e) => pending.push(Err(format!("fork: {e}"))),
                 Ok(Forked::Child { ready }) => {
+                    // Its own cgroup before it allocates anything.
+                    if let Some(cgroup) = cgroup {
+                        if let Err(e) = fork::join_cgroup(cgroup) {
+                            let msg = format!("cannot join its own cgroup: {e}");
+                            tracing::error!("fork child: {msg}");
+                            fork::report_failure(ready, &msg);
+                            std::process::exit(api::exit_code::VMM_ERROR);
+                        }
+                    }
                     // Earlier siblings' pipe ends close with everything else
                     // inherited (`close_inherited`).
                     std::mem::forget(pending);

@@ -133,6 +133,8 @@ pub enum VmError {
     },
     #[error("this VM has a vsock device: a vsock socket path is required")]
     VsockPathMissing,
+    #[error("the fork request names {named} children who join a cgroup but carries {carried} descriptors")]
+    CgroupFds { named: usize, carried: usize },
     #[error("this VM has a network device: a network policy is required")]
     NetConfigMissing,
     #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
