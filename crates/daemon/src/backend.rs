@@ -8,6 +8,7 @@
 use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
+use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::control::Control;
 use forkbox_host::image::ImageName;
 use forkbox_host::vm::{Assets, Vm, VmEnd, VmError, VmHandle, VmSpec};
@@ -88,6 +89,8 @@ pub trait BackendVm: Send + Sync {
     /// A fork child that replaced a lost one (its first VMM died or did
     /// not answer in time): why the first was lost.
     fn replaced(&self) -> Option<String>;
+    /// Its VMM's cgroup, where the host gives VMMs one.
+    fn cgroup(&self) -> Option<&VmCgroup>;
     /// Stop the vCPUs in place.
     fn pause(&self) -> Result<(), BackendError>;
     fn resume(&self) -> Result<(), BackendError>;
@@ -205,6 +208,7 @@ struct ForkboxVm {
     /// How it ended, once seen (its VMM is reaped then: it is not seen
     /// twice).
     end: std::sync::OnceLock<VmEnd>,
+    cgroup: Option<VmCgroup>,
 }
 
 impl ForkboxVm {
@@ -218,6 +222,7 @@ impl ForkboxVm {
             handle: vm.handle(),
             control: vm.control().clone(),
             end: std::sync::OnceLock::new(),
+            cgroup: vm.cgroup().cloned(),
             vm: RwLock::new(vm),
         })
     }
@@ -261,6 +266,10 @@ impl BackendVm for ForkboxVm {
 
     fn replaced(&self) -> Option<String> {
         self.replaced.clone()
+    }
+
+    fn cgroup(&self) -> Option<&VmCgroup> {
+        self.cgroup.as_ref()
     }
 
     fn pause(&self) -> Result<(), BackendError> {
@@ -353,8 +362,8 @@ pub(crate) mod fake {
     use tokio::sync::watch;
 
     use super::{
-        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec, VmEnd,
-        VmHandle,
+        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
+        VmCgroup, VmEnd, VmHandle,
     };
 
     /// An agent on a unix socket in `dir`: says hello, reads one request,
@@ -434,6 +443,8 @@ pub(crate) mod fake {
         pub zygote_policies: Mutex<Vec<Option<Policy>>>,
         /// The egress log given to each fork child (none: `None`).
         pub egress_logs: Mutex<Vec<Option<PathBuf>>>,
+        /// The cgroup limits asked for each fork's children, in order.
+        pub fork_limits: Mutex<Vec<Option<forkbox_host::cgroup::Limits>>>,
         /// VMs that ended by themselves, by pid, with how they ended.
         pub lost: Mutex<BTreeMap<u32, VmEnd>>,
         /// What every machine's VMM counted (`None`: an older VMM).
@@ -593,6 +604,9 @@ pub(crate) mod fake {
         fn replaced(&self) -> Option<String> {
             self.world.replaced.lock().expect("replaced").clone()
         }
+        fn cgroup(&self) -> Option<&VmCgroup> {
+            None
+        }
         fn pause(&self) -> Result<(), BackendError> {
             Ok(())
         }
@@ -662,6 +676,11 @@ pub(crate) mod fake {
         }
         fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
             self.world.forks.fetch_add(1, ORD);
+            self.world
+                .fork_limits
+                .lock()
+                .expect("fork_limits")
+                .push(opts.limits);
             // As `Vm::fork_with`: a parent without a network ignores
             // `opts`, and its children have none either.
             let policy = self

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use forkbox_host::cgroup::{Limits, CPU_PERIOD_US, MEMORY_BEYOND_GUEST};
 use forkbox_host::image::ImageName;
 use forkbox_net::policy::Policy;
 use forkbox_vmm_api::{ShapeError, VmShape};
@@ -58,8 +59,90 @@ impl Readiness {
     }
 }
 
+/// The host resources one sandbox may take: its VMM's cgroup (where the
+/// host gives VMMs one; `forkbox_host::cgroup`). Each is at most what the
+/// sandbox's shape gets without it, which is its default; a sandbox can be
+/// held to less, never given more.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxLimits {
+    /// CPU time, in CPUs (`cpu.max`): 0.01 to its vCPUs + 1 (the default:
+    /// one for its devices' thread). Below its vCPUs, its guest is slowed,
+    /// never ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.01)]
+    pub cpus: Option<f64>,
+    /// Host memory of its own, in MiB (`memory.max`): what its guest
+    /// writes (pages it shares with its template's zygote are the
+    /// zygote's) plus its VMM's own, 32 to its guest RAM + 512 (the
+    /// default). Past it the host's kernel ends the sandbox, and its death
+    /// says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 32)]
+    pub memory_mib: Option<u32>,
+}
+
+/// Least `SandboxLimits::memory_mib`: a VMM and its child's first writes.
+pub const MIN_LIMIT_MEMORY_MIB: u32 = 32;
+/// Least `SandboxLimits::cpus` (1 ms of every 100 ms).
+pub const MIN_LIMIT_CPUS: f64 = 0.01;
+
+impl SandboxLimits {
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_none() && self.memory_mib.is_none()
+    }
+
+    /// These, with `over`'s where it sets them.
+    pub fn overridden_by(self, over: Option<SandboxLimits>) -> SandboxLimits {
+        let over = over.unwrap_or_default();
+        SandboxLimits {
+            cpus: over.cpus.or(self.cpus),
+            memory_mib: over.memory_mib.or(self.memory_mib),
+        }
+    }
+
+    /// The cgroup limits of a sandbox of `vcpus` and `memory_mib` held to
+    /// these; `Err` says which is out of its range.
+    pub fn resolve(&self, vcpus: u8, memory_mib: u32) -> Result<Limits, String> {
+        let shape = Limits::for_vm(vcpus, memory_mib);
+        let max_cpus = (u64::from(vcpus) + 1) as f64;
+        let max_memory = u32::try_from(shape.memory_max.unwrap_or(0) >> 20).unwrap_or(u32::MAX);
+        let mut limits = shape;
+        if let Some(cpus) = self.cpus {
+            if !(MIN_LIMIT_CPUS..=max_cpus).contains(&cpus) {
+                return Err(format!(
+                    "limits.cpus {cpus}: expected {MIN_LIMIT_CPUS} to {max_cpus} \
+                     (the sandbox's {vcpus} vCPUs + 1)"
+                ));
+            }
+            limits.cpu_quota_us = (cpus * CPU_PERIOD_US as f64).round() as u64;
+        }
+        if let Some(mib) = self.memory_mib {
+            if !(MIN_LIMIT_MEMORY_MIB..=max_memory).contains(&mib) {
+                return Err(format!(
+                    "limits.memory_mib {mib}: expected {MIN_LIMIT_MEMORY_MIB} to {max_memory} \
+                     (the sandbox's {memory_mib} MiB of RAM + {})",
+                    MEMORY_BEYOND_GUEST >> 20
+                ));
+            }
+            limits.memory_max = Some(u64::from(mib) << 20);
+        }
+        Ok(limits)
+    }
+
+    /// The limits a cgroup has, as the API shows them.
+    pub fn of(limits: Limits) -> SandboxLimits {
+        SandboxLimits {
+            cpus: Some(limits.cpu_quota_us as f64 / CPU_PERIOD_US as f64),
+            memory_mib: limits
+                .memory_max
+                .map(|b| u32::try_from(b >> 20).unwrap_or(u32::MAX)),
+        }
+    }
+}
+
 /// A template as the API describes it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TemplateSpec {
     pub name: String,
     /// `minimal` or `debian`.
@@ -98,6 +181,11 @@ pub struct TemplateSpec {
     /// paths, each of which must exist once setup has run).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub protect: Vec<String>,
+    /// The host resources each of its sandboxes may take (a creation may
+    /// set its own); default: what its shape gets. Its bake runs without
+    /// them.
+    #[serde(default, skip_serializing_if = "SandboxLimits::is_empty")]
+    pub limits: SandboxLimits,
 }
 
 fn default_vcpus() -> u8 {
@@ -160,6 +248,8 @@ pub enum TemplateError {
     BadProtectedPath(String),
     #[error("{0} protected paths: expected at most {MAX_PROTECTED}")]
     TooManyProtected(usize),
+    #[error("{0}")]
+    BadLimits(String),
 }
 
 /// Most paths a template may protect.
@@ -181,6 +271,7 @@ impl TemplateSpec {
             envs: BTreeMap::new(),
             network: None,
             protect: Vec::new(),
+            limits: SandboxLimits::default(),
         }
     }
 
@@ -211,6 +302,9 @@ impl TemplateSpec {
         if self.ready_timeout_secs > MAX_READY_TIMEOUT_SECS {
             return Err(TemplateError::BadReadyTimeout(self.ready_timeout_secs));
         }
+        self.limits
+            .resolve(self.vcpus, self.memory_mib)
+            .map_err(TemplateError::BadLimits)?;
         if self.protect.len() > MAX_PROTECTED {
             return Err(TemplateError::TooManyProtected(self.protect.len()));
         }
@@ -267,6 +361,73 @@ mod tests {
             .expect("sh")
             .code()
             .unwrap_or(-1)
+    }
+
+    #[test]
+    fn sandbox_limits_hold_a_sandbox_to_less_than_its_shape_never_more() {
+        let none = SandboxLimits::default();
+        assert_eq!(none.resolve(2, 512), Ok(Limits::for_vm(2, 512)));
+        let held = SandboxLimits {
+            cpus: Some(0.25),
+            memory_mib: Some(96),
+        };
+        let l = held.resolve(2, 512).expect("in range");
+        assert_eq!(l.cpu_quota_us, 25_000);
+        assert_eq!(l.memory_max, Some(96 << 20));
+        assert_eq!(l.pids_max, Limits::for_vm(2, 512).pids_max);
+        assert_eq!(SandboxLimits::of(l), held);
+        // The ceilings: vCPUs + 1 CPUs, RAM + 512 MiB; the floors.
+        for (cpus, mib, ok) in [
+            (Some(3.0), None, true),
+            (Some(3.01), None, false),
+            (Some(0.01), None, true),
+            (Some(0.0), None, false),
+            (Some(-1.0), None, false),
+            (Some(f64::NAN), None, false),
+            (None, Some(1024), true),
+            (None, Some(1025), false),
+            (None, Some(32), true),
+            (None, Some(31), false),
+        ] {
+            let l = SandboxLimits {
+                cpus,
+                memory_mib: mib,
+            };
+            assert_eq!(l.resolve(2, 512).is_ok(), ok, "{l:?}");
+        }
+        let err = SandboxLimits {
+            cpus: Some(9.0),
+            memory_mib: None,
+        }
+        .resolve(2, 512)
+        .expect_err("too many");
+        assert!(
+            err.contains("limits.cpus 9") && err.contains("0.01 to 3"),
+            "{err}"
+        );
+        // A creation's own override the template's, field by field.
+        let template = SandboxLimits {
+            cpus: Some(1.0),
+            memory_mib: Some(256),
+        };
+        let over = SandboxLimits {
+            cpus: None,
+            memory_mib: Some(64),
+        };
+        assert_eq!(
+            template.overridden_by(Some(over)),
+            SandboxLimits {
+                cpus: Some(1.0),
+                memory_mib: Some(64)
+            }
+        );
+        assert_eq!(template.overridden_by(None), template);
+        // A template out of range does not validate.
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        t.limits.memory_mib = Some(4096);
+        assert!(matches!(t.validate(), Err(TemplateError::BadLimits(_))));
+        // Unknown fields are refused.
+        assert!(serde_json::from_str::<SandboxLimits>(r#"{"cpu":1}"#).is_err());
     }
 
     #[test]

@@ -40,7 +40,7 @@ const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
 const PARENT: &str = "forkbox";
 /// The CPU period `cpu.max` is given in, in microseconds (the kernel's
 /// default).
-const CPU_PERIOD_US: u64 = 100_000;
+pub const CPU_PERIOD_US: u64 = 100_000;
 /// A running VM's memory limit beyond its guest RAM: its VMM's own memory,
 /// its KVM objects and page tables, and what `fork()` charges it for each
 /// child it forks while it runs.
@@ -237,6 +237,15 @@ impl VmCgroup {
                 })
             })
             .unwrap_or(0)
+    }
+
+    /// Bytes the kernel charges it now (`memory.current`): what its VMM
+    /// holds of its own, shared pages charged to whoever touched them
+    /// first (a zygote, for its children).
+    pub fn memory_current(&self) -> Option<u64> {
+        std::fs::read_to_string(self.dir.join("memory.current"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
     }
 
     /// The processes in it.

@@ -51,7 +51,7 @@ use crate::service::{
     BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, SandboxInfo,
     SandboxMetrics,
 };
-use crate::template::{Readiness, TemplateInfo, TemplateSpec, TemplateState};
+use crate::template::{Readiness, SandboxLimits, TemplateInfo, TemplateSpec, TemplateState};
 
 // The handlers and their OpenAPI paths (`__path_*`), by name: the
 // document's operations carry no tag (`paths(module::handler)` would tag
@@ -130,6 +130,7 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         ExpiryAction,
         DeathCause,
         TemplateSpec,
+        SandboxLimits,
         TemplateInfo,
         TemplateState,
         Readiness,

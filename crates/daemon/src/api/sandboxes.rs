@@ -17,7 +17,7 @@ use super::AppState;
 use crate::core::{ExpiryAction, Labels, SandboxId};
 use crate::network::NetworkPolicy;
 use crate::service::{CreateSandbox, IntegrityReport, Lifecycle, Reply, SandboxInfo};
-use crate::template::TemplateInfo;
+use crate::template::{SandboxLimits, TemplateInfo};
 
 /// `POST /sandboxes`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -47,6 +47,10 @@ pub struct CreateBody {
     /// the template's bake policy.
     #[serde(default)]
     pub network: Option<NetworkPolicy>,
+    /// The host resources it may take, over its template's (each at most
+    /// what its shape gets); a value out of range is a 400.
+    #[serde(default)]
+    pub limits: Option<SandboxLimits>,
 }
 
 /// Creates a sandbox and waits until it is ready: a copy-on-write fork of
@@ -72,6 +76,7 @@ pub(super) async fn sandbox_create(
         wait: secs(b.wait_secs, "wait_secs")?,
         network,
         seed: b.seed,
+        limits: b.limits,
     });
     let info = one(st.daemon.execute(cmd).await?)?;
     Ok((StatusCode::CREATED, info))

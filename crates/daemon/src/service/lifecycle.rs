@@ -12,7 +12,7 @@ use super::view::info;
 use super::{blocking, chain, reap, Baseline, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
-use crate::template::TemplateSpec;
+use crate::template::{SandboxLimits, TemplateSpec};
 use forkbox_host::vm::child_seed;
 
 /// A sandbox creation.
@@ -32,6 +32,8 @@ pub struct CreateSandbox {
     /// Seeds its after-fork entropy and `FORKBOX_SEED` (as child 0 of a
     /// fork seeded so); `None`: fresh host entropy.
     pub seed: Option<u64>,
+    /// Its host resources, over the template's; `None`: the template's.
+    pub limits: Option<SandboxLimits>,
 }
 
 /// Every lifecycle request.
@@ -215,6 +217,11 @@ impl Daemon {
                 return Err(e);
             }
         };
+        let limits = template
+            .limits
+            .overridden_by(req.limits)
+            .resolve(template.vcpus, template.memory_mib)
+            .map_err(DaemonError::Invalid)?;
         let id = self
             .admit(
                 Admission {
@@ -235,6 +242,7 @@ impl Daemon {
             policy: Some(policy.clone()),
             egress_logs: vec![self.inner.egress.path(&id)],
             seeds: req.seed.map(|s| child_seed(s, 0)).into_iter().collect(),
+            limits: Some(limits),
         };
         let forked = blocking(move || fork_one(&*zygote, &opts, "forking the template's zygote"))
             .await
@@ -411,6 +419,8 @@ impl Daemon {
                 .map(|id| self.inner.egress.path(id))
                 .collect(),
             seeds,
+            // Its parent's.
+            limits: None,
         };
         let children = if n == 0 {
             Ok((Vec::new(), None))
@@ -550,6 +560,46 @@ pub(super) fn fork_one(
 mod tests {
     use super::*;
     use crate::service::testing::*;
+
+    #[tokio::test]
+    async fn create_holds_its_sandbox_to_its_limits_over_the_templates_and_refuses_more() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let with = |limits| {
+            Lifecycle::Create(CreateSandbox {
+                template: "minimal".into(),
+                limits,
+                ..CreateSandbox::default()
+            })
+        };
+        d.execute(with(None)).await.expect("no limits");
+        let held = SandboxLimits {
+            cpus: Some(0.5),
+            memory_mib: Some(128),
+        };
+        d.execute(with(Some(held))).await.expect("held");
+        // `minimal` is 1 vCPU and 512 MiB: 2 CPUs and 1024 MiB at most.
+        let err = d
+            .execute(with(Some(SandboxLimits {
+                cpus: Some(2.5),
+                memory_mib: None,
+            })))
+            .await
+            .expect_err("more CPUs than its shape gets");
+        assert_eq!(err.kind(), "invalid_request");
+        assert!(err.to_string().contains("limits.cpus 2.5"), "{err}");
+        let asked = world.fork_limits.lock().expect("limits").clone();
+        let shape = forkbox_host::cgroup::Limits::for_vm(1, 512);
+        assert_eq!(
+            asked,
+            vec![Some(shape), Some(held.resolve(1, 512).expect("in range")),],
+            "the refused creation forked nothing"
+        );
+        // Nothing was admitted for it: two live, room for two more.
+        created(&d, None).await;
+        created(&d, None).await;
+    }
 
     #[tokio::test]
     async fn create_beyond_live_cap_fails_with_capacity() {

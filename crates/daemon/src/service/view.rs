@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 use super::Live;
 use crate::core::{DeathCause, ExpiryAction, Labels, Record, SandboxId, SandboxState};
 use crate::network::NetworkPolicy;
+use crate::template::SandboxLimits;
 
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -67,6 +68,13 @@ pub struct SandboxMetrics {
     /// kind of loss (`triple fault`, `hang`, `VMM died`, ...). The full
     /// cause is in forkboxd's log.
     pub replaced_lost_child: Option<String>,
+    /// The host resources it may take (its VMM's cgroup); `null` where the
+    /// host gives VMMs no cgroup (forkboxd said so at start).
+    pub limits: Option<SandboxLimits>,
+    /// Host memory charged to it now (its cgroup's `memory.current`): what
+    /// its guest wrote of its own and its VMM's own memory, not the pages
+    /// it shares with its template's zygote.
+    pub memory_charged_kib: Option<u64>,
 }
 
 /// The policy in force (`None`: the VM has no network) or else the one
@@ -93,6 +101,12 @@ pub(super) fn info(r: &Record, live: Option<&Live>) -> SandboxInfo {
                 .machine
                 .replaced()
                 .map(|why| forkbox_host::vm::loss_signature(&why).to_owned()),
+            limits: l.machine.cgroup().map(|c| SandboxLimits::of(c.limits())),
+            memory_charged_kib: l
+                .machine
+                .cgroup()
+                .and_then(|c| c.memory_current())
+                .map(|b| b >> 10),
         }
     });
     SandboxInfo {

@@ -35,6 +35,9 @@ pub struct ForkOptions {
     /// RNG, and its guest gets it as `FORKBOX_SEED`. A child without one
     /// gets fresh host entropy.
     pub seeds: Vec<u64>,
+    /// Every child's cgroup limits; `None`: its parent's. Ignored where
+    /// the parent has no cgroup (the host gives VMMs none).
+    pub limits: Option<Limits>,
 }
 
 /// The seed of child `index` of a fork seeded with `seed`: the same pair
@@ -126,7 +129,10 @@ impl Vm {
         };
         // Each child's own cgroup, with its parent's limits, made first:
         // the child joins it before it builds its VM.
-        let limits = self.cgroup.as_ref().map(VmCgroup::limits);
+        let limits = self
+            .cgroup
+            .as_ref()
+            .map(|c| opts.limits.unwrap_or_else(|| c.limits()));
         let cgroups = dirs
             .iter()
             .map(|d| child_cgroup(d.path(), limits))
