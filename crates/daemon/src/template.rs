@@ -125,7 +125,7 @@ impl SandboxLimits {
                     MEMORY_BEYOND_GUEST >> 20
                 ));
             }
-            limits.memory_max = Some(u64::from(mib) << 20);
+            limits = limits.with_memory_max(u64::from(mib) << 20);
         }
         Ok(limits)
     }

@@ -18,13 +18,16 @@ use serde::{Deserialize, Serialize};
 /// ready = { tcp_port = 8000 }   # or command = "…", file = "/path", http_url = "…"
 /// ready_timeout_secs = 60
 /// protect = ["/task/tests", "/task/grade.sh"]   # the policy may not change these
+/// [limits]                  # each sandbox's host resources; default: its shape's
+/// cpus = 1.5                # CPU time, up to vcpus + 1
+/// memory_mib = 768          # host memory of its own, up to memory_mib + 512
 /// [envs]
 /// PYTHONUNBUFFERED = "1"
 /// [network]                 # egress while it bakes only; default: none
 /// allow_out = ["deb.debian.org:80", "*.pythonhosted.org:443"]
 /// deny_out = []
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TemplateFile {
     /// Must match NAME when given.
@@ -50,6 +53,22 @@ pub struct TemplateFile {
     /// and recorded at the end of the bake).
     #[serde(default)]
     pub protect: Vec<String>,
+    /// Each sandbox's host resources (a creation may set its own).
+    #[serde(default)]
+    pub limits: Option<SandboxLimits>,
+}
+
+/// The host resources one sandbox may take (forkboxd's `SandboxLimits`):
+/// at most what its shape gets, the default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxLimits {
+    /// CPU time, in CPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    /// Host memory of its own, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u32>,
 }
 
 /// When a baked template counts as ready (forkboxd's `Readiness`).
@@ -64,7 +83,7 @@ pub enum Readiness {
 
 /// The body of `POST /templates` (forkboxd's `TemplateSpec`); absent
 /// resources take the daemon's defaults.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TemplateSpec {
     pub name: String,
     pub image: String,
@@ -81,6 +100,8 @@ pub struct TemplateSpec {
     pub network: Option<PolicySpec>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub protect: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits: Option<SandboxLimits>,
 }
 
 impl TemplateFile {
@@ -112,6 +133,7 @@ impl TemplateFile {
             envs: self.envs,
             network: self.network,
             protect: self.protect,
+            limits: self.limits,
         })
     }
 }
@@ -131,6 +153,9 @@ setup = ["apt-get install -y python3", "mkdir /work"]
 ready = { tcp_port = 8000 }
 ready_timeout_secs = 30
 protect = ["/task/tests"]
+[limits]
+cpus = 1.5
+memory_mib = 768
 [envs]
 A = "1"
 [network]
@@ -147,7 +172,8 @@ allow_out = ["deb.debian.org:80"]
                 "ready": {"tcp_port": 8000}, "ready_timeout_secs": 30,
                 "envs": {"A": "1"},
                 "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []},
-                "protect": ["/task/tests"]
+                "protect": ["/task/tests"],
+                "limits": {"cpus": 1.5, "memory_mib": 768}
             })
         );
     }

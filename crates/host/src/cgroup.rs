@@ -56,6 +56,10 @@ pub struct Limits {
     pub pids_max: u64,
     /// `cpu.max` quota per [`CPU_PERIOD_US`], in microseconds.
     pub cpu_quota_us: u64,
+    /// `memory_max` is below what the VM's shape gets ([`for_vm`](Self::for_vm)):
+    /// a sandbox held to less, which its guest's own writes reach, so an
+    /// OOM kill at it is the guest's doing.
+    pub memory_held: bool,
 }
 
 impl Limits {
@@ -70,6 +74,16 @@ impl Limits {
             memory_max: Some((u64::from(memory_mib) << 20) + MEMORY_BEYOND_GUEST),
             pids_max: 32 + u64::from(vcpus) + MAX_CHILDREN_PER_FORK as u64,
             cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
+            memory_held: false,
+        }
+    }
+
+    /// These with the memory limit `bytes`, held if below these'.
+    pub fn with_memory_max(self, bytes: u64) -> Self {
+        Self {
+            memory_max: Some(bytes),
+            memory_held: self.memory_max.is_some_and(|m| bytes < m),
+            ..self
         }
     }
 }
@@ -133,7 +147,10 @@ impl Hierarchy {
     /// Makes (or, if it is there, takes) the cgroup `name` and sets its
     /// `limits`.
     pub fn create(&self, name: &str, limits: Limits) -> io::Result<VmCgroup> {
-        let cgroup = self.existing(name, limits)?;
+        let cgroup = VmCgroup {
+            dir: self.path_of(name)?,
+            limits,
+        };
         match std::fs::create_dir(&cgroup.dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -155,13 +172,24 @@ impl Hierarchy {
     }
 
     /// The cgroup `name` (made by [`create`](Self::create), maybe by
-    /// another process: a daemon adopting VMs), not checked for; `limits`
-    /// are what its VM's fork children get.
-    pub fn existing(&self, name: &str, limits: Limits) -> io::Result<VmCgroup> {
-        Ok(VmCgroup {
-            dir: self.path_of(name)?,
-            limits,
-        })
+    /// another process: a daemon adopting VMs), not checked for. Its
+    /// limits, what its VM's fork children get, are what its files say
+    /// where they say a number (a zygote's lifted `max` does not), else
+    /// `shape`'s.
+    pub fn existing(&self, name: &str, shape: Limits) -> io::Result<VmCgroup> {
+        let dir = self.path_of(name)?;
+        let number = |file: &str| -> Option<u64> {
+            let text = std::fs::read_to_string(dir.join(file)).ok()?;
+            text.split_whitespace().next()?.parse().ok()
+        };
+        let mut limits = shape;
+        if let Some(bytes) = number("memory.max") {
+            limits = limits.with_memory_max(bytes);
+        }
+        if let Some(quota) = number("cpu.max") {
+            limits.cpu_quota_us = quota;
+        }
+        Ok(VmCgroup { dir, limits })
     }
 
     /// The directory of the cgroup `name`, one plain path component.
@@ -358,6 +386,34 @@ mod tests {
         // A request's children start in the parent's cgroup, one task
         // each until they join their own; the parent's threads besides.
         assert!(l.pids_max >= MAX_CHILDREN_PER_FORK as u64 + 2 + 3, "{l:?}");
+    }
+
+    #[test]
+    fn an_existing_cgroups_limits_are_its_files_numbers_else_the_shapes() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let h = Hierarchy {
+            dir: root.path().to_owned(),
+        };
+        let shape = Limits::for_vm(1, 512);
+        std::fs::create_dir(root.path().join("held")).expect("mkdir");
+        std::fs::write(root.path().join("held/memory.max"), "100663296\n").expect("write");
+        std::fs::write(root.path().join("held/cpu.max"), "25000 100000\n").expect("write");
+        let held = h.existing("held", shape).expect("named").limits();
+        assert_eq!(held.memory_max, Some(96 << 20));
+        assert!(held.memory_held);
+        assert_eq!(held.cpu_quota_us, 25_000);
+        assert_eq!(held.pids_max, shape.pids_max);
+        // A zygote's lifted limits, and a cgroup gone: the shape's.
+        std::fs::create_dir(root.path().join("zygote")).expect("mkdir");
+        std::fs::write(root.path().join("zygote/memory.max"), "max\n").expect("write");
+        assert_eq!(h.existing("zygote", shape).expect("named").limits(), shape);
+        assert_eq!(h.existing("gone", shape).expect("named").limits(), shape);
+        // The shape's own limit is not held.
+        assert!(
+            !shape
+                .with_memory_max(shape.memory_max.expect("some"))
+                .memory_held
+        );
     }
 
     #[test]

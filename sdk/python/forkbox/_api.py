@@ -25,6 +25,9 @@ T = TypeVar("T")
 Json = Dict[str, Any]
 Ready = Union[str, Mapping[str, Any], None]
 NetworkArg = Mapping[str, Sequence[str]]
+LimitsArg = Mapping[str, float]
+"""A sandbox's host resources: `{"cpus": 0.5, "memory_mib": 256}`, either
+key optional (forkboxd's `SandboxLimits`)."""
 """An egress policy: `{"allow_out": [rule, …], "deny_out": [rule, …]}`."""
 
 
@@ -62,7 +65,7 @@ def _sb(sandbox_id: str) -> str:
 def create(template: str, timeout: Optional[float], on_timeout: str,
            metadata: Optional[Mapping[str, str]], envs: Optional[Mapping[str, str]],
            wait: Optional[float], network: Optional[NetworkArg] = None,
-           seed: Optional[int] = None) -> "Call[Json]":
+           seed: Optional[int] = None, limits: Optional[LimitsArg] = None) -> "Call[Json]":
     body: Json = {"template": template, "timeout_secs": timeout, "on_timeout": on_timeout,
                   "metadata": dict(metadata or {}), "envs": dict(envs or {})}
     if wait is not None:
@@ -71,6 +74,8 @@ def create(template: str, timeout: Optional[float], on_timeout: str,
         body["seed"] = _seed(seed)
     if network is not None:
         body["network"] = network_policy(network)
+    if limits is not None:
+        body["limits"] = dict(limits)
     return Call("POST", "/sandboxes", {"json": body}, _json)
 
 
@@ -469,11 +474,13 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
                   setup: Optional[Sequence[str]], ready: Ready, ready_timeout: Optional[float],
                   envs: Optional[Mapping[str, str]],
                   network: Optional[NetworkArg] = None,
-                  protect: Optional[Sequence[str]] = None) -> Json:
+                  protect: Optional[Sequence[str]] = None,
+                  limits: Optional[LimitsArg] = None) -> Json:
     """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
     one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
     `{"http_url": url}`. `network`: the egress policy while it bakes.
-    `protect`: paths the policy may not change."""
+    `protect`: paths the policy may not change. `limits`: each sandbox's
+    host resources."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
     if isinstance(protect, str):
@@ -488,6 +495,8 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
         spec["network"] = network_policy(network)
     if protect:
         spec["protect"] = list(protect)
+    if limits:
+        spec["limits"] = dict(limits)
     return spec
 
 

@@ -226,11 +226,12 @@ class AsyncSandbox(SandboxBase):
                      wait: Optional[float] = None,
                      network: Optional[_api.NetworkArg] = None,
                      seed: Optional[int] = None,
+                     limits: Optional[_api.LimitsArg] = None,
                      url: Optional[str] = None) -> "AsyncSandbox":
         """As `Sandbox.create`."""
         c = shared_async_client(url)
         return cls(await _do(c, _api.create(template, timeout, on_timeout, metadata, envs,
-                                            wait, network, seed)), c)
+                                            wait, network, seed, limits)), c)
 
     @classmethod
     async def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "AsyncSandbox":

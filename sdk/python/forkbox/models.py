@@ -83,6 +83,9 @@ class TemplateInfo:
     protect: List[str] = field(default_factory=list)
     """Paths the policy may not change (grader, tests): root's and
     read-only to others from the end of the bake, recorded then."""
+    limits: Dict[str, float] = field(default_factory=dict)
+    """Each sandbox's host resources (`cpus`, `memory_mib`); empty: what
+    its shape gets."""
     error: Optional[str] = None
     """Why the last bake failed."""
     bake_ms: Optional[int] = None
@@ -98,6 +101,7 @@ class TemplateInfo:
                    envs=dict(d.get("envs") or {}), state=str(d.get("state", default_state)),
                    from_sandbox=d.get("from_sandbox"), error=d.get("error"),
                    protect=list(d.get("protect") or []),
+                   limits=dict(d.get("limits") or {}),
                    bake_ms=d.get("bake_ms"), raw=dict(d))
 
 

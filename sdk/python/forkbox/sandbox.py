@@ -320,7 +320,8 @@ class Sandbox(SandboxBase):
                metadata: Optional[Mapping[str, str]] = None,
                envs: Optional[Mapping[str, str]] = None, on_timeout: str = "kill",
                wait: Optional[float] = None, network: Optional[_api.NetworkArg] = None,
-               seed: Optional[int] = None, url: Optional[str] = None) -> "Sandbox":
+               seed: Optional[int] = None, limits: Optional[_api.LimitsArg] = None,
+               url: Optional[str] = None) -> "Sandbox":
         """Creates a sandbox from `template` (a fork of its zygote; the first
         create of a template not baked yet bakes it, which takes a while)
         and waits until it is ready. `timeout`: its time-to-live in seconds
@@ -329,10 +330,17 @@ class Sandbox(SandboxBase):
         "deny_out": [rule, …]}` (see `Network`); without it the sandbox
         reaches nothing outside itself (a template's bake-time policy is
         not inherited). A bad rule raises `InvalidRequestError`.
-        `seed` (0 to 2**64 - 1): as `fork`'s, the sandbox being child 0."""
+        `seed` (0 to 2**64 - 1): as `fork`'s, the sandbox being child 0.
+        `limits`: the host resources it may take, over its template's:
+        `{"cpus": 0.5, "memory_mib": 256}` (CPU time in CPUs, up to its
+        vCPUs + 1; host memory of its own in MiB, what its guest writes
+        plus its VMM's, 32 up to its RAM + 512, past which the host ends
+        it). More than its shape gets raises `InvalidRequestError`.
+        `info()["metrics"]["limits"]` shows what holds (`None` where the
+        host gives sandboxes no cgroup)."""
         c = shared_client(url)
         return cls(_do(c, _api.create(template, timeout, on_timeout, metadata, envs, wait,
-                                      network, seed)), c)
+                                      network, seed, limits)), c)
 
     @classmethod
     def connect(cls, sandbox_id: str, url: Optional[str] = None) -> "Sandbox":

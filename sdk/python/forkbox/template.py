@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _api
-from ._api import NetworkArg, Ready
+from ._api import LimitsArg, NetworkArg, Ready
 from ._client import AsyncClient, Client, shared_async_client, shared_client
 from .models import TemplateInfo
 from .sandbox import _do
@@ -29,6 +29,7 @@ class Template:
               ready_timeout: Optional[float] = None, envs: Optional[Mapping[str, str]] = None,
               network: Optional[NetworkArg] = None,
               protect: Optional[Sequence[str]] = None,
+              limits: Optional[LimitsArg] = None,
               on_progress: Optional[ProgressCallback] = None,
               url: Optional[str] = None) -> TemplateInfo:
         """Registers and bakes a template: boot `image`, run each `setup`
@@ -49,13 +50,17 @@ class Template:
         what they hold is recorded: `sb.integrity.check()` on any sandbox
         of the template (or fork of one) says what changed since.
 
+        `limits`: the host resources each sandbox of it may take,
+        `{"cpus": 0.5, "memory_mib": 256}` (as `Sandbox.create`'s, which
+        may set its own); the bake runs without them.
+
         `on_progress` gets every event of the bake as a dict: `{"type":
         "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,
         and the last one, `done` (with `boot_ms`, `total_ms`) or `failed`.
         A failed bake raises `TemplateError` (`.step`, `.output`);
         `TemplateInfrastructureError` when the VM failed, not the recipe."""
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network, protect)
+                                  envs, network, protect, limits)
         return _bake(shared_client(url), ("POST", "/templates"), on_progress, json=spec)
 
     @staticmethod
@@ -99,10 +104,11 @@ class AsyncTemplate:
                     envs: Optional[Mapping[str, str]] = None,
                     network: Optional[NetworkArg] = None,
                     protect: Optional[Sequence[str]] = None,
+                    limits: Optional[LimitsArg] = None,
                     on_progress: Optional[ProgressCallback] = None,
                     url: Optional[str] = None) -> TemplateInfo:
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network, protect)
+                                  envs, network, protect, limits)
         return await _abake(shared_async_client(url), ("POST", "/templates"), on_progress,
                             json=spec)
 

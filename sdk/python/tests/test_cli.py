@@ -171,13 +171,18 @@ def test_cli_template_bake_file_then_create_and_rm(daemon_url: str, tmp_path: Pa
     f.write_text('image = "minimal"\n'
                  'setup = ["echo baking-step", "echo made > /tmp/baked"]\n'
                  'ready = { file = "/tmp/baked" }\n'
+                 '[limits]\ncpus = 0.5\n'
                  '[envs]\nT_VAR = "from-template"\n')
     p = forkbox("template", "bake", "cli-t", "--file", str(f))
     assert "baking-step" in p.stderr
     assert "baked cli-t" in p.stdout
     assert "cli-t" in [t["name"] for t in json.loads(forkbox("template", "list", "--json").stdout)]
-    new = json.loads(forkbox("sandbox", "create", "cli-t", "--json").stdout)["id"]
+    made = json.loads(forkbox("sandbox", "create", "cli-t", "--memory-limit", "300",
+                              "--json").stdout)
+    new = made["id"]
     try:
+        # The template's CPU limit, the creation's memory limit.
+        assert made["metrics"]["limits"] == {"cpus": 0.5, "memory_mib": 300}, made
         p = forkbox("exec", new, "--", "sh", "-c", 'cat /tmp/baked; echo "$T_VAR"')
         assert p.stdout == "made\nfrom-template\n"
     finally:

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use crate::client::{segment, with_query, Body, Client};
 use clap::Subcommand;
+use forkbox::template_file::SandboxLimits;
 use forkbox_net::policy::PolicySpec;
 use hyper::Method;
 use serde::{Deserialize, Serialize};
@@ -29,6 +30,14 @@ pub enum SandboxCmd {
         envs: Vec<(String, String)>,
         #[command(flatten)]
         network: PolicyArgs,
+        /// CPU time it may take, in CPUs (default: its template's, else
+        /// its vCPUs + 1; never more).
+        #[arg(long)]
+        cpus: Option<f64>,
+        /// Host memory of its own it may hold, in MiB, past which the host
+        /// ends it (default: its template's, else its RAM + 512; never more).
+        #[arg(long, value_name = "MIB")]
+        memory_limit: Option<u32>,
     },
     /// Fork a sandbox into COUNT children.
     Fork {
@@ -99,6 +108,9 @@ struct CreateBody {
     /// Absent: the daemon's default, deny all.
     #[serde(skip_serializing_if = "Option::is_none")]
     network: Option<PolicySpec>,
+    /// Absent: its template's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limits: Option<SandboxLimits>,
 }
 
 /// The fields of forkboxd's `SandboxInfo` that tables show.
@@ -126,8 +138,15 @@ pub fn run(client: &Client, cmd: SandboxCmd, format: Format) -> anyhow::Result<i
             labels,
             envs,
             network,
+            cpus,
+            memory_limit,
         } => {
+            let limits = SandboxLimits {
+                cpus,
+                memory_mib: memory_limit,
+            };
             let body = CreateBody {
+                limits: (cpus.is_some() || memory_limit.is_some()).then_some(limits),
                 template,
                 timeout_secs: timeout,
                 metadata: labels.into_iter().collect(),

@@ -434,16 +434,29 @@ impl Vm {
             },
         };
         if let Some(cgroup) = self.cgroup.as_ref().filter(|c| c.oom_kills() > 0) {
-            let limit = cgroup
-                .limits()
+            let limits = cgroup.limits();
+            let limit = limits
                 .memory_max
                 .map_or("none".to_owned(), |b| format!("{} MiB", b >> 20));
-            end.how = format!(
-                "the kernel's OOM killer ended it: its cgroup reached its memory limit \
-                 ({limit}; {}); {}",
-                cgroup.dir().display(),
-                end.how
-            );
+            // Held below its shape's, the limit is reached by what its
+            // guest writes: the guest's doing, as a guest's own OOM is.
+            end.by_guest = limits.memory_held;
+            end.how = if limits.memory_held {
+                format!(
+                    "it reached the memory limit it was held to ({limit} of host memory of \
+                     its own: what its guest wrote and its VMM's), and the host kernel's OOM \
+                     killer ended it ({}); {}",
+                    cgroup.dir().display(),
+                    end.how
+                )
+            } else {
+                format!(
+                    "the kernel's OOM killer ended it: its cgroup reached its memory limit \
+                     ({limit}; {}); {}",
+                    cgroup.dir().display(),
+                    end.how
+                )
+            };
         }
         Some(end)
     }
