@@ -39,6 +39,7 @@ MODULE_SECONDS: Dict[str, int] = {
     "tests/test_sandbox.py": 86,
     "tests/test_gym.py": 79,
     "tests/test_template.py": 66,
+    "tests/test_limits.py": 130,
     "tests/test_replay.py": 30,
     "tests/test_rollouts.py": 16,
     "tests/test_ports_processes.py": 15,
