@@ -165,6 +165,19 @@ pub enum CoreError {
     TooManyLive { live: usize, cap: usize },
     #[error("{creating} sandboxes are being created, the cap is {cap}")]
     TooManyCreating { creating: usize, cap: usize },
+    #[error(
+        "host memory: {available_mib} MiB available, forkboxd keeps {reserve_mib} MiB free \
+         (--memory-reserve-mib), and one more sandbox of template {template:?} is predicted to \
+         take {each_mib} MiB ({basis})"
+    )]
+    HostMemory {
+        available_mib: u64,
+        reserve_mib: u64,
+        each_mib: u64,
+        template: String,
+        /// How the prediction was made.
+        basis: String,
+    },
     #[error("sandbox {id} is {state:?}; {wanted} needs it {needs}")]
     WrongState {
         id: SandboxId,
@@ -179,9 +192,50 @@ impl CoreError {
     pub fn is_capacity(&self) -> bool {
         matches!(
             self,
-            Self::TooManyLive { .. } | Self::TooManyCreating { .. }
+            Self::TooManyLive { .. } | Self::TooManyCreating { .. } | Self::HostMemory { .. }
         )
     }
+}
+
+/// What one more sandbox of a template is predicted to take of the host's
+/// memory: the mean of what is charged to its live sandboxes now (their
+/// cgroups' `memory.current`: each one's own writes and VMM; the pages
+/// they share with the template's zygote are the zygote's), at least
+/// [`PREDICTED_FLOOR`]. `charged`: bytes charged to each live sandbox of
+/// the template. Returns the bytes and how they were found.
+pub fn predicted_memory(charged: &[u64]) -> (u64, String) {
+    if charged.is_empty() {
+        return (
+            PREDICTED_FLOOR,
+            format!(
+                "none live yet: {} MiB, a fresh fork's",
+                PREDICTED_FLOOR >> 20
+            ),
+        );
+    }
+    let mean = charged.iter().sum::<u64>() / charged.len() as u64;
+    let each = mean.max(PREDICTED_FLOOR);
+    (
+        each,
+        format!(
+            "the mean of its {} live sandboxes, at least {} MiB",
+            charged.len(),
+            PREDICTED_FLOOR >> 20
+        ),
+    )
+}
+
+/// The least a new sandbox is predicted to take: a fresh fork's own
+/// memory and its first command's writes (3-4 MiB measured, docs/SPEC.md)
+/// with room to spare.
+pub const PREDICTED_FLOOR: u64 = 8 << 20;
+
+/// How many of `wanted` sandboxes of `each` bytes fit in `available` bytes
+/// of host memory while `reserve` stays free.
+pub fn fitting(available: u64, reserve: u64, each: u64, wanted: usize) -> usize {
+    let room = available.saturating_sub(reserve);
+    let fit = room.checked_div(each).unwrap_or(u64::MAX);
+    usize::try_from(fit).unwrap_or(usize::MAX).min(wanted)
 }
 
 /// Every sandbox, live or recently dead.
@@ -499,6 +553,30 @@ fn wrong(r: &Record, wanted: &'static str, needs: &'static str) -> CoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_memory_admits_what_fits_above_the_reserve() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(fitting(1000 * MIB, 200 * MIB, 100 * MIB, 16), 8);
+        assert_eq!(fitting(1000 * MIB, 200 * MIB, 100 * MIB, 3), 3);
+        assert_eq!(fitting(150 * MIB, 200 * MIB, 100 * MIB, 1), 0);
+        assert_eq!(fitting(1000 * MIB, 0, 0, 5), 5);
+        // Nothing live: the floor; else the mean, never under the floor.
+        assert_eq!(predicted_memory(&[]).0, PREDICTED_FLOOR);
+        let (each, basis) = predicted_memory(&[100 * MIB, 300 * MIB]);
+        assert_eq!(each, 200 * MIB);
+        assert!(basis.contains("mean of its 2 live"), "{basis}");
+        assert_eq!(predicted_memory(&[MIB]).0, PREDICTED_FLOOR);
+        let e = CoreError::HostMemory {
+            available_mib: 900,
+            reserve_mib: 1024,
+            each_mib: 8,
+            template: "py".into(),
+            basis: "none live yet".into(),
+        };
+        assert!(e.is_capacity());
+        assert!(e.to_string().contains("--memory-reserve-mib"), "{e}");
+    }
 
     fn registry(max_live: usize, max_creating: usize) -> Registry {
         Registry::new(

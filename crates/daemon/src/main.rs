@@ -41,6 +41,12 @@ struct Args {
     /// Seconds a creation waits for room under the caps before failing.
     #[arg(long, default_value_t = 30.0)]
     create_wait: f64,
+    /// MiB of the host's available memory every creation must leave free
+    /// after what it is predicted to take (the mean of what its template's
+    /// live sandboxes take); default: a sixteenth of the host's memory,
+    /// 256 MiB to 2 GiB. 0: never refuse for memory.
+    #[arg(long)]
+    memory_reserve_mib: Option<u64>,
     /// Where live VMs are written down so that the next run re-adopts
     /// them after a crash (default: the socket's path + `.state`; with
     /// tcp://, `tcp-ADDR.state` in the default socket's directory). Made
@@ -199,6 +205,16 @@ fn run(args: Args) -> anyhow::Result<()> {
             upload_max: args.max_upload_bytes,
             ..Bounds::default()
         },
+        memory_reserve: match args.memory_reserve_mib {
+            Some(mib) => mib << 20,
+            None => forkboxd::service::default_memory_reserve(
+                forkbox_host::measure::meminfo()
+                    .ok()
+                    .and_then(|m| m.get("MemTotal").copied())
+                    .map_or(0, |kib| kib << 10),
+            ),
+        },
+        host_memory: forkboxd::service::host_memory_available,
     };
     let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {

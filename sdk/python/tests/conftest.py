@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import pytest
 
@@ -36,7 +36,7 @@ SMALL_MAX_LIVE = 2
 
 @contextlib.contextmanager
 def _forkboxd(max_live: int, tcp_port: Optional[int] = None,
-              token: Optional[str] = None) -> Iterator[str]:
+              token: Optional[str] = None, extra: Sequence[str] = ()) -> Iterator[str]:
     """A forkboxd on a fresh unix socket (or on 127.0.0.1:`tcp_port`,
     which needs `token`); its URL. The log tail goes to stderr at the
     end."""
@@ -51,7 +51,7 @@ def _forkboxd(max_live: int, tcp_port: Optional[int] = None,
         listen = [f"tcp://127.0.0.1:{tcp_port}", "--state-dir", os.path.join(d, "state")]
     proc = subprocess.Popen(
         [exe, "--listen", *listen, "--max-live", str(max_live), "--create-wait", "0",
-         *(["--token", token] if token else [])],
+         *(["--token", token] if token else []), *extra],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while True:

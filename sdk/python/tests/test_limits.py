@@ -11,7 +11,10 @@ from typing import Dict
 
 import pytest
 
-from forkbox import GuestEndedError, InvalidRequestError, NotFoundError, Sandbox, Template
+from forkbox import (CapacityError, GuestEndedError, InvalidRequestError, NotFoundError, Sandbox,
+                     Template)
+
+from conftest import _forkboxd
 
 
 def _name(prefix: str) -> str:
@@ -88,3 +91,13 @@ def test_guest_writing_past_its_memory_limit_is_ended_as_its_own_doing(daemon_ur
         assert isinstance(death, dict) and "96 MiB" in death["guest_ended"]["reason"], death
     finally:
         sb.kill()
+
+
+def test_creation_that_would_eat_the_hosts_memory_reserve_is_refused_saying_so() -> None:
+    # A daemon that keeps a pebibyte free: no host has room for one more.
+    with _forkboxd(4, extra=["--memory-reserve-mib", str(1 << 30)]) as url:
+        with pytest.raises(CapacityError, match="host memory") as ei:
+            Sandbox.create("minimal", url=url)
+        assert not ei.value.infrastructure
+        assert "--memory-reserve-mib" in str(ei.value)
+        assert Sandbox.list(url=url) == []

@@ -11,8 +11,11 @@ use forkbox_net::policy::Policy;
 use super::view::info;
 use super::{blocking, chain, reap, Baseline, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
-use crate::core::{Admission, DeathCause, ExpiryAction, Labels, SandboxId};
+use crate::core::{
+    fitting, predicted_memory, Admission, CoreError, DeathCause, ExpiryAction, Labels, SandboxId,
+};
 use crate::template::{SandboxLimits, TemplateSpec};
+use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::vm::child_seed;
 
 /// A sandbox creation.
@@ -34,6 +37,33 @@ pub struct CreateSandbox {
     pub seed: Option<u64>,
     /// Its host resources, over the template's; `None`: the template's.
     pub limits: Option<SandboxLimits>,
+}
+
+/// The host's memory against what sandboxes of one template are predicted
+/// to take ([`predicted_memory`]).
+struct MemoryRoom {
+    available: u64,
+    reserve: u64,
+    each: u64,
+    basis: String,
+    template: String,
+}
+
+impl MemoryRoom {
+    /// How many of `wanted` more fit above the reserve.
+    fn fitting(&self, wanted: usize) -> usize {
+        fitting(self.available, self.reserve, self.each, wanted)
+    }
+
+    fn refusal(&self) -> CoreError {
+        CoreError::HostMemory {
+            available_mib: self.available >> 20,
+            reserve_mib: self.reserve >> 20,
+            each_mib: self.each.div_ceil(1 << 20),
+            template: self.template.clone(),
+            basis: self.basis.clone(),
+        }
+    }
 }
 
 /// Every lifecycle request.
@@ -300,10 +330,13 @@ impl Daemon {
         let start = Instant::now();
         loop {
             let notified = self.inner.room.notified();
-            let attempt =
-                self.lock()
+            let attempt = match self.memory_room(&adm.template) {
+                Some(room) if room.fitting(1) == 0 => Err(room.refusal()),
+                _ => self
+                    .lock()
                     .registry
-                    .admit(adm.clone(), Instant::now(), SystemTime::now());
+                    .admit(adm.clone(), Instant::now(), SystemTime::now()),
+            };
             match attempt {
                 Ok(id) => return Ok(id),
                 Err(e) if e.is_capacity() => {
@@ -322,6 +355,32 @@ impl Daemon {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// The host's memory as admission sees it for one more sandbox of
+    /// `template`: `None` where the host's available memory is unknown.
+    fn memory_room(&self, template: &str) -> Option<MemoryRoom> {
+        let available = (self.inner.config.host_memory)()?;
+        let cgroups: Vec<VmCgroup> = {
+            let s = self.lock();
+            s.machines
+                .iter()
+                .filter(|(id, _)| s.registry.get(id).is_ok_and(|r| r.template == template))
+                .filter_map(|(_, live)| live.machine.cgroup().cloned())
+                .collect()
+        };
+        let charged: Vec<u64> = cgroups
+            .iter()
+            .filter_map(VmCgroup::memory_current)
+            .collect();
+        let (each, basis) = predicted_memory(&charged);
+        Some(MemoryRoom {
+            available,
+            reserve: self.inner.config.memory_reserve,
+            each,
+            basis,
+            template: template.to_owned(),
+        })
     }
 
     pub(super) fn kill(&self, id: &SandboxId, cause: DeathCause) -> Result<(), DaemonError> {
@@ -378,19 +437,26 @@ impl Daemon {
             (live.machine.clone(), inherited, adm)
         };
         let started = Instant::now();
+        // The children the host's memory has room for; the rest fail alone.
+        let room = self.memory_room(&adm.template);
+        let fit = room.as_ref().map_or(count, |r| r.fitting(count));
         let mut slots: Vec<Result<SandboxId, DaemonError>> = {
             let mut s = self.lock();
             (0..count)
-                .map(|_| {
-                    s.registry
-                        .admit(adm.clone(), Instant::now(), SystemTime::now())
-                        .map_err(|e| match e {
-                            e if e.is_capacity() => DaemonError::Capacity {
-                                waited_ms: 0,
-                                cause: e,
-                            },
-                            e => e.into(),
-                        })
+                .map(|i| {
+                    let admitted = match &room {
+                        Some(room) if i >= fit => Err(room.refusal()),
+                        _ => s
+                            .registry
+                            .admit(adm.clone(), Instant::now(), SystemTime::now()),
+                    };
+                    admitted.map_err(|e| match e {
+                        e if e.is_capacity() => DaemonError::Capacity {
+                            waited_ms: 0,
+                            cause: e,
+                        },
+                        e => e.into(),
+                    })
                 })
                 .collect()
         };
@@ -598,6 +664,56 @@ mod tests {
         );
         // Nothing was admitted for it: two live, room for two more.
         created(&d, None).await;
+        created(&d, None).await;
+    }
+
+    /// What the host memory test's probe reads, in MiB.
+    static AVAILABLE_MIB: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    #[tokio::test]
+    async fn host_memory_refuses_creations_and_children_that_would_eat_the_reserve() {
+        let fake = Fake::default();
+        let d = Daemon::new(
+            Arc::new(fake),
+            Config {
+                memory_reserve: 100 << 20,
+                host_memory: || Some(AVAILABLE_MIB.load(ORD) << 20),
+                ..config(64)
+            },
+        )
+        .expect("daemon");
+        // A fresh fork is predicted at 8 MiB: 120 MiB leaves room for 2.
+        AVAILABLE_MIB.store(120, ORD);
+        let a = created(&d, None).await;
+        let children = forked(&d, &a.id, 4).await;
+        assert_eq!(
+            children.iter().filter(|c| c.is_ok()).count(),
+            2,
+            "{children:?}"
+        );
+        let refused = children[3].as_ref().expect_err("past the reserve");
+        assert_eq!(refused.kind(), "capacity");
+        assert!(!refused.is_infrastructure());
+        let text = chain(refused);
+        assert!(
+            text.contains("120 MiB available") && text.contains("100 MiB free"),
+            "{text}"
+        );
+        // Less than one sandbox above the reserve: a creation is refused,
+        // saying why, and nothing is admitted.
+        AVAILABLE_MIB.store(104, ORD);
+        let err = d
+            .execute(create("minimal", None))
+            .await
+            .expect_err("no room");
+        assert_eq!(err.kind(), "capacity");
+        assert!(
+            chain(&err).contains("--memory-reserve-mib"),
+            "{}",
+            chain(&err)
+        );
+        // Memory freed: the next one is admitted.
+        AVAILABLE_MIB.store(4096, ORD);
         created(&d, None).await;
     }
 

@@ -94,6 +94,24 @@ pub struct Config {
     /// How long a sandbox's egress log is kept after it died.
     pub egress_log_ttl: Duration,
     pub bounds: Bounds,
+    /// Host memory every creation must leave available, in bytes, after
+    /// what it is predicted to take (`core::predicted_memory`); a creation
+    /// that does not fit waits for room as under the caps, then fails.
+    pub memory_reserve: u64,
+    /// Reads the host's available memory in bytes (`MemAvailable`);
+    /// `None`: unknown, and nothing is refused for memory.
+    pub host_memory: fn() -> Option<u64>,
+}
+
+/// The host's available memory (`MemAvailable`), in bytes.
+pub fn host_memory_available() -> Option<u64> {
+    forkbox_host::measure::mem_available_kib().map(|kib| kib << 10)
+}
+
+/// The default [`Config::memory_reserve`] for a host of `total` bytes: a
+/// sixteenth of it, 256 MiB to 2 GiB.
+pub fn default_memory_reserve(total: u64) -> u64 {
+    (total / 16).clamp(256 << 20, 2 << 30)
 }
 
 /// What bounds the daemon's work for a guest or a client: no agent call
@@ -150,6 +168,8 @@ impl Default for Config {
             boot_timeout: Duration::from_secs(120),
             egress_log_ttl: Duration::from_secs(24 * 3600),
             bounds: Bounds::default(),
+            memory_reserve: 256 << 20,
+            host_memory: host_memory_available,
         }
     }
 }

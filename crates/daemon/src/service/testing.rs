@@ -20,21 +20,24 @@ pub(super) use crate::persist::Store;
 pub(super) use crate::template::TemplateState;
 
 pub(super) fn daemon(fake: Fake, max_live: usize) -> Daemon {
-    Daemon::new(
-        Arc::new(fake),
-        Config {
-            limits: Limits {
-                max_live,
-                max_creating: 2,
-                keep_dead: 16,
-            },
-            create_wait: Duration::ZERO,
-            boot_timeout: Duration::from_secs(1),
-            egress_log_ttl: Duration::from_secs(3600),
-            bounds: Default::default(),
+    Daemon::new(Arc::new(fake), config(max_live)).expect("daemon")
+}
+
+/// The tests' daemon's configuration: nothing refused for host memory.
+pub(super) fn config(max_live: usize) -> Config {
+    Config {
+        limits: Limits {
+            max_live,
+            max_creating: 2,
+            keep_dead: 16,
         },
-    )
-    .expect("daemon")
+        create_wait: Duration::ZERO,
+        boot_timeout: Duration::from_secs(1),
+        egress_log_ttl: Duration::from_secs(3600),
+        bounds: Default::default(),
+        memory_reserve: 0,
+        host_memory: || None,
+    }
 }
 
 pub(super) fn create(template: &str, ttl: Option<Duration>) -> Lifecycle {
