@@ -339,6 +339,19 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 where_kib.insert((*key).into(), json!(d));
             }
         }
+        // What the kernel charges each child's own cgroup (it joins it
+        // before it builds its VM): its KVM objects, page tables, VMM
+        // heap and the guest pages it wrote, not what it shares.
+        let charged: Vec<u64> = children
+            .iter()
+            .filter_map(|c| c.cgroup().and_then(|g| g.memory_current()))
+            .collect();
+        if !charged.is_empty() {
+            where_kib.insert(
+                "cgroup_charged".into(),
+                json!(charged.iter().sum::<u64>() as f64 / charged.len() as f64 / 1024.0),
+            );
+        }
         record(
             &mut report,
             "fanout",
