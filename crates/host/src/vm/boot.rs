@@ -227,11 +227,9 @@ impl Vm {
         let user = VmmUser::of_dir(&h.dir);
         // Its cgroup, if it was given one; its limits are what its fork
         // children get.
-        let memory_mib = u32::try_from(status.memory_mib).unwrap_or(u32::MAX);
         let cgroup = crate::cgroup::hierarchy().ok().and_then(|hier| {
-            let name = h.dir.file_name()?.to_str()?;
             let cgroup = hier
-                .existing(name, Limits::for_vm(status.vcpus, memory_mib))
+                .existing(cgroup_name(&h.dir), shape_limits(&status))
                 .ok()?;
             cgroup.dir().is_dir().then_some(cgroup)
         });
@@ -293,11 +291,8 @@ impl Vm {
                 pidfd_exited(&fd, Duration::from_secs(5));
             }
         }
-        if let (Ok(hier), Some(name)) = (
-            crate::cgroup::hierarchy(),
-            h.dir.file_name().and_then(|n| n.to_str()),
-        ) {
-            let _ = hier.remove(name);
+        if let Ok(hier) = crate::cgroup::hierarchy() {
+            let _ = hier.remove(cgroup_name(&h.dir));
         }
         // Removed only if it is one we made: compared after
         // canonicalizing, never as text (`/tmp/../home` starts with `/tmp`).
@@ -364,12 +359,7 @@ impl Vm {
             serial_tail: vm.serial_tail(30),
             code: None,
         })?;
-        let memory_mib = u32::try_from(status.memory_mib).unwrap_or(u32::MAX);
-        let cgroup = vm_cgroup(
-            vm.dir.path(),
-            Limits::for_vm(status.vcpus, memory_mib),
-            false,
-        )?;
+        let cgroup = vm_cgroup(vm.dir.path(), shape_limits(&status), false)?;
         if let Some(cgroup) = &cgroup.0 {
             cgroup
                 .add(vm.pid())

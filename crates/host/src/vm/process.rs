@@ -362,6 +362,20 @@ impl Drop for NewCgroup {
     }
 }
 
+/// The name of the cgroup of the VM whose directory is `dir`: the
+/// directory's own name (empty, which no cgroup may be named, if none).
+pub(super) fn cgroup_name(dir: &Path) -> &str {
+    dir.file_name().and_then(|n| n.to_str()).unwrap_or_default()
+}
+
+/// The cgroup limits of the VM a VMM's `status` describes.
+pub(super) fn shape_limits(status: &forkbox_vmm_api::Status) -> Limits {
+    Limits::for_vm(
+        status.vcpus,
+        u32::try_from(status.memory_mib).unwrap_or(u32::MAX),
+    )
+}
+
 /// A fork child's own cgroup, in its directory `dir`, with its parent's
 /// `limits`; none where its parent has none.
 pub(super) fn child_cgroup(dir: &Path, limits: Option<Limits>) -> Result<NewCgroup, VmError> {
@@ -375,10 +389,12 @@ pub(super) fn child_cgroup(dir: &Path, limits: Option<Limits>) -> Result<NewCgro
 /// `limits`. `None` where this host gives VMMs none (`cgroup::hierarchy`
 /// says why; the daemon said so once at start), unless `required`.
 pub(super) fn vm_cgroup(dir: &Path, limits: Limits, required: bool) -> Result<NewCgroup, VmError> {
-    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     let made = crate::cgroup::hierarchy()
         .map_err(str::to_owned)
-        .and_then(|h| h.create(name, limits).map_err(|e| e.to_string()));
+        .and_then(|h| {
+            h.create(cgroup_name(dir), limits)
+                .map_err(|e| e.to_string())
+        });
     match made {
         Ok(cgroup) => Ok(NewCgroup(Some(cgroup))),
         Err(why) if required => Err(VmError::Cgroup(why)),
