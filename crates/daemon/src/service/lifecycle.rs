@@ -682,9 +682,11 @@ mod tests {
             },
         )
         .expect("daemon");
+        // Room to bake the template's 512 MiB VM, then for one sandbox.
+        AVAILABLE_MIB.store(1024, ORD);
+        let a = created(&d, None).await;
         // A fresh fork is predicted at 8 MiB: 120 MiB leaves room for 2.
         AVAILABLE_MIB.store(120, ORD);
-        let a = created(&d, None).await;
         let children = forked(&d, &a.id, 4).await;
         assert_eq!(
             children.iter().filter(|c| c.is_ok()).count(),

@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 use super::lifecycle::fork_one;
 use super::{blocking, chain, reap, Baseline, Daemon, DaemonError};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
-use crate::core::SandboxId;
+use crate::core::{fitting, CoreError, SandboxId};
 use crate::persist::SavedTemplate;
 use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
 
@@ -371,6 +371,24 @@ impl Daemon {
             .spec
             .boot_spec(self.inner.config.boot_timeout)
             .map_err(DaemonError::BadTemplate)?;
+        // A bake boots a whole VM, whose setup may write all its RAM: the
+        // host's memory must have room for it above the reserve.
+        if let Some(available) = (self.inner.config.host_memory)() {
+            let reserve = self.inner.config.memory_reserve;
+            let ram = u64::from(t.spec.memory_mib) << 20;
+            if fitting(available, reserve, ram, 1) == 0 {
+                return Err(DaemonError::Capacity {
+                    waited_ms: 0,
+                    cause: CoreError::HostMemory {
+                        available_mib: available >> 20,
+                        reserve_mib: reserve >> 20,
+                        each_mib: ram >> 20,
+                        template: name.into(),
+                        basis: "its bake: a VM whose setup may write all its RAM".into(),
+                    },
+                });
+            }
+        }
         let (tx, rx) = watch::channel(None);
         t.zygote = Zygote::Baking(rx.clone());
         let spec = t.spec.clone();
@@ -717,6 +735,36 @@ mod tests {
         assert_eq!(b.template, "after-step-3");
         assert_eq!(world.forks.load(ORD), forks + 1);
         assert_eq!(world.boots.load(ORD), 1, "no new boot");
+    }
+
+    #[tokio::test]
+    async fn a_bake_the_hosts_memory_has_no_room_for_is_refused_and_boots_nothing() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        // 100 MiB available: no room for `minimal`'s 512 MiB VM.
+        let d = Daemon::new(
+            Arc::new(fake),
+            Config {
+                host_memory: || Some(100 << 20),
+                ..config(4)
+            },
+        )
+        .expect("daemon");
+        let err = d
+            .execute(create("minimal", None))
+            .await
+            .expect_err("no room to bake");
+        assert_eq!(err.kind(), "capacity");
+        let text = chain(&err);
+        assert!(
+            text.contains("its bake") && text.contains("512 MiB"),
+            "{text}"
+        );
+        assert_eq!(world.boots.load(ORD), 0);
+        assert_eq!(
+            d.template("minimal").expect("registered").state,
+            TemplateState::NotBaked
+        );
     }
 
     #[tokio::test]
