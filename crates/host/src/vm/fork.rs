@@ -454,6 +454,10 @@ impl ForkedVm {
             first: why.clone(),
             error,
         };
+        // The lost child's cgroup (one that never came up still holds
+        // it) goes first: made again after, its removal would take the
+        // replacement's with it (they share the directory's name).
+        drop(std::mem::replace(&mut self.cgroup, NewCgroup(None)));
         self.cgroup = child_cgroup(self.dir.path(), self.limits)?;
         let procs: Vec<OwnedFd> = self.cgroup.procs_for_joining()?.into_iter().collect();
         let spec = self.paths.spec(!procs.is_empty());
