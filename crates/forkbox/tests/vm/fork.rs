@@ -327,7 +327,12 @@ pub(crate) fn fork_memory_pattern_is_one_instant_in_children_never_in_parent() -
 /// child's vCPUs were, and works.
 pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestResult {
     let parent = boot(VmSpec {
-        vmm_env: vec![("FORKBOX_VMM_TEST_HANG_CHILD".into(), "1".into())],
+        vmm_env: vec![
+            ("FORKBOX_VMM_TEST_HANG_CHILD".into(), "1".into()),
+            // The hung one's replacement is the 2nd; the next fork's
+            // child, the 3rd, fails to come up.
+            ("FORKBOX_VMM_TEST_FAIL_CHILD".into(), "3".into()),
+        ],
         ..VmSpec::default()
     });
     sh(parent.agent(), "echo before > /tmp/mark")?;
@@ -356,7 +361,42 @@ pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestR
         format!("the replacement answered {out:?}"),
     )?;
     let out = sh(parent.agent(), "cat /tmp/mark")?;
-    check(out == "before\n", format!("the parent answered {out:?}"))
+    check(out == "before\n", format!("the parent answered {out:?}"))?;
+    // A child that fails to come up is replaced too, into a cgroup of its
+    // own like any child's.
+    let failed = parent
+        .fork(1)
+        .map_err(|e| format!("fork request: {e:#}"))?
+        .pop()
+        .ok_or("no child")?
+        .map_err(|e| format!("the fork failed instead of replacing the child: {e:#}"))?;
+    let why = failed.replaced.clone().unwrap_or_default();
+    check(
+        why.contains("FORKBOX_VMM_TEST_FAIL_CHILD"),
+        format!("the replacement says why: {why:?}"),
+    )?;
+    let out = sh(failed.agent(), "cat /tmp/mark")?;
+    check(
+        out == "before\n",
+        format!("the replacement answered {out:?}"),
+    )?;
+    if let Some(cgroup) = parent.cgroup() {
+        let own = failed
+            .cgroup()
+            .ok_or("the replacement has no cgroup, its parent has")?;
+        let procs = own
+            .pids()
+            .map_err(|e| format!("{}: {e}", own.dir().display()))?;
+        check(
+            own.dir() != cgroup.dir() && procs.contains(&failed.pid()),
+            format!(
+                "the replacement {} is not in its own cgroup {} ({procs:?})",
+                failed.pid(),
+                own.dir().display()
+            ),
+        )?;
+    }
+    Ok(())
 }
 
 /// Reads the TSC from guest user space (`rdtsc` through ctypes) and prints

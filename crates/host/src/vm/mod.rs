@@ -177,7 +177,7 @@ pub struct VmSpec {
     pub serial_to_stderr: bool,
     pub boot_timeout: Duration,
     /// Variables set for the VMM process (and so its fork children) only:
-    /// test hooks such as `FORKBOX_VMM_TEST_HANG_CHILD`.
+    /// test hooks such as `FORKBOX_VMM_TEST_HANG_CHILD` and `FORKBOX_VMM_TEST_FAIL_CHILD`.
     pub vmm_env: Vec<(String, String)>,
     /// Its network; `None`: none at all.
     pub network: Option<NetworkSpec>,

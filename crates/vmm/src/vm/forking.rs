@@ -157,10 +157,16 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         echo,
         net,
     };
+    if test_child(FAIL_CHILD_ENV, plan.ordinal) {
+        let msg = format!("{FAIL_CHILD_ENV}: this fork child fails to come up");
+        tracing::warn!(ordinal = plan.ordinal, "{msg}");
+        fork::report_failure(plan.ready, &msg);
+        std::process::exit(api::exit_code::VMM_ERROR);
+    }
     match Machine::restore(ram, &plan.state, endpoints) {
         Ok(mut m) => {
             tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
-            if test_hang_child(plan.ordinal) {
+            if test_child(HANG_CHILD_ENV, plan.ordinal) {
                 tracing::warn!(
                     ordinal = plan.ordinal,
                     "FORKBOX_VMM_TEST_HANG_CHILD: this fork child's vCPUs stay parked"
@@ -189,9 +195,13 @@ static FORKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(
 /// VMM only) makes the N-th fork child of this VMM process come up with its
 /// vCPUs parked, a child that never answers its agent's calls: how the
 /// host's handling of a hung child is tested. The guest cannot set it.
-fn test_hang_child(ordinal: u64) -> bool {
-    std::env::var("FORKBOX_VMM_TEST_HANG_CHILD")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        == Some(ordinal)
+const HANG_CHILD_ENV: &str = "FORKBOX_VMM_TEST_HANG_CHILD";
+/// Test hook: `FORKBOX_VMM_TEST_FAIL_CHILD=N` makes the N-th fork child
+/// report that it could not come up, and end: how the host's replacing of
+/// a child that failed is tested.
+const FAIL_CHILD_ENV: &str = "FORKBOX_VMM_TEST_FAIL_CHILD";
+
+/// Whether the test hook `env` names the fork child `ordinal`.
+fn test_child(env: &str, ordinal: u64) -> bool {
+    std::env::var(env).ok().and_then(|v| v.parse::<u64>().ok()) == Some(ordinal)
 }
