@@ -347,7 +347,9 @@ pub(crate) fn fork_child_that_hangs_is_replaced_and_says_where_it_was() -> TestR
     check(
         why.contains("did not answer AfterFork")
             && why.contains("--- vCPUs ---")
-            && why.contains("\"rip\""),
+            && why.contains("\"rip\"")
+            && why.contains("--- its VMM's threads in the host kernel ---")
+            && why.contains(" state "),
         format!("the replacement says why: {why:?}"),
     )?;
     eprintln!(

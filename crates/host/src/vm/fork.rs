@@ -266,7 +266,11 @@ impl Vm {
             Err(VmError::AfterForkTimeout {
                 pid,
                 secs: timeout.as_secs(),
-                vcpus: where_vcpus_are(&self.control),
+                vcpus: format!(
+                    "{}\n--- its VMM's threads in the host kernel ---\n{}",
+                    where_vcpus_are(&self.control),
+                    where_threads_are(pid)
+                ),
                 serial_tail: self.serial_tail(30),
             })
         })?;
@@ -298,6 +302,41 @@ pub(super) fn where_vcpus_are(control: &Control) -> String {
     control
         .vcpus()
         .unwrap_or_else(|e| format!("(not readable: {:#})", anyhow::Error::new(e)))
+}
+
+/// Where the threads of process `pid` are in the host's kernel: each
+/// one's state and wait channel, and the top of its kernel stack (root
+/// reads it): what a VMM whose control socket no longer answers is
+/// waiting on.
+pub(super) fn where_threads_are(pid: u32) -> String {
+    let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(tasks) => tasks,
+        Err(e) => return format!("(not readable: {e})"),
+    };
+    let mut out = String::new();
+    for task in tasks.flatten().take(64) {
+        let dir = task.path();
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // After the command's closing parenthesis: state, then the rest.
+        let state = stat
+            .rsplit_once(") ")
+            .map_or("?", |(_, rest)| &rest[..1.min(rest.len())]);
+        let stack_text = read("stack");
+        let stack: Vec<&str> = stack_text
+            .lines()
+            .take(6)
+            .map(|l| l.split_once(' ').map_or(l, |(_, f)| f))
+            .collect();
+        out.push_str(&format!(
+            "{} {} state {state} wchan {} stack [{}]\n",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim(),
+            stack.join(" < ")
+        ));
+    }
+    out
 }
 
 /// How long the children of one fork request may take to answer

@@ -109,7 +109,8 @@ pub enum VmError {
     AfterForkTimeout {
         pid: u32,
         secs: u64,
-        /// Where each vCPU was (`Control::vcpus`).
+        /// Where each vCPU was (`Control::vcpus`), then where its VMM's
+        /// threads were in the host's kernel.
         vcpus: String,
         serial_tail: String,
     },
