@@ -41,21 +41,22 @@ pub struct CreateSandbox {
 
 /// The host's memory against what sandboxes of one template are predicted
 /// to take ([`predicted_memory`]).
-struct MemoryRoom {
-    available: u64,
-    reserve: u64,
-    each: u64,
-    basis: String,
-    template: String,
+pub(super) struct MemoryRoom {
+    pub(super) available: u64,
+    pub(super) reserve: u64,
+    /// Bytes each one more is predicted to take, and how that was found.
+    pub(super) each: u64,
+    pub(super) basis: String,
+    pub(super) template: String,
 }
 
 impl MemoryRoom {
     /// How many of `wanted` more fit above the reserve.
-    fn fitting(&self, wanted: usize) -> usize {
+    pub(super) fn fitting(&self, wanted: usize) -> usize {
         fitting(self.available, self.reserve, self.each, wanted)
     }
 
-    fn refusal(&self) -> CoreError {
+    pub(super) fn refusal(&self) -> CoreError {
         CoreError::HostMemory {
             available_mib: self.available >> 20,
             reserve_mib: self.reserve >> 20,

@@ -17,10 +17,10 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use utoipa::ToSchema;
 
-use super::lifecycle::fork_one;
+use super::lifecycle::{fork_one, MemoryRoom};
 use super::{blocking, chain, reap, Baseline, Daemon, DaemonError};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
-use crate::core::{fitting, CoreError, SandboxId};
+use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
 use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
 
@@ -374,18 +374,17 @@ impl Daemon {
         // A bake boots a whole VM, whose setup may write all its RAM: the
         // host's memory must have room for it above the reserve.
         if let Some(available) = (self.inner.config.host_memory)() {
-            let reserve = self.inner.config.memory_reserve;
-            let ram = u64::from(t.spec.memory_mib) << 20;
-            if fitting(available, reserve, ram, 1) == 0 {
+            let room = MemoryRoom {
+                available,
+                reserve: self.inner.config.memory_reserve,
+                each: u64::from(t.spec.memory_mib) << 20,
+                basis: "its bake: a VM whose setup may write all its RAM".into(),
+                template: name.into(),
+            };
+            if room.fitting(1) == 0 {
                 return Err(DaemonError::Capacity {
                     waited_ms: 0,
-                    cause: CoreError::HostMemory {
-                        available_mib: available >> 20,
-                        reserve_mib: reserve >> 20,
-                        each_mib: ram >> 20,
-                        template: name.into(),
-                        basis: "its bake: a VM whose setup may write all its RAM".into(),
-                    },
+                    cause: room.refusal(),
                 });
             }
         }
