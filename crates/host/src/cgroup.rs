@@ -178,15 +178,11 @@ impl Hierarchy {
     /// `shape`'s.
     pub fn existing(&self, name: &str, shape: Limits) -> io::Result<VmCgroup> {
         let dir = self.path_of(name)?;
-        let number = |file: &str| -> Option<u64> {
-            let text = std::fs::read_to_string(dir.join(file)).ok()?;
-            text.split_whitespace().next()?.parse().ok()
-        };
         let mut limits = shape;
-        if let Some(bytes) = number("memory.max") {
+        if let Some(bytes) = read_number(&dir, "memory.max") {
             limits = limits.with_memory_max(bytes);
         }
-        if let Some(quota) = number("cpu.max") {
+        if let Some(quota) = read_number(&dir, "cpu.max") {
             limits.cpu_quota_us = quota;
         }
         Ok(VmCgroup { dir, limits })
@@ -271,9 +267,7 @@ impl VmCgroup {
     /// holds of its own, shared pages charged to whoever touched them
     /// first (a zygote, for its children).
     pub fn memory_current(&self) -> Option<u64> {
-        std::fs::read_to_string(self.dir.join("memory.current"))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
+        read_number(&self.dir, "memory.current")
     }
 
     /// The processes in it.
@@ -301,6 +295,13 @@ impl VmCgroup {
             )
         })
     }
+}
+
+/// The number a cgroup file `dir/file` starts with; `None` where it cannot
+/// be read or says something else (`max`).
+fn read_number(dir: &Path, file: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join(file)).ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Removes the cgroup directory `dir`, waiting up to a second for processes
