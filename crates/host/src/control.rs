@@ -121,6 +121,14 @@ impl Control {
         Ok(s.bytes_written)
     }
 
+    /// Injects an NMI into every vCPU of a guest being given up: its kernel
+    /// (booted with `unknown_nmi_panic`) prints where it was to the serial
+    /// log and ends. Bounded by [`DIAGNOSE_TIMEOUT`].
+    pub fn nmi(&self) -> Result<(), ControlError> {
+        self.call_within::<Done>(&Request::Nmi, DIAGNOSE_TIMEOUT)
+            .map(drop)
+    }
+
     /// Where every vCPU is (registers, MP state, pending events, LAPIC
     /// vectors), one JSON line per vCPU, for a failure report. Bounded by
     /// [`DIAGNOSE_TIMEOUT`]: a VMM too wedged to answer says so.

@@ -19,6 +19,10 @@
 //! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
 //!   events, LAPIC vectors), for a failure report; a running VM is paused
 //!   for the read and resumed.
+//! - `{"op":"nmi"}`: an NMI into every vCPU, for a guest that no longer
+//!   answers: forkbox's guests boot with `unknown_nmi_panic`, so the guest
+//!   kernel prints where it was (its panic and stack) to the serial log and
+//!   ends. Only for a VM that is being given up.
 //! - `{"op":"own"}`: this connection owns the VM for as long as it stays
 //!   open. A VMM started with `--orphan-grace-secs N` ends when no
 //!   connection has owned it for N seconds (from its start, or from its
@@ -84,6 +88,7 @@ pub enum Request {
         then: Then,
     },
     Vcpus,
+    Nmi,
     Own,
 }
 
@@ -121,6 +126,7 @@ impl Request {
             Request::Zygote => "zygote",
             Request::Snapshot { .. } => "snapshot",
             Request::Vcpus => "vcpus",
+            Request::Nmi => "nmi",
             Request::Own => "own",
         }
     }
@@ -418,6 +424,7 @@ mod tests {
         assert_eq!(parse(br#"{"op":"resume"}"#), Ok(Request::Resume));
         assert_eq!(parse(br#"{"op":"zygote"}"#), Ok(Request::Zygote));
         assert_eq!(parse(br#"{"op":"vcpus"}"#), Ok(Request::Vcpus));
+        assert_eq!(parse(br#"{"op":"nmi"}"#), Ok(Request::Nmi));
         assert_eq!(parse(br#"{"op":"own"}"#), Ok(Request::Own));
     }
 

@@ -143,6 +143,8 @@ struct Park {
 struct Shared {
     pause: AtomicBool,
     stop: AtomicBool,
+    /// Per vCPU: an NMI to inject before its next `KVM_RUN` ([`Vcpus::nmi`]).
+    nmi: Vec<AtomicBool>,
     park: Mutex<Park>,
     cond: Condvar,
 }
@@ -182,6 +184,7 @@ impl Vcpus {
         let shared = Arc::new(Shared {
             pause: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            nmi: (0..n).map(|_| AtomicBool::new(false)).collect(),
             park: Mutex::new(Park {
                 paused: false,
                 epoch: 0,
@@ -287,6 +290,34 @@ impl Vcpus {
                 _vcpus: PhantomData,
             },
         ))
+    }
+
+    /// Has every vCPU inject an NMI into its guest (`KVM_NMI`, which only
+    /// the thread that runs a vCPU may issue) and returns once each has, or
+    /// after [`PAUSE_TIMEOUT`] with the ids of those that have not (a
+    /// parked vCPU injects when it runs again).
+    pub fn nmi(&self) -> Vec<u8> {
+        let sh = &self.shared;
+        sh.nmi.iter().for_each(|f| f.store(true, Ordering::SeqCst));
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
+        loop {
+            let waiting: Vec<u8> = (0..sh.nmi.len())
+                .filter(|&i| sh.nmi[i].load(Ordering::SeqCst))
+                .map(|i| i as u8)
+                .collect();
+            if waiting.is_empty() || Instant::now() > deadline {
+                return waiting;
+            }
+            // A kick that lands just before `KVM_RUN` is lost: repeat.
+            for &i in &waiting {
+                if let Some(t) = self.threads.get(usize::from(i)) {
+                    if let Err(e) = t.kill(kick_signal()) {
+                        tracing::warn!("cannot kick a vCPU thread: {e}");
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Lets every parked vCPU run again (no [`Paused`] may be left).
@@ -395,6 +426,11 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
         if shared.pause.load(Ordering::SeqCst) {
             park(&mut ctx, shared);
             continue;
+        }
+        if shared.nmi[usize::from(ctx.id)].swap(false, Ordering::SeqCst) {
+            if let Err(e) = ctx.vcpu.nmi() {
+                tracing::warn!(vcpu = ctx.id, "cannot inject an NMI: {e}");
+            }
         }
         let (pio, mmio) = (&ctx.pio, &ctx.mmio);
         let run = ctx.vcpu.run();

@@ -547,6 +547,30 @@ pub(crate) fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
     )
 }
 
+/// A guest being given up says where it was: forkbox sends it an NMI,
+/// which its kernel (booted with `unknown_nmi_panic`) answers with its
+/// panic and the interrupted stack on the serial log; the VM then ends as
+/// a kernel panic.
+pub(crate) fn vm_nmi_makes_a_given_up_guest_say_where_it_was() -> TestResult {
+    let mut vm = boot(VmSpec::default());
+    let said = vm.guest_says_where();
+    check(
+        said.contains("NMI received for unknown reason")
+            && said.contains("Kernel panic - not syncing")
+            && said.contains("Call Trace")
+            && said.contains("RIP: "),
+        format!("the guest said:\n{said}"),
+    )?;
+    eprintln!("nmi: the guest said where it was:\n{said}");
+    let status = vm
+        .wait_exit(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    check(
+        status.and_then(|s| s.code()) == Some(vmm_exit::PANIC),
+        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
+    )
+}
+
 pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
     let vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

@@ -285,6 +285,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         ),
         ("vm_dies_mid_call_is_reported", vm_dies_mid_call_is_reported),
         (
+            "vm_nmi_makes_a_given_up_guest_say_where_it_was",
+            vm_nmi_makes_a_given_up_guest_say_where_it_was,
+        ),
+        (
             "fork_running_processes_continue_in_parent_and_children",
             fork_running_processes_continue_in_parent_and_children,
         ),

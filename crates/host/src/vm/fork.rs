@@ -271,13 +271,48 @@ impl Vm {
                     where_vcpus_are(&self.control),
                     where_threads_are(pid)
                 ),
-                serial_tail: self.serial_tail(30),
+                serial_tail: self.guest_says_where(),
             })
         })?;
         self.after_fork = Some(report);
         Ok(())
     }
 }
+
+impl Vm {
+    /// Asks a guest being given up where it is: an NMI, which its kernel
+    /// answers by printing its panic and the interrupted stack to the
+    /// serial log ([`GUEST_CMDLINE`]'s `unknown_nmi_panic`); waits up to
+    /// [`GUEST_REPORT_WAIT`] for the report's end, then returns the serial
+    /// log's tail, or says why the guest was not asked.
+    pub fn guest_says_where(&self) -> String {
+        // The panic's last line before the guest resets (`panic=-1`).
+        const END: &str = "Kernel Offset:";
+        if let Err(e) = self.control.nmi() {
+            return format!(
+                "(no NMI to make the guest say where it is: {:#})\n{}",
+                anyhow::Error::new(e),
+                self.serial_tail(30)
+            );
+        }
+        let log = self.dir.path().join("serial.log");
+        let _ = poll::until(
+            Instant::now() + GUEST_REPORT_WAIT,
+            Duration::from_millis(50),
+            || {
+                if testbed::tail(&log, 80).contains(END) {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            },
+        );
+        self.serial_tail(80)
+    }
+}
+
+/// How long a guest sent an NMI may take to print where it was.
+const GUEST_REPORT_WAIT: Duration = Duration::from_secs(5);
 
 /// What kind of loss a lost fork child's error (or a replacement's
 /// [`Vm::replaced`]) names, for counting losses by signature: the VMM notes

@@ -51,9 +51,12 @@ use user::VmmUser;
 
 /// The guest kernel's command line. `panic=-1` turns a panic into an
 /// immediate reset that the VMM reports; `pci=off` skips probing a bus the
-/// VM does not have; `quiet` keeps the (slow, emulated) serial port idle.
-pub const GUEST_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=-1 pci=off quiet forkbox.root=/dev/vda forkbox.rootfstype=ext4";
+/// VM does not have; `quiet` keeps the (slow, emulated) serial port idle;
+/// `unknown_nmi_panic` makes a guest that no longer answers say where it
+/// was when forkbox gives it up (an NMI, [`Control::nmi`]: the panic prints
+/// its stack).
+pub const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet unknown_nmi_panic \
+     forkbox.root=/dev/vda forkbox.rootfstype=ext4";
 
 /// `forkbox-vmm` exit codes (its command-line contract).
 pub use forkbox_vmm_api::exit_code as vmm_exit;

@@ -218,6 +218,13 @@ impl Machine {
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
             Request::Own => Outcome::Own,
+            Request::Nmi => Outcome::Reply(match self.vcpus.nmi().as_slice() {
+                [] => Response::Done,
+                waiting => Response::error(format!(
+                    "vCPU(s) {waiting:?} did not take the NMI within {:?} (parked?)",
+                    crate::vcpu::PAUSE_TIMEOUT
+                )),
+            }),
             Request::Vcpus => Outcome::Reply(match self.report_vcpus() {
                 Ok(vcpus) => Response::Vcpus(api::Vcpus {
                     state: self.run_state,
