@@ -8,7 +8,8 @@
 //! Restore order (research/kvm-fork-measurements.md): VM, memory slots,
 //! TSS/identity map, irqchip, PIT2, vCPUs (CPUID first), irqchip state,
 //! PIT state, per-vCPU registers, LAPIC, then MSRs (see [`restore_vcpu`]),
-//! then kvmclock. Configuration no
+//! then kvmclock, then the guest is told it was stopped
+//! ([`tell_guest_it_was_stopped`]). Configuration no
 //! GET ioctl returns is replayed from constants the boot path also uses:
 //! CPUID (saved per vCPU as configured), the PIT config (speaker dummy), and
 //! the default GSI routing and PIT reinjection (never changed by this VMM).
@@ -456,6 +457,19 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, gap_ns: u64) -> Result<(),
     vcpu.set_debug_regs(&state.debugregs)
         .map_err(kvm_err("set debug registers"))?;
     Ok(())
+}
+
+/// Tells the guest that its vCPU was stopped (`KVM_KVMCLOCK_CTRL`: KVM
+/// sets `PVCLOCK_GUEST_STOPPED` in its kvmclock page), so that its kernel
+/// takes the jump of its clock over a pause, a fork from an aged zygote or
+/// a restore for what it is, not for a soft lockup or an RCU stall. A
+/// guest without kvmclock has nothing to tell (`EINVAL`).
+pub fn tell_guest_it_was_stopped(vcpu: &VcpuFd, id: u8) {
+    match vcpu.kvmclock_ctrl() {
+        Ok(()) => {}
+        Err(e) if e.errno() == libc::EINVAL => {}
+        Err(e) => tracing::warn!(vcpu = id, "cannot tell the guest it was stopped: {e}"),
+    }
 }
 
 fn get_chip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {

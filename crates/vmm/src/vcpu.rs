@@ -13,7 +13,7 @@
 //! another thread would stay locked forever in the child.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -71,6 +71,11 @@ pub fn kick_signal() -> i32 {
 pub extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     // Nothing to do: delivery alone makes KVM_RUN return EINTR.
 }
+
+/// Asks of a vCPU thread, done before its next `KVM_RUN`: inject an NMI
+/// ([`Vcpus::nmi`]); tell the guest it was stopped ([`Vcpus::resume`]).
+const ASK_NMI: u8 = 1;
+const ASK_CLOCK_STOPPED: u8 = 2;
 
 /// How long stopping the vCPU threads may take before they are left behind.
 const VCPU_STOP_TIMEOUT: Duration = Duration::from_secs(2);
@@ -143,8 +148,9 @@ struct Park {
 struct Shared {
     pause: AtomicBool,
     stop: AtomicBool,
-    /// Per vCPU: an NMI to inject before its next `KVM_RUN` ([`Vcpus::nmi`]).
-    nmi: Vec<AtomicBool>,
+    /// Per vCPU: what its thread does before its next `KVM_RUN` ([`ASK_NMI`],
+    /// [`ASK_CLOCK_STOPPED`]).
+    asks: Vec<AtomicU8>,
     park: Mutex<Park>,
     cond: Condvar,
 }
@@ -184,7 +190,7 @@ impl Vcpus {
         let shared = Arc::new(Shared {
             pause: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-            nmi: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            asks: (0..n).map(|_| AtomicU8::new(0)).collect(),
             park: Mutex::new(Park {
                 paused: false,
                 epoch: 0,
@@ -298,11 +304,13 @@ impl Vcpus {
     /// parked vCPU injects when it runs again).
     pub fn nmi(&self) -> Vec<u8> {
         let sh = &self.shared;
-        sh.nmi.iter().for_each(|f| f.store(true, Ordering::SeqCst));
+        sh.asks.iter().for_each(|a| {
+            a.fetch_or(ASK_NMI, Ordering::SeqCst);
+        });
         let deadline = Instant::now() + PAUSE_TIMEOUT;
         loop {
-            let waiting: Vec<u8> = (0..sh.nmi.len())
-                .filter(|&i| sh.nmi[i].load(Ordering::SeqCst))
+            let waiting: Vec<u8> = (0..sh.asks.len())
+                .filter(|&i| sh.asks[i].load(Ordering::SeqCst) & ASK_NMI != 0)
                 .map(|i| i as u8)
                 .collect();
             if waiting.is_empty() || Instant::now() > deadline {
@@ -320,8 +328,12 @@ impl Vcpus {
         }
     }
 
-    /// Lets every parked vCPU run again (no [`Paused`] may be left).
+    /// Lets every parked vCPU run again (no [`Paused`] may be left); each
+    /// first tells its guest that it was stopped ([`ASK_CLOCK_STOPPED`]).
     pub fn resume(&mut self) {
+        self.shared.asks.iter().for_each(|a| {
+            a.fetch_or(ASK_CLOCK_STOPPED, Ordering::SeqCst);
+        });
         let mut p = relock(&self.shared.park);
         p.paused = false;
         self.shared.pause.store(false, Ordering::SeqCst);
@@ -427,7 +439,11 @@ fn vcpu_loop(mut ctx: VcpuContext, shared: &Shared) -> VcpuOutcome {
             park(&mut ctx, shared);
             continue;
         }
-        if shared.nmi[usize::from(ctx.id)].swap(false, Ordering::SeqCst) {
+        let asks = shared.asks[usize::from(ctx.id)].swap(0, Ordering::SeqCst);
+        if asks & ASK_CLOCK_STOPPED != 0 {
+            state::tell_guest_it_was_stopped(&ctx.vcpu, ctx.id);
+        }
+        if asks & ASK_NMI != 0 {
             if let Err(e) = ctx.vcpu.nmi() {
                 tracing::warn!(vcpu = ctx.id, "cannot inject an NMI: {e}");
             }

@@ -446,6 +446,9 @@ impl Machine {
             state::restore_vcpu(vcpu, s, gap_ns)?;
         }
         state::restore_clock(&vm, &saved.vm, gap_ns)?;
+        for ((vcpu, _), s) in vcpus.iter().zip(&saved.vcpus) {
+            state::tell_guest_it_was_stopped(vcpu, s.id);
+        }
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
         // (vsock RSTs), which must land on the restored irqchip.
