@@ -244,8 +244,17 @@ pub struct Done {}
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ChildResult {
-    Started { pid: u32 },
-    Failed { error: String },
+    Started {
+        pid: u32,
+    },
+    Failed {
+        error: String,
+        /// A child that did not come up in time but may still: whoever
+        /// asked for it must end it (a VMM's filter lets it signal no
+        /// process), before its sockets' paths are used again.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unready_pid: Option<u32>,
+    },
 }
 
 /// The answer to `fork`: one entry per requested child, in order.
@@ -555,13 +564,23 @@ mod tests {
                 ChildResult::Started { pid: 5 },
                 ChildResult::Failed {
                     error: "boom".into(),
+                    unready_pid: None,
+                },
+                ChildResult::Failed {
+                    error: "late".into(),
+                    unready_pid: Some(6),
                 },
             ],
         });
         assert_eq!(
             f.to_line(),
-            b"{\"ok\":true,\"children\":[{\"pid\":5},{\"error\":\"boom\"}]}\n"
+            b"{\"ok\":true,\"children\":[{\"pid\":5},{\"error\":\"boom\"},{\"error\":\"late\",\"unready_pid\":6}]}\n"
         );
+        let back: Forked = serde_json::from_slice(&f.to_line()).expect("parses");
+        let Response::Forked(sent) = f else {
+            unreachable!()
+        };
+        assert_eq!(back, sent);
         assert_eq!(
             Response::error("x").to_line(),
             b"{\"ok\":false,\"error\":\"x\"}\n"
@@ -718,7 +737,8 @@ mod tests {
             vec![
                 ChildResult::Started { pid: 42 },
                 ChildResult::Failed {
-                    error: "no memory".into()
+                    error: "no memory".into(),
+                    unready_pid: None,
                 }
             ]
         );

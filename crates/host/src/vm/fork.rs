@@ -168,7 +168,10 @@ impl Vm {
             .enumerate()
             .map(|(index, a)| match a {
                 ChildResult::Started { pid } => Ok((pid, pidfd_of(pid)?)),
-                ChildResult::Failed { error } => Err(VmError::ForkChild { index, error }),
+                ChildResult::Failed { error, unready_pid } => {
+                    end_unready(unready_pid);
+                    Err(VmError::ForkChild { index, error })
+                }
             })
             .collect();
         let deadline = after_fork_deadline(n);
@@ -409,6 +412,26 @@ impl Drop for PausedWhileForking<'_> {
 
 /// Kills the children a fork request started (when a later request of the
 /// same fork failed); reaped in the background.
+/// Ends a fork child its VMM gave up on before it came up (`unready_pid`),
+/// and waits for it to be gone: it must not bind its sockets' paths
+/// after they were cleared for a replacement.
+fn end_unready(pid: Option<u32>) {
+    let Some(pid) = pid else { return };
+    match pidfd_of(pid) {
+        Ok(pidfd) => {
+            let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
+            if !pidfd_exited(&pidfd, Duration::from_secs(5)) {
+                tracing::warn!(
+                    pid,
+                    "a fork child that did not come up has not ended 5 s after SIGKILL"
+                );
+            }
+        }
+        // Gone already.
+        Err(e) => tracing::debug!(pid, error = %e, "an unready fork child"),
+    }
+}
+
 pub(super) fn kill_forked(answers: &[ChildResult]) {
     for a in answers {
         if let ChildResult::Started { pid } = a {
@@ -540,7 +563,10 @@ impl ForkedVm {
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
             Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),
-            Some(ChildResult::Failed { error }) => return Err(lost(error)),
+            Some(ChildResult::Failed { error, unready_pid }) => {
+                end_unready(unready_pid);
+                return Err(lost(error));
+            }
             None => return Err(lost("the VMM answered no child".into())),
         };
         match self.hook(pid, pidfd, deadline) {

@@ -107,14 +107,21 @@ impl Machine {
         let results = pending
             .into_iter()
             .map(|p| match p {
-                Err(error) => ChildResult::Failed { error },
+                Err(error) => ChildResult::Failed {
+                    error,
+                    unready_pid: None,
+                },
                 Ok((pid, ready)) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     let r = fork::wait_ready(ready, left.max(std::time::Duration::from_millis(1)));
                     tracing::info!(pid, elapsed = ?started.elapsed(), ok = r.is_ok(), "fork child");
                     match r {
                         Ok(()) => ChildResult::Started { pid: pid as u32 },
-                        Err(error) => ChildResult::Failed { error },
+                        // It may still come up: its asker ends it.
+                        Err(error) => ChildResult::Failed {
+                            error,
+                            unready_pid: Some(pid as u32),
+                        },
                     }
                 }
             })
