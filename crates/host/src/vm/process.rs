@@ -494,7 +494,7 @@ impl Vm {
         format!(
             "VMM {}\n{state}\n--- serial log (tail) ---\n{}",
             self.pid(),
-            self.serial_tail(20)
+            self.serial_tail(60)
         )
     }
 }
