@@ -593,6 +593,21 @@ pub(super) fn unix_now_ns() -> u64 {
 mod tests {
     use super::*;
 
+    /// A child its VMM gave up on is gone when `end_unready` returns, so
+    /// that it cannot bind a path cleared for its replacement.
+    #[test]
+    fn an_unready_child_is_gone_when_end_unready_returns() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("sleep runs");
+        end_unready(Some(child.id()));
+        let status = child.try_wait().expect("waits");
+        assert_eq!(status.and_then(|s| s.signal()), Some(9), "SIGKILL");
+        end_unready(None);
+    }
+
     #[test]
     pub(super) fn loss_signature_names_each_kind_of_loss() {
         let lost = |e: VmError| loss_signature(&format!("{e:#}"));
