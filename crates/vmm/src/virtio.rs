@@ -30,6 +30,9 @@ pub trait VirtioMmio: BusDevice + EventSource {
     /// The interrupt status register: non-zero while an interrupt the
     /// driver has not acknowledged is outstanding.
     fn interrupt_status(&self) -> u32;
+    /// Whether the driver has set the device up (`DRIVER_OK`): only a
+    /// restored device is, when its VM is wired.
+    fn is_activated(&self) -> bool;
 }
 
 /// A device the command line asked for.
@@ -88,6 +91,10 @@ impl VirtioMmio for MmioTransport {
 
     fn interrupt_status(&self) -> u32 {
         self.interrupt().status()
+    }
+
+    fn is_activated(&self) -> bool {
+        MmioTransport::is_activated(self)
     }
 }
 

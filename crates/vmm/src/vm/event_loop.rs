@@ -245,11 +245,21 @@ pub(super) fn wire_device(
             .write(1)
             .map_err(|e| VmError::EventLoop("raise a restored interrupt", e))?;
     }
+    // The other way round: a queue the driver kicked just before the
+    // capture may not have been served (the kick waited in the parent's
+    // ioeventfd), and a fresh ioeventfd has no kick in it. The driver will
+    // not kick for those buffers again, so a restored device is kicked on
+    // every queue once; a device finds nothing new where nothing was.
+    let restored = virtio::lock(&slot.device).is_activated();
     for queue in 0..slot.queues {
         let evt = eventfd()?;
         let addr = IoEventAddress::Mmio(slot.window.base + VIRTIO_MMIO_QUEUE_NOTIFY);
         vm.register_ioevent(&evt, &addr, u32::from(queue))
             .map_err(kvm_err("register a queue ioeventfd"))?;
+        if restored {
+            evt.write(1)
+                .map_err(|e| VmError::EventLoop("kick a restored queue", e))?;
+        }
         let fd = evt.as_raw_fd();
         watch(
             fd,
