@@ -263,9 +263,7 @@ impl Vcpus {
                     }
                     for (t, &parked) in self.threads.iter().zip(p.parked.iter()) {
                         if !parked {
-                            if let Err(e) = t.kill(kick_signal()) {
-                                tracing::warn!("cannot kick a vCPU thread: {e}");
-                            }
+                            kick(t);
                         }
                     }
                     p = wait(&sh.cond, p, Duration::from_millis(1));
@@ -319,9 +317,7 @@ impl Vcpus {
             // A kick that lands just before `KVM_RUN` is lost: repeat.
             for &i in &waiting {
                 if let Some(t) = self.threads.get(usize::from(i)) {
-                    if let Err(e) = t.kill(kick_signal()) {
-                        tracing::warn!("cannot kick a vCPU thread: {e}");
-                    }
+                    kick(t);
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -369,12 +365,17 @@ impl Vcpus {
                 break;
             }
             for t in &running {
-                if let Err(e) = t.kill(kick_signal()) {
-                    tracing::warn!("cannot kick a vCPU thread: {e}");
-                }
+                kick(t);
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+}
+
+/// Signals a vCPU thread out of `KVM_RUN` ([`kick_signal`]).
+fn kick(t: &JoinHandle<()>) {
+    if let Err(e) = t.kill(kick_signal()) {
+        tracing::warn!("cannot kick a vCPU thread: {e}");
     }
 }
 

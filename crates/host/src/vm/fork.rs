@@ -298,19 +298,19 @@ impl Vm {
                 self.serial_tail(30)
             );
         }
-        let log = self.dir.path().join("serial.log");
-        let _ = poll::until(
+        poll::until(
             Instant::now() + GUEST_REPORT_WAIT,
             Duration::from_millis(50),
             || {
-                if testbed::tail(&log, 80).contains(END) {
-                    ControlFlow::Break(())
+                let tail = self.serial_tail(80);
+                if tail.contains(END) {
+                    ControlFlow::Break(tail)
                 } else {
-                    ControlFlow::Continue(())
+                    ControlFlow::Continue(tail)
                 }
             },
-        );
-        self.serial_tail(80)
+        )
+        .unwrap_or_else(|TimedOut(tail)| tail)
     }
 }
 
@@ -410,16 +410,21 @@ impl Drop for PausedWhileForking<'_> {
     }
 }
 
-/// Kills the children a fork request started (when a later request of the
-/// same fork failed); reaped in the background.
+/// Sends SIGKILL to fork child `pid` through a pidfd, which it returns
+/// for waiting on the child.
+fn kill_child(pid: u32) -> Result<OwnedFd, VmError> {
+    let pidfd = pidfd_of(pid)?;
+    let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
+    Ok(pidfd)
+}
+
 /// Ends a fork child its VMM gave up on before it came up (`unready_pid`),
 /// and waits for it to be gone: it must not bind its sockets' paths
 /// after they were cleared for a replacement.
 fn end_unready(pid: Option<u32>) {
     let Some(pid) = pid else { return };
-    match pidfd_of(pid) {
+    match kill_child(pid) {
         Ok(pidfd) => {
-            let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
             if !pidfd_exited(&pidfd, Duration::from_secs(5)) {
                 tracing::warn!(
                     pid,
@@ -432,12 +437,13 @@ fn end_unready(pid: Option<u32>) {
     }
 }
 
+/// Kills the children a fork request started (when a later request of the
+/// same fork failed); reaped in the background.
 pub(super) fn kill_forked(answers: &[ChildResult]) {
     for a in answers {
         if let ChildResult::Started { pid } = a {
-            match pidfd_of(*pid) {
+            match kill_child(*pid) {
                 Ok(pidfd) => {
-                    let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
                     let vmm = Vmm::Forked { pid: *pid, pidfd };
                     let _ = std::thread::Builder::new()
                         .name("vm-reap".into())
