@@ -522,11 +522,16 @@ pub(crate) fn vm_guest_panic_ends_vmm_with_panic_status() -> TestResult {
 pub(crate) fn vm_guest_poweroff_ends_vmm_cleanly() -> TestResult {
     let mut vm = boot(VmSpec::default());
     vm.agent().shutdown().map_err(|e| format!("{e:#}"))?;
+    vmm_ends_with(&mut vm, vmm_exit::POWER_OFF)
+}
+
+/// The VMM ends within a minute with exit code `code`.
+fn vmm_ends_with(vm: &mut Vm, code: i32) -> TestResult {
     let status = vm
         .wait_exit(Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
     check(
-        status.and_then(|s| s.code()) == Some(vmm_exit::POWER_OFF),
+        status.and_then(|s| s.code()) == Some(code),
         format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
     )
 }
@@ -538,13 +543,7 @@ pub(crate) fn vm_guest_reboot_ends_vmm_with_reboot_status() -> TestResult {
         .clone()
         .with_call_timeout(Duration::from_secs(120))
         .exec(&ExecRequest::argv(["reboot", "-f"]), None, &mut |_, _| {});
-    let status = vm
-        .wait_exit(Duration::from_secs(60))
-        .map_err(|e| e.to_string())?;
-    check(
-        status.and_then(|s| s.code()) == Some(vmm_exit::RESET),
-        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
-    )
+    vmm_ends_with(&mut vm, vmm_exit::RESET)
 }
 
 /// A guest being given up says where it was: forkbox sends it an NMI,
@@ -562,13 +561,7 @@ pub(crate) fn vm_nmi_makes_a_given_up_guest_say_where_it_was() -> TestResult {
         format!("the guest said:\n{said}"),
     )?;
     eprintln!("nmi: the guest said where it was:\n{said}");
-    let status = vm
-        .wait_exit(Duration::from_secs(60))
-        .map_err(|e| e.to_string())?;
-    check(
-        status.and_then(|s| s.code()) == Some(vmm_exit::PANIC),
-        format!("VMM ended with {status:?}\n{}", vm.serial_tail(20)),
-    )
+    vmm_ends_with(&mut vm, vmm_exit::PANIC)
 }
 
 pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
