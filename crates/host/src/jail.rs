@@ -68,7 +68,7 @@ pub fn gaps_in(status: &str) -> Vec<Gap> {
     }
     if effective & (1 << CAP_SYS_ADMIN) == 0 {
         gaps.push(Gap {
-            missing: "VMMs keep the host's network, IPC and UTS namespaces and a writable view of the host's files: leaving them needs CAP_SYS_ADMIN".into(),
+            missing: "VMMs keep the host's network, IPC and UTS namespaces and see (and may write) the host's files where their user may: a root of their own needs CAP_SYS_ADMIN".into(),
             remedy: "run forkboxd as root",
         });
     }

@@ -82,11 +82,16 @@ pub struct Args {
     /// namespaces).
     #[arg(long)]
     pub require_jail: bool,
-    /// A directory this VMM and its fork children may write (their
-    /// sockets, logs, snapshots); repeatable. Given once or more, every
-    /// other mount is read-only to them (a mount namespace of their own,
-    /// which needs CAP_SYS_ADMIN).
+    /// Build this VMM's own root in this empty directory and `pivot_root`
+    /// into it (`mounts::enter_jail`, which needs CAP_SYS_ADMIN): there it
+    /// and its fork children find `/proc`, the files this command line
+    /// names (kernel, initramfs, disks, the snapshot restored) read-only,
+    /// the `--writable` directories, and nothing else of the host's.
     #[arg(long)]
+    pub root: Option<PathBuf>,
+    /// A directory this VMM and its fork children may write in their root
+    /// (their sockets, logs, snapshots); repeatable.
+    #[arg(long, requires = "root")]
     pub writable: Vec<PathBuf>,
     /// Run the guest as this user and group (`UID:GID`, both numbers): the
     /// VMM gives up root for them once its VM is built, before any guest
@@ -141,6 +146,27 @@ pub enum Invocation {
 }
 
 impl Invocation {
+    /// The files this VMM reads by path after it starts: the kernel, the
+    /// initramfs and the disks, or the snapshot's directory and the disks
+    /// its `state.json` names (an unreadable one is left for the restore
+    /// to report).
+    pub fn inputs(&self) -> Vec<PathBuf> {
+        match self {
+            Invocation::Boot(c) => [c.kernel.clone(), c.initramfs.clone()]
+                .into_iter()
+                .chain(c.disks.iter().cloned())
+                .collect(),
+            Invocation::Restore { dir, .. } => {
+                let disks = std::fs::read(dir.join("state.json"))
+                    .ok()
+                    .and_then(|bytes| crate::state::MachineState::from_json(&bytes).ok())
+                    .map(|saved| saved.hardware.disks)
+                    .unwrap_or_default();
+                std::iter::once(dir.clone()).chain(disks).collect()
+            }
+        }
+    }
+
     /// Whether the VMM opens connections itself: a network without a
     /// broker (it connects to the host's loopback). Every other VMM talks
     /// only over unix sockets named by path, which work from any network

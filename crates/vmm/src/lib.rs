@@ -28,8 +28,8 @@
 //!   frames) for the `status` answer.
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
-//! - [`mounts`]: the host's files read-only to the VMM but for its own
-//!   directories (a mount namespace of its own).
+//! - [`mounts`]: the VMM's own root (a mount namespace and `pivot_root`):
+//!   `/proc`, its inputs read-only, its own directories, nothing else.
 //! - [`opened`]: `/dev/kvm` and the disk images, opened once as the
 //!   daemon's user and used again by fork children (which run as the
 //!   VMM's own).

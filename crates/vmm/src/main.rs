@@ -43,7 +43,7 @@ fn main() {
         }
     }
     let require_jail = args.require_jail;
-    let writable = args.writable.clone();
+    let (root, writable) = (args.root.clone(), args.writable.clone());
     let run_as = args.run_as;
     let invocation = match args.into_invocation() {
         Ok(c) => c,
@@ -67,10 +67,18 @@ fn main() {
         "leave the host's IPC and UTS namespaces",
         require_jail,
     );
-    if !writable.is_empty() {
+    if let Some(root) = &root {
+        // Before the host's files are gone: whether this host can run a
+        // guest at all (it reads /sys), and /dev/kvm, which the VMM and its
+        // fork children then use through this descriptor.
+        let host = forkbox_vmm::host::check_host().and_then(|()| forkbox_vmm::opened::kvm());
+        if let Err(e) = host {
+            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+        }
         jail_step(
-            forkbox_vmm::mounts::read_only_host(&writable),
-            "make the host's files read-only to this VMM",
+            forkbox_vmm::mounts::enter_jail(root, &invocation.inputs(), &writable),
+            "build this VMM's own root",
             require_jail,
         );
     }

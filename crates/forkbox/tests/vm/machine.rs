@@ -2,6 +2,7 @@
 //! how a guest's panic, power-off, reboot or death reaches the caller.
 
 use super::*;
+use std::path::PathBuf;
 
 pub(crate) fn testbed_dev_kvm_runs_real_mode_guest() -> TestResult {
     use kvm_ioctls::{Kvm, VcpuExit};
@@ -244,9 +245,54 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
                 ),
             )?;
         }
+        jail_shows_only_inputs(what, pid)?;
         sh(v.agent(), "true")?;
     }
     Ok(())
+}
+
+/// A VMM's root (`/proc/PID/root`) holds `/proc` and the paths its command
+/// line names (kernel, initramfs, disks, writable directories), each at
+/// its own path, and nothing else of the host's: no `/etc`, and beside the
+/// kernel none of the cache's other files.
+fn jail_shows_only_inputs(what: &str, pid: u32) -> TestResult {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).map_err(|e| e.to_string())?;
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let inputs: Vec<PathBuf> = args
+        .windows(2)
+        .filter(|w| ["--kernel", "--initramfs", "--disk", "--writable"].contains(&w[0].as_str()))
+        .map(|w| {
+            PathBuf::from(&w[1])
+                .canonicalize()
+                .unwrap_or(PathBuf::from(&w[1]))
+        })
+        .chain([PathBuf::from("/proc")])
+        .collect();
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let kernel = inputs
+        .first()
+        .ok_or("no --kernel on the VMM's command line")?;
+    // Every entry of a directory in the jail leads to an input.
+    for dir in [Path::new("/"), kernel.parent().unwrap_or(Path::new("/"))] {
+        let inside = root.join(dir.strip_prefix("/").unwrap_or(dir));
+        for entry in std::fs::read_dir(&inside).map_err(|e| format!("{}: {e}", inside.display()))? {
+            let path = dir.join(entry.map_err(|e| e.to_string())?.file_name());
+            check(
+                inputs.iter().any(|i| i.starts_with(&path)),
+                format!(
+                    "{what} VMM {pid} sees {}, which is none of {inputs:?}",
+                    path.display()
+                ),
+            )?;
+        }
+    }
+    check(
+        !root.join("etc").exists() && root.join("proc/self/status").exists(),
+        format!("{what} VMM {pid}: /etc is in its root, or /proc is not"),
+    )
 }
 
 /// A VMM started by root runs its guest as a user and group of its own,

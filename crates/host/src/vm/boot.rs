@@ -129,9 +129,13 @@ impl Vm {
         let egress_dir = net
             .as_ref()
             .and_then(|n| n.egress_log.parent().map(Path::to_path_buf));
-        cmd.args(writable_args(
-            egress_dir.into_iter().chain(spec.writable.iter().cloned()),
-        ));
+        cmd.args(
+            jail_args(
+                dir.path(),
+                egress_dir.into_iter().chain(spec.writable.iter().cloned()),
+            )
+            .map_err(VmError::Io)?,
+        );
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
         if let Err(e) = limit_vmm(child.id()) {
@@ -320,7 +324,7 @@ impl Vm {
             .arg(&paths.serial_log)
             .arg("--orphan-grace-secs")
             .arg(ORPHAN_GRACE.as_secs().to_string())
-            .args(writable_args(std::iter::empty()))
+            .args(jail_args(dir.path(), std::iter::empty()).map_err(VmError::Io)?)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -376,17 +380,27 @@ impl Vm {
     }
 }
 
-/// The VMM's `--writable` arguments ([`VmSpec::writable`]): the temporary
-/// directory, where its and its fork children's directories are made, and
-/// `more`.
-fn writable_args(more: impl Iterator<Item = PathBuf>) -> Vec<std::ffi::OsString> {
+/// The VMM's jail arguments: `--root`, an empty directory made in its VM
+/// directory `dir` for it to build its own root in, and `--writable` for
+/// the temporary directory (where its and its fork children's directories
+/// are made) and `more` ([`VmSpec::writable`]).
+fn jail_args(
+    dir: &Path,
+    more: impl Iterator<Item = PathBuf>,
+) -> std::io::Result<Vec<std::ffi::OsString>> {
+    let root = dir.join("root");
+    std::fs::create_dir(&root)?;
     let mut dirs = vec![std::env::temp_dir()];
     for d in more {
         if !dirs.contains(&d) {
             dirs.push(d);
         }
     }
-    dirs.into_iter()
-        .flat_map(|d| ["--writable".into(), d.into_os_string()])
-        .collect()
+    Ok(["--root".into(), root.into_os_string()]
+        .into_iter()
+        .chain(
+            dirs.into_iter()
+                .flat_map(|d| ["--writable".into(), d.into_os_string()]),
+        )
+        .collect())
 }
