@@ -610,6 +610,70 @@ pub(crate) fn vm_nmi_makes_a_given_up_guest_say_where_it_was() -> TestResult {
     vmm_ends_with(&mut vm, vmm_exit::PANIC)
 }
 
+/// A guest that takes its network device from its driver (unbinds it)
+/// and then kicks the device's queues from `/dev/mem` in a loop, both the
+/// kick the VMM's ioeventfd takes (queue 0) and one it does not (queue 9,
+/// which exits to the vCPU thread): the kicks reach the VMM (its MMIO exit
+/// count grows by at least the unmatched ones), and the VM is served
+/// throughout (its agent answers every command, each within a minute).
+pub(crate) fn vm_guest_kicking_a_queue_in_a_loop_is_still_served() -> TestResult {
+    let vm =
+        Vm::boot(assets(), &networked(&net_policy(&[]))).map_err(|e| format!("boot: {e:#}"))?;
+    let mmio_exits = |vm: &Vm| -> Result<u64, Failed> {
+        let status = vm.control().status().map_err(|e| format!("status: {e}"))?;
+        Ok(status
+            .counters
+            .ok_or("no counters in the VMM's status")?
+            .exits_mmio)
+    };
+    // The window of the virtio device whose id is 1 (network), from
+    // /proc/iomem while its driver still holds it.
+    let started = sh(
+        vm.agent(),
+        r#"set -e
+        for d in /sys/bus/virtio/devices/*; do
+            if [ "$(cat $d/device)" = 0x0001 ]; then p=$(basename "$(readlink -f $d/..)"); fi
+        done
+        [ -n "$p" ] || { echo "no virtio-net device"; exit 1; }
+        start=$(grep -m1 " : $p\$" /proc/iomem | cut -d- -f1 | tr -d ' ')
+        [ -n "$start" ] || { echo "no window of $p in /proc/iomem"; exit 1; }
+        notify=$(printf 0x%x $((0x$start + 0x50)))
+        echo "$p" > /sys/bus/platform/drivers/virtio-mmio/unbind
+        echo 0 > /tmp/kicks
+        (i=0; while :; do busybox devmem $notify 32 $((i % 2 * 9)); i=$((i + 1)); echo $i > /tmp/kicks; done) >/dev/null 2>&1 &
+        echo "kicking $p at $notify""#,
+    )?;
+    check(
+        started.contains("kicking"),
+        format!("the guest's setup said {started:?}"),
+    )?;
+    let kicked = |vm: &Vm| -> Result<u64, Failed> {
+        let out = answer_within(vm, "cat /tmp/kicks", Duration::from_secs(60))?;
+        Ok(out.trim().parse().map_err(|e| format!("{out:?}: {e}"))?)
+    };
+    // Kicks counted in the guest after `before` was read: each of them
+    // was made after it.
+    let before = mmio_exits(&vm)?;
+    let first = kicked(&vm)?;
+    let mut last = first;
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_secs(1));
+        last = kicked(&vm)?;
+    }
+    let exits = mmio_exits(&vm)? - before;
+    let kicks = last - first;
+    check(
+        kicks >= 100,
+        format!("the guest's loop kicked only {kicks} times in 20 s ({started})"),
+    )?;
+    check(
+        exits >= kicks / 2,
+        format!("{kicks} kicks in the guest, every other one unmatched, but {exits} MMIO exits"),
+    )?;
+    eprintln!("kick loop: {kicks} kicks in 20 s, {exits} MMIO exits, every command answered");
+    sh(vm.agent(), "echo still here").map(drop)
+}
+
 pub(crate) fn vm_dies_mid_call_is_reported() -> TestResult {
     let vm = boot(VmSpec::default());
     let agent = vm.agent().clone();

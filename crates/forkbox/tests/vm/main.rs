@@ -289,6 +289,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             vm_nmi_makes_a_given_up_guest_say_where_it_was,
         ),
         (
+            "vm_guest_kicking_a_queue_in_a_loop_is_still_served",
+            vm_guest_kicking_a_queue_in_a_loop_is_still_served,
+        ),
+        (
             "fork_running_processes_continue_in_parent_and_children",
             fork_running_processes_continue_in_parent_and_children,
         ),
