@@ -13,10 +13,14 @@
 //! made read-only (the tmpfs itself too). `/dev/kvm` is opened before
 //! (`opened::kvm`), so no device node is in the new root.
 
-use std::ffi::CString;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+
+use rustix::mount::{
+    mount_bind, mount_change, mount_remount, unmount, MountFlags, MountPropagationFlags,
+    UnmountFlags,
+};
 
 /// Leaves the host's mount namespace and root for one built in `root` (an
 /// empty directory) where only `readable` (files or directories, read
@@ -47,17 +51,20 @@ pub fn enter_jail(root: &Path, readable: &[PathBuf], writable: &[PathBuf]) -> io
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE)
-        .map_err(|e| context(e, "make the mounts private"))?;
-    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-    mount(Some(Path::new("tmpfs")), root, Some("tmpfs"), flags)
-        .map_err(|e| context(e, &format!("mount a tmpfs on {}", root.display())))?;
+    mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| context(e.into(), "make the mounts private"))?;
+    let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+    rustix::mount::mount("tmpfs", root, "tmpfs", flags, None)
+        .map_err(|e| context(e.into(), &format!("mount a tmpfs on {}", root.display())))?;
     for bind in &binds {
         let target = root.join(bind.path.strip_prefix("/").unwrap_or(&bind.path));
         mount_point(&bind.path, &target)
             .map_err(|e| context(e, &format!("make {}", target.display())))?;
-        mount(Some(&bind.path), &target, None, libc::MS_BIND)
-            .map_err(|e| context(e, &format!("bind {}", bind.path.display())))?;
+        mount_bind(&bind.path, &target)
+            .map_err(|e| context(e.into(), &format!("bind {}", bind.path.display())))?;
     }
     pivot_into(root).map_err(|e| context(e, &format!("pivot_root into {}", root.display())))?;
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
@@ -65,9 +72,9 @@ pub fn enter_jail(root: &Path, readable: &[PathBuf], writable: &[PathBuf]) -> io
         if writable.iter().any(|w| point.starts_with(w)) {
             continue;
         }
-        let remount = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | flags;
-        mount(None, &point, None, remount)
-            .map_err(|e| context(e, &format!("make {} read-only", point.display())))?;
+        let remount = MountFlags::BIND | MountFlags::RDONLY | flags;
+        mount_remount(&point, remount, "")
+            .map_err(|e| context(e.into(), &format!("make {} read-only", point.display())))?;
     }
     Ok(())
 }
@@ -130,17 +137,10 @@ fn mount_point(source: &Path, target: &Path) -> io::Result<()> {
 /// root, so no path leads back to the host's files.
 fn pivot_into(root: &Path) -> io::Result<()> {
     std::env::set_current_dir(root)?;
-    let dot = CString::new(".").map_err(io::Error::other)?;
-    // SAFETY: pivot_root reads two NUL-terminated strings that outlive the
-    // call; with both ".", the old root ends up stacked on the new one.
-    if unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above; MNT_DETACH takes the old root (the top mount on
-    // ".") out of this namespace.
-    if unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // With both ".", the old root ends up stacked on the new one, and
+    // detaching the top mount on "." takes it out of this namespace.
+    rustix::process::pivot_root(".", ".")?;
+    unmount(".", UnmountFlags::DETACH)?;
     std::env::set_current_dir("/")
 }
 
@@ -148,39 +148,10 @@ fn context(e: io::Error, what: &str) -> io::Error {
     io::Error::new(e.kind(), format!("cannot {what}: {e}"))
 }
 
-fn mount(
-    source: Option<&Path>,
-    target: &Path,
-    fstype: Option<&str>,
-    flags: libc::c_ulong,
-) -> io::Result<()> {
-    let c = |b: &[u8]| CString::new(b).map_err(|_| io::Error::other("a NUL in a path"));
-    let source = source.map(|p| c(p.as_os_str().as_bytes())).transpose()?;
-    let fstype = fstype.map(|t| c(t.as_bytes())).transpose()?;
-    let target = c(target.as_os_str().as_bytes())?;
-    let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
-    // SAFETY: every pointer is a NUL-terminated string that outlives the
-    // call, or null (no source, file system type or data).
-    let rc = unsafe {
-        libc::mount(
-            ptr(&source),
-            target.as_ptr(),
-            ptr(&fstype),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 /// Every mount point in a `/proc/self/mountinfo` text, with the
 /// per-mount flags a read-only remount must keep (`nosuid`, `nodev`,
 /// `noexec`, the atime ones).
-fn mount_points(mountinfo: &str) -> Vec<(PathBuf, libc::c_ulong)> {
+fn mount_points(mountinfo: &str) -> Vec<(PathBuf, MountFlags)> {
     mountinfo
         .lines()
         .filter_map(|line| {
@@ -190,15 +161,15 @@ fn mount_points(mountinfo: &str) -> Vec<(PathBuf, libc::c_ulong)> {
                 .get(5)?
                 .split(',')
                 .map(|o| match o {
-                    "nosuid" => libc::MS_NOSUID,
-                    "nodev" => libc::MS_NODEV,
-                    "noexec" => libc::MS_NOEXEC,
-                    "noatime" => libc::MS_NOATIME,
-                    "nodiratime" => libc::MS_NODIRATIME,
-                    "relatime" => libc::MS_RELATIME,
-                    _ => 0,
+                    "nosuid" => MountFlags::NOSUID,
+                    "nodev" => MountFlags::NODEV,
+                    "noexec" => MountFlags::NOEXEC,
+                    "noatime" => MountFlags::NOATIME,
+                    "nodiratime" => MountFlags::NODIRATIME,
+                    "relatime" => MountFlags::RELATIME,
+                    _ => MountFlags::empty(),
                 })
-                .fold(0, |a, b| a | b);
+                .fold(MountFlags::empty(), |a, b| a | b);
             Some((point, flags))
         })
         .collect()
@@ -242,9 +213,12 @@ mod tests {
         assert_eq!(
             mount_points(info),
             vec![
-                (PathBuf::from("/"), libc::MS_RELATIME),
-                (PathBuf::from("/tmp"), libc::MS_NOSUID | libc::MS_NODEV),
-                (PathBuf::from("/mnt/a b"), libc::MS_NOEXEC),
+                (PathBuf::from("/"), MountFlags::RELATIME),
+                (
+                    PathBuf::from("/tmp"),
+                    MountFlags::NOSUID | MountFlags::NODEV
+                ),
+                (PathBuf::from("/mnt/a b"), MountFlags::NOEXEC),
             ]
         );
         assert_eq!(unescape("a\\134b\\011"), PathBuf::from("a\\b\t"));
