@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use forkbox_vmm_api::{
     decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, Snapshotted, Status,
-    Then, Vcpus, VmmCounters, ZygoteMemory, MAX_CHILDREN_PER_FORK,
+    Then, Vcpus, VmmCounters, ZygoteMemory, MAX_FDS_PER_REQUEST,
 };
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use serde::de::DeserializeOwned;
@@ -89,17 +89,17 @@ impl Control {
         self.call(&Request::Zygote)
     }
 
-    /// Forks the VM; one entry per requested child, in order. `cgroups`
-    /// are the open `cgroup.procs` of the children that join a cgroup
-    /// (`ChildSpec::joins_cgroup`), in their order, sent with the request.
+    /// Forks the VM; one entry per requested child, in order. `carried`
+    /// are the children's descriptors ([`ChildSpec::carried`]), in their
+    /// order, sent with the request.
     pub fn fork(
         &self,
         children: Vec<ChildSpec>,
         then: Then,
-        cgroups: &[OwnedFd],
+        carried: &[OwnedFd],
     ) -> Result<Vec<ChildResult>, ControlError> {
         let asked = children.len();
-        let fds: Vec<BorrowedFd<'_>> = cgroups.iter().map(AsFd::as_fd).collect();
+        let fds: Vec<BorrowedFd<'_>> = carried.iter().map(AsFd::as_fd).collect();
         let (_, forked): (_, Forked) =
             self.exchange_with(&Request::Fork { children, then }, &fds, ANSWER_TIMEOUT)?;
         if forked.children.len() != asked {
@@ -237,14 +237,14 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> i
     if fds.is_empty() {
         return Ok(0);
     }
-    if fds.len() > MAX_CHILDREN_PER_FORK {
+    if fds.len() > MAX_FDS_PER_REQUEST {
         return Err(io::Error::other(format!(
-            "{} descriptors for one request; at most {MAX_CHILDREN_PER_FORK}",
+            "{} descriptors for one request; at most {MAX_FDS_PER_REQUEST}",
             fds.len()
         )));
     }
     let mut space =
-        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_CHILDREN_PER_FORK))];
+        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_REQUEST))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("no room for the descriptors"));

@@ -47,10 +47,16 @@ pub enum Then {
     Pause,
 }
 
-/// Where one fork child listens and logs.
+/// Where one fork child listens and logs. Its endpoints come opened, by
+/// the asker, with the request ([`ChildSpec::carried`]): a fork child
+/// lives in its parent's root, where no path leads to its own directory
+/// (or to a sibling's). The paths name them in messages; the child opens
+/// nothing by them but its network broker and egress log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChildSpec {
+    /// The child's control socket, which the asker bound; the listening
+    /// socket comes with the request.
     pub control: PathBuf,
     /// The child's hybrid-vsock socket (a VM with vsock must name one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -69,6 +75,23 @@ pub struct ChildSpec {
     /// KVM's kernel thread for its VM) is charged there, not to its parent.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub joins_cgroup: bool,
+}
+
+impl ChildSpec {
+    /// How many descriptors the fork request carries for this child
+    /// (`SCM_RIGHTS`), in this order: its cgroup's `cgroup.procs` opened
+    /// to write (with `joins_cgroup`); its control socket, bound and
+    /// listening; its vsock socket, bound and listening (with
+    /// `vsock_uds`); its serial log opened to append (with `serial_log`);
+    /// its [`crate::END_FILE`], opened to write. A request's children's
+    /// descriptors follow each other in the children's order.
+    pub fn carried(&self) -> usize {
+        usize::from(self.joins_cgroup)
+            + 1
+            + usize::from(self.vsock_uds.is_some())
+            + usize::from(self.serial_log.is_some())
+            + 1
+    }
 }
 
 /// One control request.
@@ -522,6 +545,26 @@ mod tests {
                 MAX_CHILDREN_PER_FORK + 1
             ))
         );
+    }
+
+    #[test]
+    fn a_childs_descriptors_are_counted_and_fit_one_message() {
+        let mut child = ChildSpec {
+            control: "/c".into(),
+            vsock_uds: None,
+            serial_log: None,
+            net_log: None,
+            net_broker: None,
+            joins_cgroup: false,
+        };
+        // The control socket and the end note, always.
+        assert_eq!(child.carried(), 2);
+        child.vsock_uds = Some("/v".into());
+        child.serial_log = Some("/s".into());
+        child.joins_cgroup = true;
+        assert_eq!(child.carried(), crate::MAX_FDS_PER_CHILD);
+        // SCM_MAX_FD: the kernel's cap on one message's descriptors.
+        const _: () = assert!(crate::MAX_FDS_PER_REQUEST <= 253);
     }
 
     #[test]

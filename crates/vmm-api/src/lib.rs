@@ -30,8 +30,16 @@ pub use shape::{ShapeError, VmShape};
 /// Longest control request line, newline excluded.
 pub const MAX_LINE: usize = 64 * 1024;
 /// Most children one fork request may ask for; a caller that wants more
-/// sends several requests.
-pub const MAX_CHILDREN_PER_FORK: usize = 64;
+/// sends several requests. Their descriptors ([`ChildSpec::carried`],
+/// at most [`MAX_FDS_PER_CHILD`] each) go in one `SCM_RIGHTS` message,
+/// which the kernel caps at 253.
+pub const MAX_CHILDREN_PER_FORK: usize = 32;
+
+/// Most descriptors one fork child comes with ([`ChildSpec::carried`]).
+pub const MAX_FDS_PER_CHILD: usize = 5;
+
+/// Most descriptors one control request may carry.
+pub const MAX_FDS_PER_REQUEST: usize = MAX_CHILDREN_PER_FORK * MAX_FDS_PER_CHILD;
 
 /// Most a VM's serial log grows to; past it the guest's output is dropped
 /// after one line saying so (a caller sizes its log budget by it).
@@ -55,7 +63,9 @@ pub mod exit_code {
 }
 
 /// The file, beside a VMM's control socket, where it writes how its VM
-/// ended ([`End::word`], a newline, then a sentence) just before it exits.
+/// ended ([`End::word`], a newline, then a sentence) just before it exits
+/// (through a descriptor opened before it lost its view of the host: by
+/// itself at its start, or by the asker of the fork that made it).
 /// A forked VMM's exit status goes to its parent VMM, not to the process
 /// that asked for the fork: this file is how that process learns whether
 /// the guest ended the VM or something else did. No file: the VMM was

@@ -167,6 +167,21 @@ impl Invocation {
         }
     }
 
+    /// Where the VM's endpoints are, to be opened ([`Endpoints::open`])
+    /// before the VMM enters its own root.
+    pub fn endpoints(&self) -> Endpoints {
+        match self {
+            Invocation::Boot(c) => Endpoints {
+                control: c.control.clone(),
+                vsock_uds: c.vsock_uds.clone(),
+                serial_log: c.serial_log.clone(),
+                echo: c.echo,
+                net: c.net.clone(),
+            },
+            Invocation::Restore { endpoints, .. } => endpoints.clone(),
+        }
+    }
+
     /// Whether the VMM opens connections itself: a network without a
     /// broker (it connects to the host's loopback). Every other VMM talks
     /// only over unix sockets named by path, which work from any network

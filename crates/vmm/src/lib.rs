@@ -73,7 +73,7 @@ pub mod vm;
 
 pub use pio::ResetCause;
 pub use serial::Echo;
-pub use vm::{run, run_restore, Endpoints, VmError};
+pub use vm::{run, run_restore, Endpoints, Opened, VmError};
 
 /// How a VM ended, as decided by the guest.
 #[derive(Debug, Clone, PartialEq, Eq)]

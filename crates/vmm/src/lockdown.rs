@@ -413,8 +413,12 @@ fn vcpu_rules() -> Rules {
 }
 
 /// The main thread: the common calls, plus what building a fork child
-/// takes (a new KVM VM, its sockets, logs and threads), the control
-/// socket, snapshots, and waiting for fork children.
+/// takes (a new KVM VM, its event sources and threads), the control
+/// socket, snapshots, and waiting for fork children. Never a listening
+/// socket of its own: its own and its fork children's are bound before
+/// the filter (by itself, or by the fork's asker), so `bind` and
+/// `listen` are refused (`bind` stays for a VM that connects out itself:
+/// the host's resolver binds a netlink socket).
 fn main_rules(host_network: bool) -> Rules {
     let mut r = common_rules();
     allow_all(
@@ -442,8 +446,6 @@ fn main_rules(host_network: bool) -> Rules {
             libc::SYS_dup,
             libc::SYS_dup3,
             libc::SYS_close_range,
-            libc::SYS_bind,
-            libc::SYS_listen,
             libc::SYS_accept4,
             libc::SYS_connect,
             libc::SYS_getsockname,
@@ -470,6 +472,7 @@ fn main_rules(host_network: bool) -> Rules {
         families.push(rule(vec![arg_is(0, libc::AF_INET6 as u64)]));
         // The host's resolver asks the kernel for its addresses.
         families.push(rule(vec![arg_is(0, libc::AF_NETLINK as u64)]));
+        r.insert(libc::SYS_bind, Vec::new());
     }
     r.insert(libc::SYS_socket, families);
     // `fork()` and new threads, never into new namespaces.
@@ -817,6 +820,31 @@ mod tests {
         }
     }
 
+    /// `bind` of a new unix socket to an unnamed address (the call is
+    /// what the filter decides on; the socket call before it is allowed).
+    fn bind_unix() -> i32 {
+        // SAFETY: socket takes no pointers; bind gets a valid
+        // sockaddr_un of the length passed.
+        unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let addr = libc::sockaddr_un {
+                sun_family: libc::AF_UNIX as libc::sa_family_t,
+                sun_path: [0; 108],
+            };
+            libc::syscall(
+                libc::SYS_bind,
+                fd,
+                std::ptr::addr_of!(addr),
+                std::mem::size_of::<libc::sa_family_t>(),
+            ) as i32
+        }
+    }
+
+    fn listen_on_stdin() -> i32 {
+        // SAFETY: listen takes no pointers.
+        unsafe { libc::syscall(libc::SYS_listen, 0, 1) as i32 }
+    }
+
     #[test]
     fn main_filter_refuses_namespaces_and_clone3_falls_back() {
         // clone3 answers ENOSYS (not a kill), so the C library uses clone.
@@ -838,6 +866,17 @@ mod tests {
             libc::WIFSIGNALED(netns) && libc::WTERMSIG(netns) == libc::SIGSYS,
             "status {netns:#x}"
         );
+        // No listening socket: its own were bound before the filter.
+        for (what, call) in [
+            ("bind", bind_unix as fn() -> i32),
+            ("listen", listen_on_stdin),
+        ] {
+            let status = in_filtered_child("main", main_rules(false), call);
+            assert!(
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS,
+                "{what}: status {status:#x}"
+            );
+        }
         let inet = in_filtered_child("main", main_rules(false), || {
             // SAFETY: socket takes no pointers.
             unsafe { libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0) as i32 }

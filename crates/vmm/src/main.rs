@@ -67,6 +67,14 @@ fn main() {
         "leave the host's IPC and UTS namespaces",
         require_jail,
     );
+    // Its sockets and logs, while their paths still lead somewhere.
+    let opened = match invocation.endpoints().open() {
+        Ok(opened) => opened,
+        Err(e) => {
+            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+        }
+    };
     if let Some(root) = &root {
         // Before the host's files are gone: whether this host can run a
         // guest at all (it reads /sys), and /dev/kvm, which the VMM and its
@@ -91,10 +99,8 @@ fn main() {
     }
     forkbox_vmm::lockdown::enable(invocation.needs_host_network());
     let result = match invocation {
-        forkbox_vmm::cli::Invocation::Boot(config) => forkbox_vmm::run(&config),
-        forkbox_vmm::cli::Invocation::Restore { dir, endpoints } => {
-            forkbox_vmm::run_restore(&dir, endpoints)
-        }
+        forkbox_vmm::cli::Invocation::Boot(config) => forkbox_vmm::run(&config, opened),
+        forkbox_vmm::cli::Invocation::Restore { dir, .. } => forkbox_vmm::run_restore(&dir, opened),
     };
     let code = match result {
         Ok(exit) => {

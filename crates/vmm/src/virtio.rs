@@ -2,6 +2,7 @@
 //! interrupt line (irqfd), one ioeventfd per queue, and an event source for
 //! the main loop. The devices themselves live in `forkbox-devices`.
 
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -40,7 +41,8 @@ pub trait VirtioMmio: BusDevice + EventSource {
 pub enum DeviceSpec {
     /// Read-only virtio-blk backed by a file.
     Block(PathBuf),
-    /// virtio-vsock whose host side is a unix socket.
+    /// virtio-vsock whose host side is a unix socket (opened before the
+    /// VMM entered its own root, and handed to [`create`] or [`restore`]).
     Vsock { uds: PathBuf },
     /// virtio-net behind the userspace gateway.
     Net(NetConfig),
@@ -54,6 +56,8 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    #[error("vsock at {0} was not opened beforehand")]
+    VsockNotOpened(PathBuf),
     #[error("cannot set up vsock at {path}")]
     Vsock {
         path: PathBuf,
@@ -98,17 +102,23 @@ impl VirtioMmio for MmioTransport {
     }
 }
 
-/// Creates the transports for `specs`, in order, at windows 0, 1, ...
-pub fn create(specs: &[DeviceSpec], mem: &GuestMemory) -> Result<Vec<VirtioSlot>, DeviceError> {
-    place(specs, mem, None)
+/// Creates the transports for `specs`, in order, at windows 0, 1, ...;
+/// a vsock device's host side is `vsock`.
+pub fn create(
+    specs: &[DeviceSpec],
+    mem: &GuestMemory,
+    vsock: Option<UnixListener>,
+) -> Result<Vec<VirtioSlot>, DeviceError> {
+    place(specs, mem, None, vsock)
 }
 
 /// Creates fresh devices for `specs` (disks re-opened, vsock listening on
-/// its new socket) and puts each back into its saved state.
+/// `vsock`, its new socket) and puts each back into its saved state.
 pub fn restore(
     specs: &[DeviceSpec],
     mem: &GuestMemory,
     states: &[TransportState],
+    vsock: Option<UnixListener>,
 ) -> Result<Vec<VirtioSlot>, DeviceError> {
     if states.len() != specs.len() {
         return Err(DeviceError::StateCount {
@@ -116,10 +126,13 @@ pub fn restore(
             have: specs.len(),
         });
     }
-    place(specs, mem, Some(states))
+    place(specs, mem, Some(states), vsock)
 }
 
-fn new_device(spec: &DeviceSpec) -> Result<Box<dyn VirtioDevice>, DeviceError> {
+fn new_device(
+    spec: &DeviceSpec,
+    vsock: &mut Option<UnixListener>,
+) -> Result<Box<dyn VirtioDevice>, DeviceError> {
     Ok(match spec {
         DeviceSpec::Block(path) => Box::new(
             crate::opened::disk(path)
@@ -130,12 +143,15 @@ fn new_device(spec: &DeviceSpec) -> Result<Box<dyn VirtioDevice>, DeviceError> {
                 })?,
         ),
         DeviceSpec::Vsock { uds } => {
-            Box::new(
-                Vsock::new(GUEST_CID, uds).map_err(|source| DeviceError::Vsock {
+            let listener = vsock
+                .take()
+                .ok_or_else(|| DeviceError::VsockNotOpened(uds.clone()))?;
+            Box::new(Vsock::with_listener(GUEST_CID, listener).map_err(|source| {
+                DeviceError::Vsock {
                     path: uds.clone(),
                     source,
-                })?,
-            )
+                }
+            })?)
         }
         DeviceSpec::Net(cfg) => Box::new(Net::new(
             GUEST_MAC,
@@ -148,6 +164,7 @@ fn place(
     specs: &[DeviceSpec],
     mem: &GuestMemory,
     states: Option<&[TransportState]>,
+    mut vsock: Option<UnixListener>,
 ) -> Result<Vec<VirtioSlot>, DeviceError> {
     if specs.len() > crate::layout::MAX_VIRTIO_DEVICES {
         return Err(DeviceError::TooMany(specs.len()));
@@ -155,7 +172,7 @@ fn place(
     let mut slots = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let window = VirtioWindow::nth(i).ok_or(DeviceError::TooMany(specs.len()))?;
-        let device = new_device(spec)?;
+        let device = new_device(spec, &mut vsock)?;
         let queues = u16::try_from(device.queue_max_sizes().len()).unwrap_or(u16::MAX);
         let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(DeviceError::EventFd)?);
         let interrupt = Interrupt::new(Arc::clone(&irq));

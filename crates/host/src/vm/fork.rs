@@ -152,7 +152,17 @@ impl Vm {
                 .zip(&batch_procs)
                 .map(|(p, fd)| p.spec(fd.is_some()))
                 .collect();
-            let fds: Vec<OwnedFd> = batch_procs.into_iter().flatten().collect();
+            let mut fds: Vec<OwnedFd> = Vec::new();
+            for (paths, cgroup) in batch.iter().zip(batch_procs) {
+                fds.extend(cgroup);
+                match paths.open() {
+                    Ok(opened) => fds.extend(opened),
+                    Err(e) => {
+                        kill_forked(&answers);
+                        return Err(e);
+                    }
+                }
+            }
             match self.control.fork(specs, Then::Pause, &fds) {
                 Ok(a) => answers.extend(a),
                 Err(e) => {
@@ -562,10 +572,11 @@ impl ForkedVm {
         // replacement's with it (they share the directory's name).
         drop(std::mem::replace(&mut self.cgroup, NewCgroup(None)));
         self.cgroup = child_cgroup(self.dir.path(), self.limits)?;
-        let procs: Vec<OwnedFd> = self.cgroup.procs_for_joining()?.into_iter().collect();
-        let spec = self.paths.spec(!procs.is_empty());
+        let mut fds: Vec<OwnedFd> = self.cgroup.procs_for_joining()?.into_iter().collect();
+        let spec = self.paths.spec(!fds.is_empty());
+        fds.extend(self.paths.open()?);
         let answer = parent
-            .fork(vec![spec], Then::Pause, &procs)
+            .fork(vec![spec], Then::Pause, &fds)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
             Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),

@@ -160,6 +160,42 @@ impl ChildPaths {
             net_broker: self.net_broker.clone(),
         }
     }
+
+    /// The child's endpoints, opened for the fork request to carry
+    /// ([`ChildSpec::carried`], after its cgroup's): its control and vsock
+    /// sockets bound and listening, its serial log open to append, its
+    /// [`END_FILE`] open to write. The child finds no path to them in its
+    /// parent's root.
+    pub(super) fn open(&self) -> Result<Vec<OwnedFd>, VmError> {
+        let err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |e: std::io::Error| {
+                VmError::Io(std::io::Error::new(
+                    e.kind(),
+                    format!("{}: {e}", path.display()),
+                ))
+            }
+        };
+        let listen = |path: &Path| {
+            std::os::unix::net::UnixListener::bind(path)
+                .map(OwnedFd::from)
+                .map_err(err(path))
+        };
+        let end = self.control.with_file_name(END_FILE);
+        Ok(vec![
+            listen(&self.control)?,
+            listen(&self.vsock_uds)?,
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.serial_log)
+                .map(OwnedFd::from)
+                .map_err(err(&self.serial_log))?,
+            std::fs::File::create(&end)
+                .map(OwnedFd::from)
+                .map_err(err(&end))?,
+        ])
+    }
 }
 
 pub(super) fn paths_in(dir: &Path) -> ChildPaths {

@@ -12,7 +12,7 @@ use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFl
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 
 use forkbox_vmm_api::{
-    self as api, Request, Response, Snapshotted, Status, ZygoteMemory, MAX_CHILDREN_PER_FORK,
+    self as api, Request, Response, Snapshotted, Status, ZygoteMemory, MAX_FDS_PER_REQUEST,
     MAX_LINE,
 };
 
@@ -253,7 +253,7 @@ fn recv_with_fds(
     fds: &mut Vec<OwnedFd>,
 ) -> std::io::Result<usize> {
     let mut space =
-        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_CHILDREN_PER_FORK))];
+        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_REQUEST))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = rustix::net::recvmsg(
         stream,
@@ -266,7 +266,7 @@ fn recv_with_fds(
             fds.extend(passed);
         }
     }
-    if got.flags.contains(ReturnFlags::CTRUNC) || fds.len() > MAX_CHILDREN_PER_FORK {
+    if got.flags.contains(ReturnFlags::CTRUNC) || fds.len() > MAX_FDS_PER_REQUEST {
         return Err(std::io::Error::other(
             "more descriptors than a fork request takes",
         ));
@@ -320,10 +320,10 @@ mod tests {
         let flags = rustix::io::fcntl_getfd(&fds[0]).expect("getfd");
         assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
         // More than a fork request takes, however they come: refused.
-        send(&client, b"x", MAX_CHILDREN_PER_FORK - 2);
+        send(&client, b"x", MAX_FDS_PER_REQUEST - 2);
         assert!(recv_with_fds(&vmm, &mut buf, &mut fds).is_err());
         let mut fresh = Vec::new();
-        send(&client, b"y", MAX_CHILDREN_PER_FORK + 1);
+        send(&client, b"y", MAX_FDS_PER_REQUEST + 1);
         assert!(recv_with_fds(&vmm, &mut buf, &mut fresh).is_err());
     }
 }

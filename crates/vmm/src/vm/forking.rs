@@ -4,7 +4,9 @@
 //! the inherited copy-on-write memory. The `fork()` syscall and its
 //! readiness pipe are `crate::fork`'s.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,7 +16,7 @@ use crate::fork::{self, Forked};
 use crate::state::MachineState;
 
 use super::control_server::{CtlItem, Outcome};
-use super::{chain, Endpoints, Machine, VmError};
+use super::{chain, Endpoints, Machine, Opened, VmError};
 
 /// What a freshly forked child restores.
 pub(super) struct ChildPlan {
@@ -24,26 +26,84 @@ pub(super) struct ChildPlan {
     ordinal: u64,
     state: MachineState,
     spec: ChildSpec,
+    fds: ChildFds,
     ready: OwnedFd,
 }
 
+/// One child's endpoints as the fork request carried them
+/// ([`ChildSpec::carried`]; its cgroup is joined right after the fork).
+struct ChildFds {
+    cgroup: Option<OwnedFd>,
+    control: OwnedFd,
+    vsock: Option<OwnedFd>,
+    serial_log: Option<OwnedFd>,
+    end_note: OwnedFd,
+}
+
+impl ChildFds {
+    /// The next child's descriptors from `fds`, in the request's order;
+    /// `None` if they run out (the caller counted them first).
+    fn take(spec: &ChildSpec, fds: &mut impl Iterator<Item = OwnedFd>) -> Option<ChildFds> {
+        let cgroup = if spec.joins_cgroup {
+            Some(fds.next()?)
+        } else {
+            None
+        };
+        let control = fds.next()?;
+        let vsock = if spec.vsock_uds.is_some() {
+            Some(fds.next()?)
+        } else {
+            None
+        };
+        let serial_log = if spec.serial_log.is_some() {
+            Some(fds.next()?)
+        } else {
+            None
+        };
+        Some(ChildFds {
+            cgroup,
+            control,
+            vsock,
+            serial_log,
+            end_note: fds.next()?,
+        })
+    }
+
+    /// The descriptors the child keeps open (its cgroup's is spent).
+    fn kept(&self) -> Vec<RawFd> {
+        [
+            Some(&self.control),
+            self.vsock.as_ref(),
+            self.serial_log.as_ref(),
+            Some(&self.end_note),
+        ]
+        .into_iter()
+        .flatten()
+        .map(AsRawFd::as_raw_fd)
+        .collect()
+    }
+}
+
 impl Machine {
-    /// Forks one child per spec; `cgroups` are the open `cgroup.procs` of
-    /// the children that join a cgroup (`ChildSpec::joins_cgroup`), in
-    /// their order.
+    /// Forks one child per spec; `fds` are the endpoints the request
+    /// carried for them ([`ChildSpec::carried`]), in their order.
     pub(super) fn fork(
         &mut self,
         children: &[ChildSpec],
         then: Then,
-        cgroups: &mut Vec<OwnedFd>,
+        fds: &mut Vec<OwnedFd>,
     ) -> Result<Outcome, VmError> {
-        let named = children.iter().filter(|c| c.joins_cgroup).count();
-        if named != cgroups.len() {
-            let carried = cgroups.len();
-            cgroups.clear();
-            return Err(VmError::CgroupFds { named, carried });
+        let needed = children.iter().map(ChildSpec::carried).sum();
+        if needed != fds.len() {
+            let carried = fds.len();
+            fds.clear();
+            return Err(VmError::ChildFds { needed, carried });
         }
-        let mut cgroups = std::mem::take(cgroups).into_iter();
+        let mut fds = std::mem::take(fds).into_iter();
+        let carried: Vec<ChildFds> = children
+            .iter()
+            .map_while(|c| ChildFds::take(c, &mut fds))
+            .collect();
         let started = Instant::now();
         let vcpus = self.pause()?;
         let paused = started.elapsed();
@@ -52,16 +112,12 @@ impl Machine {
         // Fork every child first, then wait for all: they restore in
         // parallel (KVM_CREATE_VM dominates a child's start).
         let mut pending: Vec<Result<(libc::pid_t, OwnedFd), String>> = Vec::new();
-        for spec in children {
+        for (spec, mut mine) in children.iter().zip(carried) {
             if self.hw.vsock && spec.vsock_uds.is_none() {
                 pending.push(Err(VmError::VsockPathMissing.to_string()));
                 continue;
             }
-            let cgroup = if spec.joins_cgroup {
-                cgroups.next()
-            } else {
-                None
-            };
+            let cgroup = mine.cgroup.take();
             let before_fork = Instant::now();
             let ordinal = FORKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             // SAFETY: every vCPU thread is parked in a condition wait
@@ -87,9 +143,11 @@ impl Machine {
                         ordinal,
                         state: saved.clone(),
                         spec: spec.clone(),
+                        fds: mine,
                         ready,
                     })));
                 }
+                // The child has its copies; this process closes its own.
                 Ok(Forked::Parent { pid, ready }) => {
                     tracing::debug!(pid, fork_syscall = ?before_fork.elapsed(), "fork: forked");
                     match fork::pidfd_open(pid) {
@@ -154,15 +212,29 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     let mut keep = ram.fds();
     keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
     keep.extend(crate::opened::fds());
+    keep.extend(plan.fds.kept());
     fork::close_inherited(&keep);
     crate::counters::COUNTERS.reset();
     tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: inherited fds closed");
-    let endpoints = Endpoints {
-        control: Some(plan.spec.control.clone()),
-        vsock_uds: plan.spec.vsock_uds.clone(),
-        serial_log: plan.spec.serial_log.clone(),
-        echo,
-        net,
+    let ChildFds {
+        control,
+        vsock,
+        serial_log,
+        end_note,
+        ..
+    } = plan.fds;
+    let opened = Opened {
+        control: Some(UnixListener::from(control)),
+        vsock: vsock.map(UnixListener::from),
+        serial_log: serial_log.map(File::from),
+        end_note: Some(File::from(end_note)),
+        names: Endpoints {
+            control: Some(plan.spec.control.clone()),
+            vsock_uds: plan.spec.vsock_uds.clone(),
+            serial_log: plan.spec.serial_log.clone(),
+            echo,
+            net,
+        },
     };
     if test_child(FAIL_CHILD_ENV, plan.ordinal) {
         let msg = format!("{FAIL_CHILD_ENV}: this fork child fails to come up");
@@ -170,7 +242,7 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         fork::report_failure(plan.ready, &msg);
         std::process::exit(api::exit_code::VMM_ERROR);
     }
-    match Machine::restore(ram, &plan.state, endpoints) {
+    match Machine::restore(ram, &plan.state, opened) {
         Ok(mut m) => {
             tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
             if test_child(HANG_CHILD_ENV, plan.ordinal) {

@@ -20,7 +20,7 @@ mod orphan;
 mod snapshot;
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -119,6 +119,20 @@ pub enum VmError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot listen on the vsock socket {path}")]
+    VsockSocket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open the end note {path}")]
+    EndNote {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the fork request carries {carried} descriptors; its children need {needed}")]
+    ChildFds { needed: usize, carried: usize },
     #[error("cannot write {path}")]
     SnapshotWrite {
         path: PathBuf,
@@ -133,8 +147,6 @@ pub enum VmError {
     },
     #[error("this VM has a vsock device: a vsock socket path is required")]
     VsockPathMissing,
-    #[error("the fork request names {named} children who join a cgroup but carries {carried} descriptors")]
-    CgroupFds { named: usize, carried: usize },
     #[error("this VM has a network device: a network policy is required")]
     NetConfigMissing,
     #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
@@ -163,6 +175,67 @@ pub struct Endpoints {
     pub net: Option<crate::net::NetConfig>,
 }
 
+impl Endpoints {
+    /// Binds the control and vsock sockets, opens the serial log and the
+    /// end note ([`api::END_FILE`], beside the control socket). A VMM
+    /// does it before it enters its own root, where these paths may lead
+    /// nowhere; a fork child's come opened with the fork request.
+    pub fn open(self) -> Result<Opened, VmError> {
+        let control = self.control.as_deref().map(listen).transpose()?;
+        let vsock = match &self.vsock_uds {
+            Some(path) => {
+                Some(
+                    UnixListener::bind(path).map_err(|source| VmError::VsockSocket {
+                        path: path.clone(),
+                        source,
+                    })?,
+                )
+            }
+            None => None,
+        };
+        let serial_log = match &self.serial_log {
+            Some(path) => Some(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|source| VmError::SerialLog {
+                        path: path.clone(),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
+        let end_note = match &self.control {
+            Some(control) => {
+                let path = control.with_file_name(api::END_FILE);
+                Some(File::create(&path).map_err(|source| VmError::EndNote { path, source })?)
+            }
+            None => None,
+        };
+        Ok(Opened {
+            control,
+            vsock,
+            serial_log,
+            end_note,
+            names: self,
+        })
+    }
+}
+
+/// A VM's host-side endpoints, open: what [`Endpoints::open`] opened, or
+/// what came with a fork request for a child. `names` says where they
+/// are, for messages (and holds the network's, which the network opens).
+#[derive(Debug)]
+pub struct Opened {
+    pub control: Option<UnixListener>,
+    pub vsock: Option<UnixListener>,
+    pub serial_log: Option<File>,
+    /// Where the VMM notes how its VM ended.
+    pub end_note: Option<File>,
+    pub names: Endpoints,
+}
+
 /// How long a VM may go unowned (`--orphan-grace-secs`), for this process
 /// and the fork children it makes; unset, forever.
 static ORPHAN_GRACE: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
@@ -188,7 +261,10 @@ enum LoopEnd {
 /// One running VM and everything the main thread drives.
 pub struct Machine {
     hw: Hardware,
+    /// Its endpoints' names, and its end note (the listeners, the serial
+    /// log and the vsock socket went to their users).
     endpoints: Endpoints,
+    end_note: Option<File>,
     vm: VmFd,
     ram: Arc<GuestRam>,
     pio: Arc<PortBus>,
@@ -264,28 +340,16 @@ fn create_vcpu(vm: &VmFd, id: u8, mmap_size: usize) -> Result<VcpuFd, VmError> {
 
 fn open_serial(
     vm: &VmFd,
-    endpoints: &Endpoints,
+    log: Option<File>,
+    echo: Echo,
     saved: Option<&SerialState>,
 ) -> Result<(Arc<PortBus>, Arc<Mutex<TailBuffer>>), VmError> {
     let tail = Arc::new(Mutex::new(TailBuffer::default()));
-    let log = match &endpoints.serial_log {
-        Some(path) => Some(
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|source| VmError::SerialLog {
-                    path: path.clone(),
-                    source,
-                })?,
-        ),
-        None => None,
-    };
     let irq = eventfd()?;
     vm.register_irqfd(&irq, SERIAL_GSI)
         .map_err(kvm_err("register the serial irqfd"))?;
     crate::lockdown::note_serial_log(log.as_ref().map_or(-1, |f| f.as_raw_fd()));
-    let out = SerialOutput::new(log.map(SerialLog::new), Arc::clone(&tail), endpoints.echo);
+    let out = SerialOutput::new(log.map(SerialLog::new), Arc::clone(&tail), echo);
     let serial = match saved {
         Some(s) => Serial::from_state(&s.to_superio(), IrqTrigger(irq), NoEvents, out)
             .map_err(|_| VmError::SerialRestore)?,
@@ -324,6 +388,8 @@ fn listen(path: &Path) -> Result<UnixListener, VmError> {
 struct Parts {
     hw: Hardware,
     endpoints: Endpoints,
+    control: Option<UnixListener>,
+    end_note: Option<File>,
     vm: VmFd,
     ram: Arc<GuestRam>,
     pio: Arc<PortBus>,
@@ -334,19 +400,19 @@ struct Parts {
 }
 
 impl Machine {
-    /// Boots the VM `cfg` describes.
-    pub fn boot(cfg: &VmConfig) -> Result<Machine, VmError> {
+    /// Boots the VM `cfg` describes, behind `opened` (its endpoints).
+    pub fn boot(cfg: &VmConfig, opened: Opened) -> Result<Machine, VmError> {
         let kvm = crate::opened::kvm()?;
         let layout = MemoryLayout::new(cfg.memory_mib * MIB);
         let ram = GuestRam::new(&layout)?;
         let vm = create_vm(&kvm, &ram)?;
-        let endpoints = Endpoints {
-            control: cfg.control.clone(),
-            vsock_uds: cfg.vsock_uds.clone(),
-            serial_log: cfg.serial_log.clone(),
-            echo: cfg.echo,
-            net: cfg.net.clone(),
-        };
+        let Opened {
+            control,
+            vsock,
+            serial_log,
+            end_note,
+            names: endpoints,
+        } = opened;
         let hw = Hardware {
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
@@ -354,8 +420,8 @@ impl Machine {
             vsock: cfg.vsock_uds.is_some(),
             net: cfg.net.is_some(),
         };
-        let (pio, tail) = open_serial(&vm, &endpoints, None)?;
-        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory())?;
+        let (pio, tail) = open_serial(&vm, serial_log, endpoints.echo, None)?;
+        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory(), vsock)?;
 
         // ACPI and boot state.
         let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
@@ -402,6 +468,8 @@ impl Machine {
         Machine::start(Parts {
             hw,
             endpoints,
+            control,
+            end_note,
             vm,
             ram: Arc::new(ram),
             pio,
@@ -418,8 +486,15 @@ impl Machine {
     pub fn restore(
         ram: Arc<GuestRam>,
         saved: &MachineState,
-        endpoints: Endpoints,
+        opened: Opened,
     ) -> Result<Machine, VmError> {
+        let Opened {
+            control,
+            vsock,
+            serial_log,
+            end_note,
+            names: endpoints,
+        } = opened;
         let hw = saved.hardware.clone();
         if saved.vcpus.len() != usize::from(hw.vcpus) {
             return Err(VmError::VcpuCount {
@@ -452,17 +527,20 @@ impl Machine {
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
         // (vsock RSTs), which must land on the restored irqchip.
-        let (pio, tail) = open_serial(&vm, &endpoints, Some(&saved.serial))?;
+        let (pio, tail) = open_serial(&vm, serial_log, endpoints.echo, Some(&saved.serial))?;
         let slots = virtio::restore(
             &device_specs(&hw, &endpoints)?,
             ram.memory(),
             &saved.devices,
+            vsock,
         )?;
         let msr_indices = Arc::new(state::msr_indices(&kvm)?);
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: devices");
         Machine::start(Parts {
             hw,
             endpoints,
+            control,
+            end_note,
             vm,
             ram,
             pio,
@@ -495,14 +573,15 @@ impl Machine {
         };
         add(exit.evt.as_raw_fd(), TOKEN_EXIT)?;
         add(dev_epoll.as_raw_fd(), TOKEN_DEVICES)?;
-        let listener = match &p.endpoints.control {
-            Some(path) => {
-                let l = listen(path)?;
-                add(l.as_raw_fd(), TOKEN_LISTENER)?;
-                Some(l)
-            }
-            None => None,
-        };
+        let listener = p.control;
+        if let Some(l) = &listener {
+            l.set_nonblocking(true)
+                .map_err(|source| VmError::ControlSocket {
+                    path: p.endpoints.control.clone().unwrap_or_default(),
+                    source,
+                })?;
+            add(l.as_raw_fd(), TOKEN_LISTENER)?;
+        }
         register_signal_handler(vcpu::kick_signal(), vcpu::on_kick).map_err(VmError::KickSignal)?;
         let contexts = p
             .vcpus
@@ -524,6 +603,7 @@ impl Machine {
         Ok(Machine {
             hw: p.hw,
             endpoints: p.endpoints,
+            end_note: p.end_note,
             vm: p.vm,
             ram: p.ram,
             pio: p.pio,
@@ -581,21 +661,20 @@ impl Machine {
         exit
     }
 
-    /// Writes [`api::END_FILE`] beside the control socket: how the VM
-    /// ended, for the process that owns it (which cannot read a forked
-    /// VMM's exit status). The serial log is no place for it: the guest
-    /// writes there too.
+    /// Writes [`api::END_FILE`] beside the control socket, through the
+    /// descriptor opened for it: how the VM ended, for the process that
+    /// owns it (which cannot read a forked VMM's exit status). The serial
+    /// log is no place for it: the guest writes there too.
     fn note_end(&self, exit: &Result<VmExit, VmError>, how: &str) {
-        let Some(dir) = self.endpoints.control.as_ref().and_then(|c| c.parent()) else {
+        let Some(mut file) = self.end_note.as_ref() else {
             return;
         };
         let end = match exit {
             Ok(exit) => exit.end(),
             Err(_) => api::End::Error,
         };
-        let path = dir.join(api::END_FILE);
-        if let Err(e) = std::fs::write(&path, end.file_text(how)) {
-            tracing::warn!("cannot note the VM's end in {}: {e}", path.display());
+        if let Err(e) = std::io::Write::write_all(&mut file, end.file_text(how).as_bytes()) {
+            tracing::warn!("cannot note the VM's end in its {}: {e}", api::END_FILE);
         }
     }
 
@@ -654,13 +733,14 @@ fn chain_ref(e: &VmError) -> String {
 ///
 /// Every vCPU thread has ended (or, after a bounded wait, been abandoned
 /// with a warning) when this returns.
-pub fn run(cfg: &VmConfig) -> Result<VmExit, VmError> {
+pub fn run(cfg: &VmConfig, opened: Opened) -> Result<VmExit, VmError> {
     host::check_host()?;
-    Machine::boot(cfg)?.run()
+    Machine::boot(cfg, opened)?.run()
 }
 
-/// Restores the snapshot in `dir` (`memory` + `state.json`) and runs it.
-pub fn run_restore(dir: &Path, endpoints: Endpoints) -> Result<VmExit, VmError> {
+/// Restores the snapshot in `dir` (`memory` + `state.json`) and runs it
+/// behind `opened`.
+pub fn run_restore(dir: &Path, opened: Opened) -> Result<VmExit, VmError> {
     let state_path = dir.join("state.json");
     let bytes = std::fs::read(&state_path).map_err(|source| VmError::StateFile {
         path: state_path,
@@ -670,5 +750,5 @@ pub fn run_restore(dir: &Path, endpoints: Endpoints) -> Result<VmExit, VmError> 
     host::check_host()?;
     let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
     let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
-    Machine::restore(Arc::new(ram), &saved, endpoints)?.run()
+    Machine::restore(Arc::new(ram), &saved, opened)?.run()
 }

@@ -88,6 +88,8 @@ pub enum VsockError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot make the host side's listener non-blocking")]
+    Listener(#[source] io::Error),
     #[error("cannot set up the device's epoll instance")]
     Epoll(#[source] io::Error),
 }
@@ -848,14 +850,11 @@ impl Backend {
     }
 }
 
-/// A non-blocking listener on `uds_path` and an epoll instance watching it.
-fn listen(uds_path: &Path) -> Result<(UnixListener, Epoll), VsockError> {
-    let bind = |source| VsockError::Bind {
-        path: uds_path.to_path_buf(),
-        source,
-    };
-    let listener = UnixListener::bind(uds_path).map_err(bind)?;
-    listener.set_nonblocking(true).map_err(bind)?;
+/// `listener`, made non-blocking, and an epoll instance watching it.
+fn watch(listener: UnixListener) -> Result<(UnixListener, Epoll), VsockError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(VsockError::Listener)?;
     let epoll = Epoll::new().map_err(VsockError::Epoll)?;
     epoll
         .ctl(
@@ -879,7 +878,18 @@ impl Vsock {
     /// A device for a guest with CID `guest_cid` whose host side listens
     /// on the unix socket `uds_path` (which must not exist yet).
     pub fn new(guest_cid: u64, uds_path: &Path) -> io::Result<Vsock> {
-        let (listener, epoll) = listen(uds_path)?;
+        let listener = UnixListener::bind(uds_path).map_err(|source| VsockError::Bind {
+            path: uds_path.to_path_buf(),
+            source,
+        })?;
+        Vsock::with_listener(guest_cid, listener)
+    }
+
+    /// A device for a guest with CID `guest_cid` whose host side is
+    /// `listener`, bound and listening already (by a process that could
+    /// still reach its path).
+    pub fn with_listener(guest_cid: u64, listener: UnixListener) -> io::Result<Vsock> {
+        let (listener, epoll) = watch(listener)?;
         Ok(Vsock {
             backend: Backend {
                 guest_cid,
