@@ -134,7 +134,6 @@ pub struct VmBackend {
     assets: Assets,
     orphan_grace: Duration,
     require_jail: bool,
-    writable: Vec<std::path::PathBuf>,
 }
 
 impl VmBackend {
@@ -147,17 +146,7 @@ impl VmBackend {
             assets: Assets::prepare().map_err(BackendError::Assets)?,
             orphan_grace,
             require_jail,
-            writable: Vec::new(),
         })
-    }
-
-    /// Lets its VMs (and their fork children) write `dir`: where the
-    /// daemon keeps the egress logs of the sandboxes forked from them.
-    /// Every other host directory but the temporary one is read-only to
-    /// a VMM.
-    pub fn writable(mut self, dir: std::path::PathBuf) -> Self {
-        self.writable.push(dir);
-        self
     }
 }
 
@@ -173,7 +162,6 @@ impl Backend for VmBackend {
             network: Some(spec.network.clone()),
             orphan_grace: self.orphan_grace,
             require_jail: self.require_jail,
-            writable: self.writable.clone(),
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(ForkboxVm::boxed(vm))

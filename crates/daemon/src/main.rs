@@ -245,7 +245,6 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("making a temporary egress log directory")?,
     }
     .with_max_bytes(egress_max);
-    let backend = backend.writable(egress.dir().to_path_buf());
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();

@@ -114,11 +114,31 @@ impl Control {
         Ok(forked.children)
     }
 
-    /// Writes a snapshot into `dir`; returns the bytes written.
-    pub fn snapshot(&self, dir: &Path, then: Then) -> Result<u64, ControlError> {
-        let dir = dir.to_path_buf();
-        let s: Snapshotted = self.call(&Request::Snapshot { dir, then })?;
+    /// Writes a snapshot into `memory` and `state` (new, empty files);
+    /// returns the bytes written.
+    pub fn snapshot(
+        &self,
+        memory: &std::fs::File,
+        state: &std::fs::File,
+        then: Then,
+    ) -> Result<u64, ControlError> {
+        let (_, s): (_, Snapshotted) = self.exchange_with(
+            &Request::Snapshot { then },
+            &[memory.as_fd(), state.as_fd()],
+            ANSWER_TIMEOUT,
+        )?;
         Ok(s.bytes_written)
+    }
+
+    /// Hands the VMM two new links to its network broker (the connector's
+    /// and the resolver's), for a VM whose broker died with its process.
+    pub fn broker(&self, connector: &OwnedFd, resolver: &OwnedFd) -> Result<(), ControlError> {
+        let (_, Done {}) = self.exchange_with(
+            &Request::Broker,
+            &[connector.as_fd(), resolver.as_fd()],
+            ANSWER_TIMEOUT,
+        )?;
+        Ok(())
     }
 
     /// Injects an NMI into every vCPU of a guest being given up: its kernel

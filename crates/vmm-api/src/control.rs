@@ -10,12 +10,17 @@
 //! - `{"op":"pause"}`, `{"op":"resume"}`
 //! - `{"op":"fork","children":[{"control":P,"vsock_uds":P,"serial_log":P,"net_log":P,"net_broker":P}, ...],"then":"resume"|"pause"}`
 //!   (`net_log`: the child's own egress log, without it the child has none;
-//!   `net_broker`: the child's own broker, without it the parent's;
-//!   `"joins_cgroup":true`: the request carries, as `SCM_RIGHTS`, an open
-//!   `cgroup.procs` of the child's own cgroup, one per such child in the
-//!   children's order, which the child joins before it builds its VM)
+//!   `net_broker`: the child's own broker; `"joins_cgroup":true`: the
+//!   child joins its own cgroup before it builds its VM). The request
+//!   carries every child's endpoints, opened, as `SCM_RIGHTS`
+//!   ([`ChildSpec::carried`]): a fork child opens nothing by path.
 //! - `{"op":"zygote"}`
-//! - `{"op":"snapshot","dir":P,"then":"resume"|"pause"}`
+//! - `{"op":"snapshot","then":"resume"|"pause"}`, carrying two files
+//!   opened to write (`SCM_RIGHTS`), empty: the guest memory's (written
+//!   sparse) and the state's (`state.json`). The asker names them.
+//! - `{"op":"broker"}`, carrying two new links to the VM's network broker
+//!   (`SCM_RIGHTS`: the connector's, the resolver's): the process that
+//!   adopts a VM whose broker died hands over its own.
 //! - `{"op":"vcpus"}`: where every vCPU is (registers, MP state, pending
 //!   events, LAPIC vectors), for a failure report; a running VM is paused
 //!   for the read and resumed.
@@ -66,7 +71,8 @@ pub struct ChildSpec {
     /// The child's own egress log; without it the child has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net_log: Option<PathBuf>,
-    /// The child's own network broker; without it the parent's.
+    /// The child's own network broker, two links to which come with the
+    /// request; a child of a VM with a broker must have its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net_broker: Option<PathBuf>,
     /// An open `cgroup.procs` of the child's own cgroup comes with the
@@ -83,14 +89,17 @@ impl ChildSpec {
     /// to write (with `joins_cgroup`); its control socket, bound and
     /// listening; its vsock socket, bound and listening (with
     /// `vsock_uds`); its serial log opened to append (with `serial_log`);
-    /// its [`crate::END_FILE`], opened to write. A request's children's
-    /// descriptors follow each other in the children's order.
+    /// its [`crate::END_FILE`], opened to write; two links to its network
+    /// broker, the connector's and the resolver's (with `net_broker`). A
+    /// request's children's descriptors follow each other in the
+    /// children's order.
     pub fn carried(&self) -> usize {
         usize::from(self.joins_cgroup)
             + 1
             + usize::from(self.vsock_uds.is_some())
             + usize::from(self.serial_log.is_some())
             + 1
+            + 2 * usize::from(self.net_broker.is_some())
     }
 }
 
@@ -106,13 +115,15 @@ pub enum Request {
         then: Then,
     },
     Zygote,
+    /// Its two files come with it: the memory's, the state's.
     Snapshot {
-        dir: PathBuf,
         then: Then,
     },
     Vcpus,
     Nmi,
     Own,
+    /// Its two links come with it: the connector's, the resolver's.
+    Broker,
 }
 
 /// Why a request line is not a request.
@@ -151,6 +162,7 @@ impl Request {
             Request::Vcpus => "vcpus",
             Request::Nmi => "nmi",
             Request::Own => "own",
+            Request::Broker => "broker",
         }
     }
 
@@ -493,14 +505,14 @@ mod tests {
     }
 
     #[test]
-    fn request_snapshot_parses() {
+    fn request_snapshot_and_broker_parse() {
         assert_eq!(
-            parse(br#"{"op":"snapshot","dir":"/snap","then":"resume"}"#),
-            Ok(Request::Snapshot {
-                dir: "/snap".into(),
-                then: Then::Resume
-            })
+            parse(br#"{"op":"snapshot","then":"resume"}"#),
+            Ok(Request::Snapshot { then: Then::Resume })
         );
+        // The VMM writes nowhere by path.
+        assert!(parse(br#"{"op":"snapshot","dir":"/snap","then":"resume"}"#).is_err());
+        assert_eq!(parse(br#"{"op":"broker"}"#), Ok(Request::Broker));
     }
 
     #[test]
@@ -561,6 +573,7 @@ mod tests {
         assert_eq!(child.carried(), 2);
         child.vsock_uds = Some("/v".into());
         child.serial_log = Some("/s".into());
+        child.net_broker = Some("/b".into());
         child.joins_cgroup = true;
         assert_eq!(child.carried(), crate::MAX_FDS_PER_CHILD);
         // SCM_MAX_FD: the kernel's cap on one message's descriptors.

@@ -36,7 +36,7 @@ pub const MAX_LINE: usize = 64 * 1024;
 pub const MAX_CHILDREN_PER_FORK: usize = 32;
 
 /// Most descriptors one fork child comes with ([`ChildSpec::carried`]).
-pub const MAX_FDS_PER_CHILD: usize = 5;
+pub const MAX_FDS_PER_CHILD: usize = 7;
 
 /// Most descriptors one control request may carry.
 pub const MAX_FDS_PER_REQUEST: usize = MAX_CHILDREN_PER_FORK * MAX_FDS_PER_CHILD;

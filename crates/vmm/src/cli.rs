@@ -85,14 +85,11 @@ pub struct Args {
     /// Build this VMM's own root in this empty directory and `pivot_root`
     /// into it (`mounts::enter_jail`, which needs CAP_SYS_ADMIN): there it
     /// and its fork children find `/proc`, the files this command line
-    /// names (kernel, initramfs, disks, the snapshot restored) read-only,
-    /// the `--writable` directories, and nothing else of the host's.
+    /// names (kernel, initramfs, disks, the snapshot restored), read-only,
+    /// and nothing else of the host's: the sockets and logs it names are
+    /// opened before.
     #[arg(long)]
     pub root: Option<PathBuf>,
-    /// A directory this VMM and its fork children may write in their root
-    /// (their sockets, logs, snapshots); repeatable.
-    #[arg(long, requires = "root")]
-    pub writable: Vec<PathBuf>,
     /// Run the guest as this user and group (`UID:GID`, both numbers): the
     /// VMM gives up root for them once its VM is built, before any guest
     /// instruction runs (it needs CAP_SETUID and CAP_SETGID to).

@@ -418,20 +418,15 @@ fn vcpu_rules() -> Rules {
 /// socket of its own: its own and its fork children's are bound before
 /// the filter (by itself, or by the fork's asker), so `bind` and
 /// `listen` are refused (`bind` stays for a VM that connects out itself:
-/// the host's resolver binds a netlink socket).
+/// the host's resolver binds a netlink socket). Nor a name made, moved or
+/// removed (`mkdir`, `rename`, `unlink`): a snapshot is written into
+/// files its asker opened and names.
 fn main_rules(host_network: bool) -> Rules {
     let mut r = common_rules();
     allow_all(
         &mut r,
         &[
             libc::SYS_openat,
-            libc::SYS_mkdir,
-            libc::SYS_mkdirat,
-            libc::SYS_rename,
-            libc::SYS_renameat,
-            libc::SYS_renameat2,
-            libc::SYS_unlink,
-            libc::SYS_unlinkat,
             libc::SYS_copy_file_range,
             libc::SYS_sendfile,
             libc::SYS_splice,
@@ -840,6 +835,40 @@ mod tests {
         }
     }
 
+    fn unlink_nothing() -> i32 {
+        // SAFETY: the path is a valid C string; the call is refused
+        // before it runs (were it allowed, the name does not exist).
+        unsafe {
+            libc::syscall(
+                libc::SYS_unlinkat,
+                libc::AT_FDCWD,
+                c"/nonexistent-forkbox".as_ptr(),
+                0,
+            ) as i32
+        }
+    }
+
+    fn rename_nothing() -> i32 {
+        let name = c"/nonexistent-forkbox";
+        // SAFETY: as in unlink_nothing.
+        unsafe {
+            libc::syscall(
+                libc::SYS_renameat2,
+                libc::AT_FDCWD,
+                name.as_ptr(),
+                libc::AT_FDCWD,
+                name.as_ptr(),
+                0,
+            ) as i32
+        }
+    }
+
+    fn mkdir_nothing() -> i32 {
+        // SAFETY: as in unlink_nothing (were it allowed, it fails: the
+        // root exists).
+        unsafe { libc::syscall(libc::SYS_mkdirat, libc::AT_FDCWD, c"/".as_ptr(), 0o700) as i32 }
+    }
+
     fn listen_on_stdin() -> i32 {
         // SAFETY: listen takes no pointers.
         unsafe { libc::syscall(libc::SYS_listen, 0, 1) as i32 }
@@ -866,10 +895,14 @@ mod tests {
             libc::WIFSIGNALED(netns) && libc::WTERMSIG(netns) == libc::SIGSYS,
             "status {netns:#x}"
         );
-        // No listening socket: its own were bound before the filter.
+        // No listening socket: its own were bound before the filter. No
+        // name made, moved or removed.
         for (what, call) in [
             ("bind", bind_unix as fn() -> i32),
             ("listen", listen_on_stdin),
+            ("unlinkat", unlink_nothing),
+            ("renameat2", rename_nothing),
+            ("mkdirat", mkdir_nothing),
         ] {
             let status = in_filtered_child("main", main_rules(false), call);
             assert!(

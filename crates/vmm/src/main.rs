@@ -43,7 +43,7 @@ fn main() {
         }
     }
     let require_jail = args.require_jail;
-    let (root, writable) = (args.root.clone(), args.writable.clone());
+    let root = args.root.clone();
     let run_as = args.run_as;
     let invocation = match args.into_invocation() {
         Ok(c) => c,
@@ -85,7 +85,7 @@ fn main() {
             std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
         jail_step(
-            forkbox_vmm::mounts::enter_jail(root, &invocation.inputs(), &writable),
+            forkbox_vmm::mounts::enter_jail(root, &invocation.inputs()),
             "build this VMM's own root",
             require_jail,
         );

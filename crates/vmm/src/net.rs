@@ -21,21 +21,28 @@
 //!   loopback for `host.forkbox.internal`; names resolve through the host's
 //!   resolver (blocking the main loop for as long as that takes).
 //!
+//! The broker's two links ([`BrokerLinks`]) are connected while its path
+//! can still be reached: by the VMM before it enters its own root, by the
+//! asker of a fork for the child (sent with the request). A broker that
+//! hung up (its process died) is replaced by the links the process that
+//! adopts the VM sends (`{"op":"broker"}`, [`relink`]); until then the
+//! guest's new connections and lookups fail.
+//!
 //! A fork child or restored VM builds a new backend: a fresh gateway (no
-//! TCP state, a fresh ISN seed, its own log), new broker connections (to
-//! its own broker when the fork request names one). The
-//! guest's old connections are answered with RST by the new gateway.
+//! TCP state, a fresh ISN seed, its own log), new broker links (to its
+//! own broker when the fork request names one). The guest's old
+//! connections are answered with RST by the new gateway.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox_devices::virtio::net::FrameBackend;
-use forkbox_net::broker::link::{recv_message, send_request};
+use forkbox_net::broker::link::{self, recv_message, send_request};
 use forkbox_net::broker::{BrokerMessage, BrokerRequest};
 use forkbox_net::dns::{ResolveError, Resolver};
 use forkbox_net::gateway::{
@@ -43,7 +50,6 @@ use forkbox_net::gateway::{
 };
 use forkbox_net::log::JsonLinesWriter;
 use forkbox_net::policy::{Policy, HOST_INTERNAL};
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
@@ -102,16 +108,56 @@ pub enum NetError {
     Setup(#[source] io::Error),
 }
 
-/// Connects a `SOCK_SEQPACKET` unix socket to `path`.
-fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
-    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
-    Ok(fd)
+/// Two links to a VM's network broker, the connector's and the
+/// resolver's, connected while its path could still be reached.
+#[derive(Debug)]
+pub struct BrokerLinks {
+    pub connector: OwnedFd,
+    pub resolver: OwnedFd,
+}
+
+impl BrokerLinks {
+    /// Connects both to the broker listening at `path`.
+    pub fn connect(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            connector: link::connect(path)?,
+            resolver: link::connect(path)?,
+        })
+    }
+}
+
+/// Links to a new broker, waiting for the connector and the resolver to
+/// take them on their next use ([`relink`]). One network per VMM process.
+static RELINKED_CONNECTOR: Mutex<Option<OwnedFd>> = Mutex::new(None);
+static RELINKED_RESOLVER: Mutex<Option<OwnedFd>> = Mutex::new(None);
+
+fn take_relinked(slot: &Mutex<Option<OwnedFd>>) -> Option<OwnedFd> {
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Hands the network links to a new broker (the process that adopted
+/// this VM after its broker's died): the guest's next connection and
+/// lookup use them, and the connector's first message, the policy, is
+/// the gateway's from then on.
+pub fn relink(links: BrokerLinks) {
+    for (slot, fd) in [
+        (&RELINKED_CONNECTOR, links.connector),
+        (&RELINKED_RESOLVER, links.resolver),
+    ] {
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(fd);
+    }
+}
+
+/// In a fork child: links its parent was handed and had not taken yet are
+/// the parent's. Their descriptors were closed with everything else the
+/// child inherited, so they are forgotten here, never closed again (the
+/// numbers may be the child's own by now).
+pub fn forget_relinks() {
+    for slot in [&RELINKED_CONNECTOR, &RELINKED_RESOLVER] {
+        if let Some(fd) = take_relinked(slot) {
+            std::mem::forget(fd);
+        }
+    }
 }
 
 /// Waits (up to [`BLOCKING_LIMIT`]) for the policy a broker sends first
@@ -143,11 +189,13 @@ fn watch_stream(epoll: &Epoll, stream: &TcpStream) -> io::Result<()> {
     epoll.ctl(ControlOperation::Add, stream.as_raw_fd(), ev)
 }
 
-/// Opens a connector's link to the broker at `path`: its first message
-/// (the policy, and the egress log if the broker keeps one) read, then
-/// non-blocking and watched by `epoll`.
-fn open_connect_link(path: &Path, epoll: &Epoll) -> io::Result<(OwnedFd, Policy, Option<OwnedFd>)> {
-    let conn = seqpacket_connect(path)?;
+/// Takes `conn` as the connector's link: its first message (the policy,
+/// and the egress log if the broker keeps one) read, then non-blocking
+/// and watched by `epoll`.
+fn take_connect_link(
+    conn: OwnedFd,
+    epoll: &Epoll,
+) -> io::Result<(OwnedFd, Policy, Option<OwnedFd>)> {
     let (policy, log) = first_policy(&conn)?;
     rustix::io::ioctl_fionbio(&conn, true)?;
     epoll.ctl(
@@ -158,11 +206,10 @@ fn open_connect_link(path: &Path, epoll: &Epoll) -> io::Result<(OwnedFd, Policy,
     Ok((conn, policy, log))
 }
 
-/// Opens a resolver's link to the broker at `path`: blocking, each answer
-/// awaited at most [`BLOCKING_LIMIT`]. (Its first message, the policy, is
-/// skipped like any message that answers nothing asked.)
-fn open_resolve_link(path: &Path) -> io::Result<OwnedFd> {
-    let conn = seqpacket_connect(path)?;
+/// Takes `conn` as the resolver's link: blocking, each answer awaited at
+/// most [`BLOCKING_LIMIT`]. (Its first message, the policy, is skipped
+/// like any message that answers nothing asked.)
+fn take_resolve_link(conn: OwnedFd) -> io::Result<OwnedFd> {
     rustix::net::sockopt::set_socket_timeout(
         &conn,
         rustix::net::sockopt::Timeout::Recv,
@@ -174,9 +221,9 @@ fn open_resolve_link(path: &Path) -> io::Result<OwnedFd> {
 /// Opens the gateway's allowed connections.
 pub enum AnyConnector {
     /// Asks the broker at `path`; answers arrive later. `sock` is `None`
-    /// once the broker hung up (the process that held it died): the next
-    /// connect tries `path` again, where a restarted daemon serves the
-    /// VMs it re-adopts.
+    /// once the broker hung up (the process that held it died), until the
+    /// process that adopts the VM hands over a link to its own
+    /// ([`relink`]).
     Broker {
         path: PathBuf,
         sock: Option<OwnedFd>,
@@ -231,7 +278,7 @@ impl AnyConnector {
                 Ok(None) => {
                     tracing::warn!(
                         "network broker hung up: connections in progress will time out, \
-                         new ones try to reach a broker again"
+                         new ones fail until a process adopts this VM"
                     );
                     let _ = epoll.ctl(
                         ControlOperation::Delete,
@@ -261,23 +308,29 @@ impl Connector for AnyConnector {
                 epoll,
                 pending_policy,
             } => {
-                if sock.is_none() {
-                    match open_connect_link(path, epoll) {
+                if let Some(conn) = take_relinked(&RELINKED_CONNECTOR) {
+                    match take_connect_link(conn, epoll) {
                         // The log this VMM has is the same file.
-                        Ok((s, policy, _log)) => {
+                        Ok((new, policy, _log)) => {
                             tracing::info!("network broker reached again");
-                            *sock = Some(s);
+                            if let Some(old) = sock.replace(new) {
+                                let _ = epoll.ctl(
+                                    ControlOperation::Delete,
+                                    old.as_raw_fd(),
+                                    EpollEvent::default(),
+                                );
+                            }
                             *pending_policy = Some(policy);
                         }
-                        Err(e) => {
-                            return Some(ConnectOutcome::Refused(format!(
-                                "the broker is gone ({}: {e})",
-                                path.display()
-                            )))
-                        }
+                        Err(e) => tracing::warn!("the new network broker's link: {e}"),
                     }
                 }
-                let sock = sock.as_ref()?;
+                let Some(sock) = sock.as_ref() else {
+                    return Some(ConnectOutcome::Refused(format!(
+                        "the broker ({}) is gone and no other was handed over",
+                        path.display()
+                    )));
+                };
                 let req = BrokerRequest::Connect {
                     id: request.id.0,
                     name: request.name.clone(),
@@ -313,8 +366,8 @@ fn loopback_connect(epoll: &Epoll, request: &ConnectRequest) -> ConnectOutcome {
 /// Resolves the names the policy allows.
 pub enum AnyResolver {
     /// Asks the broker at `path` (blocking, bounded by a receive
-    /// timeout); `sock` is `None` after it hung up, until the next lookup
-    /// reaches one again.
+    /// timeout); `sock` is `None` after it hung up, until a link to
+    /// another is handed over ([`relink`]).
     Broker {
         path: PathBuf,
         sock: Option<OwnedFd>,
@@ -353,20 +406,25 @@ impl Resolver for AnyResolver {
                     id: *next_id,
                     name: name.to_owned(),
                 };
-                // A broker that hung up may have been replaced: one more try.
-                for _ in 0..2 {
-                    let link = match sock {
-                        Some(link) => link,
-                        None => sock.insert(open_resolve_link(path).map_err(|e| {
-                            ResolveError::Failed(format!("the broker is gone: {e}"))
-                        })?),
-                    };
-                    match ask_resolve(link, &req, *next_id) {
-                        Some(answer) => return answer,
-                        None => *sock = None,
+                if let Some(conn) = take_relinked(&RELINKED_RESOLVER) {
+                    match take_resolve_link(conn) {
+                        Ok(new) => *sock = Some(new),
+                        Err(e) => tracing::warn!("the new network broker's link: {e}"),
                     }
                 }
-                Err(ResolveError::Failed("the broker hung up".into()))
+                let Some(link) = sock.as_ref() else {
+                    return Err(ResolveError::Failed(format!(
+                        "the broker ({}) is gone and no other was handed over",
+                        path.display()
+                    )));
+                };
+                match ask_resolve(link, &req, *next_id) {
+                    Some(answer) => answer,
+                    None => {
+                        *sock = None;
+                        Err(ResolveError::Failed("the broker hung up".into()))
+                    }
+                }
             }
         }
     }
@@ -416,7 +474,9 @@ pub struct GatewayBackend {
 }
 
 impl GatewayBackend {
-    pub fn new(cfg: &NetConfig) -> Result<Self, NetError> {
+    /// The gateway for `cfg`, asking its broker over `links` (required
+    /// when `cfg` names a broker).
+    pub fn new(cfg: &NetConfig, links: Option<BrokerLinks>) -> Result<Self, NetError> {
         let mut policy = Policy::from_json(&cfg.policy_json).map_err(NetError::Policy)?;
         let epoll = Arc::new(Epoll::new().map_err(NetError::Setup)?);
         let timer = TimerFd::new().map_err(|e| NetError::Setup(e.into()))?;
@@ -434,12 +494,15 @@ impl GatewayBackend {
                     path: path.clone(),
                     source,
                 };
+                let links =
+                    links.ok_or_else(|| err(io::Error::other("no link to it was opened")))?;
                 // The broker's policy is the sandbox's now (it may have
                 // changed since boot, or differ in a fork child).
-                let (conn, broker_policy, log) = open_connect_link(path, &epoll).map_err(err)?;
+                let (conn, broker_policy, log) =
+                    take_connect_link(links.connector, &epoll).map_err(err)?;
                 policy = broker_policy;
                 broker_log = log;
-                let res = open_resolve_link(path).map_err(err)?;
+                let res = take_resolve_link(links.resolver).map_err(err)?;
                 (
                     AnyResolver::Broker {
                         path: path.clone(),

@@ -16,7 +16,7 @@ use forkbox_devices::{BusDevice, EventSource, GuestMemory, Interrupt, Work};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::layout::VirtioWindow;
-use crate::net::{GatewayBackend, NetConfig, NetError, GUEST_MAC};
+use crate::net::{BrokerLinks, GatewayBackend, NetConfig, NetError, GUEST_MAC};
 
 /// Guest CID of the VM's vsock device.
 pub const GUEST_CID: u64 = 3;
@@ -34,6 +34,17 @@ pub trait VirtioMmio: BusDevice + EventSource {
     /// Whether the driver has set the device up (`DRIVER_OK`): only a
     /// restored device is, when its VM is wired.
     fn is_activated(&self) -> bool;
+}
+
+/// The host sides of a VM's devices that are opened by path: opened
+/// before the VMM entered its own root (or by the asker of its fork),
+/// and taken by the devices [`create`] or [`restore`] makes.
+#[derive(Debug, Default)]
+pub struct HostSides {
+    /// The vsock device's socket, bound and listening.
+    pub vsock: Option<UnixListener>,
+    /// The network's links to its broker.
+    pub broker: Option<BrokerLinks>,
 }
 
 /// A device the command line asked for.
@@ -102,23 +113,23 @@ impl VirtioMmio for MmioTransport {
     }
 }
 
-/// Creates the transports for `specs`, in order, at windows 0, 1, ...;
-/// a vsock device's host side is `vsock`.
+/// Creates the transports for `specs`, in order, at windows 0, 1, ...,
+/// behind `sides`.
 pub fn create(
     specs: &[DeviceSpec],
     mem: &GuestMemory,
-    vsock: Option<UnixListener>,
+    sides: HostSides,
 ) -> Result<Vec<VirtioSlot>, DeviceError> {
-    place(specs, mem, None, vsock)
+    place(specs, mem, None, sides)
 }
 
-/// Creates fresh devices for `specs` (disks re-opened, vsock listening on
-/// `vsock`, its new socket) and puts each back into its saved state.
+/// Creates fresh devices for `specs` (disks re-opened, the host sides
+/// `sides`, new) and puts each back into its saved state.
 pub fn restore(
     specs: &[DeviceSpec],
     mem: &GuestMemory,
     states: &[TransportState],
-    vsock: Option<UnixListener>,
+    sides: HostSides,
 ) -> Result<Vec<VirtioSlot>, DeviceError> {
     if states.len() != specs.len() {
         return Err(DeviceError::StateCount {
@@ -126,12 +137,12 @@ pub fn restore(
             have: specs.len(),
         });
     }
-    place(specs, mem, Some(states), vsock)
+    place(specs, mem, Some(states), sides)
 }
 
 fn new_device(
     spec: &DeviceSpec,
-    vsock: &mut Option<UnixListener>,
+    sides: &mut HostSides,
 ) -> Result<Box<dyn VirtioDevice>, DeviceError> {
     Ok(match spec {
         DeviceSpec::Block(path) => Box::new(
@@ -143,7 +154,8 @@ fn new_device(
                 })?,
         ),
         DeviceSpec::Vsock { uds } => {
-            let listener = vsock
+            let listener = sides
+                .vsock
                 .take()
                 .ok_or_else(|| DeviceError::VsockNotOpened(uds.clone()))?;
             Box::new(Vsock::with_listener(GUEST_CID, listener).map_err(|source| {
@@ -155,7 +167,7 @@ fn new_device(
         }
         DeviceSpec::Net(cfg) => Box::new(Net::new(
             GUEST_MAC,
-            Box::new(GatewayBackend::new(cfg).map_err(DeviceError::Net)?),
+            Box::new(GatewayBackend::new(cfg, sides.broker.take()).map_err(DeviceError::Net)?),
         )),
     })
 }
@@ -164,7 +176,7 @@ fn place(
     specs: &[DeviceSpec],
     mem: &GuestMemory,
     states: Option<&[TransportState]>,
-    mut vsock: Option<UnixListener>,
+    mut sides: HostSides,
 ) -> Result<Vec<VirtioSlot>, DeviceError> {
     if specs.len() > crate::layout::MAX_VIRTIO_DEVICES {
         return Err(DeviceError::TooMany(specs.len()));
@@ -172,7 +184,7 @@ fn place(
     let mut slots = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let window = VirtioWindow::nth(i).ok_or(DeviceError::TooMany(specs.len()))?;
-        let device = new_device(spec, &mut vsock)?;
+        let device = new_device(spec, &mut sides)?;
         let queues = u16::try_from(device.queue_max_sizes().len()).unwrap_or(u16::MAX);
         let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(DeviceError::EventFd)?);
         let interrupt = Interrupt::new(Arc::clone(&irq));

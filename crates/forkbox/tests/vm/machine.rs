@@ -179,9 +179,14 @@ pub(crate) fn vmm_environment_scrubbed_and_no_core_dumps() -> TestResult {
 
 /// A booted VMM and a fork child have no capabilities, `no_new_privs`
 /// and a seccomp filter on every thread, and their guests still answer.
+/// Their root is read-only throughout and holds no VM's directory: not
+/// their own, not the parent's, not a sibling fork child's.
 pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
     let mut vm = boot(VmSpec::default());
-    let child = fork(&mut vm, 1)?.pop().ok_or("fork gave no child")?;
+    let mut children = fork(&mut vm, 2)?;
+    let sibling = children.pop().ok_or("fork gave no second child")?;
+    let child = children.pop().ok_or("fork gave no child")?;
+    let vm_dirs = [&vm, &child, &sibling].map(|v| v.handle().dir);
     for (what, v) in [("booted", &vm), ("fork child", &child)] {
         let pid = v.pid();
         let status = proc_status(&format!("/proc/{pid}/status"))?;
@@ -220,9 +225,7 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
             format!("{what} VMM {pid}: no vCPU thread seen"),
         )?;
         // Namespaces of its own (a fork child shares its parent's): the
-        // network, System V IPC and hostname, and the mounts, in which the
-        // host's files are read-only to it but for the temporary
-        // directory, where its and its children's directories are.
+        // network, System V IPC and hostname, and the mounts.
         for kind in ["net", "ipc", "uts", "mnt"] {
             let ns = |p: &str| {
                 std::fs::read_link(format!("/proc/{p}/ns/{kind}")).map_err(|e| e.to_string())
@@ -232,16 +235,18 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
                 format!("{what} VMM {pid}: in this process's {kind} namespace"),
             )?;
         }
-        let tmp = std::env::temp_dir()
-            .canonicalize()
-            .map_err(|e| e.to_string())?;
-        for (point, want) in [(Path::new("/"), "ro"), (tmp.as_path(), "rw")] {
-            let got = mount_access(pid, point)?;
+        let writable = writable_mounts(pid)?;
+        check(
+            writable.is_empty(),
+            format!("{what} VMM {pid} may write {writable:?}"),
+        )?;
+        let root = PathBuf::from(format!("/proc/{pid}/root"));
+        for dir in &vm_dirs {
             check(
-                got.as_deref() == Some(want),
+                !root.join(dir.strip_prefix("/").unwrap_or(dir)).exists(),
                 format!(
-                    "{what} VMM {pid}: {} is mounted {got:?}, want {want}",
-                    point.display()
+                    "{what} VMM {pid} reaches the VM directory {}",
+                    dir.display()
                 ),
             )?;
         }
@@ -252,9 +257,9 @@ pub(crate) fn vmm_confined_without_capabilities_and_filtered() -> TestResult {
 }
 
 /// A VMM's root (`/proc/PID/root`) holds `/proc` and the paths its command
-/// line names (kernel, initramfs, disks, writable directories), each at
-/// its own path, and nothing else of the host's: no `/etc`, and beside the
-/// kernel none of the cache's other files.
+/// line names (kernel, initramfs, disks), each at its own path, and
+/// nothing else of the host's: no `/etc`, and beside the kernel none of
+/// the cache's other files.
 fn jail_shows_only_inputs(what: &str, pid: u32) -> TestResult {
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).map_err(|e| e.to_string())?;
     let args: Vec<String> = cmdline
@@ -263,7 +268,7 @@ fn jail_shows_only_inputs(what: &str, pid: u32) -> TestResult {
         .collect();
     let inputs: Vec<PathBuf> = args
         .windows(2)
-        .filter(|w| ["--kernel", "--initramfs", "--disk", "--writable"].contains(&w[0].as_str()))
+        .filter(|w| ["--kernel", "--initramfs", "--disk"].contains(&w[0].as_str()))
         .map(|w| {
             PathBuf::from(&w[1])
                 .canonicalize()
@@ -430,17 +435,18 @@ pub(crate) fn vmm_runs_as_its_own_user_who_reaches_nothing_of_roots_or_another_v
     Err(format!("as the VMM's user {user:?}: {why} (status {status:#x})").into())
 }
 
-/// Whether `point` is mounted `ro` or `rw` as process `pid` sees it (the
-/// last mount there, the one on top).
-fn mount_access(pid: u32, point: &Path) -> Result<Option<String>, Failed> {
+/// The mount points process `pid` sees mounted other than `ro`.
+fn writable_mounts(pid: u32) -> Result<Vec<String>, Failed> {
     let path = format!("/proc/{pid}/mountinfo");
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
-    Ok(text.lines().rev().find_map(|l| {
-        let fields: Vec<&str> = l.split(' ').collect();
-        (Path::new(fields.get(4)?) == point)
-            .then(|| fields.get(5)?.split(',').next().map(str::to_owned))
-            .flatten()
-    }))
+    Ok(text
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split(' ').collect();
+            let access = fields.get(5)?.split(',').next()?;
+            (access != "ro").then(|| fields.get(4).copied().unwrap_or("?").to_owned())
+        })
+        .collect())
 }
 
 /// `/proc/.../status` as field → value.

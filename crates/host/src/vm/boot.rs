@@ -88,7 +88,6 @@ impl Vm {
                     dir.path(),
                     network.policy.clone(),
                     network.egress_log.clone(),
-                    user,
                 )?;
                 cmd.arg("--net-policy")
                     .arg(&policy_path)
@@ -126,16 +125,7 @@ impl Vm {
         if spec.require_jail {
             cmd.arg("--require-jail");
         }
-        let egress_dir = net
-            .as_ref()
-            .and_then(|n| n.egress_log.parent().map(Path::to_path_buf));
-        cmd.args(
-            jail_args(
-                dir.path(),
-                egress_dir.into_iter().chain(spec.writable.iter().cloned()),
-            )
-            .map_err(VmError::Io)?,
-        );
+        cmd.args(jail_args(dir.path()).map_err(VmError::Io)?);
         let start = Instant::now();
         let mut child = cmd.spawn().map_err(VmError::Spawn)?;
         if let Err(e) = limit_vmm(child.id()) {
@@ -204,9 +194,9 @@ impl Vm {
     /// Takes back a VM that another process (a daemon that died) started:
     /// its VMM must answer on the control socket in `h.dir` with the
     /// recorded pid. The VM keeps its run state. A VM with a network is
-    /// served a broker again (at the path its VMM knows; the VMM reaches it
-    /// on the guest's next connection or lookup) with `network`'s policy:
-    /// the broker of the process that died is gone with it.
+    /// served a broker again, with `network`'s policy (the broker of the
+    /// process that died is gone with it): its VMM is handed two links to
+    /// it, which it takes on the guest's next connection or lookup.
     /// `network.egress_log` must be where the VMM was started to write it
     /// (`None`: its directory's).
     pub fn adopt(h: &VmHandle, network: Option<&NetworkSpec>) -> Result<Vm, VmError> {
@@ -241,12 +231,11 @@ impl Vm {
             Some(n) => {
                 // The dead broker's socket file.
                 let _ = std::fs::remove_file(VmNet::broker_path(&h.dir));
-                Some(VmNet::start(
-                    &h.dir,
-                    n.policy.clone(),
-                    n.egress_log.clone(),
-                    user,
-                )?)
+                let net = VmNet::start(&h.dir, n.policy.clone(), n.egress_log.clone())?;
+                let link =
+                    || forkbox_net::broker::link::connect(net.broker.path()).map_err(VmError::Io);
+                control.broker(&link()?, &link()?)?;
+                Some(net)
             }
             None => None,
         };
@@ -324,7 +313,7 @@ impl Vm {
             .arg(&paths.serial_log)
             .arg("--orphan-grace-secs")
             .arg(ORPHAN_GRACE.as_secs().to_string())
-            .args(jail_args(dir.path(), std::iter::empty()).map_err(VmError::Io)?)
+            .args(jail_args(dir.path()).map_err(VmError::Io)?)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -381,26 +370,12 @@ impl Vm {
 }
 
 /// The VMM's jail arguments: `--root`, an empty directory made in its VM
-/// directory `dir` for it to build its own root in, and `--writable` for
-/// the temporary directory (where its and its fork children's directories
-/// are made) and `more` ([`VmSpec::writable`]).
-fn jail_args(
-    dir: &Path,
-    more: impl Iterator<Item = PathBuf>,
-) -> std::io::Result<Vec<std::ffi::OsString>> {
+/// directory `dir` for it to build its own root in. Nothing in that root
+/// is writable, and no VM's directory (its own, its fork children's) is
+/// in it: what it writes it opens before it enters, and its fork
+/// children's endpoints are sent with the fork request.
+fn jail_args(dir: &Path) -> std::io::Result<[std::ffi::OsString; 2]> {
     let root = dir.join("root");
     std::fs::create_dir(&root)?;
-    let mut dirs = vec![std::env::temp_dir()];
-    for d in more {
-        if !dirs.contains(&d) {
-            dirs.push(d);
-        }
-    }
-    Ok(["--root".into(), root.into_os_string()]
-        .into_iter()
-        .chain(
-            dirs.into_iter()
-                .flat_map(|d| ["--writable".into(), d.into_os_string()]),
-        )
-        .collect())
+    Ok(["--root".into(), root.into_os_string()])
 }

@@ -107,7 +107,7 @@ impl Vm {
                     .enumerate()
                     .map(|(i, d)| {
                         let log = opts.egress_logs.get(i).cloned();
-                        VmNet::start(d.path(), policy.clone(), log, self.user).map(Some)
+                        VmNet::start(d.path(), policy.clone(), log).map(Some)
                     })
                     .collect::<Result<_, _>>()?
             }

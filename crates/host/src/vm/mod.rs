@@ -194,11 +194,6 @@ pub struct VmSpec {
     /// jail cannot be set up ([`crate::jail`]), instead of running
     /// without it.
     pub require_jail: bool,
-    /// Directories the VMM and its fork children may write besides the
-    /// temporary directory (where VM directories are) and its egress log's:
-    /// where its children's egress logs will go. Every other mount is
-    /// read-only to it ([`crate::jail`]).
-    pub writable: Vec<PathBuf>,
 }
 
 /// [`VmSpec::orphan_grace`] unless asked otherwise (and of a restored VM).
@@ -226,7 +221,6 @@ impl Default for VmSpec {
             network: None,
             orphan_grace: ORPHAN_GRACE,
             require_jail: false,
-            writable: Vec::new(),
         }
     }
 }
@@ -349,40 +343,50 @@ impl Vm {
     /// Writes a snapshot of the VM into `dir` (created if missing: its
     /// `memory` and `state.json`); the VM keeps its run state. Returns the
     /// bytes written.
+    ///
+    /// The VMM writes into files opened here, under temporary names, and
+    /// they are renamed into place once it answered: it reaches no path
+    /// of `dir`, and `dir` may hold the snapshot it was restored from,
+    /// whose `memory` it maps.
     pub fn snapshot(&mut self, dir: &Path) -> Result<u64, VmError> {
         let then = match self.state {
             RunState::Running => Then::Resume,
             RunState::Paused | RunState::Zygote => Then::Pause,
         };
-        let Some(user) = self.user else {
-            return Ok(self.control.snapshot(dir, then)?);
-        };
-        // The VMM's user reaches only its VM's directory (not `dir`, which
-        // may lie under one of ours): it writes there, and the files are
-        // moved to `dir`.
-        let staging = self.dir.path().join("snapshot");
-        std::fs::create_dir_all(&staging).map_err(VmError::Io)?;
-        user.grant_dir(&staging).map_err(VmError::Io)?;
-        let bytes = self.control.snapshot(&staging, then)?;
         std::fs::create_dir_all(dir).map_err(VmError::Io)?;
-        for name in ["memory", "state.json"] {
-            move_file(&staging.join(name), &dir.join(name)).map_err(VmError::Io)?;
+        let new = |name: &str| -> Result<(std::fs::File, PathBuf), VmError> {
+            let path = dir.join(name);
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .map_err(|e| VmError::Io(io_context(e, &path)))?;
+            Ok((file, path))
+        };
+        let (memory, memory_tmp) = new(".memory.tmp")?;
+        let (state, state_tmp) = new(".state.json.tmp")?;
+        let bytes = self.control.snapshot(&memory, &state, then);
+        let bytes = match bytes {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = std::fs::remove_file(&memory_tmp);
+                let _ = std::fs::remove_file(&state_tmp);
+                return Err(e.into());
+            }
+        };
+        for (tmp, name) in [(memory_tmp, "memory"), (state_tmp, "state.json")] {
+            let to = dir.join(name);
+            std::fs::rename(&tmp, &to).map_err(|e| VmError::Io(io_context(e, &to)))?;
         }
-        let _ = std::fs::remove_dir(&staging);
         Ok(bytes)
     }
 }
 
-/// Renames `from` to `to`, or copies it there (another file system) and
-/// removes it.
-fn move_file(from: &Path, to: &Path) -> std::io::Result<()> {
-    match std::fs::rename(from, to) {
-        Err(e) if e.kind() == std::io::ErrorKind::CrossesDevices => {
-            std::fs::copy(from, to)?;
-            std::fs::remove_file(from)
-        }
-        other => other,
-    }
+/// `e`, saying which path it was about.
+fn io_context(e: std::io::Error, path: &Path) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
 /// Bound on the warm-up command before a VM becomes a zygote (it runs

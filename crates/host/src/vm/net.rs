@@ -26,21 +26,19 @@ impl VmNet {
         dir.join("net-broker.sock")
     }
 
-    /// Starts the broker of a VM whose directory is `dir`, for a VMM that
-    /// runs as `user` (who may connect to it, and is handed the egress log
-    /// by it).
+    /// Starts the broker of a VM whose directory is `dir`. Its VMM never
+    /// connects to it by path: its links are connected for it, before it
+    /// enters its own root (by itself, still as the daemon's user) or by
+    /// the asker of the fork that makes it, and it is handed the egress
+    /// log on the first.
     pub(super) fn start(
         dir: &Path,
         policy: Policy,
         egress_log: Option<PathBuf>,
-        user: Option<VmmUser>,
     ) -> Result<Self, VmError> {
         let egress_log = egress_log.unwrap_or_else(|| dir.join(EGRESS_LOG));
         let path = Self::broker_path(dir);
         let broker = NetBroker::start_with_log(&path, policy, Some(egress_log.clone()))?;
-        if let Some(user) = user {
-            user.grant_socket(&path).map_err(VmError::Io)?;
-        }
         Ok(Self { broker, egress_log })
     }
 }

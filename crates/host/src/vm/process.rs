@@ -164,17 +164,12 @@ impl ChildPaths {
     /// The child's endpoints, opened for the fork request to carry
     /// ([`ChildSpec::carried`], after its cgroup's): its control and vsock
     /// sockets bound and listening, its serial log open to append, its
-    /// [`END_FILE`] open to write. The child finds no path to them in its
-    /// parent's root.
+    /// [`END_FILE`] open to write, and two links to its network broker
+    /// (with one). The child finds no path to them in its parent's root.
     pub(super) fn open(&self) -> Result<Vec<OwnedFd>, VmError> {
         let err = |path: &Path| {
             let path = path.to_path_buf();
-            move |e: std::io::Error| {
-                VmError::Io(std::io::Error::new(
-                    e.kind(),
-                    format!("{}: {e}", path.display()),
-                ))
-            }
+            move |e: std::io::Error| VmError::Io(io_context(e, &path))
         };
         let listen = |path: &Path| {
             std::os::unix::net::UnixListener::bind(path)
@@ -182,7 +177,7 @@ impl ChildPaths {
                 .map_err(err(path))
         };
         let end = self.control.with_file_name(END_FILE);
-        Ok(vec![
+        let mut fds = vec![
             listen(&self.control)?,
             listen(&self.vsock_uds)?,
             std::fs::OpenOptions::new()
@@ -194,7 +189,13 @@ impl ChildPaths {
             std::fs::File::create(&end)
                 .map(OwnedFd::from)
                 .map_err(err(&end))?,
-        ])
+        ];
+        if let Some(broker) = &self.net_broker {
+            for _ in 0..2 {
+                fds.push(forkbox_net::broker::link::connect(broker).map_err(err(broker))?);
+            }
+        }
+        Ok(fds)
     }
 }
 

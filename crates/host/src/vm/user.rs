@@ -59,11 +59,6 @@ impl VmmUser {
         self.grant(dir, 0o770)
     }
 
-    /// Lets the VMM connect to the socket at `path` (ours).
-    pub(super) fn grant_socket(self, path: &Path) -> std::io::Result<()> {
-        self.grant(path, 0o660)
-    }
-
     fn grant(self, path: &Path, mode: u32) -> std::io::Result<()> {
         std::os::unix::fs::lchown(path, None, Some(self.0))
             .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)))

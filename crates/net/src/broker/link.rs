@@ -23,6 +23,20 @@ fn invalid(e: serde_json::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
+/// A new link to the broker listening at `path` (`SOCK_SEQPACKET`,
+/// close-on-exec, blocking). The broker sends the policy first on it.
+pub fn connect(path: &std::path::Path) -> io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    Ok(fd)
+}
+
 /// Sends a VMM's request to its broker (no fd travels this way).
 pub fn send_request(link: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
     let msg = serde_json::to_vec(req).map_err(invalid)?;

@@ -2,6 +2,7 @@
 //! lines, turning each request into the machine's action and its answer
 //! (`forkbox-vmm-api`'s types), and reaping fork children by pidfd.
 
+use std::fs::File;
 use std::io::{IoSliceMut, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -209,9 +210,25 @@ impl Machine {
                 }),
                 Err(e) => Response::error(chain(e)),
             }),
-            Request::Snapshot { dir, then } => Outcome::Reply(match self.snapshot(&dir, then) {
-                Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
-                Err(e) => Response::error(chain(e)),
+            Request::Snapshot { then } => Outcome::Reply(match carried_pair(fds) {
+                Err(e) => Response::error(e),
+                Ok([memory, state]) => {
+                    match self.snapshot(File::from(memory), File::from(state), then) {
+                        Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
+                        Err(e) => Response::error(chain(e)),
+                    }
+                }
+            }),
+            Request::Broker => Outcome::Reply(match carried_pair(fds) {
+                Err(e) => Response::error(e),
+                Ok([connector, resolver]) => {
+                    crate::net::relink(crate::net::BrokerLinks {
+                        connector,
+                        resolver,
+                    });
+                    tracing::info!("network broker links handed over");
+                    Response::Done
+                }
             }),
             Request::Fork { children, then } => match self.fork(&children, then, fds) {
                 Ok(o) => o,
@@ -242,6 +259,18 @@ impl Machine {
         }
         outcome
     }
+}
+
+/// The two descriptors a snapshot or broker request carries, taken from
+/// `fds`; a request that carried another number is refused (and what it
+/// carried closed).
+fn carried_pair(fds: &mut Vec<OwnedFd>) -> Result<[OwnedFd; 2], String> {
+    <[OwnedFd; 2]>::try_from(std::mem::take(fds)).map_err(|got| {
+        format!(
+            "this request carries 2 descriptors (SCM_RIGHTS), not {}",
+            got.len()
+        )
+    })
 }
 
 /// Reads what a client sent into `buf`, and the descriptors that came

@@ -17,6 +17,8 @@ use crate::state::MachineState;
 
 use super::control_server::{CtlItem, Outcome};
 use super::{chain, Endpoints, Machine, Opened, VmError};
+use crate::net::BrokerLinks;
+use crate::virtio::HostSides;
 
 /// What a freshly forked child restores.
 pub(super) struct ChildPlan {
@@ -38,6 +40,7 @@ struct ChildFds {
     vsock: Option<OwnedFd>,
     serial_log: Option<OwnedFd>,
     end_note: OwnedFd,
+    broker: Option<BrokerLinks>,
 }
 
 impl ChildFds {
@@ -60,22 +63,35 @@ impl ChildFds {
         } else {
             None
         };
+        let end_note = fds.next()?;
+        let broker = if spec.net_broker.is_some() {
+            Some(BrokerLinks {
+                connector: fds.next()?,
+                resolver: fds.next()?,
+            })
+        } else {
+            None
+        };
         Some(ChildFds {
             cgroup,
             control,
             vsock,
             serial_log,
-            end_note: fds.next()?,
+            end_note,
+            broker,
         })
     }
 
     /// The descriptors the child keeps open (its cgroup's is spent).
     fn kept(&self) -> Vec<RawFd> {
+        let broker = self.broker.as_ref();
         [
             Some(&self.control),
             self.vsock.as_ref(),
             self.serial_log.as_ref(),
             Some(&self.end_note),
+            broker.map(|b| &b.connector),
+            broker.map(|b| &b.resolver),
         ]
         .into_iter()
         .flatten()
@@ -115,6 +131,15 @@ impl Machine {
         for (spec, mut mine) in children.iter().zip(carried) {
             if self.hw.vsock && spec.vsock_uds.is_none() {
                 pending.push(Err(VmError::VsockPathMissing.to_string()));
+                continue;
+            }
+            let has_broker = self
+                .endpoints
+                .net
+                .as_ref()
+                .is_some_and(|n| n.broker.is_some());
+            if has_broker && spec.net_broker.is_none() {
+                pending.push(Err(VmError::ChildBrokerMissing.to_string()));
                 continue;
             }
             let cgroup = mine.cgroup.take();
@@ -199,11 +224,11 @@ impl Machine {
 pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     let ram = Arc::clone(&parent.ram);
     let echo = parent.endpoints.echo;
-    // Its own log (or none), its own broker if named (the broker sends
-    // the child's policy); otherwise the parent's.
+    // Its own log (or none), its own broker (which sends the child's
+    // policy) where its parent has one.
     let net = parent.endpoints.net.clone().map(|n| crate::net::NetConfig {
         log: plan.spec.net_log.clone(),
-        broker: plan.spec.net_broker.clone().or(n.broker),
+        broker: plan.spec.net_broker.clone(),
         ..n
     });
     // No Drop may run on the parent's objects: KVM fds, eventfds, epolls,
@@ -214,6 +239,7 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     keep.extend(crate::opened::fds());
     keep.extend(plan.fds.kept());
     fork::close_inherited(&keep);
+    crate::net::forget_relinks();
     crate::counters::COUNTERS.reset();
     tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: inherited fds closed");
     let ChildFds {
@@ -221,11 +247,15 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         vsock,
         serial_log,
         end_note,
+        broker,
         ..
     } = plan.fds;
     let opened = Opened {
         control: Some(UnixListener::from(control)),
-        vsock: vsock.map(UnixListener::from),
+        sides: HostSides {
+            vsock: vsock.map(UnixListener::from),
+            broker,
+        },
         serial_log: serial_log.map(File::from),
         end_note: Some(File::from(end_note)),
         names: Endpoints {

@@ -46,11 +46,12 @@ use crate::layout::{
     MemoryLayout, VirtioWindow, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR, MIB, SERIAL_GSI,
 };
 use crate::memory::GuestRam;
+use crate::net::BrokerLinks;
 use crate::pio::{PortBus, PortEvent};
 use crate::serial::{Echo, IrqTrigger, SerialLog, SerialOutput, TailBuffer};
 use crate::state::{self, Hardware, MachineState, SerialState, StateError, VmState};
 use crate::vcpu::{self, ExitSignal, PauseError, VcpuContext, VcpuOutcome, Vcpus};
-use crate::virtio::{self, DeviceSpec, MmioBus, VirtioSlot};
+use crate::virtio::{self, DeviceSpec, HostSides, MmioBus, VirtioSlot};
 use crate::{VmConfig, VmExit};
 
 use control_server::CtlItem;
@@ -133,9 +134,9 @@ pub enum VmError {
     },
     #[error("the fork request carries {carried} descriptors; its children need {needed}")]
     ChildFds { needed: usize, carried: usize },
-    #[error("cannot write {path}")]
+    #[error("cannot write the snapshot's {what} file")]
     SnapshotWrite {
-        path: PathBuf,
+        what: &'static str,
         #[source]
         source: std::io::Error,
     },
@@ -147,6 +148,8 @@ pub enum VmError {
     },
     #[error("this VM has a vsock device: a vsock socket path is required")]
     VsockPathMissing,
+    #[error("this VM's network has a broker: a fork child needs one of its own")]
+    ChildBrokerMissing,
     #[error("this VM has a network device: a network policy is required")]
     NetConfigMissing,
     #[error("saved state has {saved} vCPUs, its hardware says {hardware}")]
@@ -213,9 +216,18 @@ impl Endpoints {
             }
             None => None,
         };
+        let broker = match self.net.as_ref().and_then(|n| n.broker.as_ref()) {
+            Some(path) => Some(BrokerLinks::connect(path).map_err(|source| {
+                VmError::Devices(virtio::DeviceError::Net(crate::net::NetError::Broker {
+                    path: path.clone(),
+                    source,
+                }))
+            })?),
+            None => None,
+        };
         Ok(Opened {
             control,
-            vsock,
+            sides: HostSides { vsock, broker },
             serial_log,
             end_note,
             names: self,
@@ -225,11 +237,12 @@ impl Endpoints {
 
 /// A VM's host-side endpoints, open: what [`Endpoints::open`] opened, or
 /// what came with a fork request for a child. `names` says where they
-/// are, for messages (and holds the network's, which the network opens).
+/// are, for messages.
 #[derive(Debug)]
 pub struct Opened {
     pub control: Option<UnixListener>,
-    pub vsock: Option<UnixListener>,
+    /// The vsock socket and the network broker's links.
+    pub sides: HostSides,
     pub serial_log: Option<File>,
     /// Where the VMM notes how its VM ended.
     pub end_note: Option<File>,
@@ -408,7 +421,7 @@ impl Machine {
         let vm = create_vm(&kvm, &ram)?;
         let Opened {
             control,
-            vsock,
+            sides,
             serial_log,
             end_note,
             names: endpoints,
@@ -421,7 +434,7 @@ impl Machine {
             net: cfg.net.is_some(),
         };
         let (pio, tail) = open_serial(&vm, serial_log, endpoints.echo, None)?;
-        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory(), vsock)?;
+        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory(), sides)?;
 
         // ACPI and boot state.
         let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
@@ -490,7 +503,7 @@ impl Machine {
     ) -> Result<Machine, VmError> {
         let Opened {
             control,
-            vsock,
+            sides,
             serial_log,
             end_note,
             names: endpoints,
@@ -532,7 +545,7 @@ impl Machine {
             &device_specs(&hw, &endpoints)?,
             ram.memory(),
             &saved.devices,
-            vsock,
+            sides,
         )?;
         let msr_indices = Arc::new(state::msr_indices(&kvm)?);
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: devices");

@@ -3,8 +3,8 @@
 //! moved to a sealed memfd) and a snapshot on disk (`memory`,
 //! `state.json`).
 
-use std::fs::OpenOptions;
-use std::path::Path;
+use std::fs::File;
+use std::io::Write;
 use std::sync::Arc;
 
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -94,11 +94,18 @@ impl Machine {
         Ok(copied)
     }
 
-    pub(super) fn snapshot(&mut self, dir: &Path, then: Then) -> Result<u64, VmError> {
+    /// Writes the snapshot into `memory` and `state` (empty files the
+    /// asker opened and will name).
+    pub(super) fn snapshot(
+        &mut self,
+        memory: File,
+        state: File,
+        then: Then,
+    ) -> Result<u64, VmError> {
         let captured = self.pause()?;
         let result = match self.vcpus.pause() {
             // Paused already: the proof, at once.
-            Ok((_, paused)) => self.write_snapshot(dir, captured, &paused),
+            Ok((_, paused)) => self.write_snapshot(memory, state, captured, &paused),
             Err(e) => Err(e.into()),
         };
         if then == Then::Resume {
@@ -107,40 +114,27 @@ impl Machine {
         result
     }
 
-    /// Writes `DIR/memory` (sparse) and `DIR/state.json`, each to a
-    /// temporary name first and renamed into place: the directory may be
-    /// the one this VM was restored from, whose `memory` file is mapped
-    /// here (truncating it in place would fault the guest).
+    /// Writes guest memory into `memory` (sparse) and the state, as JSON,
+    /// into `state`. They are new files the asker renames into place once
+    /// answered: the snapshot may replace the one this VM was restored
+    /// from, whose `memory` file is mapped here (truncating it in place
+    /// would fault the guest).
     pub(super) fn write_snapshot(
         &self,
-        dir: &Path,
+        memory: File,
+        mut state: File,
         captured: (Vec<VcpuState>, VmState),
         paused: &Paused<'_>,
     ) -> Result<u64, VmError> {
         let saved = self.capture(captured)?;
-        let werr = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| VmError::SnapshotWrite { path, source }
-        };
-        std::fs::create_dir_all(dir).map_err(werr(dir))?;
-        let mem_path = dir.join("memory");
-        let mem_tmp = dir.join(".memory.tmp");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .open(&mem_tmp)
-            .map_err(werr(&mem_tmp))?;
+        let werr = |what: &'static str| move |source| VmError::SnapshotWrite { what, source };
         let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
-        file.set_len(total).map_err(werr(&mem_tmp))?;
-        let mut written = self.ram.write_sparse_to(&file, paused)?;
-        file.sync_all().map_err(werr(&mem_tmp))?;
-        std::fs::rename(&mem_tmp, &mem_path).map_err(werr(&mem_path))?;
+        memory.set_len(total).map_err(werr("memory"))?;
+        let mut written = self.ram.write_sparse_to(&memory, paused)?;
+        memory.sync_all().map_err(werr("memory"))?;
         let json = saved.to_json()?;
-        let state_path = dir.join("state.json");
-        let state_tmp = dir.join(".state.json.tmp");
-        std::fs::write(&state_tmp, &json).map_err(werr(&state_tmp))?;
-        std::fs::rename(&state_tmp, &state_path).map_err(werr(&state_path))?;
+        state.write_all(&json).map_err(werr("state"))?;
+        state.sync_all().map_err(werr("state"))?;
         written += json.len() as u64;
         Ok(written)
     }
