@@ -555,3 +555,55 @@ pub fn describe_exit(status: ExitStatus) -> String {
         (None, None) => "forkbox-vmm ended".into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileTypeExt;
+
+    use super::*;
+
+    #[test]
+    fn a_childs_endpoints_are_opened_in_the_order_its_spec_counts_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut paths = paths_in(dir.path());
+        let fds = paths.open().expect("opened");
+        assert_eq!(fds.len(), paths.spec(false).carried());
+        let is_socket = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_socket());
+        assert!(is_socket(&paths.control) && is_socket(&paths.vsock_uds));
+        assert_eq!(std::fs::read(dir.path().join(END_FILE)).ok(), Some(vec![]));
+        // The control socket listens: a connection is taken by its first
+        // descriptor.
+        let _client = std::os::unix::net::UnixStream::connect(&paths.control).expect("connect");
+        let listener = std::os::unix::net::UnixListener::from(fds.into_iter().next().expect("fd"));
+        listener.set_nonblocking(true).expect("nonblocking");
+        assert!(listener.accept().is_ok(), "the control socket's listener");
+        drop(listener);
+        // With a broker: two links to it follow the end note.
+        for stale in [&paths.control, &paths.vsock_uds] {
+            std::fs::remove_file(stale).expect("unlink");
+        }
+        let broker = dir.path().join("broker.sock");
+        let listener = rustix::net::socket(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            None,
+        )
+        .expect("socket");
+        rustix::net::bind(
+            &listener,
+            &rustix::net::SocketAddrUnix::new(&broker).expect("addr"),
+        )
+        .expect("bind");
+        rustix::net::listen(&listener, 4).expect("listen");
+        paths.net_broker = Some(broker);
+        let fds = paths.open().expect("opened with a broker");
+        assert_eq!(fds.len(), paths.spec(false).carried());
+        for link in &fds[4..] {
+            let peer = rustix::net::accept(&listener).expect("a link reached the broker");
+            rustix::net::send(link, b"x", rustix::net::SendFlags::empty()).expect("send");
+            let mut got = [0u8; 1];
+            rustix::net::recv(&peer, &mut got, rustix::net::RecvFlags::empty()).expect("recv");
+            assert_eq!(&got, b"x");
+        }
+    }
+}

@@ -314,3 +314,56 @@ const FAIL_CHILD_ENV: &str = "FORKBOX_VMM_TEST_FAIL_CHILD";
 fn test_child(env: &str, ordinal: u64) -> bool {
     std::env::var(env).ok().and_then(|v| v.parse::<u64>().ok()) == Some(ordinal)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` distinct descriptors (one end of a new pipe each).
+    fn fds(n: usize) -> Vec<OwnedFd> {
+        (0..n)
+            .map(|_| rustix::pipe::pipe().expect("pipe").0)
+            .collect()
+    }
+
+    fn spec(full: bool) -> ChildSpec {
+        ChildSpec {
+            control: "/c".into(),
+            vsock_uds: full.then(|| "/v".into()),
+            serial_log: full.then(|| "/s".into()),
+            net_log: None,
+            net_broker: full.then(|| "/b".into()),
+            joins_cgroup: full,
+        }
+    }
+
+    #[test]
+    fn a_childs_descriptors_are_taken_in_the_order_the_api_counts_them() {
+        let (full, bare) = (spec(true), spec(false));
+        let sent = fds(full.carried() + bare.carried());
+        let raw: Vec<RawFd> = sent.iter().map(AsRawFd::as_raw_fd).collect();
+        let mut it = sent.into_iter();
+        let first = ChildFds::take(&full, &mut it).expect("the first child's");
+        let second = ChildFds::take(&bare, &mut it).expect("the second child's");
+        assert!(it.next().is_none(), "all taken");
+        let broker = first.broker.as_ref().expect("broker links");
+        let got = [
+            first.cgroup.as_ref().map(AsRawFd::as_raw_fd),
+            Some(first.control.as_raw_fd()),
+            first.vsock.as_ref().map(AsRawFd::as_raw_fd),
+            first.serial_log.as_ref().map(AsRawFd::as_raw_fd),
+            Some(first.end_note.as_raw_fd()),
+            Some(broker.connector.as_raw_fd()),
+            Some(broker.resolver.as_raw_fd()),
+            Some(second.control.as_raw_fd()),
+            Some(second.end_note.as_raw_fd()),
+        ];
+        assert_eq!(got.map(Option::unwrap_or_default).to_vec(), raw);
+        assert!(second.cgroup.is_none() && second.vsock.is_none() && second.broker.is_none());
+        // What the child keeps: all but its cgroup's, spent on joining it.
+        assert_eq!(first.kept(), raw[1..7].to_vec());
+        // Too few: no child is made of a part of its descriptors.
+        let mut short = fds(full.carried() - 1).into_iter();
+        assert!(ChildFds::take(&full, &mut short).is_none());
+    }
+}
