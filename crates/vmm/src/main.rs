@@ -67,23 +67,21 @@ fn main() {
         "leave the host's IPC and UTS namespaces",
         require_jail,
     );
-    // Its sockets and logs, while their paths still lead somewhere.
-    let opened = match invocation.endpoints().open() {
+    // While the host's files are there: whether this host can run a guest
+    // at all (it reads /sys); /dev/kvm, which the VMM and its fork
+    // children then use through this descriptor; and its sockets and logs.
+    let opened = forkbox_vmm::host::check_host()
+        .and_then(|()| forkbox_vmm::opened::kvm())
+        .map_err(anyhow::Error::new)
+        .and_then(|_| Ok(invocation.endpoints().open()?));
+    let opened = match opened {
         Ok(opened) => opened,
         Err(e) => {
-            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
+            eprintln!("forkbox-vmm: error: {e:#}");
             std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
         }
     };
     if let Some(root) = &root {
-        // Before the host's files are gone: whether this host can run a
-        // guest at all (it reads /sys), and /dev/kvm, which the VMM and its
-        // fork children then use through this descriptor.
-        let host = forkbox_vmm::host::check_host().and_then(|()| forkbox_vmm::opened::kvm());
-        if let Err(e) = host {
-            eprintln!("forkbox-vmm: error: {:#}", anyhow::Error::new(e));
-            std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
-        }
         jail_step(
             forkbox_vmm::mounts::enter_jail(root, &invocation.inputs()),
             "build this VMM's own root",

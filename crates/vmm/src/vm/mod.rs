@@ -742,12 +742,12 @@ fn chain_ref(e: &VmError) -> String {
     s
 }
 
-/// Builds the VM described by `cfg`, runs it to its end and says how it ended.
+/// Builds the VM described by `cfg`, runs it to its end and says how it
+/// ended. The caller checked the host first (`host::check_host`).
 ///
 /// Every vCPU thread has ended (or, after a bounded wait, been abandoned
 /// with a warning) when this returns.
 pub fn run(cfg: &VmConfig, opened: Opened) -> Result<VmExit, VmError> {
-    host::check_host()?;
     Machine::boot(cfg, opened)?.run()
 }
 
@@ -760,7 +760,6 @@ pub fn run_restore(dir: &Path, opened: Opened) -> Result<VmExit, VmError> {
         source,
     })?;
     let saved = MachineState::from_json(&bytes)?;
-    host::check_host()?;
     let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
     let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
     Machine::restore(Arc::new(ram), &saved, opened)?.run()
