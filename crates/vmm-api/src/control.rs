@@ -532,16 +532,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn request_fork_child_count_bounded() {
-        let child = ChildSpec {
+    /// A child with a control socket and nothing else.
+    fn bare_child() -> ChildSpec {
+        ChildSpec {
             control: "/c".into(),
             vsock_uds: None,
             serial_log: None,
             net_log: None,
             net_broker: None,
             joins_cgroup: false,
-        };
+        }
+    }
+
+    #[test]
+    fn request_fork_child_count_bounded() {
+        let child = bare_child();
         let fork = |n| Request::Fork {
             children: vec![child.clone(); n],
             then: Then::Pause,
@@ -561,14 +566,7 @@ mod tests {
 
     #[test]
     fn a_childs_descriptors_are_counted_and_fit_one_message() {
-        let mut child = ChildSpec {
-            control: "/c".into(),
-            vsock_uds: None,
-            serial_log: None,
-            net_log: None,
-            net_broker: None,
-            joins_cgroup: false,
-        };
+        let mut child = bare_child();
         // The control socket and the end note, always.
         assert_eq!(child.carried(), 2);
         child.vsock_uds = Some("/v".into());

@@ -249,6 +249,27 @@ pub struct Opened {
     pub names: Endpoints,
 }
 
+impl Opened {
+    /// What the machine keeps, the serial console's log, and the
+    /// devices' host sides.
+    fn split(self) -> (Kept, Option<File>, HostSides) {
+        let kept = Kept {
+            endpoints: self.names,
+            control: self.control,
+            end_note: self.end_note,
+        };
+        (kept, self.serial_log, self.sides)
+    }
+}
+
+/// The endpoints a machine keeps itself (the others go to the serial
+/// console and the devices).
+struct Kept {
+    endpoints: Endpoints,
+    control: Option<UnixListener>,
+    end_note: Option<File>,
+}
+
 /// How long a VM may go unowned (`--orphan-grace-secs`), for this process
 /// and the fork children it makes; unset, forever.
 static ORPHAN_GRACE: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
@@ -400,9 +421,7 @@ fn listen(path: &Path) -> Result<UnixListener, VmError> {
 /// The parts every new VM shares, whichever way it came to life.
 struct Parts {
     hw: Hardware,
-    endpoints: Endpoints,
-    control: Option<UnixListener>,
-    end_note: Option<File>,
+    kept: Kept,
     vm: VmFd,
     ram: Arc<GuestRam>,
     pio: Arc<PortBus>,
@@ -419,13 +438,7 @@ impl Machine {
         let layout = MemoryLayout::new(cfg.memory_mib * MIB);
         let ram = GuestRam::new(&layout)?;
         let vm = create_vm(&kvm, &ram)?;
-        let Opened {
-            control,
-            sides,
-            serial_log,
-            end_note,
-            names: endpoints,
-        } = opened;
+        let (kept, serial_log, sides) = opened.split();
         let hw = Hardware {
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
@@ -433,8 +446,8 @@ impl Machine {
             vsock: cfg.vsock_uds.is_some(),
             net: cfg.net.is_some(),
         };
-        let (pio, tail) = open_serial(&vm, serial_log, endpoints.echo, None)?;
-        let slots = virtio::create(&device_specs(&hw, &endpoints)?, ram.memory(), sides)?;
+        let (pio, tail) = open_serial(&vm, serial_log, kept.endpoints.echo, None)?;
+        let slots = virtio::create(&device_specs(&hw, &kept.endpoints)?, ram.memory(), sides)?;
 
         // ACPI and boot state.
         let windows: Vec<VirtioWindow> = slots.iter().map(|s| s.window).collect();
@@ -480,9 +493,7 @@ impl Machine {
         let msr_indices = Arc::new(state::msr_indices(&kvm)?);
         Machine::start(Parts {
             hw,
-            endpoints,
-            control,
-            end_note,
+            kept,
             vm,
             ram: Arc::new(ram),
             pio,
@@ -501,13 +512,7 @@ impl Machine {
         saved: &MachineState,
         opened: Opened,
     ) -> Result<Machine, VmError> {
-        let Opened {
-            control,
-            sides,
-            serial_log,
-            end_note,
-            names: endpoints,
-        } = opened;
+        let (kept, serial_log, sides) = opened.split();
         let hw = saved.hardware.clone();
         if saved.vcpus.len() != usize::from(hw.vcpus) {
             return Err(VmError::VcpuCount {
@@ -540,9 +545,9 @@ impl Machine {
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
         // (vsock RSTs), which must land on the restored irqchip.
-        let (pio, tail) = open_serial(&vm, serial_log, endpoints.echo, Some(&saved.serial))?;
+        let (pio, tail) = open_serial(&vm, serial_log, kept.endpoints.echo, Some(&saved.serial))?;
         let slots = virtio::restore(
-            &device_specs(&hw, &endpoints)?,
+            &device_specs(&hw, &kept.endpoints)?,
             ram.memory(),
             &saved.devices,
             sides,
@@ -551,9 +556,7 @@ impl Machine {
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: devices");
         Machine::start(Parts {
             hw,
-            endpoints,
-            control,
-            end_note,
+            kept,
             vm,
             ram,
             pio,
@@ -586,11 +589,11 @@ impl Machine {
         };
         add(exit.evt.as_raw_fd(), TOKEN_EXIT)?;
         add(dev_epoll.as_raw_fd(), TOKEN_DEVICES)?;
-        let listener = p.control;
+        let listener = p.kept.control;
         if let Some(l) = &listener {
             l.set_nonblocking(true)
                 .map_err(|source| VmError::ControlSocket {
-                    path: p.endpoints.control.clone().unwrap_or_default(),
+                    path: p.kept.endpoints.control.clone().unwrap_or_default(),
                     source,
                 })?;
             add(l.as_raw_fd(), TOKEN_LISTENER)?;
@@ -615,8 +618,8 @@ impl Machine {
         let vcpus = Vcpus::start(contexts).map_err(|(id, e)| VmError::Thread(id, e))?;
         Ok(Machine {
             hw: p.hw,
-            endpoints: p.endpoints,
-            end_note: p.end_note,
+            endpoints: p.kept.endpoints,
+            end_note: p.kept.end_note,
             vm: p.vm,
             ram: p.ram,
             pio: p.pio,
