@@ -132,10 +132,13 @@ impl Control {
 
     /// Hands the VMM two new links to its network broker (the connector's
     /// and the resolver's), for a VM whose broker died with its process.
-    pub fn broker(&self, connector: &OwnedFd, resolver: &OwnedFd) -> Result<(), ControlError> {
+    pub fn broker(
+        &self,
+        links: &forkbox_net::broker::link::BrokerLinks,
+    ) -> Result<(), ControlError> {
         let (_, Done {}) = self.exchange_with(
             &Request::Broker,
-            &[connector.as_fd(), resolver.as_fd()],
+            &[links.connector.as_fd(), links.resolver.as_fd()],
             ANSWER_TIMEOUT,
         )?;
         Ok(())

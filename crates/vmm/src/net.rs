@@ -37,12 +37,12 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox_devices::virtio::net::FrameBackend;
-use forkbox_net::broker::link::{self, recv_message, send_request};
+use forkbox_net::broker::link::{recv_message, send_request};
 use forkbox_net::broker::{BrokerMessage, BrokerRequest};
 use forkbox_net::dns::{ResolveError, Resolver};
 use forkbox_net::gateway::{
@@ -108,23 +108,9 @@ pub enum NetError {
     Setup(#[source] io::Error),
 }
 
-/// Two links to a VM's network broker, the connector's and the
-/// resolver's, connected while its path could still be reached.
-#[derive(Debug)]
-pub struct BrokerLinks {
-    pub connector: OwnedFd,
-    pub resolver: OwnedFd,
-}
-
-impl BrokerLinks {
-    /// Connects both to the broker listening at `path`.
-    pub fn connect(path: &Path) -> io::Result<Self> {
-        Ok(Self {
-            connector: link::connect(path)?,
-            resolver: link::connect(path)?,
-        })
-    }
-}
+/// A VM's two links to its network broker, connected while its path
+/// could still be reached.
+pub use forkbox_net::broker::link::BrokerLinks;
 
 /// Links to a new broker, waiting for the connector and the resolver to
 /// take them on their next use ([`relink`]). One network per VMM process.

@@ -232,9 +232,9 @@ impl Vm {
                 // The dead broker's socket file.
                 let _ = std::fs::remove_file(VmNet::broker_path(&h.dir));
                 let net = VmNet::start(&h.dir, n.policy.clone(), n.egress_log.clone())?;
-                let link =
-                    || forkbox_net::broker::link::connect(net.broker.path()).map_err(VmError::Io);
-                control.broker(&link()?, &link()?)?;
+                let links = forkbox_net::broker::link::BrokerLinks::connect(net.broker.path())
+                    .map_err(VmError::Io)?;
+                control.broker(&links)?;
                 Some(net)
             }
             None => None,

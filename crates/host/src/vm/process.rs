@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, PidfdFlags, Signal, WaitOptions};
 
 use crate::{poll, testbed};
+use forkbox_net::broker::link::BrokerLinks;
 use forkbox_vmm_api::{ChildSpec, End, END_FILE};
 
 use super::*;
@@ -191,9 +192,8 @@ impl ChildPaths {
                 .map_err(err(&end))?,
         ];
         if let Some(broker) = &self.net_broker {
-            for _ in 0..2 {
-                fds.push(forkbox_net::broker::link::connect(broker).map_err(err(broker))?);
-            }
+            let links = BrokerLinks::connect(broker).map_err(err(broker))?;
+            fds.extend([links.connector, links.resolver]);
         }
         Ok(fds)
     }

@@ -37,6 +37,24 @@ pub fn connect(path: &std::path::Path) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// A VMM's two links to its broker: the connector's (connect requests,
+/// answered later) and the resolver's (lookups, each awaited).
+#[derive(Debug)]
+pub struct BrokerLinks {
+    pub connector: OwnedFd,
+    pub resolver: OwnedFd,
+}
+
+impl BrokerLinks {
+    /// Connects both to the broker listening at `path`.
+    pub fn connect(path: &std::path::Path) -> io::Result<Self> {
+        Ok(Self {
+            connector: connect(path)?,
+            resolver: connect(path)?,
+        })
+    }
+}
+
 /// Sends a VMM's request to its broker (no fd travels this way).
 pub fn send_request(link: impl AsFd, req: &BrokerRequest) -> io::Result<()> {
     let msg = serde_json::to_vec(req).map_err(invalid)?;

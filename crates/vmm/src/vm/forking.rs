@@ -47,30 +47,24 @@ impl ChildFds {
     /// The next child's descriptors from `fds`, in the request's order;
     /// `None` if they run out (the caller counted them first).
     fn take(spec: &ChildSpec, fds: &mut impl Iterator<Item = OwnedFd>) -> Option<ChildFds> {
-        let cgroup = if spec.joins_cgroup {
-            Some(fds.next()?)
-        } else {
-            None
+        // The next descriptor if the spec says one comes; `None` if it
+        // should and none is left.
+        let mut next_if = |comes: bool| match comes {
+            true => fds.next().map(Some),
+            false => Some(None),
         };
-        let control = fds.next()?;
-        let vsock = if spec.vsock_uds.is_some() {
-            Some(fds.next()?)
-        } else {
-            None
-        };
-        let serial_log = if spec.serial_log.is_some() {
-            Some(fds.next()?)
-        } else {
-            None
-        };
-        let end_note = fds.next()?;
-        let broker = if spec.net_broker.is_some() {
-            Some(BrokerLinks {
-                connector: fds.next()?,
-                resolver: fds.next()?,
-            })
-        } else {
-            None
+        let cgroup = next_if(spec.joins_cgroup)?;
+        let control = next_if(true)??;
+        let vsock = next_if(spec.vsock_uds.is_some())?;
+        let serial_log = next_if(spec.serial_log.is_some())?;
+        let end_note = next_if(true)??;
+        let has_broker = spec.net_broker.is_some();
+        let broker = match (next_if(has_broker)?, next_if(has_broker)?) {
+            (Some(connector), Some(resolver)) => Some(BrokerLinks {
+                connector,
+                resolver,
+            }),
+            _ => None,
         };
         Some(ChildFds {
             cgroup,
@@ -128,16 +122,16 @@ impl Machine {
         // Fork every child first, then wait for all: they restore in
         // parallel (KVM_CREATE_VM dominates a child's start).
         let mut pending: Vec<Result<(libc::pid_t, OwnedFd), String>> = Vec::new();
+        let has_broker = self
+            .endpoints
+            .net
+            .as_ref()
+            .is_some_and(|n| n.broker.is_some());
         for (spec, mut mine) in children.iter().zip(carried) {
             if self.hw.vsock && spec.vsock_uds.is_none() {
                 pending.push(Err(VmError::VsockPathMissing.to_string()));
                 continue;
             }
-            let has_broker = self
-                .endpoints
-                .net
-                .as_ref()
-                .is_some_and(|n| n.broker.is_some());
             if has_broker && spec.net_broker.is_none() {
                 pending.push(Err(VmError::ChildBrokerMissing.to_string()));
                 continue;

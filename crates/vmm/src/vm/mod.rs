@@ -408,14 +408,13 @@ fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>,
     Ok(specs)
 }
 
+/// The control socket, bound and listening (made non-blocking by
+/// `Machine::start`, as a fork child's is).
 fn listen(path: &Path) -> Result<UnixListener, VmError> {
-    let err = |source| VmError::ControlSocket {
+    UnixListener::bind(path).map_err(|source| VmError::ControlSocket {
         path: path.to_path_buf(),
         source,
-    };
-    let l = UnixListener::bind(path).map_err(err)?;
-    l.set_nonblocking(true).map_err(err)?;
-    Ok(l)
+    })
 }
 
 /// The parts every new VM shares, whichever way it came to life.
