@@ -1,0 +1,528 @@
+//! Importing images built here (an OCI layout and a `docker save` archive
+//! of the same layers) into a store, then reading the erofs layers back
+//! through the host's kernel: each mounted, then stacked by overlayfs as
+//! the guest stacks them. Needs root (unpacking keeps owners and makes
+//! device nodes; mounting), as `make test` runs; without it these fail,
+//! saying so.
+
+use std::collections::HashSet;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use forkbox_image::store::StoreError;
+use forkbox_image::{import, Digest, ImportError, Store};
+
+/// One entry of a test layer.
+enum E<'a> {
+    Dir(&'a str, u32, u32),
+    File(&'a str, u32, u32, &'a [u8]),
+    Xattr(&'a str, &'a str, &'a [u8]),
+    Symlink(&'a str, &'a str),
+    Hardlink(&'a str, &'a str),
+    Fifo(&'a str),
+    Char(&'a str, u32, u32),
+    /// A name written into the header as is, bypassing the tar crate's checks.
+    Raw(&'a [u8], tar::EntryType, &'a str),
+}
+
+fn header(kind: tar::EntryType, mode: u32, uid: u64, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_uid(uid);
+    h.set_gid(uid);
+    h.set_size(size);
+    h.set_mtime(1_700_000_000);
+    h
+}
+
+fn layer(entries: &[E]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for e in entries {
+        match *e {
+            E::Dir(p, mode, uid) => {
+                let mut h = header(tar::EntryType::Directory, mode, uid.into(), 0);
+                b.append_data(&mut h, p, &[][..]).expect("dir");
+            }
+            E::File(p, mode, uid, data) => {
+                let mut h = header(tar::EntryType::Regular, mode, uid.into(), data.len() as u64);
+                b.append_data(&mut h, p, data).expect("file");
+            }
+            E::Xattr(p, name, value) => {
+                let key = format!("SCHILY.xattr.{name}");
+                b.append_pax_extensions([(key.as_str(), value)])
+                    .expect("pax");
+                let mut h = header(tar::EntryType::Regular, 0o644, 0, 1);
+                b.append_data(&mut h, p, &b"x"[..]).expect("file");
+            }
+            E::Symlink(p, target) => {
+                let mut h = header(tar::EntryType::Symlink, 0o777, 0, 0);
+                b.append_link(&mut h, p, target).expect("symlink");
+            }
+            E::Hardlink(p, target) => {
+                let mut h = header(tar::EntryType::Link, 0o644, 0, 0);
+                b.append_link(&mut h, p, target).expect("hardlink");
+            }
+            E::Fifo(p) => {
+                let mut h = header(tar::EntryType::Fifo, 0o644, 0, 0);
+                b.append_data(&mut h, p, &[][..]).expect("fifo");
+            }
+            E::Char(p, major, minor) => {
+                let mut h = header(tar::EntryType::Char, 0o666, 0, 0);
+                h.set_device_major(major).expect("major");
+                h.set_device_minor(minor).expect("minor");
+                b.append_data(&mut h, p, &[][..]).expect("char");
+            }
+            E::Raw(name, kind, link) => {
+                let mut h = header(kind, 0o644, 0, 0);
+                h.as_old_mut().name[..name.len()].copy_from_slice(name);
+                if !link.is_empty() {
+                    h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
+                }
+                h.set_cksum();
+                b.append(&h, &[][..]).expect("raw");
+            }
+        }
+    }
+    b.into_inner().expect("tar")
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(data).expect("gzip");
+    e.finish().expect("gzip")
+}
+
+fn base_layer() -> Vec<u8> {
+    layer(&[
+        E::Dir("etc", 0o755, 0),
+        E::File("etc/passwd", 0o644, 0, b"root:x:0:0::/root:/bin/sh\n"),
+        E::File("etc/motd", 0o644, 0, b"base\n"),
+        E::Dir("tmp", 0o1777, 0),
+        E::File("tmp/old", 0o644, 0, b"old\n"),
+        E::Dir("usr/bin", 0o755, 0),
+        E::File("usr/bin/tool", 0o4755, 0, b"#!/bin/sh\n"),
+        E::Hardlink("usr/bin/tool2", "usr/bin/tool"),
+        E::Symlink("bin", "usr/bin"),
+        E::Symlink("abs", "/etc/passwd"),
+        E::Dir("home/user", 0o700, 1000),
+        E::File("home/user/notes", 0o600, 1000, b"mine\n"),
+        E::Xattr(
+            "usr/bin/ping",
+            "security.capability",
+            &[
+                1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            ],
+        ),
+        E::Fifo("run-fifo"),
+        E::Char("null", 1, 3),
+    ])
+}
+
+fn top_layer() -> Vec<u8> {
+    layer(&[
+        E::File("etc/.wh.passwd", 0o644, 0, b""),
+        E::Dir("tmp", 0o1777, 0),
+        E::File("tmp/.wh..wh..opq", 0o644, 0, b""),
+        E::File("tmp/new", 0o644, 0, b"new\n"),
+        E::File("etc/motd", 0o644, 0, b"top\n"),
+        E::File("etc/added", 0o640, 0, b"added\n"),
+    ])
+}
+
+fn config(diff_ids: &[Digest]) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "created": "2026-12-06T00:00:00Z",
+        "config": {
+            "Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"],
+            "WorkingDir": "/home/user",
+            "User": "1000:1000",
+            "Cmd": ["/bin/sh"]
+        },
+        "rootfs": {"type": "layers", "diff_ids": diff_ids.iter().map(|d| d.to_string()).collect::<Vec<_>>()}
+    }))
+    .expect("config json")
+}
+
+/// An OCI layout at `dir` holding `layers` (tar, compressed blob) as one
+/// image tagged `tag`.
+fn oci_layout(dir: &Path, layers: &[(Vec<u8>, Vec<u8>)], tag: &str) -> Digest {
+    let blobs = dir.join("blobs/sha256");
+    fs::create_dir_all(&blobs).expect("blobs");
+    let put = |bytes: &[u8]| {
+        let d = Digest::of(bytes);
+        fs::write(blobs.join(d.hex()), bytes).expect("blob");
+        d
+    };
+    let diff_ids: Vec<Digest> = layers.iter().map(|(tar, _)| Digest::of(tar)).collect();
+    let cfg = config(&diff_ids);
+    let cfg_digest = put(&cfg);
+    let layer_descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|(_, blob)| {
+            serde_json::json!({
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                "digest": put(blob).to_string(),
+                "size": blob.len(),
+            })
+        })
+        .collect();
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg_digest.to_string(), "size": cfg.len()},
+        "layers": layer_descs,
+    }))
+    .expect("manifest");
+    let m = put(&manifest);
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": m.to_string(),
+            "size": manifest.len(),
+            "annotations": {"org.opencontainers.image.ref.name": tag}
+        }]
+    });
+    fs::write(
+        dir.join("index.json"),
+        serde_json::to_vec(&index).expect("index"),
+    )
+    .expect("index");
+    fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).expect("layout");
+    cfg_digest
+}
+
+/// A `docker save` archive of the older kind: uncompressed layers.
+fn docker_archive(path: &Path, layers: &[Vec<u8>], tag: &str) -> Digest {
+    let diff_ids: Vec<Digest> = layers.iter().map(|t| Digest::of(t)).collect();
+    let cfg = config(&diff_ids);
+    let id = Digest::of(&cfg);
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = header(tar::EntryType::Regular, 0o644, 0, data.len() as u64);
+        b.append_data(&mut h, name, data).expect("entry");
+    };
+    add(&format!("{}.json", id.hex()), &cfg);
+    let mut names = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let name = format!("layer{i}/layer.tar");
+        add(&name, l);
+        names.push(name);
+    }
+    let manifest = serde_json::json!([{"Config": format!("{}.json", id.hex()), "RepoTags": [tag], "Layers": names}]);
+    add(
+        "manifest.json",
+        &serde_json::to_vec(&manifest).expect("manifest"),
+    );
+    fs::write(path, b.into_inner().expect("tar")).expect("archive");
+    id
+}
+
+/// A mount, undone when dropped.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn new(args: &[&str], at: &Path) -> Self {
+        fs::create_dir_all(at).expect("mount point");
+        let out = Command::new("mount")
+            .args(args)
+            .arg(at)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "mount {args:?}: {} (these tests need root)",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Mounted(at.to_owned())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; 256];
+    let n = rustix::fs::lgetxattr(path, name, &mut buf).ok()?;
+    buf.truncate(n);
+    Some(buf)
+}
+
+#[test]
+fn import_oci_layout_unpacks_layers_that_overlayfs_stacks_as_the_image() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let (base, top) = (base_layer(), top_layer());
+    let layout = tmp.path().join("layout");
+    let id = oci_layout(
+        &layout,
+        &[(base.clone(), gzip(&base)), (top.clone(), gzip(&top))],
+        "v1",
+    );
+    let mut events = 0;
+    let imported =
+        import(&store, &layout, Some("local/task:v1"), &mut |_| events += 1).expect("import");
+    assert_eq!(imported.image.id, id);
+    assert_eq!((imported.unpacked, events), (2, 4));
+    assert_eq!(imported.names, vec!["local/task:v1".to_owned()]);
+    let image = store.resolve("local/task:v1").expect("by name");
+    assert_eq!(image, imported.image);
+    assert_eq!(image.config.user.as_deref(), Some("1000:1000"));
+    assert_eq!(image.config.working_dir.as_deref(), Some("/home/user"));
+    assert_eq!(image.config.env, ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"]);
+    assert_eq!(image.config.cmd, ["/bin/sh"]);
+    assert_eq!(image.layers[0].diff_id, Digest::of(&base));
+    assert!(image.manifest.is_some_and(|m| store.blob_path(&m).exists()));
+
+    // Each layer as the kernel reads it.
+    let lower = store.layer_path(&image.layers[0].diff_id);
+    let upper = store.layer_path(&image.layers[1].diff_id);
+    let b = Mounted::new(
+        &[
+            "-t",
+            "erofs",
+            "-o",
+            "ro,loop",
+            lower.to_str().expect("utf-8"),
+        ],
+        &tmp.path().join("b"),
+    );
+    let t = Mounted::new(
+        &[
+            "-t",
+            "erofs",
+            "-o",
+            "ro,loop",
+            upper.to_str().expect("utf-8"),
+        ],
+        &tmp.path().join("t"),
+    );
+    let tool = fs::metadata(b.0.join("usr/bin/tool")).expect("tool");
+    assert_eq!(tool.mode() & 0o7777, 0o4755, "setuid kept");
+    assert_eq!(
+        fs::metadata(b.0.join("usr/bin/tool2"))
+            .expect("tool2")
+            .ino(),
+        tool.ino()
+    );
+    assert_eq!(tool.mtime(), 1_700_000_000);
+    let home = fs::metadata(b.0.join("home/user")).expect("home");
+    assert_eq!(
+        (home.uid(), home.gid(), home.mode() & 0o7777),
+        (1000, 1000, 0o700)
+    );
+    assert_eq!(
+        fs::metadata(b.0.join("tmp")).expect("tmp").mode() & 0o7777,
+        0o1777
+    );
+    assert_eq!(
+        fs::read_link(b.0.join("bin")).expect("bin"),
+        Path::new("usr/bin")
+    );
+    assert_eq!(
+        fs::read_link(b.0.join("abs")).expect("abs"),
+        Path::new("/etc/passwd")
+    );
+    assert!(fs::symlink_metadata(b.0.join("run-fifo"))
+        .expect("fifo")
+        .file_type()
+        .is_fifo());
+    let null = fs::symlink_metadata(b.0.join("null")).expect("null");
+    assert!(null.file_type().is_char_device() && null.rdev() == rustix::fs::makedev(1, 3));
+    assert_eq!(
+        xattr(&b.0.join("usr/bin/ping"), "security.capability").map(|v| v.len()),
+        Some(20)
+    );
+    let gone = fs::symlink_metadata(t.0.join("etc/passwd")).expect("whiteout");
+    assert!(gone.file_type().is_char_device() && gone.rdev() == 0);
+    assert_eq!(
+        xattr(&t.0.join("tmp"), "trusted.overlay.opaque").as_deref(),
+        Some(&b"y"[..])
+    );
+
+    // Stacked, as the guest does.
+    let options = format!("ro,lowerdir={}:{}", t.0.display(), b.0.display());
+    let merged = Mounted::new(
+        &["-t", "overlay", "overlay", "-o", &options],
+        &tmp.path().join("m"),
+    );
+    let m = &merged.0;
+    assert!(!m.join("etc/passwd").exists(), "the whiteout hides it");
+    assert_eq!(
+        fs::read_to_string(m.join("etc/motd")).expect("motd"),
+        "top\n"
+    );
+    assert_eq!(
+        fs::read_to_string(m.join("etc/added")).expect("added"),
+        "added\n"
+    );
+    assert!(!m.join("tmp/old").exists(), "the opaque directory hides it");
+    assert_eq!(fs::read_to_string(m.join("tmp/new")).expect("new"), "new\n");
+    assert_eq!(
+        fs::read_to_string(m.join("bin/tool")).expect("through bin"),
+        "#!/bin/sh\n"
+    );
+    assert_eq!(
+        fs::read_to_string(m.join("home/user/notes")).expect("notes"),
+        "mine\n"
+    );
+}
+
+#[test]
+fn import_shared_base_is_stored_and_unpacked_once_whatever_the_format() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let base = base_layer();
+    let top_a = top_layer();
+    let top_b = layer(&[E::File("etc/b", 0o644, 0, b"b\n")]);
+    let layout = tmp.path().join("a");
+    oci_layout(
+        &layout,
+        &[(base.clone(), gzip(&base)), (top_a.clone(), gzip(&top_a))],
+        "a",
+    );
+    let a = import(&store, &layout, Some("a:1"), &mut |_| {}).expect("a");
+    assert_eq!(a.unpacked, 2);
+    // The same image again: nothing unpacked, nothing new stored.
+    let again = import(&store, &layout, Some("a:2"), &mut |_| {}).expect("a again");
+    assert_eq!((again.unpacked, &again.image), (0, &a.image));
+    // Another image on the same base, from a `docker save` archive (its
+    // layers uncompressed): only its own layer is unpacked.
+    let archive = tmp.path().join("b.tar");
+    let b_id = docker_archive(&archive, &[base.clone(), top_b.clone()], "b:1");
+    let b = import(&store, &archive, None, &mut |_| {}).expect("b");
+    assert_eq!((b.image.id.clone(), b.unpacked), (b_id, 1));
+    assert_eq!(b.names, vec!["b:1".to_owned()]);
+    assert_eq!(b.image.layers[0].diff_id, a.image.layers[0].diff_id);
+    assert_eq!(
+        fs::read_dir(store.root().join("layers"))
+            .expect("layers")
+            .count(),
+        3
+    );
+    let in_use = |id: &Digest| (*id == a.image.id).then(|| "template t".to_owned());
+    // a:2 still names it: only the name goes, in use or not.
+    assert_eq!(store.remove("a:1", &in_use).expect("a:1"), a.image.id);
+    assert!(matches!(
+        store.remove("a:2", &in_use),
+        Err(StoreError::InUse { .. })
+    ));
+    store.remove("b:1", &|_| None).expect("remove b");
+    let collected = store.gc(&HashSet::new()).expect("gc");
+    // b's own layer went, and its three blobs (configuration and two
+    // uncompressed layers: a stores the base gzip'd); the base layer stays.
+    assert_eq!((collected.layers, collected.blobs), (1, 3));
+    assert!(store.layer_path(&a.image.layers[0].diff_id).exists());
+    assert!(store.resolve("a:2").is_ok());
+}
+
+/// What a bad input leaves: an error that says what, and no image, name,
+/// layer or work file in the store.
+fn refused(store: &Store, path: &Path) -> String {
+    let err = import(store, path, Some("bad:1"), &mut |_| {}).expect_err("refused");
+    assert!(store.resolve("bad:1").is_err());
+    assert_eq!(store.ids().expect("ids"), Vec::<Digest>::new());
+    assert_eq!(
+        fs::read_dir(store.root().join("layers"))
+            .expect("layers")
+            .count(),
+        0
+    );
+    assert_eq!(
+        fs::read_dir(store.root().join("tmp")).expect("tmp").count(),
+        0
+    );
+    format!(
+        "{:?} / {}",
+        err,
+        std::error::Error::source(&err)
+            .map(|s| s.to_string())
+            .unwrap_or_default()
+    )
+}
+
+#[test]
+fn import_bad_inputs_are_refused_and_leave_the_store_as_it_was() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let base = base_layer();
+    let mut n = 0;
+    let mut case = |layers: &[(Vec<u8>, Vec<u8>)]| {
+        n += 1;
+        let dir = tmp.path().join(format!("case{n}"));
+        oci_layout(&dir, layers, "t");
+        dir
+    };
+    // A blob changed after its digest was taken.
+    let dir = case(&[(base.clone(), gzip(&base))]);
+    let blob = Digest::of(&gzip(&base));
+    let path = dir.join("blobs/sha256").join(blob.hex());
+    let mut bytes = fs::read(&path).expect("blob");
+    let last = bytes.len() - 9;
+    bytes[last] ^= 0xff;
+    fs::write(&path, bytes).expect("corrupt");
+    assert!(refused(&store, &dir).contains("DigestMismatch"));
+    // A truncated layer.
+    let dir = case(&[(base.clone(), gzip(&base)[..100].to_vec())]);
+    let why = refused(&store, &dir);
+    assert!(why.contains("Layer"), "{why}");
+    // A layer whose content is not what the configuration names.
+    let other = layer(&[E::File("x", 0o644, 0, b"x")]);
+    let dir = case(&[(base.clone(), gzip(&other))]);
+    assert!(refused(&store, &dir).contains("DiffIdMismatch"));
+    for (name, kind, link) in [
+        (&b"../escape"[..], tar::EntryType::Regular, ""),
+        (b"/etc/abs", tar::EntryType::Regular, ""),
+        (b"a/../../b", tar::EntryType::Directory, ""),
+        (b"link", tar::EntryType::Link, "../../etc/shadow"),
+        (b"link", tar::EntryType::Link, "/etc/shadow"),
+        (b"link", tar::EntryType::Link, "etc/lower-only"),
+    ] {
+        let bad = layer(&[E::Raw(name, kind, link)]);
+        let dir = case(&[(bad.clone(), gzip(&bad))]);
+        let why = refused(&store, &dir);
+        assert!(why.contains("BadEntry"), "{name:?} {link}: {why}");
+    }
+    // Writing through a symbolic link the layer made.
+    let bad = layer(&[
+        E::Symlink("etc", "/etc"),
+        E::File("etc/owned", 0o644, 0, b"x"),
+    ]);
+    let dir = case(&[(bad.clone(), gzip(&bad))]);
+    assert!(refused(&store, &dir).contains("symbolic link"));
+    assert!(!Path::new("/etc/owned").exists());
+    // Not an image at all.
+    let empty = tmp.path().join("empty");
+    fs::create_dir(&empty).expect("empty");
+    assert!(matches!(
+        import(&store, &empty, None, &mut |_| {}),
+        Err(ImportError::UnknownFormat(_))
+    ));
+}
+
+#[test]
+fn import_layer_tmp_is_world_unreadable_and_layers_readable() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let base = base_layer();
+    let layout = tmp.path().join("l");
+    oci_layout(&layout, &[(base.clone(), gzip(&base))], "t");
+    let image = import(&store, &layout, None, &mut |_| {})
+        .expect("import")
+        .image;
+    let layer = fs::metadata(store.layer_path(&image.layers[0].diff_id)).expect("layer");
+    assert_eq!(layer.permissions().mode() & 0o777, 0o644);
+    let layers = fs::metadata(store.root().join("layers")).expect("layers dir");
+    assert_eq!(layers.permissions().mode() & 0o777, 0o711);
+    // Without a name, an OCI layout's bare tag names nothing.
+    assert!(store.names().expect("names").is_empty());
+}
