@@ -29,7 +29,10 @@
 //! - [`vcpu`]: vCPU threads; parking them at a safe point for capture.
 //! - [`fork`]: `fork()`, the child's break from inherited fds, readiness.
 //! - [`mounts`]: the VMM's own root (a mount namespace and `pivot_root`):
-//!   `/proc`, its inputs read-only, its own directories, nothing else.
+//!   `/proc` and its inputs (kernel, initramfs, disks, or the snapshot
+//!   restored), read-only, and nothing else: no VM's directory, its own
+//!   included (what it writes is opened before it enters, or, for a fork
+//!   child, sent opened by the host with the fork request).
 //! - [`opened`]: `/dev/kvm` and the disk images, opened once as the
 //!   daemon's user and used again by fork children (which run as the
 //!   VMM's own).

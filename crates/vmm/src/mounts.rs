@@ -1,6 +1,10 @@
 //! The VMM's own root: a small read-only tmpfs holding only what the VMM
-//! and its fork children read by path (`/proc`, the kernel, the
-//! initramfs, the disk images or the snapshot it restores). Nothing in it
+//! and its fork children read by path (a `/proc` of its own, the kernel,
+//! the initramfs, the disk images or the snapshot it restores).
+//! Its `/proc` is a new procfs mount with `hidepid=invisible,subset=pid`:
+//! it shows the VMM's own processes and no other (no other process's
+//! command line, the daemon's included) and none of the host's global
+//! files (`/proc/sys`, `/proc/kcore`, ...). Nothing in it
 //! is writable: what a VMM writes (its sockets, serial log, end note,
 //! egress log, snapshots) and its network broker's links were opened
 //! before it entered (by itself, or, for a fork child, by the asker of
@@ -12,8 +16,8 @@
 //! Done once, in `main`, while the process still has `CAP_SYS_ADMIN`:
 //! a mount namespace of its own (fork children share it), every mount in
 //! it private (nothing reaches the host's), a tmpfs on `root` with a bind
-//! of each path at the same path under it, `pivot_root` into it and the
-//! old root detached; then every mount is made read-only (the tmpfs
+//! of each path at the same path under it and the new procfs,
+//! `pivot_root` into it and the old root detached; then every mount is made read-only (the tmpfs
 //! itself too). `/dev/kvm` is opened before
 //! (`opened::kvm`), so no device node is in the new root.
 
@@ -27,17 +31,19 @@ use rustix::mount::{
 };
 
 /// Leaves the host's mount namespace and root for one built in `root` (an
-/// empty directory) where only `/proc` and `readable` (files or
-/// directories) exist, each at its own path, all read-only.
+/// empty directory) where only a `/proc` of its own and `readable`
+/// (files or directories) exist, each at its own path, all read-only.
 pub fn enter_jail(root: &Path, readable: &[PathBuf]) -> io::Result<()> {
     let canonical = |d: &PathBuf| {
         d.canonicalize()
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", d.display())))
     };
-    let binds: Vec<PathBuf> = std::iter::once(Ok(PathBuf::from("/proc")))
+    let binds: Vec<PathBuf> = readable
+        .iter()
         // One that does not exist is left for the VMM to report when it
         // opens it, with what it was for.
-        .chain(readable.iter().filter(|p| p.exists()).map(canonical))
+        .filter(|p| p.exists())
+        .map(canonical)
         .collect::<io::Result<_>>()?;
     let binds = covering(binds);
     // SAFETY: unshare takes no pointers; CLONE_NEWNS affects only this
@@ -60,6 +66,11 @@ pub fn enter_jail(root: &Path, readable: &[PathBuf]) -> io::Result<()> {
         mount_bind(bind, &target)
             .map_err(|e| context(e.into(), &format!("bind {}", bind.display())))?;
     }
+    // Not the host's /proc: that one shows every process's command line.
+    let proc = root.join("proc");
+    std::fs::create_dir_all(&proc).map_err(|e| context(e, "make /proc"))?;
+    rustix::mount::mount("proc", &proc, "proc", flags, PROC_OPTIONS)
+        .map_err(|e| context(e.into(), &format!("mount a procfs ({PROC_OPTIONS:?})")))?;
     pivot_into(root).map_err(|e| context(e, &format!("pivot_root into {}", root.display())))?;
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
     for (point, flags) in mount_points(&mountinfo) {
@@ -69,6 +80,10 @@ pub fn enter_jail(root: &Path, readable: &[PathBuf]) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// A process sees only the processes it could ptrace (itself: a VMM is
+/// not dumpable), and no file of /proc but theirs.
+const PROC_OPTIONS: &std::ffi::CStr = c"hidepid=invisible,subset=pid";
 
 /// The paths of the host to bind at the same paths, parents first: one
 /// that another bind already shows (a disk image inside the restored
@@ -217,8 +232,10 @@ mod tests {
 
     /// As root, in a child process: the jail shows what it was given at
     /// the same paths, read-only (a file and a directory), `/proc`, and
-    /// nothing else; its root itself is read-only. Otherwise refused (no
-    /// CAP_SYS_ADMIN).
+    /// nothing else; its root itself is read-only; once the child is
+    /// another user and not dumpable (as a VMM), its `/proc` shows itself
+    /// and no other process (not the test's command line) and no global
+    /// file. Otherwise refused (no CAP_SYS_ADMIN).
     #[test]
     fn enter_jail_shows_only_what_it_was_given() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -259,10 +276,10 @@ mod tests {
                         want.extend(first);
                         want.sort();
                         want.dedup();
-                        if now == want {
-                            0
-                        } else {
+                        if now != want {
                             18
+                        } else {
+                            unprivileged_proc_view()
                         }
                     }
                 },
@@ -271,6 +288,11 @@ mod tests {
             // handlers or destructors.
             unsafe { libc::_exit(code) };
         }
+        let parent = rustix::process::getpid().as_raw_nonzero().get();
+        assert!(
+            std::fs::read(format!("/proc/{parent}/cmdline")).is_ok(),
+            "the host's /proc shows the test"
+        );
         let mut status = 0;
         // SAFETY: `pid` is our child; `status` is a valid out pointer.
         let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
@@ -285,6 +307,27 @@ mod tests {
                 10,
                 "refused without CAP_SYS_ADMIN"
             );
+        }
+    }
+
+    /// In the jailed child: as user 65534, not dumpable, what its `/proc`
+    /// shows. 0 when it shows itself only, else a code for what leaked.
+    fn unprivileged_proc_view() -> i32 {
+        let parent = rustix::process::getppid().map_or(1, |p| p.as_raw_nonzero().get());
+        // SAFETY: prctl and setresgid/setresuid take integers only.
+        let dropped = unsafe {
+            libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+                && libc::setresgid(65534, 65534, 65534) == 0
+                && libc::setresuid(65534, 65534, 65534) == 0
+        };
+        match () {
+            _ if !dropped => 20,
+            _ if std::fs::read_to_string("/proc/self/status").is_err() => 21,
+            _ if std::fs::read(format!("/proc/{parent}/cmdline")).is_ok() => 22,
+            _ if Path::new(&format!("/proc/{parent}")).exists() => 23,
+            _ if Path::new("/proc/1").exists() => 24,
+            _ if Path::new("/proc/cpuinfo").exists() || Path::new("/proc/sys").exists() => 25,
+            _ => 0,
         }
     }
 }

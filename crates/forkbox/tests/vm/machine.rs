@@ -297,6 +297,19 @@ fn jail_shows_only_inputs(what: &str, pid: u32) -> TestResult {
     check(
         !root.join("etc").exists() && root.join("proc/self/status").exists(),
         format!("{what} VMM {pid}: /etc is in its root, or /proc is not"),
+    )?;
+    // Its /proc is a procfs of its own that shows it no other process.
+    let path = format!("/proc/{pid}/mountinfo");
+    let mountinfo = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    let proc = mountinfo
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/proc"))
+        .ok_or_else(|| format!("{what} VMM {pid}: no /proc mount in {mountinfo}"))?;
+    check(
+        proc.contains(" - proc proc ")
+            && proc.contains("hidepid=invisible")
+            && proc.contains("subset=pid"),
+        format!("{what} VMM {pid}: its /proc is not its own hidepid procfs: {proc}"),
     )
 }
 
