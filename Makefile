@@ -74,8 +74,8 @@ test: build lint
 # A test that hangs fails after 10 minutes with where it waited (pytest-timeout)
 # and the suite goes on, instead of the whole session hitting its limit.
 sdk-test: build python-deps
-	$(FORKBOX) image minimal >/dev/null
-	$(FORKBOX) image debian >/dev/null
+	$(FORKBOX) image build minimal >/dev/null
+	$(FORKBOX) image build debian >/dev/null
 	$(FORKBOX) testbed run --if-needed --shards 2 --label sdk --timeout 1800 --host-crash-retries 4 -- \
 		env PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -p no:cacheprovider -q --timeout 600 \
 		--durations 10 sdk/python/tests

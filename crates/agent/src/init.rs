@@ -21,6 +21,10 @@ const ROOT_POLL: Duration = Duration::from_millis(5);
 const NET_WAIT: Duration = Duration::from_secs(5);
 /// Modules loaded only for a VM with a network.
 const NET_MODULES: &[&str] = &["virtio_net", "net_failover", "failover"];
+/// The file system of image layers (loaded only for a layered root).
+const LAYER_MODULE: &str = "erofs";
+/// The most layers a root stacks (the host's layered disk holds 128).
+const MAX_LAYERS: u32 = 128;
 const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
 const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
 const PREFIX_LEN: u8 = 24;
@@ -52,6 +56,10 @@ pub enum InitError {
 pub struct Cmdline {
     pub root: Option<String>,
     pub rootfstype: String,
+    /// `forkbox.layers=N`: the root device holds an image's N layers, one
+    /// per partition, bottom first (`vda1` is the base), stacked by
+    /// overlayfs; else the root device is the whole image.
+    pub layers: u32,
     /// `forkbox.net=1`: the VM has a virtio-net device to configure.
     pub net: bool,
 }
@@ -61,6 +69,7 @@ impl Cmdline {
         let mut c = Self {
             root: None,
             rootfstype: "ext4".into(),
+            layers: 0,
             net: false,
         };
         for word in text.split_whitespace() {
@@ -68,6 +77,8 @@ impl Cmdline {
                 c.root = Some(v.to_string()).filter(|v| !v.is_empty());
             } else if let Some(v) = word.strip_prefix("forkbox.rootfstype=") {
                 c.rootfstype = v.to_string();
+            } else if let Some(v) = word.strip_prefix("forkbox.layers=") {
+                c.layers = v.parse().unwrap_or(0).min(MAX_LAYERS);
             } else if let Some(v) = word.strip_prefix("forkbox.net=") {
                 c.net = v == "1";
             }
@@ -130,9 +141,9 @@ fn module_name(path: &str) -> &str {
 }
 
 /// Loads the modules listed in `/forkbox/modules.list` (the network's only
-/// with `net`); returns the ones that failed (already loaded is not a
-/// failure).
-fn load_modules(net: bool) -> Vec<String> {
+/// with `net`, erofs only for a layered root); returns the ones that
+/// failed (already loaded is not a failure).
+fn load_modules(net: bool, layers: bool) -> Vec<String> {
     let list = match fs::read_to_string(MODULES_LIST) {
         Ok(l) => l,
         Err(e) => {
@@ -141,7 +152,10 @@ fn load_modules(net: bool) -> Vec<String> {
         }
     };
     let mut failed = Vec::new();
-    let wanted = |p: &&str| net || !NET_MODULES.contains(&module_name(p));
+    let wanted = |p: &&str| {
+        let name = module_name(p);
+        (net || !NET_MODULES.contains(&name)) && (layers || name != LAYER_MODULE)
+    };
     for path in list
         .lines()
         .map(str::trim)
@@ -179,11 +193,27 @@ fn wait_for(dev: &str) -> Result<(), InitError> {
     Ok(())
 }
 
-/// Read-only root + tmpfs upper joined by overlayfs at `/newroot`, then
-/// `/dev`, `/proc`, `/sys` moved in and the root switched.
-fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
+/// Read-only root (one image, or an image's layers) + tmpfs upper joined
+/// by overlayfs at `/newroot`, then `/dev`, `/proc`, `/sys` moved in and
+/// the root switched.
+fn switch_to_root(dev: &str, fstype: &str, layers: u32) -> Result<(), InitError> {
     wait_for(dev)?;
-    mount(dev, "/.lower", fstype, MountFlags::RDONLY, None)?;
+    let lower = if layers == 0 {
+        mount(dev, "/.lower", fstype, MountFlags::RDONLY, None)?;
+        "/.lower".to_owned()
+    } else {
+        // Partition i holds layer i; overlayfs wants the top one first.
+        let mut dirs = Vec::new();
+        for i in (1..=layers).rev() {
+            let (part, dir) = (format!("{dev}{i}"), format!("/.lower/{i}"));
+            wait_for(&part)?;
+            mkdir(&dir)?;
+            mount(&part, &dir, fstype, MountFlags::RDONLY, None)?;
+            dirs.push(dir);
+        }
+        dirs.join(":")
+    };
+    let options = format!("lowerdir={lower},upperdir=/.rw/upper,workdir=/.rw/work");
     mount(
         "tmpfs",
         "/.rw",
@@ -198,7 +228,7 @@ fn switch_to_root(dev: &str, fstype: &str) -> Result<(), InitError> {
         "/newroot",
         "overlay",
         MountFlags::empty(),
-        Some("lowerdir=/.lower,upperdir=/.rw/upper,workdir=/.rw/work"),
+        Some(&options),
     )?;
     for dir in ["/dev", "/proc", "/sys"] {
         let target = format!("/newroot{dir}");
@@ -242,12 +272,12 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
     mount_early("proc", "/proc", "proc")?;
     mount_early("sysfs", "/sys", "sysfs")?;
     let cmdline = Cmdline::parse(&fs::read_to_string("/proc/cmdline").unwrap_or_default());
-    let module_failures = load_modules(cmdline.net);
+    let module_failures = load_modules(cmdline.net, cmdline.layers > 0);
     if let Some(dev) = &cmdline.root {
-        switch_to_root(dev, &cmdline.rootfstype)?;
+        switch_to_root(dev, &cmdline.rootfstype, cmdline.layers)?;
         crate::log(&format!(
-            "root: {dev} ({}, read-only) under a tmpfs overlay",
-            cmdline.rootfstype
+            "root: {dev} ({}, {} layers, read-only) under a tmpfs overlay",
+            cmdline.rootfstype, cmdline.layers
         ));
     }
     // Conveniences: failures are logged, not fatal.
@@ -336,6 +366,15 @@ mod tests {
         let c = Cmdline::parse("console=ttyS0 forkbox.root=/dev/vda forkbox.rootfstype=xfs quiet");
         assert_eq!(c.root.as_deref(), Some("/dev/vda"));
         assert_eq!(c.rootfstype, "xfs");
+    }
+
+    #[test]
+    fn cmdline_layers_parsed_and_bounded() {
+        let c = Cmdline::parse("forkbox.root=/dev/vda forkbox.rootfstype=erofs forkbox.layers=3");
+        assert_eq!((c.rootfstype.as_str(), c.layers), ("erofs", 3));
+        assert_eq!(Cmdline::parse("forkbox.layers=100000").layers, MAX_LAYERS);
+        assert_eq!(Cmdline::parse("forkbox.layers=x").layers, 0);
+        assert_eq!(Cmdline::parse("").layers, 0);
     }
 
     #[test]

@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::control::Control;
-use forkbox_host::image::ImageName;
-use forkbox_host::vm::{Assets, Vm, VmEnd, VmError, VmHandle, VmSpec};
+use forkbox_host::vm::{Assets, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
@@ -22,7 +21,7 @@ use forkbox_vmm_api::VmmCounters;
 /// as booted (a template's bake) and where its egress log goes.
 #[derive(Debug, Clone)]
 pub struct BackendVmSpec {
-    pub image: ImageName,
+    pub image: RootImage,
     pub vcpus: u8,
     pub memory_mib: u32,
     pub boot_timeout: Duration,
@@ -153,7 +152,7 @@ impl VmBackend {
 impl Backend for VmBackend {
     fn boot(&self, spec: &BackendVmSpec) -> Result<Box<dyn BackendVm>, BackendError> {
         let vm_spec = VmSpec {
-            image: spec.image,
+            image: spec.image.clone(),
             vcpus: spec.vcpus,
             memory_mib: spec.memory_mib,
             serial_to_stderr: false,

@@ -326,7 +326,7 @@ impl TemplateSpec {
 
     pub fn boot_spec(&self, boot_timeout: Duration) -> Result<BackendVmSpec, TemplateError> {
         Ok(BackendVmSpec {
-            image: self.image_name()?,
+            image: self.image_name()?.into(),
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             boot_timeout,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use forkbox_host::image::{self, ImageName};
 use forkbox_host::testbed::{self, Environment, RunOptions, Testbed};
-use forkbox_host::vm::{Assets, NetworkSpec, Vm, VmSpec};
+use forkbox_host::vm::{Assets, NetworkSpec, RootImage, Vm, VmSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::{ExecRequest, ExitStatus, OutputStream};
 
@@ -17,6 +17,7 @@ mod bench;
 mod cli;
 mod client;
 mod demo;
+mod image_cmd;
 mod local_daemon;
 
 #[derive(Parser)]
@@ -66,10 +67,10 @@ enum Cmd {
     /// `debian` template, fork a group from it, solve, grade, kill; print
     /// fork and exec latency, memory per sandbox and wall time.
     Demo(demo::Options),
-    /// Build the guest images (cached; a second build is instant).
+    /// Images: the built-in ones, and the store of imported OCI images.
     Image {
-        /// `minimal` or `debian`.
-        name: ImageName,
+        #[command(subcommand)]
+        command: image_cmd::ImageCmd,
     },
     /// The emulated KVM host for machines without hardware virtualization.
     Testbed {
@@ -180,7 +181,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             argv,
         } => {
             let spec = VmSpec {
-                image,
+                image: image.into(),
                 vcpus,
                 memory_mib: memory,
                 serial_to_stderr: serial,
@@ -200,11 +201,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             demo::run(&opts)?;
             Ok(0)
         }
-        Cmd::Image { name } => {
-            let path = image::ensure(name)?;
-            println!("{}", path.display());
-            Ok(0)
-        }
+        Cmd::Image { command } => image_cmd::run(command),
         Cmd::Testbed { command } => testbed_cmd(command),
         Cmd::Bench { what } => bench::run(what),
         Cmd::Client(cmd) => cli::run(cmd),
@@ -214,9 +211,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
 /// Prepares assets here (the emulated host sees this machine's files
 /// read-only), then re-runs this command inside the emulated host if this
 /// machine cannot run microVMs itself. `None`: carry on here.
-pub(crate) fn delegate(image: ImageName) -> anyhow::Result<Option<i32>> {
+pub(crate) fn delegate(image: impl Into<RootImage>) -> anyhow::Result<Option<i32>> {
     Assets::prepare().context("preparing the guest kernel and initramfs")?;
-    image::ensure(image).context("preparing the guest image")?;
+    if let RootImage::Builtin(name) = image.into() {
+        image::ensure(name).context("preparing the guest image")?;
+    }
     if Environment::detect() != Environment::NeedsEmulatedHost {
         return Ok(None);
     }
@@ -237,7 +236,7 @@ fn network_policy(rules: &[String]) -> anyhow::Result<Option<Policy>> {
 }
 
 fn run_cmd(spec: &VmSpec, timeout: Option<Duration>, argv: Vec<String>) -> anyhow::Result<i32> {
-    if let Some(code) = delegate(spec.image)? {
+    if let Some(code) = delegate(spec.image.clone())? {
         return Ok(code);
     }
     let assets = Assets::prepare()?;
@@ -281,7 +280,7 @@ fn run_forked(
     argv: Vec<String>,
 ) -> anyhow::Result<i32> {
     use std::sync::Mutex;
-    if let Some(code) = delegate(spec.image)? {
+    if let Some(code) = delegate(spec.image.clone())? {
         return Ok(code);
     }
     let assets = Assets::prepare()?;

@@ -10,13 +10,15 @@ use crate::cpio::CpioWriter;
 use crate::kernel::{Kernel, KernelError};
 
 /// Modules the guest agent needs: the virtio-mmio transport, the root
-/// disk, the agent channel, the overlay root and the network (loaded by
-/// the agent only when the command line has `forkbox.net=1`).
+/// disk, the agent channel, the overlay root, the file system of image
+/// layers (loaded only for a layered root, `forkbox.layers=N`) and the
+/// network (loaded only when the command line has `forkbox.net=1`).
 pub const GUEST_MODULES: &[&str] = &[
     "virtio_mmio",
     "virtio_blk",
     "vmw_vsock_virtio_transport",
     "overlay",
+    "erofs",
     "virtio_net",
 ];
 

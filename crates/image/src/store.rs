@@ -9,6 +9,8 @@
 //! images/<id>.json        an image: its layers (bottom first) and run
 //!                         configuration; its id is its configuration's digest
 //! refs/<name>             a name (`registry/repo:tag`) → an image id
+//! pins/<holder>           an image something outside the store needs (a
+//!                         daemon's template): never removed while pinned
 //! tmp/                    work in progress, renamed into place when done
 //! lock                    shared by writers, exclusive for removal
 //! ```
@@ -149,15 +151,24 @@ impl Store {
         let store = Self {
             root: root.to_owned(),
         };
-        for dir in ["blobs/sha256", "layers", "images", "refs", "tmp"] {
+        for dir in ["blobs/sha256", "layers", "images", "refs", "pins", "tmp"] {
             let path = root.join(dir);
             fs::create_dir_all(&path).map_err(io_err(&path))?;
         }
         // Layer files are read by the VMMs' users: the store's own
-        // directories may be crossed, not listed.
+        // directories may be crossed, not listed. (Set only when they are
+        // not so: a store on a read-only mount, as the emulated host sees
+        // this machine's, opens to be read.)
         for dir in ["", "layers"] {
             let path = root.join(dir);
-            fs::set_permissions(&path, fs::Permissions::from_mode(0o711)).map_err(io_err(&path))?;
+            let mode = fs::metadata(&path)
+                .map_err(io_err(&path))?
+                .permissions()
+                .mode();
+            if mode & 0o7777 != 0o711 {
+                fs::set_permissions(&path, fs::Permissions::from_mode(0o711))
+                    .map_err(io_err(&path))?;
+            }
         }
         Ok(store)
     }
@@ -393,14 +404,43 @@ impl Store {
         Err(StoreError::NoImage(name.to_owned()))
     }
 
+    /// Marks the image `id` as needed by `holder` (for example a daemon's
+    /// template), replacing what `holder` pinned before: [`Store::remove`]
+    /// refuses it and [`Store::gc`] keeps it until [`Store::unpin`].
+    pub fn pin(&self, holder: &str, id: &Digest) -> Result<(), StoreError> {
+        let path = self.root.join("pins").join(hex::encode(holder));
+        let text = format!("{id}\n{holder}\n");
+        write_atomically(&self.root.join("tmp"), &path, text.as_bytes())
+    }
+
+    /// Forgets what `holder` pinned (nothing, if it pinned nothing).
+    pub fn unpin(&self, holder: &str) -> Result<(), StoreError> {
+        let path = self.root.join("pins").join(hex::encode(holder));
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every holder and the image it pinned.
+    pub fn pins(&self) -> Result<BTreeMap<String, Digest>, StoreError> {
+        let dir = self.root.join("pins");
+        let mut pins = BTreeMap::new();
+        for entry in fs::read_dir(&dir).map_err(io_err(&dir))? {
+            let entry = entry.map_err(io_err(&dir))?;
+            let text = fs::read_to_string(entry.path()).map_err(io_err(&entry.path()))?;
+            let mut lines = text.lines();
+            if let (Some(Ok(id)), Some(holder)) = (lines.next().map(str::parse), lines.next()) {
+                pins.insert(holder.to_owned(), id);
+            }
+        }
+        Ok(pins)
+    }
+
     /// Removes the name `name`, or (given an id) the image and every name
-    /// of it. `in_use` says which images something (a template) still
-    /// needs and what. The image's files go at the next [`Store::gc`].
-    pub fn remove(
-        &self,
-        name: &str,
-        in_use: &dyn Fn(&Digest) -> Option<String>,
-    ) -> Result<Digest, StoreError> {
+    /// of it; a pinned image's last name stays. The image's files go at
+    /// the next [`Store::gc`].
+    pub fn remove(&self, name: &str) -> Result<Digest, StoreError> {
         let _lock = self.lock(FlockOperation::LockExclusive)?;
         let image = self.resolve(name)?;
         let names = self.names()?;
@@ -411,7 +451,8 @@ impl Store {
             .count();
         // The last name of an image, or its id: the image itself goes.
         if !is_name || others == 0 {
-            if let Some(by) = in_use(&image.id) {
+            let pins = self.pins()?;
+            if let Some((by, _)) = pins.into_iter().find(|(_, id)| *id == image.id) {
                 return Err(StoreError::InUse { id: image.id, by });
             }
         }
@@ -434,12 +475,13 @@ impl Store {
         Ok(image.id)
     }
 
-    /// Removes every image with no name that `keep` does not hold, then
-    /// every blob and layer file no remaining image uses, and `tmp/`
-    /// debris of imports that did not finish.
-    pub fn gc(&self, keep: &HashSet<Digest>) -> Result<Collected, StoreError> {
+    /// Removes every image with no name and no pin, then every blob and
+    /// layer file no remaining image uses, and `tmp/` debris of imports
+    /// that did not finish.
+    pub fn gc(&self) -> Result<Collected, StoreError> {
         let _lock = self.lock(FlockOperation::LockExclusive)?;
         let mut collected = Collected::default();
+        let keep: HashSet<Digest> = self.pins()?.into_values().collect();
         let named: HashSet<Digest> = self.names()?.into_values().collect();
         let (mut blobs, mut layers) = (HashSet::new(), HashSet::new());
         for id in self.ids()? {
@@ -620,17 +662,17 @@ mod tests {
             store.tag(name, &img.id).expect("tag");
         }
         store.tag("a:latest", &a.id).expect("tag");
-        let by_template = |id: &Digest| (*id == a.id).then(|| "template t".to_owned());
-        // One of two names: only the name goes, in use or not.
-        assert_eq!(store.remove("a:latest", &by_template).expect("name"), a.id);
-        assert!(matches!(
-            store.remove("a:1", &by_template),
-            Err(StoreError::InUse { .. })
-        ));
-        store.remove("b:1", &|_| None).expect("b");
-        store.remove(&c.id.to_string(), &|_| None).expect("c by id");
+        store.pin("daemon /run/x: template t", &a.id).expect("pin");
+        // One of two names: only the name goes, pinned or not.
+        assert_eq!(store.remove("a:latest").expect("name"), a.id);
+        match store.remove("a:1") {
+            Err(StoreError::InUse { by, .. }) => assert_eq!(by, "daemon /run/x: template t"),
+            other => panic!("{other:?}"),
+        }
+        store.remove("b:1").expect("b");
+        store.remove(&c.id.to_string()).expect("c by id");
         assert!(matches!(store.resolve("c:1"), Err(StoreError::NoImage(_))));
-        let collected = store.gc(&HashSet::new()).expect("gc");
+        let collected = store.gc().expect("gc");
         // b's record went with its last name; c's at once; `other` only
         // c used; `base` a still uses.
         assert_eq!((collected.images, collected.blobs), (0, 1));
@@ -638,17 +680,21 @@ mod tests {
         assert!(store.blob_path(&Digest::of(top)).exists());
         assert!(!store.blob_path(&Digest::of(other)).exists());
         assert_eq!(store.resolve("a:1").expect("a stays"), a);
+        store.unpin("daemon /run/x: template t").expect("unpin");
+        store.unpin("never pinned").expect("unpin nothing");
+        assert_eq!(store.remove("a:1").expect("unpinned"), a.id);
     }
 
     #[test]
-    fn gc_removes_unnamed_images_unless_kept() {
+    fn gc_removes_unnamed_images_unless_pinned() {
         let (_dir, store) = store();
         let a = image(b"config a", &[]);
         let b = image(b"config b", &[]);
         store.put_image(&a).expect("a");
         store.put_image(&b).expect("b");
-        let keep = HashSet::from([a.id.clone()]);
-        assert_eq!(store.gc(&keep).expect("gc").images, 1);
+        store.pin("holder", &a.id).expect("pin");
+        assert_eq!(store.pins().expect("pins").get("holder"), Some(&a.id));
+        assert_eq!(store.gc().expect("gc").images, 1);
         assert_eq!(store.ids().expect("ids"), vec![a.id]);
     }
 }

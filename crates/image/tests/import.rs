@@ -5,7 +5,6 @@
 //! device nodes; mounting), as `make test` runs; without it these fail,
 //! saying so.
 
-use std::collections::HashSet;
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -409,15 +408,12 @@ fn import_shared_base_is_stored_and_unpacked_once_whatever_the_format() {
             .count(),
         3
     );
-    let in_use = |id: &Digest| (*id == a.image.id).then(|| "template t".to_owned());
-    // a:2 still names it: only the name goes, in use or not.
-    assert_eq!(store.remove("a:1", &in_use).expect("a:1"), a.image.id);
-    assert!(matches!(
-        store.remove("a:2", &in_use),
-        Err(StoreError::InUse { .. })
-    ));
-    store.remove("b:1", &|_| None).expect("remove b");
-    let collected = store.gc(&HashSet::new()).expect("gc");
+    store.pin("template t", &a.image.id).expect("pin");
+    // a:2 still names it: only the name goes, pinned or not.
+    assert_eq!(store.remove("a:1").expect("a:1"), a.image.id);
+    assert!(matches!(store.remove("a:2"), Err(StoreError::InUse { .. })));
+    store.remove("b:1").expect("remove b");
+    let collected = store.gc().expect("gc");
     // b's own layer went, and its three blobs (configuration and two
     // uncompressed layers: a stores the base gzip'd); the base layer stays.
     assert_eq!((collected.layers, collected.blobs), (1, 3));

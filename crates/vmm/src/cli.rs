@@ -33,7 +33,7 @@ pub struct Args {
     pub cmdline: Option<String>,
     /// Restore the snapshot in this directory (`memory`, `state.json`)
     /// instead of booting.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "disks"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "layers", "disks"])]
     pub restore: Option<PathBuf>,
     /// Serve the control socket (JSON lines) at this path.
     #[arg(long)]
@@ -44,7 +44,13 @@ pub struct Args {
     /// Guest RAM in MiB (128-16384: `forkbox_vmm_api::shape`).
     #[arg(long, default_value_t = 512)]
     pub memory_mib: u64,
-    /// Read-only virtio-blk disk; repeat for more (first = /dev/vda).
+    /// An image layer (an erofs file); repeat for each, bottom first. They
+    /// make one read-only disk, the first (/dev/vda), partition N holding
+    /// layer N (/dev/vdaN).
+    #[arg(long = "layer")]
+    pub layers: Vec<PathBuf>,
+    /// Read-only virtio-blk disk; repeat for more (after the layers' disk,
+    /// if any; else the first is /dev/vda).
     #[arg(long = "disk")]
     pub disks: Vec<PathBuf>,
     /// Enable virtio-vsock (guest CID 3) with its host side at this unix socket.
@@ -151,13 +157,14 @@ impl Invocation {
         match self {
             Invocation::Boot(c) => [c.kernel.clone(), c.initramfs.clone()]
                 .into_iter()
+                .chain(c.layers.iter().cloned())
                 .chain(c.disks.iter().cloned())
                 .collect(),
             Invocation::Restore { dir, .. } => {
                 let disks = std::fs::read(dir.join("state.json"))
                     .ok()
                     .and_then(|bytes| crate::state::MachineState::from_json(&bytes).ok())
-                    .map(|saved| saved.hardware.disks)
+                    .map(|saved| [saved.hardware.layers, saved.hardware.disks].concat())
                     .unwrap_or_default();
                 std::iter::once(dir.clone()).chain(disks).collect()
             }
@@ -230,6 +237,7 @@ impl Args {
                         cmdline,
                         vcpus: self.vcpus,
                         memory_mib: self.memory_mib,
+                        layers: self.layers,
                         disks: self.disks,
                         vsock_uds: self.vsock_uds,
                         serial_log: self.serial_log,
@@ -298,8 +306,12 @@ mod tests {
             "16384",
             "--disk",
             "/a",
+            "--layer",
+            "/base",
             "--disk",
             "/b",
+            "--layer",
+            "/top",
             "--vsock-uds",
             "/s",
             "--serial-log",
@@ -309,11 +321,16 @@ mod tests {
         .expect("valid");
         assert_eq!((c.vcpus, c.memory_mib), (8, 16384));
         assert_eq!(c.disks, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(
+            c.layers,
+            vec![PathBuf::from("/base"), PathBuf::from("/top")]
+        );
         assert_eq!(c.serial_log, Some(PathBuf::from("/l")));
         assert_eq!(c.echo, Echo::Stderr);
         assert_eq!(
             c.devices(),
             vec![
+                crate::virtio::DeviceSpec::Layers(vec!["/base".into(), "/top".into()]),
                 crate::virtio::DeviceSpec::Block("/a".into()),
                 crate::virtio::DeviceSpec::Block("/b".into()),
                 crate::virtio::DeviceSpec::Vsock { uds: "/s".into() },

@@ -135,6 +135,9 @@ pub struct VmConfig {
     pub cmdline: String,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// An image's layers, bottom first: one disk (the first, vda) with a
+    /// partition per layer (`virtio::disk::Disk::layered`).
+    pub layers: Vec<PathBuf>,
     pub disks: Vec<PathBuf>,
     pub vsock_uds: Option<PathBuf>,
     pub serial_log: Option<PathBuf>,
@@ -146,13 +149,14 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    /// The virtio devices in window order: disks first (vda, vdb, ...),
-    /// then vsock, then net.
+    /// The virtio devices in window order: the layered disk, then the
+    /// disks (vda, vdb, ...), then vsock, then net.
     pub fn devices(&self) -> Vec<virtio::DeviceSpec> {
-        self.disks
-            .iter()
-            .cloned()
-            .map(virtio::DeviceSpec::Block)
+        let layers = (!self.layers.is_empty()).then(|| self.layers.clone());
+        layers
+            .map(virtio::DeviceSpec::Layers)
+            .into_iter()
+            .chain(self.disks.iter().cloned().map(virtio::DeviceSpec::Block))
             .chain(
                 self.vsock_uds
                     .clone()

@@ -67,6 +67,10 @@ pub enum StateError {
 pub struct Hardware {
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// An image's layers, bottom first, behind one partitioned disk that
+    /// comes before `disks` (state files without the field have none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<PathBuf>,
     /// Disks in window order; re-opened from these paths on restore.
     pub disks: Vec<PathBuf>,
     /// Whether a vsock device follows the disks.
@@ -554,6 +558,7 @@ mod tests {
             hardware: Hardware {
                 vcpus: 1,
                 memory_mib: 512,
+                layers: Vec::new(),
                 disks: vec!["/d".into()],
                 vsock: true,
                 net: false,

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use forkbox_devices::virtio::block::Block;
+use forkbox_devices::virtio::disk::Disk;
 use forkbox_devices::virtio::mmio::MmioTransport;
 use forkbox_devices::virtio::net::Net;
 use forkbox_devices::virtio::persist::{RestoreError, TransportState};
@@ -52,6 +53,9 @@ pub struct HostSides {
 pub enum DeviceSpec {
     /// Read-only virtio-blk backed by a file.
     Block(PathBuf),
+    /// Read-only virtio-blk with a partition per file (an image's layers,
+    /// bottom first).
+    Layers(Vec<PathBuf>),
     /// virtio-vsock whose host side is a unix socket (opened before the
     /// VMM entered its own root, and handed to [`create`] or [`restore`]).
     Vsock { uds: PathBuf },
@@ -153,6 +157,22 @@ fn new_device(
                     source,
                 })?,
         ),
+        DeviceSpec::Layers(paths) => {
+            let files = paths
+                .iter()
+                .map(|path| {
+                    crate::opened::disk(path).map_err(|source| DeviceError::Block {
+                        path: path.clone(),
+                        source,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let disk = Disk::layered(files).map_err(|source| DeviceError::Block {
+                path: paths.first().cloned().unwrap_or_default(),
+                source,
+            })?;
+            Box::new(Block::from_disk(disk))
+        }
         DeviceSpec::Vsock { uds } => {
             let listener = sides
                 .vsock

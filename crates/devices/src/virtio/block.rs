@@ -1,4 +1,5 @@
-//! Read-only virtio-blk (virtio 1.x §5.2) over a host file.
+//! Read-only virtio-blk (virtio 1.x §5.2) over a host file, or several
+//! behind a partition table ([`Disk`]).
 //!
 //! Image layers are read-only and shared by every fork, so the device
 //! offers `VIRTIO_BLK_F_RO`, answers IN, GET_ID and FLUSH, and fails OUT
@@ -12,9 +13,10 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::io;
 use std::os::fd::RawFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
+use super::disk::Disk;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -77,9 +79,9 @@ pub enum BlockError {
     TooLarge(u64),
 }
 
-/// A read-only virtio block device backed by a file.
+/// A read-only virtio block device backed by a [`Disk`].
 pub struct Block {
-    file: File,
+    disk: Disk,
     capacity: u64,
     id: [u8; VIRTIO_BLK_ID_BYTES as usize],
     acked_features: u64,
@@ -97,18 +99,24 @@ impl Block {
     /// A disk backed by `file`, opened to read.
     pub fn from_file(file: File) -> io::Result<Block> {
         let meta = file.metadata()?;
+        let mut block = Self::from_disk(Disk::file(file)?);
+        block.set_id(format!("fbx{:x}-{:x}", meta.dev(), meta.ino()).as_bytes());
+        Ok(block)
+    }
+
+    /// A device reading `disk`.
+    pub fn from_disk(disk: Disk) -> Block {
         let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
-        let text = format!("fbx{:x}-{:x}", meta.dev(), meta.ino());
-        let n = text.len().min(id.len());
-        id[..n].copy_from_slice(&text.as_bytes()[..n]);
-        Ok(Block {
-            file,
-            capacity: meta.len() / SECTOR_SIZE,
+        let text = format!("fbx-layers-{}", disk.layers());
+        id[..text.len()].copy_from_slice(text.as_bytes());
+        Block {
+            capacity: disk.len() / SECTOR_SIZE,
+            disk,
             id,
             acked_features: 0,
             active: None,
             bounce: Vec::new(),
-        })
+        }
     }
 
     /// Replaces the serial the guest reads with GET_ID (at most 20 bytes;
@@ -141,7 +149,7 @@ impl Block {
         let irq = active.interrupt.clone();
         let (used, work) = active.serve(0, |mem, chain| match chain {
             Ok(c) => handle_request(
-                &self.file,
+                &self.disk,
                 self.capacity,
                 &self.id,
                 &mut self.bounce,
@@ -193,7 +201,7 @@ fn check_segments(chain: &Chain, data: u64) -> Result<(), BlockError> {
 
 /// Serves one request; returns the number of bytes written into the chain.
 fn handle_request(
-    file: &File,
+    disk: &Disk,
     capacity: u64,
     id: &[u8],
     bounce: &mut Vec<u8>,
@@ -216,7 +224,7 @@ fn handle_request(
             sector.copy_from_slice(&hdr[8..16]);
             let sector = u64::from_le_bytes(sector);
             serve(
-                file,
+                disk,
                 capacity,
                 id,
                 bounce,
@@ -260,7 +268,7 @@ fn handle_request(
 /// Returns the number of data bytes written to the guest.
 #[allow(clippy::too_many_arguments)]
 fn serve(
-    file: &File,
+    disk: &Disk,
     capacity: u64,
     id: &[u8],
     bounce: &mut Vec<u8>,
@@ -288,7 +296,7 @@ fn serve(
             while done < data_len {
                 let n = (data_len - done).min(BOUNCE_LEN as u64) as usize;
                 let buf = &mut bounce[..n];
-                file.read_exact_at(buf, start + done)
+                disk.read_exact_at(buf, start + done)
                     .map_err(BlockError::Io)?;
                 chain
                     .writable

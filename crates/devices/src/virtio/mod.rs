@@ -34,6 +34,7 @@ use vm_memory::GuestAddress;
 
 pub mod block;
 pub mod chain;
+pub mod disk;
 pub mod mmio;
 pub mod net;
 pub mod persist;

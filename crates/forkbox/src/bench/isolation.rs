@@ -41,7 +41,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Value> {
     );
     let assets = Assets::prepare()?;
     let spec = VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         ..VmSpec::default()
     };
     let mut parent = Vm::boot(&assets, &spec).context("booting the writer's VM")?;

@@ -241,7 +241,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
     let policy = Policy::from_json(&json!({ "allow_out": rules }).to_string())
         .context("the bench's policy")?;
     let spec = VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         network: Some(policy.clone().into()),
         ..VmSpec::default()
     };

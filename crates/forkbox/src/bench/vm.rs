@@ -18,7 +18,7 @@ pub fn boot(image: ImageName, runs: usize, json: bool) -> anyhow::Result<i32> {
     let env = Environment::detect();
     let assets = Assets::prepare()?;
     let spec = VmSpec {
-        image,
+        image: image.into(),
         ..VmSpec::default()
     };
     let mut samples = Vec::new();

@@ -71,7 +71,7 @@ pub(crate) fn fork_children_diverge_from_each_other_and_parent() -> TestResult {
 pub(crate) fn fork_zygote_16_children_answer_with_distinct_randomness() -> TestResult {
     // `debian` has python3, so the children's `uuid.uuid4()` is checked too.
     let mut zygote = boot(VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         ..VmSpec::default()
     });
     // The parent's RNG is initialised and has produced output already.
@@ -288,7 +288,7 @@ pub(crate) fn fork_smp_ipi_load_200_children_all_answer() -> TestResult {
 pub(crate) fn fork_memory_pattern_is_one_instant_in_children_never_in_parent() -> TestResult {
     use forkbox_host::isolation::{mark, start_writer, verdict};
     let mut parent = boot(VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         ..VmSpec::default()
     });
     let agent = parent.agent().clone();
@@ -448,7 +448,7 @@ print("%.3f %.3f %.3f %.6f %.6f" % (t1 / hz, m1, time.time(), w0, w1))
 /// emulated host it was 28 s once: the test compares offsets, not 0.)
 pub(crate) fn fork_zygote_aged_child_tsc_and_kvmclock_agree() -> TestResult {
     let mut vm = boot(VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         ..VmSpec::default()
     });
     let clocks = |what: &str, agent: &AgentClient| -> Result<[f64; 5], Failed> {

@@ -26,11 +26,13 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 mod exec;
 mod fork;
+mod images;
 mod machine;
 mod net;
 
 use exec::*;
 use fork::*;
+use images::*;
 use machine::*;
 use net::*;
 
@@ -59,6 +61,11 @@ fn main() {
             Ok(())
         }) {
             eprintln!("vm tests: cannot prepare guest assets: {e:#?}");
+            std::process::exit(1);
+        }
+        // The layered image's trial: imported into the store out here.
+        if let Err(e) = fixture_layers() {
+            eprintln!("vm tests: cannot import the layered test image: {e:?}");
             std::process::exit(1);
         }
         let forwarded: Vec<String> = std::env::args().skip(1).collect();
@@ -383,6 +390,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         (
             "net_star_opens_no_internal_address_nor_single_label_name",
             net_star_opens_no_internal_address_nor_single_label_name,
+        ),
+        (
+            "image_layered_root_boots_stacks_and_forks",
+            image_layered_root_boots_stacks_and_forks,
         ),
     ];
     tests

@@ -39,7 +39,7 @@ pub(crate) fn net_sh(vm: &Vm, script: &str) -> Result<String, Failed> {
 /// A `debian` guest (it has python3) with a network under `policy`.
 pub(crate) fn boot_python_net(policy: &forkbox_net::policy::Policy) -> Result<Vm, Failed> {
     let spec = VmSpec {
-        image: ImageName::Debian,
+        image: ImageName::Debian.into(),
         network: Some(policy.clone().into()),
         ..VmSpec::default()
     };

@@ -12,7 +12,6 @@ use forkbox_proto::AGENT_PORT;
 use rustix::process::Signal;
 
 use crate::control::Control;
-use crate::image::{self};
 use crate::poll::{self, TimedOut};
 use crate::testbed;
 
@@ -33,7 +32,7 @@ impl Vm {
     /// failure, or one more of the same, is returned.
     pub fn boot(assets: &Assets, spec: &VmSpec) -> Result<Self, VmError> {
         spec.shape().validate()?;
-        let image = image::ensure(spec.image)?;
+        let image = spec.image.prepare()?;
         // A reset costs a boot of seconds; a hang costs the boot timeout.
         let (mut resets, mut hangs) = (0, 0);
         loop {
@@ -57,8 +56,13 @@ impl Vm {
         }
     }
 
-    /// One boot of `image` (an ext4 root image), no second chance.
-    fn boot_once(assets: &Assets, image: &Path, spec: &VmSpec) -> Result<Self, VmError> {
+    /// One boot of `image` (the VMM's root disk arguments and the guest's
+    /// root options), no second chance.
+    fn boot_once(
+        assets: &Assets,
+        (image_args, root_cmdline): &(Vec<String>, String),
+        spec: &VmSpec,
+    ) -> Result<Self, VmError> {
         become_subreaper()?;
         // Before the VMM maps its RAM: the kernel aligns memfd mappings to
         // 2 MiB only while huge pages are allowed for them.
@@ -77,7 +81,7 @@ impl Vm {
             // The VMM joins it first thing, before it opens anything.
             cmd.arg("--cgroup").arg(dir);
         }
-        let mut cmdline = GUEST_CMDLINE.to_owned();
+        let mut cmdline = GUEST_CMDLINE.to_owned() + root_cmdline;
         let net = match &spec.network {
             Some(network) => {
                 let policy_path = dir.path().join("net-policy.json");
@@ -107,8 +111,7 @@ impl Vm {
             .args(["--cmdline", &cmdline])
             .args(["--vcpus", &spec.vcpus.to_string()])
             .args(["--memory-mib", &spec.memory_mib.to_string()])
-            .arg("--disk")
-            .arg(image)
+            .args(image_args)
             .arg("--vsock-uds")
             .arg(&vsock)
             .arg("--serial-log")

@@ -55,8 +55,8 @@ use user::VmmUser;
 /// `unknown_nmi_panic` makes a guest that no longer answers say where it
 /// was when forkbox gives it up (an NMI, [`Control::nmi`]: the panic prints
 /// its stack).
-pub const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet unknown_nmi_panic \
-     forkbox.root=/dev/vda forkbox.rootfstype=ext4";
+pub const GUEST_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 pci=off quiet unknown_nmi_panic forkbox.root=/dev/vda";
 
 /// `forkbox-vmm` exit codes (its command-line contract).
 pub use forkbox_vmm_api::exit_code as vmm_exit;
@@ -70,6 +70,8 @@ pub enum VmError {
     Initramfs(#[from] InitramfsError),
     #[error("building the guest image")]
     Image(#[from] ImageError),
+    #[error("an image with no layers cannot be a root")]
+    NoLayers,
     #[error("cannot find {name}: build it with `make build` (looked in: {looked})")]
     MissingBinary { name: &'static str, looked: String },
     #[error("cannot start forkbox-vmm")]
@@ -170,11 +172,57 @@ impl VmHandle {
 /// `virtio_net` and configures `eth0`.
 pub const NET_CMDLINE: &str = " forkbox.net=1";
 
+/// What a VM's root file system is made of (read-only, under a tmpfs
+/// upper layer in the guest).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RootImage {
+    /// A built-in image: one ext4 file, built once from Debian packages.
+    Builtin(ImageName),
+    /// An image of the store (`forkbox_image`): its layers' erofs files,
+    /// bottom first, one partition each of the VM's first disk.
+    Layers(Vec<PathBuf>),
+}
+
+impl From<ImageName> for RootImage {
+    fn from(name: ImageName) -> Self {
+        RootImage::Builtin(name)
+    }
+}
+
+impl RootImage {
+    /// What the VMM is given (`--disk` or `--layer`s) and what the guest
+    /// is told (the root's file system and layer count), the built-in
+    /// image built first if need be.
+    fn prepare(&self) -> Result<(Vec<String>, String), VmError> {
+        Ok(match self {
+            RootImage::Builtin(name) => {
+                let path = crate::image::ensure(*name)?;
+                let arg = path.to_string_lossy().into_owned();
+                (
+                    vec!["--disk".into(), arg],
+                    " forkbox.rootfstype=ext4".into(),
+                )
+            }
+            RootImage::Layers(layers) => {
+                if layers.is_empty() {
+                    return Err(VmError::NoLayers);
+                }
+                let args = layers
+                    .iter()
+                    .flat_map(|l| ["--layer".to_owned(), l.to_string_lossy().into_owned()])
+                    .collect();
+                let cmdline = format!(" forkbox.rootfstype=erofs forkbox.layers={}", layers.len());
+                (args, cmdline)
+            }
+        })
+    }
+}
+
 /// How big a VM is, what it boots and what network it has: all a boot
 /// takes besides the [`Assets`].
 #[derive(Debug, Clone)]
 pub struct VmSpec {
-    pub image: ImageName,
+    pub image: RootImage,
     pub vcpus: u8,
     pub memory_mib: u32,
     /// Copy the guest's serial console to our stderr as well as the log.
@@ -212,7 +260,7 @@ impl VmSpec {
 impl Default for VmSpec {
     fn default() -> Self {
         Self {
-            image: ImageName::Minimal,
+            image: ImageName::Minimal.into(),
             vcpus: 1,
             memory_mib: 512,
             serial_to_stderr: false,

@@ -393,7 +393,9 @@ fn open_serial(
 }
 
 fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>, VmError> {
-    let mut specs: Vec<DeviceSpec> = hw.disks.iter().cloned().map(DeviceSpec::Block).collect();
+    let layers = (!hw.layers.is_empty()).then(|| DeviceSpec::Layers(hw.layers.clone()));
+    let disks = hw.disks.iter().cloned().map(DeviceSpec::Block);
+    let mut specs: Vec<DeviceSpec> = layers.into_iter().chain(disks).collect();
     if hw.vsock {
         let uds = endpoints
             .vsock_uds
@@ -441,6 +443,7 @@ impl Machine {
         let hw = Hardware {
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
+            layers: cfg.layers.clone(),
             disks: cfg.disks.clone(),
             vsock: cfg.vsock_uds.is_some(),
             net: cfg.net.is_some(),
