@@ -188,7 +188,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         args.require_jail,
     )
     .context("preparing the guest assets (run `make build`)")?;
-    let config = Config {
+    let mut config = Config {
         limits: Limits {
             max_live: args.max_live,
             max_creating: args.max_creating.max(1),
@@ -215,6 +215,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             ),
         },
         host_memory: forkboxd::service::host_memory_available,
+        images: None,
     };
     let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {
@@ -233,6 +234,26 @@ fn run(args: Args) -> anyhow::Result<()> {
                 Store::open(&dir)
                     .with_context(|| format!("opening the state directory {}", dir.display()))?,
             )
+        }
+    };
+    // Stored images (`forkbox image import`): the store forkbox shares,
+    // under the cache; this daemon pins its templates' images there as
+    // its state directory names it.
+    let images_at = forkbox_host::cache::root().join("store");
+    config.images = match forkbox_image::Store::open(&images_at) {
+        Ok(images) => {
+            let holder = match &store {
+                Some(s) => format!("forkboxd {}", s.dir().display()),
+                None => format!("forkboxd pid {}", std::process::id()),
+            };
+            Some((images, holder))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "templates can name only the built-in images: the image store at {} cannot be opened: {e}",
+                images_at.display()
+            );
+            None
         }
     };
     let egress = match &store {

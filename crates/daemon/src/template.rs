@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use forkbox_host::cgroup::{Limits, CPU_PERIOD_US, MEMORY_BEYOND_GUEST};
 use forkbox_host::image::ImageName;
+use forkbox_host::vm::RootImage;
 use forkbox_net::policy::Policy;
 use forkbox_vmm_api::{ShapeError, VmShape};
 use serde::{Deserialize, Serialize};
@@ -145,7 +146,8 @@ impl SandboxLimits {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TemplateSpec {
     pub name: String,
-    /// `minimal` or `debian`.
+    /// A built-in image (`minimal` or `debian`), or an image of the store
+    /// (`forkbox image import`) by name or id.
     pub image: String,
     /// vCPUs, 1-8 (the VMM's limits, `forkbox_vmm_api::shape`).
     #[serde(default = "default_vcpus")]
@@ -234,8 +236,14 @@ pub struct TemplateInfo {
 /// Why a template is not acceptable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
-    #[error("unknown image {0:?}: expected `minimal` or `debian`")]
+    #[error("no image {0:?}: the built-in images are `minimal` and `debian`; any other must be in the image store (`forkbox image import`, `forkbox image ls`)")]
     UnknownImage(String),
+    #[error(
+        "image name {0:?}: a built-in image (`minimal`, `debian`) or a stored image's name or id"
+    )]
+    BadImageName(String),
+    #[error("the image store: {0}")]
+    ImageStore(String),
     #[error("template name {0:?}: use 1-64 of [a-z0-9._-], starting with a letter or digit")]
     BadName(String),
     /// The VMM's own limits (`forkbox_vmm_api::shape`), so that a template
@@ -275,12 +283,34 @@ impl TemplateSpec {
         }
     }
 
-    pub fn image_name(&self) -> Result<ImageName, TemplateError> {
-        match self.image.as_str() {
-            "minimal" => Ok(ImageName::Minimal),
-            "debian" => Ok(ImageName::Debian),
-            other => Err(TemplateError::UnknownImage(other.into())),
+    /// Its built-in image, if it names one.
+    pub fn builtin_image(&self) -> Option<ImageName> {
+        self.image.parse().ok()
+    }
+
+    /// What its VMs boot: a built-in image, or a stored image's layers
+    /// (with the image's id, for the store to keep it while the template
+    /// lives).
+    pub fn root_image(
+        &self,
+        images: Option<&forkbox_image::Store>,
+    ) -> Result<(RootImage, Option<forkbox_image::Digest>), TemplateError> {
+        if let Some(name) = self.builtin_image() {
+            return Ok((name.into(), None));
         }
+        let store = images.ok_or_else(|| TemplateError::UnknownImage(self.image.clone()))?;
+        let image = store.resolve(&self.image).map_err(|e| match e {
+            forkbox_image::StoreError::NoImage(_) => {
+                TemplateError::UnknownImage(self.image.clone())
+            }
+            other => TemplateError::ImageStore(other.to_string()),
+        })?;
+        let layers = image
+            .layers
+            .iter()
+            .map(|l| store.layer_path(&l.diff_id))
+            .collect();
+        Ok((RootImage::Layers(layers), Some(image.id)))
     }
 
     pub fn validate(&self) -> Result<(), TemplateError> {
@@ -292,7 +322,15 @@ impl TemplateSpec {
         if !ok {
             return Err(TemplateError::BadName(n.clone()));
         }
-        self.image_name()?;
+        let i = &self.image;
+        let image_ok = (1..=255).contains(&i.len())
+            && i.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && i.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-/:@".contains(c))
+            && !i.contains("..");
+        if !image_ok {
+            return Err(TemplateError::BadImageName(i.clone()));
+        }
         VmShape {
             vcpus: self.vcpus,
             memory_mib: self.memory_mib.into(),
@@ -324,9 +362,13 @@ impl TemplateSpec {
         Ok(())
     }
 
-    pub fn boot_spec(&self, boot_timeout: Duration) -> Result<BackendVmSpec, TemplateError> {
+    pub fn boot_spec(
+        &self,
+        boot_timeout: Duration,
+        images: Option<&forkbox_image::Store>,
+    ) -> Result<BackendVmSpec, TemplateError> {
         Ok(BackendVmSpec {
-            image: self.image_name()?.into(),
+            image: self.root_image(images)?.0,
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             boot_timeout,
@@ -450,14 +492,64 @@ mod tests {
     }
 
     #[test]
+    fn template_stored_image_boots_its_layers_bottom_first() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = forkbox_image::Store::open(dir.path()).expect("store");
+        let layer = |b: &[u8]| forkbox_image::LayerRef {
+            blob: forkbox_image::Digest::of(b),
+            diff_id: forkbox_image::Digest::of(b),
+            media_type: "application/vnd.oci.image.layer.v1.tar".into(),
+            size: 1,
+        };
+        let image = forkbox_image::Image {
+            id: forkbox_image::Digest::of(b"config"),
+            layers: vec![layer(b"base"), layer(b"top")],
+            config: Default::default(),
+            manifest: None,
+            created: None,
+        };
+        store.put_image(&image).expect("image");
+        store.tag("task/base:1", &image.id).expect("tag");
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        t.image = "task/base:1".into();
+        let (root, id) = t.root_image(Some(&store)).expect("resolved");
+        let paths = image
+            .layers
+            .iter()
+            .map(|l| store.layer_path(&l.diff_id))
+            .collect();
+        assert_eq!(
+            (root, id),
+            (RootImage::Layers(paths), Some(image.id.clone()))
+        );
+        t.image = "task/base:2".into();
+        assert!(matches!(
+            t.root_image(Some(&store)),
+            Err(TemplateError::UnknownImage(_))
+        ));
+        t.image = "minimal".into();
+        assert_eq!(
+            t.root_image(Some(&store)).expect("builtin"),
+            (ImageName::Minimal.into(), None)
+        );
+    }
+
+    #[test]
     fn template_validate_rejects_bad_names_and_images() {
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         t.validate().expect("builtin is valid");
         t.name = "../x".into();
         assert!(matches!(t.validate(), Err(TemplateError::BadName(_))));
         t.name = "ok".into();
-        t.image = "ubuntu".into();
-        assert!(matches!(t.validate(), Err(TemplateError::UnknownImage(_))));
+        t.image = "../ubuntu".into();
+        assert!(matches!(t.validate(), Err(TemplateError::BadImageName(_))));
+        // A stored image's name: valid, known only to a store that has it.
+        t.image = "ubuntu:24.04".into();
+        t.validate().expect("a name the store may have");
+        assert!(matches!(
+            t.boot_spec(Duration::from_secs(1), None),
+            Err(TemplateError::UnknownImage(_))
+        ));
         t.image = "debian".into();
         t.memory_mib = 1;
         assert_eq!(
@@ -511,14 +603,14 @@ mod tests {
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         let boot = Duration::from_secs(1);
         assert_eq!(
-            t.boot_spec(boot).expect("boot spec").network.policy,
+            t.boot_spec(boot, None).expect("boot spec").network.policy,
             Policy::deny_all()
         );
         t = serde_json::from_str(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["mirror.local:80"]}}"#,
         )
         .expect("parse");
-        let policy = t.boot_spec(boot).expect("boot spec").network.policy;
+        let policy = t.boot_spec(boot, None).expect("boot spec").network.policy;
         assert_eq!(policy.allow_rules().len(), 1);
         let bad = serde_json::from_str::<TemplateSpec>(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["x:99999"]}}"#,

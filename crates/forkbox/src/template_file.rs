@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 /// A template file: what `forkbox template bake NAME --file F` reads.
 ///
 /// ```toml
-/// image = "debian"          # or "minimal"
+/// image = "debian"          # or "minimal", or a stored image (`forkbox image ls`)
 /// vcpus = 2
 /// memory_mib = 1024
 /// setup = ["apt-get install -y python3", "mkdir /work"]

@@ -85,7 +85,7 @@ use ports::PortForward;
 use templates::{Template, Zygote};
 
 /// How the daemon is tuned.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Config {
     pub limits: Limits,
     /// Longest a creation waits for room under the caps before failing.
@@ -101,6 +101,10 @@ pub struct Config {
     /// Reads the host's available memory in bytes (`MemAvailable`);
     /// `None`: unknown, and nothing is refused for memory.
     pub host_memory: fn() -> Option<u64>,
+    /// The image store templates may name images of, and who this daemon
+    /// is to it (its pins are `<holder>: template <name>`); `None`: only
+    /// the built-in images.
+    pub images: Option<(forkbox_image::Store, String)>,
 }
 
 /// The host's available memory (`MemAvailable`), in bytes.
@@ -170,6 +174,7 @@ impl Default for Config {
             bounds: Bounds::default(),
             memory_reserve: 256 << 20,
             host_memory: host_memory_available,
+            images: None,
         }
     }
 }
@@ -277,6 +282,7 @@ impl Daemon {
             (i.as_str().to_owned(), t)
         })
         .collect();
+        let limits = config.limits;
         Self {
             inner: Arc::new(Inner {
                 backend,
@@ -284,7 +290,7 @@ impl Daemon {
                 store,
                 egress,
                 shared: Mutex::new(Shared {
-                    registry: Registry::new(config.limits, salt),
+                    registry: Registry::new(limits, salt),
                     machines: HashMap::new(),
                     templates,
                 }),

@@ -238,6 +238,7 @@ impl Daemon {
         let old = std::mem::replace(&mut t.zygote, Zygote::None { error: None });
         if t.drop_on_failure {
             s.templates.remove(name);
+            self.unpin_image(name);
         }
         drop(s);
         if let Some(store) = &self.inner.store {
@@ -254,7 +255,7 @@ impl Daemon {
     /// unregistered again).
     pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         spec.validate().map_err(DaemonError::BadTemplate)?;
-        spec.boot_spec(self.inner.config.boot_timeout)
+        spec.boot_spec(self.inner.config.boot_timeout, self.images())
             .map_err(DaemonError::BadTemplate)?;
         let name = spec.name.clone();
         self.register(
@@ -312,8 +313,40 @@ impl Daemon {
         if !replace && s.templates.contains_key(&t.spec.name) {
             return Err(DaemonError::TemplateExists(t.spec.name));
         }
+        self.pin_image(&t.spec)?;
         s.templates.insert(t.spec.name.clone(), t);
         Ok(())
+    }
+
+    /// The image store templates may name images of, if this daemon has one.
+    pub(super) fn images(&self) -> Option<&forkbox_image::Store> {
+        self.inner.config.images.as_ref().map(|(store, _)| store)
+    }
+
+    /// Keeps the stored image `spec` names in the store while its template
+    /// lives (`forkbox image rm` and `gc` leave it); nothing for a
+    /// built-in image.
+    fn pin_image(&self, spec: &TemplateSpec) -> Result<(), DaemonError> {
+        let Some((store, holder)) = &self.inner.config.images else {
+            return Ok(());
+        };
+        let (_, id) = spec
+            .root_image(Some(store))
+            .map_err(DaemonError::BadTemplate)?;
+        match id {
+            Some(id) => store.pin(&format!("{holder}: template {}", spec.name), &id),
+            None => store.unpin(&format!("{holder}: template {}", spec.name)),
+        }
+        .map_err(|e| DaemonError::infra("pinning the template's image in the store", e))
+    }
+
+    /// Lets the store remove the image of the template `name` (gone).
+    fn unpin_image(&self, name: &str) {
+        if let Some((store, holder)) = &self.inner.config.images {
+            if let Err(e) = store.unpin(&format!("{holder}: template {name}")) {
+                tracing::warn!(template = name, "unpinning its image: {e}");
+            }
+        }
     }
 
     /// The zygote of `name`, its spec and its protected paths' record,
@@ -369,7 +402,7 @@ impl Daemon {
         }
         let machine_spec = t
             .spec
-            .boot_spec(self.inner.config.boot_timeout)
+            .boot_spec(self.inner.config.boot_timeout, self.images())
             .map_err(DaemonError::BadTemplate)?;
         // A bake boots a whole VM, whose setup may write all its RAM: the
         // host's memory must have room for it above the reserve.
@@ -521,6 +554,7 @@ impl Daemon {
             (Err(f), Some(t)) => {
                 if t.drop_on_failure {
                     s.templates.remove(name);
+                    self.unpin_image(name);
                 } else {
                     t.zygote = Zygote::None {
                         error: Some(format!("{}: {}", f.step, f.message)),
@@ -706,6 +740,47 @@ mod tests {
         assert_eq!(d.template("mine").expect_err("gone").kind(), "not_found");
         // The name is free again.
         d.bake(spec).expect("starts again");
+    }
+
+    #[tokio::test]
+    async fn a_template_of_a_stored_image_pins_it_until_it_is_deleted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = forkbox_image::Store::open(dir.path()).expect("store");
+        let image = forkbox_image::Image {
+            id: forkbox_image::Digest::of(b"config"),
+            layers: Vec::new(),
+            config: Default::default(),
+            manifest: None,
+            created: None,
+        };
+        store.put_image(&image).expect("image");
+        store.tag("task:1", &image.id).expect("tag");
+        let d = Daemon::new(
+            Arc::new(Fake::default()),
+            Config {
+                images: Some((store.clone(), "forkboxd test".into())),
+                ..config(4)
+            },
+        )
+        .expect("daemon");
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
+        spec.name = "t".into();
+        spec.image = "nope:1".into();
+        let err = d.bake(spec.clone()).expect_err("not in the store");
+        assert_eq!(err.kind(), "invalid_request");
+        assert!(err.to_string().contains("nope:1") || format!("{err:?}").contains("nope:1"));
+        spec.image = "task:1".into();
+        let mut rx = d.bake(spec).expect("starts");
+        while rx.recv().await.is_some() {}
+        let pins = store.pins().expect("pins");
+        assert_eq!(pins.get("forkboxd test: template t"), Some(&image.id));
+        assert!(matches!(
+            store.remove("task:1"),
+            Err(forkbox_image::StoreError::InUse { .. })
+        ));
+        d.delete_template("t").expect("deleted");
+        assert!(store.pins().expect("pins").is_empty());
+        store.remove("task:1").expect("free to go");
     }
 
     #[tokio::test]

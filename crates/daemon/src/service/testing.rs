@@ -37,6 +37,7 @@ pub(super) fn config(max_live: usize) -> Config {
         bounds: Default::default(),
         memory_reserve: 0,
         host_memory: || None,
+        images: None,
     }
 }
 
