@@ -15,7 +15,7 @@ AGENT := target/$(TRIPLE)/release/forkbox-agent
 FORKBOX := target/release/forkbox
 
 # Debian packages forkbox uses at build and run time.
-APT_PACKAGES := busybox-static mmdebstrap kmod cpio e2fsprogs erofs-utils \
+APT_PACKAGES := busybox-static mmdebstrap kmod cpio e2fsprogs erofs-utils docker-registry \
 	ca-certificates python3 python3-pip
 
 .PHONY: all deps qemu python-deps build agent demo test sdk-test lint fmt clean \

@@ -24,6 +24,19 @@ pub enum ImageCmd {
         #[arg(long)]
         name: Option<String>,
     },
+    /// Pull an image from a registry (`host[:port]/repo:tag` or
+    /// `…@sha256:…`); multi-platform images give their linux/amd64 one. A
+    /// download that stops resumes at the next pull.
+    Pull {
+        reference: String,
+        /// Speak plain HTTP (a registry on loopback), not HTTPS.
+        #[arg(long)]
+        plain_http: bool,
+        /// Basic auth (bearer tokens are fetched as the registry asks);
+        /// the password comes from `FORKBOX_REGISTRY_PASSWORD`.
+        #[arg(long)]
+        user: Option<String>,
+    },
     /// List the store's images: names, ids, layers and sizes.
     Ls {
         #[arg(long)]
@@ -67,6 +80,45 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
             for n in &imported.names {
                 eprintln!("forkbox: named {n}");
             }
+            println!("{}", image.id);
+        }
+        ImageCmd::Pull {
+            reference,
+            plain_http,
+            user,
+        } => {
+            let store = store()?;
+            let auth = match user {
+                Some(u) => {
+                    let password = std::env::var("FORKBOX_REGISTRY_PASSWORD")
+                        .context("--user needs the password in FORKBOX_REGISTRY_PASSWORD")?;
+                    Some((u, password))
+                }
+                None => None,
+            };
+            let registry = forkbox_image::Registry { auth, plain_http };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let mut progress = LayerBars::default();
+            let pulled = rt
+                .block_on(forkbox_image::pull(
+                    &store,
+                    &reference,
+                    &registry,
+                    &mut |p| progress.event(p),
+                ))
+                .with_context(|| format!("pulling {reference}"))?;
+            progress.finish();
+            let image = &pulled.image;
+            eprintln!(
+                "forkbox: pulled {reference}: {} ({} layers, {} unpacked now, {:.1} MiB of layers)",
+                image.id.short(),
+                image.layers.len(),
+                pulled.unpacked,
+                mib(image.layer_bytes(&store)),
+            );
             println!("{}", image.id);
         }
         ImageCmd::Ls { json } => ls(&store()?, json)?,
@@ -188,6 +240,34 @@ impl LayerBars {
                     mib(bytes)
                 ));
                 self.bar = Some(bar);
+            }
+            Progress::Fetched {
+                index,
+                count,
+                blob,
+                bytes,
+                total,
+            } => {
+                let bar = self.bar.get_or_insert_with(|| {
+                    let bar = ProgressBar::new(total);
+                    bar.set_style(
+                        ProgressStyle::with_template(
+                            "{bar:30} {bytes:>10}/{total_bytes:<10} {msg}",
+                        )
+                        .expect("the template is valid"),
+                    );
+                    bar.set_message(format!(
+                        "layer {}/{count} {}: downloading",
+                        index + 1,
+                        blob.short()
+                    ));
+                    bar
+                });
+                bar.set_position(bytes);
+                if bytes >= total {
+                    bar.finish_and_clear();
+                    self.bar = None;
+                }
             }
             Progress::LayerDone { index, unpacked } => {
                 let Some(bar) = self.bar.take() else { return };

@@ -85,6 +85,14 @@ pub enum Progress<'a> {
         index: usize,
         unpacked: Option<Unpacked>,
     },
+    /// A layer's blob, downloading: `bytes` of `total` are here.
+    Fetched {
+        index: usize,
+        count: usize,
+        blob: &'a Digest,
+        bytes: u64,
+        total: u64,
+    },
 }
 
 /// An imported image and the names it was given.
@@ -129,13 +137,13 @@ pub fn import(
     Ok(imported)
 }
 
-/// An image found in a file, its blobs not yet in the store.
-struct Found {
-    names: Vec<String>,
-    manifest: Option<Digest>,
-    config: Vec<u8>,
+/// An image found in a file or a registry, its layers not yet unpacked.
+pub(crate) struct Found {
+    pub(crate) names: Vec<String>,
+    pub(crate) manifest: Option<Digest>,
+    pub(crate) config: Vec<u8>,
     /// Each layer's blob file, digest (when the file says it), media type.
-    layers: Vec<(PathBuf, Option<Digest>, String)>,
+    pub(crate) layers: Vec<(PathBuf, Option<Digest>, String)>,
 }
 
 fn from_layout(store: &Store, dir: &Path, name: Option<&str>) -> Result<Found, ImportError> {
@@ -300,7 +308,7 @@ fn from_docker_archive(
 }
 
 /// Stores the configuration and layers of `found` and records the image.
-fn finish(
+pub(crate) fn finish(
     store: &Store,
     found: Found,
     progress: &mut dyn FnMut(Progress<'_>),
@@ -390,13 +398,13 @@ fn is_manifest(m: &MediaType) -> bool {
         || m.to_string() == "application/vnd.docker.distribution.manifest.v2+json"
 }
 
-fn is_layer(media_type: &str) -> bool {
+pub(crate) fn is_layer(media_type: &str) -> bool {
     media_type.starts_with("application/vnd.oci.image.layer.")
         || media_type.starts_with("application/vnd.docker.image.rootfs.diff.tar")
 }
 
 /// The linux/amd64 entry of a multi-platform index.
-fn pick_platform(entries: &[Descriptor]) -> Result<&Descriptor, ImportError> {
+pub(crate) fn pick_platform(entries: &[Descriptor]) -> Result<&Descriptor, ImportError> {
     entries
         .iter()
         .find(|d| {
@@ -452,7 +460,10 @@ fn read_limited(path: &Path) -> Result<Vec<u8>, ImportError> {
     Ok(bytes)
 }
 
-fn json<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, ImportError> {
+pub(crate) fn json<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    what: &str,
+) -> Result<T, ImportError> {
     serde_json::from_slice(bytes).map_err(|source| ImportError::Json {
         what: what.to_owned(),
         source,

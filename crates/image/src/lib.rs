@@ -10,6 +10,8 @@
 //!   overlayfs whiteouts), then into erofs by `mkfs.erofs`.
 //! - [`import`]: an image file's manifest, configuration and layers into
 //!   the store, everything checked against its digest.
+//! - [`registry`]: the same from a registry (`oci-client`), each blob
+//!   downloaded once, a stopped download resumed.
 //!
 //! It does not depend on the rest of forkbox: the VM runner is given
 //! layer files, not this crate's types.
@@ -19,8 +21,10 @@
 pub mod digest;
 pub mod import;
 pub mod layer;
+pub mod registry;
 pub mod store;
 
 pub use digest::Digest;
 pub use import::{import, ImportError, Imported, Progress};
+pub use registry::{pull, PullError, Registry};
 pub use store::{Image, LayerRef, RunConfig, Store, StoreError};

@@ -1,0 +1,322 @@
+//! Pulling from a real registry: Debian's `docker-registry` (the CNCF
+//! distribution registry), started here on loopback with its storage in a
+//! temporary directory; images pushed to it with `oci-client`. Needs root
+//! (unpacking keeps owners), as `make test` runs.
+
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use forkbox_image::{pull, Digest, Progress, PullError, Registry, Store};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference, RegistryOperation};
+
+mod common;
+use common::*;
+
+/// A registry on 127.0.0.1, ended when dropped.
+struct LocalRegistry {
+    child: Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl LocalRegistry {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        let yaml = format!(
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+            dir.path().join("data").display()
+        );
+        std::fs::write(&config, yaml).expect("config");
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "run docker-registry (apt-get install docker-registry; `make test` installs it)",
+            );
+        let start = Instant::now();
+        while TcpStream::connect(&addr).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the registry never listened on {addr}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        LocalRegistry {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for LocalRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Pushes an image of `layers` (uncompressed tars, pushed gzip'd) as
+/// `reference`; returns its id (the configuration's digest).
+async fn push(reference: &str, layers: &[Vec<u8>]) -> Digest {
+    let client = Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..Default::default()
+    });
+    let image: Reference = reference.parse().expect("reference");
+    client
+        .auth(&image, &RegistryAuth::Anonymous, RegistryOperation::Push)
+        .await
+        .expect("auth");
+    let diff_ids: Vec<Digest> = layers.iter().map(|l| Digest::of(l)).collect();
+    let cfg = config(&diff_ids);
+    let id = Digest::of(&cfg);
+    client
+        .push_blob(&image, cfg.clone(), &id.to_string())
+        .await
+        .expect("push config");
+    let mut descriptors = Vec::new();
+    for l in layers {
+        let blob = gzip(l);
+        let d = Digest::of(&blob);
+        client
+            .push_blob(&image, blob.clone(), &d.to_string())
+            .await
+            .expect("push layer");
+        descriptors.push(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+            "digest": d.to_string(), "size": blob.len()}));
+    }
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": id.to_string(), "size": cfg.len()},
+        "layers": descriptors,
+    });
+    client
+        .push_manifest_raw(
+            &image,
+            serde_json::to_vec(&manifest).expect("manifest"),
+            "application/vnd.oci.image.manifest.v1+json"
+                .parse()
+                .expect("header"),
+        )
+        .await
+        .expect("push manifest");
+    id
+}
+
+fn plain() -> Registry {
+    Registry {
+        auth: None,
+        plain_http: true,
+    }
+}
+
+/// Bytes downloaded per layer index, from the pull's progress.
+fn fetched(events: &[(usize, u64, u64)]) -> Vec<(usize, u64)> {
+    let mut last: Vec<(usize, u64)> = Vec::new();
+    for &(index, bytes, _) in events {
+        match last.iter_mut().find(|(i, _)| *i == index) {
+            Some(e) => e.1 = bytes,
+            None => last.push((index, bytes)),
+        }
+    }
+    last
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
+    let registry = LocalRegistry::start();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let (base, top) = (base_layer(), top_layer());
+    let other = layer(&[E::File("etc/other", 0o644, 0, b"other\n")]);
+    let a = format!("{}/tasks/a:v1", registry.addr);
+    let b = format!("{}/tasks/b:v1", registry.addr);
+    let a_id = push(&a, &[base.clone(), top.clone()]).await;
+    let b_id = push(&b, &[base.clone(), other.clone()]).await;
+
+    let mut events = Vec::new();
+    let pulled = pull(&store, &a, &plain(), &mut |p| {
+        if let Progress::Fetched {
+            index,
+            bytes,
+            total,
+            ..
+        } = p
+        {
+            events.push((index, bytes, total));
+        }
+    })
+    .await
+    .expect("pull a");
+    assert_eq!(
+        (pulled.image.id.clone(), pulled.unpacked),
+        (a_id.clone(), 2)
+    );
+    assert_eq!(store.resolve(&a).expect("named").id, a_id);
+    assert_eq!(pulled.image.config.user.as_deref(), Some("1000:1000"));
+    assert_eq!(pulled.image.layers[1].diff_id, Digest::of(&top));
+    assert_eq!(
+        fetched(&events),
+        vec![(0, gzip(&base).len() as u64), (1, gzip(&top).len() as u64)]
+    );
+
+    // The second image shares the base: only its own layer comes.
+    events.clear();
+    let pulled = pull(&store, &b, &plain(), &mut |p| {
+        if let Progress::Fetched {
+            index,
+            bytes,
+            total,
+            ..
+        } = p
+        {
+            events.push((index, bytes, total));
+        }
+    })
+    .await
+    .expect("pull b");
+    assert_eq!((pulled.image.id, pulled.unpacked), (b_id, 1));
+    assert_eq!(fetched(&events), vec![(1, gzip(&other).len() as u64)]);
+    assert_eq!(
+        std::fs::read_dir(store.root().join("layers"))
+            .expect("layers")
+            .count(),
+        3
+    );
+
+    // Pulled again: nothing downloaded, nothing unpacked.
+    events.clear();
+    let again = pull(&store, &a, &plain(), &mut |p| {
+        if let Progress::Fetched {
+            index,
+            bytes,
+            total,
+            ..
+        } = p
+        {
+            events.push((index, bytes, total));
+        }
+    })
+    .await
+    .expect("pull a again");
+    assert_eq!((again.unpacked, events.len()), (0, 0));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn pull_of_a_missing_tag_or_registry_says_so_and_stores_nothing() {
+    let registry = LocalRegistry::start();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    let missing = format!("{}/tasks/none:v1", registry.addr);
+    let err = pull(&store, &missing, &plain(), &mut |_| {})
+        .await
+        .expect_err("no such tag");
+    assert!(matches!(err, PullError::Registry { .. }), "{err:?}");
+    assert!(format!("{err:#?}").contains("tasks/none"), "{err:#?}");
+    let err = pull(&store, "not a reference!", &plain(), &mut |_| {})
+        .await
+        .expect_err("bad ref");
+    assert!(matches!(err, PullError::Reference(_)), "{err:?}");
+    drop(registry);
+    let err = pull(&store, &missing, &plain(), &mut |_| {})
+        .await
+        .expect_err("gone");
+    assert!(matches!(err, PullError::Registry { .. }), "{err:?}");
+    assert!(store.ids().expect("ids").is_empty());
+    assert_eq!(
+        std::fs::read_dir(store.root().join("blobs/sha256"))
+            .expect("blobs")
+            .count(),
+        0
+    );
+}
+
+/// Writes `bytes` where a stopped download of `blob` leaves its part.
+fn leave_partial(store: &Store, blob: &Digest, bytes: &[u8]) {
+    let path = store
+        .root()
+        .join("tmp")
+        .join(format!("partial-{}", blob.hex()));
+    std::fs::write(path, bytes).expect("partial");
+}
+
+fn partial_exists(store: &Store, blob: &Digest) -> bool {
+    Path::new(
+        &store
+            .root()
+            .join("tmp")
+            .join(format!("partial-{}", blob.hex())),
+    )
+    .exists()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn pull_resumes_a_stopped_download_and_drops_a_wrong_one() {
+    let registry = LocalRegistry::start();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    // A layer big enough that half of it is worth resuming: incompressible.
+    let mut noise = vec![0u8; 1 << 20];
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for b in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let big = layer(&[E::File("data/noise", 0o644, 0, &noise)]);
+    let blob = gzip(&big);
+    let blob_digest = Digest::of(&blob);
+    let reference = format!("{}/tasks/big:v1", registry.addr);
+    push(&reference, &[big]).await;
+
+    // Half of the blob, as a stopped pull leaves it: only the rest comes.
+    let half = blob.len() / 2;
+    leave_partial(&store, &blob_digest, &blob[..half]);
+    let mut first = None;
+    pull(&store, &reference, &plain(), &mut |p| {
+        if let Progress::Fetched { bytes, .. } = p {
+            first.get_or_insert(bytes);
+        }
+    })
+    .await
+    .expect("resumed pull");
+    let first = first.expect("some bytes came");
+    assert!(
+        first > half as u64,
+        "the download started over: first count {first}, half {half}"
+    );
+    assert!(!partial_exists(&store, &blob_digest));
+    assert!(store.blob_path(&blob_digest).exists());
+
+    // A part that is not the blob's: the pull fails on the digest, keeps
+    // nothing of it, and the next pull starts over and succeeds.
+    let tmp2 = tempfile::tempdir().expect("tempdir");
+    let store2 = Store::open(&tmp2.path().join("store")).expect("store");
+    leave_partial(&store2, &blob_digest, &vec![0u8; half]);
+    let err = pull(&store2, &reference, &plain(), &mut |_| {})
+        .await
+        .expect_err("wrong part");
+    assert!(format!("{err:?}").contains("DigestMismatch"), "{err:?}");
+    assert!(!partial_exists(&store2, &blob_digest));
+    assert!(!store2.blob_path(&blob_digest).exists());
+    pull(&store2, &reference, &plain(), &mut |_| {})
+        .await
+        .expect("started over");
+}
