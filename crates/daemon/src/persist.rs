@@ -33,6 +33,9 @@ pub struct SavedSandbox {
     pub parent: Option<SandboxId>,
     pub created_unix: u64,
     pub envs: BTreeMap<String, String>,
+    /// Where its commands start when they do not say (its image's).
+    #[serde(default)]
+    pub cwd: Option<String>,
     pub spec: TemplateSpec,
     pub vm: VmHandle,
     /// Its egress policy when last written: a re-adopted sandbox is
@@ -221,6 +224,7 @@ mod tests {
             parent: None,
             created_unix: 1,
             envs: BTreeMap::new(),
+            cwd: Some("/work".into()),
             spec: TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal),
             vm: VmHandle {
                 dir: "/tmp/forkbox-vm-x".into(),

@@ -233,6 +233,38 @@ pub struct TemplateInfo {
     pub zygote_rss_kib: Option<u64>,
 }
 
+/// A template's image, found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedImage {
+    pub root: RootImage,
+    /// A stored image's id (`None`: a built-in image).
+    pub id: Option<forkbox_image::Digest>,
+    /// A stored image's `Env`, `WorkingDir`, `User`, ...; empty for a
+    /// built-in image.
+    pub run: forkbox_image::RunConfig,
+}
+
+impl ResolvedImage {
+    /// The image's `Env` as a map (`NAME=value`; an entry without `=` is
+    /// a name with an empty value).
+    pub fn env(&self) -> BTreeMap<String, String> {
+        self.run
+            .env
+            .iter()
+            .map(|e| match e.split_once('=') {
+                Some((k, v)) => (k.to_owned(), v.to_owned()),
+                None => (e.clone(), String::new()),
+            })
+            .collect()
+    }
+
+    /// The directory commands start in when they do not say (an absolute
+    /// `WorkingDir`; a relative one means nothing in a sandbox).
+    pub fn working_dir(&self) -> Option<String> {
+        self.run.working_dir.clone().filter(|w| w.starts_with('/'))
+    }
+}
+
 /// Why a template is not acceptable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
@@ -294,9 +326,13 @@ impl TemplateSpec {
     pub fn root_image(
         &self,
         images: Option<&forkbox_image::Store>,
-    ) -> Result<(RootImage, Option<forkbox_image::Digest>), TemplateError> {
+    ) -> Result<ResolvedImage, TemplateError> {
         if let Some(name) = self.builtin_image() {
-            return Ok((name.into(), None));
+            return Ok(ResolvedImage {
+                root: name.into(),
+                id: None,
+                run: Default::default(),
+            });
         }
         let store = images.ok_or_else(|| TemplateError::UnknownImage(self.image.clone()))?;
         let image = store.resolve(&self.image).map_err(|e| match e {
@@ -310,7 +346,11 @@ impl TemplateSpec {
             .iter()
             .map(|l| store.layer_path(&l.diff_id))
             .collect();
-        Ok((RootImage::Layers(layers), Some(image.id)))
+        Ok(ResolvedImage {
+            root: RootImage::Layers(layers),
+            id: Some(image.id),
+            run: image.config,
+        })
     }
 
     pub fn validate(&self) -> Result<(), TemplateError> {
@@ -368,7 +408,7 @@ impl TemplateSpec {
         images: Option<&forkbox_image::Store>,
     ) -> Result<BackendVmSpec, TemplateError> {
         Ok(BackendVmSpec {
-            image: self.root_image(images)?.0,
+            image: self.root_image(images)?.root,
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             boot_timeout,
@@ -504,7 +544,11 @@ mod tests {
         let image = forkbox_image::Image {
             id: forkbox_image::Digest::of(b"config"),
             layers: vec![layer(b"base"), layer(b"top")],
-            config: Default::default(),
+            config: forkbox_image::RunConfig {
+                env: vec!["PATH=/usr/bin:/bin".into(), "EMPTY".into(), "A=b=c".into()],
+                working_dir: Some("/work".into()),
+                ..Default::default()
+            },
             manifest: None,
             created: None,
         };
@@ -512,26 +556,37 @@ mod tests {
         store.tag("task/base:1", &image.id).expect("tag");
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         t.image = "task/base:1".into();
-        let (root, id) = t.root_image(Some(&store)).expect("resolved");
+        let resolved = t.root_image(Some(&store)).expect("resolved");
         let paths = image
             .layers
             .iter()
             .map(|l| store.layer_path(&l.diff_id))
             .collect();
         assert_eq!(
-            (root, id),
+            (resolved.root.clone(), resolved.id.clone()),
             (RootImage::Layers(paths), Some(image.id.clone()))
         );
+        assert_eq!(
+            resolved.env(),
+            BTreeMap::from([
+                ("PATH".to_owned(), "/usr/bin:/bin".to_owned()),
+                ("EMPTY".to_owned(), String::new()),
+                ("A".to_owned(), "b=c".to_owned()),
+            ])
+        );
+        assert_eq!(resolved.working_dir().as_deref(), Some("/work"));
         t.image = "task/base:2".into();
         assert!(matches!(
             t.root_image(Some(&store)),
             Err(TemplateError::UnknownImage(_))
         ));
         t.image = "minimal".into();
+        let builtin = t.root_image(Some(&store)).expect("builtin");
         assert_eq!(
-            t.root_image(Some(&store)).expect("builtin"),
+            (builtin.root.clone(), builtin.id.clone()),
             (ImageName::Minimal.into(), None)
         );
+        assert!(builtin.env().is_empty() && builtin.working_dir().is_none());
     }
 
     #[test]

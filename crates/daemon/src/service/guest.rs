@@ -50,7 +50,7 @@ pub enum AttachEvent {
 
 impl Daemon {
     /// The running sandbox a command goes to; the sandbox's environment
-    /// fills in what `req` does not set itself.
+    /// and starting directory fill in what `req` does not set itself.
     pub(super) fn command_target(
         &self,
         id: &SandboxId,
@@ -64,6 +64,9 @@ impl Daemon {
             .ok_or_else(|| DaemonError::NoSandbox(id.clone()))?;
         for (k, v) in &live.envs {
             req.env.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        if req.cwd.is_none() {
+            req.cwd = live.cwd.clone();
         }
         Ok(live.machine.clone())
     }

@@ -127,6 +127,7 @@ pub enum Reply {
 /// What a fork child takes from its parent besides its memory.
 pub(super) struct Inherited {
     envs: BTreeMap<String, String>,
+    cwd: Option<String>,
     spec: TemplateSpec,
     /// The parent's policy as written down (the one in force, when the
     /// fork says).
@@ -266,8 +267,19 @@ impl Daemon {
             )
             .await?;
         let started = Instant::now();
-        let mut envs = template.envs.clone();
+        // The image's configuration under the template's and the
+        // request's (a stored image's: pinned while its template lives).
+        let image = match template.root_image(self.images()) {
+            Ok(image) => Some(image),
+            Err(e) => {
+                tracing::warn!(template = %template.name, "its image's configuration is not applied: {e}");
+                None
+            }
+        };
+        let mut envs = image.as_ref().map(|i| i.env()).unwrap_or_default();
+        envs.extend(template.envs.clone());
         envs.extend(req.envs);
+        let cwd = image.and_then(|i| i.working_dir());
         let policy = req.network.unwrap_or_else(Policy::deny_all);
         let opts = ForkOptions {
             policy: Some(policy.clone()),
@@ -298,6 +310,7 @@ impl Daemon {
                                 machine,
                                 policy,
                                 envs,
+                                cwd,
                                 spec: template,
                                 ports: BTreeMap::new(),
                                 baseline,
@@ -431,6 +444,7 @@ impl Daemon {
             };
             let inherited = Inherited {
                 envs: live.envs.clone(),
+                cwd: live.cwd.clone(),
                 spec: live.spec.clone(),
                 policy: live.policy.clone(),
                 baseline: live.baseline.clone(),
@@ -583,6 +597,7 @@ impl Daemon {
                         machine,
                         policy: inherited.policy.clone(),
                         envs: inherited.envs.clone(),
+                        cwd: inherited.cwd.clone(),
                         spec: inherited.spec.clone(),
                         ports: BTreeMap::new(),
                         baseline: inherited.baseline.clone(),

@@ -184,7 +184,11 @@ struct Live {
     /// Its egress policy as last set (what is written down; the machine
     /// says what is in force).
     policy: Policy,
+    /// Its image's `Env` under its template's variables under its own.
     envs: BTreeMap<String, String>,
+    /// Where its commands start when they do not say: its image's
+    /// `WorkingDir` (`None`: the agent's default).
+    cwd: Option<String>,
     /// Its template's recipe and resources (a template made from the
     /// sandbox copies them).
     spec: TemplateSpec,

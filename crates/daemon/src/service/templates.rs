@@ -330,9 +330,10 @@ impl Daemon {
         let Some((store, holder)) = &self.inner.config.images else {
             return Ok(());
         };
-        let (_, id) = spec
+        let id = spec
             .root_image(Some(store))
-            .map_err(DaemonError::BadTemplate)?;
+            .map_err(DaemonError::BadTemplate)?
+            .id;
         match id {
             Some(id) => store.pin(&format!("{holder}: template {}", spec.name), &id),
             None => store.unpin(&format!("{holder}: template {}", spec.name)),
@@ -404,6 +405,15 @@ impl Daemon {
             .spec
             .boot_spec(self.inner.config.boot_timeout, self.images())
             .map_err(DaemonError::BadTemplate)?;
+        // The recipe runs in the image's environment and directory, the
+        // template's own variables over the image's.
+        let image = t
+            .spec
+            .root_image(self.images())
+            .map_err(DaemonError::BadTemplate)?;
+        let mut recipe_envs = image.env();
+        recipe_envs.extend(t.spec.envs.clone());
+        let recipe_cwd = image.working_dir();
         // A bake boots a whole VM, whose setup may write all its RAM: the
         // host's memory must have room for it above the reserve.
         if let Some(available) = (self.inner.config.host_memory)() {
@@ -454,7 +464,7 @@ impl Daemon {
                         &machine.agent(),
                         max_exec,
                         &recipe,
-                        &recipe.envs,
+                        (&recipe_envs, recipe_cwd.as_deref()),
                         &mut |e| send2(e),
                     )
                     .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
@@ -589,7 +599,7 @@ pub(super) fn run_recipe(
     agent: &AgentClient,
     max_exec: Duration,
     t: &TemplateSpec,
-    envs: &BTreeMap<String, String>,
+    (envs, cwd): (&BTreeMap<String, String>, Option<&str>),
     progress: &mut dyn FnMut(BakeEvent),
 ) -> Result<(), DaemonError> {
     for (i, cmd) in t.setup.iter().enumerate() {
@@ -600,6 +610,7 @@ pub(super) fn run_recipe(
         });
         let mut req = ExecRequest::shell(cmd.clone()).timeout(max_exec);
         req.env = envs.clone();
+        req.cwd = cwd.map(str::to_owned);
         let mut output = Vec::new();
         let r = agent
             .clone()
@@ -631,6 +642,7 @@ pub(super) fn run_recipe(
         const CHECK: Duration = Duration::from_secs(10);
         let mut req = ExecRequest::shell(ready.script()).timeout(CHECK);
         req.env = envs.clone();
+        req.cwd = cwd.map(str::to_owned);
         let agent = agent
             .clone()
             .with_call_timeout(CHECK.saturating_add(super::EXEC_MARGIN));
@@ -740,6 +752,100 @@ mod tests {
         assert_eq!(d.template("mine").expect_err("gone").kind(), "not_found");
         // The name is free again.
         d.bake(spec).expect("starts again");
+    }
+
+    /// What a stored image's configuration says reaches every command: its
+    /// `Env` under the template's variables (under the command's own), its
+    /// `WorkingDir` where the command names none; the setup runs so too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stored_image_s_env_and_working_dir_reach_its_recipe_and_commands() {
+        use forkbox_proto::{ExecResult, ExitStatus, Request, Response};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = forkbox_image::Store::open(&dir.path().join("store")).expect("store");
+        let image = forkbox_image::Image {
+            id: forkbox_image::Digest::of(b"config"),
+            layers: Vec::new(),
+            config: forkbox_image::RunConfig {
+                env: vec!["PATH=/img/bin".into(), "SHARED=image".into()],
+                working_dir: Some("/work".into()),
+                ..Default::default()
+            },
+            manifest: None,
+            created: None,
+        };
+        store.put_image(&image).expect("image");
+        store.tag("task:1", &image.id).expect("tag");
+        type Seen = Vec<(String, BTreeMap<String, String>, Option<String>)>;
+        let seen: Arc<std::sync::Mutex<Seen>> = Default::default();
+        let record = seen.clone();
+        let sock = crate::backend::fake::scripted_agent(dir.path(), move |conn, req| {
+            if let Request::Exec { exec, .. } = req {
+                let what = format!("{:?}", exec.command);
+                record
+                    .lock()
+                    .expect("seen")
+                    .push((what, exec.env, exec.cwd));
+                let result = ExecResult {
+                    status: ExitStatus::Code(0),
+                    timed_out: false,
+                    duration: Duration::ZERO,
+                    stdout: Default::default(),
+                    stderr: Default::default(),
+                };
+                let r = Response::Exec { result };
+                let _ = forkbox_proto::frame::write_frame(
+                    conn,
+                    forkbox_proto::FrameKind::Control,
+                    &forkbox_proto::encode_control(&r),
+                );
+            }
+        });
+        let fake = Fake::default();
+        *fake.world.agent_sock.lock().expect("agent_sock") = Some(sock);
+        let d = Daemon::new(
+            Arc::new(fake),
+            Config {
+                images: Some((store, "forkboxd test".into())),
+                ..config(4)
+            },
+        )
+        .expect("daemon");
+        let mut spec = TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal);
+        spec.name = "t".into();
+        spec.image = "task:1".into();
+        spec.setup = vec!["make setup".into()];
+        spec.envs = BTreeMap::from([("SHARED".into(), "template".into())]);
+        let mut rx = d.bake(spec).expect("starts");
+        let mut last = None;
+        while let Some(e) = rx.recv().await {
+            last = Some(e);
+        }
+        assert!(matches!(last, Some(BakeEvent::Done { .. })), "{last:?}");
+        let a = created_with(&d, "t", None).await;
+        let mut own = ExecRequest::shell("pwd");
+        own.env.insert("SHARED".into(), "command".into());
+        own.cwd = Some("/elsewhere".into());
+        for req in [ExecRequest::shell("ls"), own] {
+            let mut events = d.exec(&a.id, req, None).expect("exec");
+            while events.recv().await.is_some() {}
+        }
+        let seen = seen.lock().expect("seen").clone();
+        let want = |cmd: &str, shared: &str, cwd: &str| {
+            let env = BTreeMap::from([
+                ("PATH".to_owned(), "/img/bin".to_owned()),
+                ("SHARED".to_owned(), shared.to_owned()),
+            ]);
+            (cmd.to_owned(), env, Some(cwd.to_owned()))
+        };
+        let shell = |c: &str| format!("{:?}", ExecRequest::shell(c).command);
+        assert_eq!(
+            seen,
+            vec![
+                want(&shell("make setup"), "template", "/work"),
+                want(&shell("ls"), "template", "/work"),
+                want(&shell("pwd"), "command", "/elsewhere"),
+            ]
+        );
     }
 
     #[tokio::test]
