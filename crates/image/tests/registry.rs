@@ -126,6 +126,27 @@ fn plain() -> Registry {
     }
 }
 
+/// Pulls `reference`, noting each download step: (layer, bytes, total).
+async fn pull_counting(
+    store: &Store,
+    reference: &str,
+) -> Result<(forkbox_image::Imported, Vec<(usize, u64, u64)>), PullError> {
+    let mut events = Vec::new();
+    let pulled = pull(store, reference, &plain(), &mut |p| {
+        if let Progress::Fetched {
+            index,
+            bytes,
+            total,
+            ..
+        } = p
+        {
+            events.push((index, bytes, total));
+        }
+    })
+    .await?;
+    Ok((pulled, events))
+}
+
 /// Bytes downloaded per layer index, from the pull's progress.
 fn fetched(events: &[(usize, u64, u64)]) -> Vec<(usize, u64)> {
     let mut last: Vec<(usize, u64)> = Vec::new();
@@ -150,20 +171,7 @@ async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
     let a_id = push(&a, &[base.clone(), top.clone()]).await;
     let b_id = push(&b, &[base.clone(), other.clone()]).await;
 
-    let mut events = Vec::new();
-    let pulled = pull(&store, &a, &plain(), &mut |p| {
-        if let Progress::Fetched {
-            index,
-            bytes,
-            total,
-            ..
-        } = p
-        {
-            events.push((index, bytes, total));
-        }
-    })
-    .await
-    .expect("pull a");
+    let (pulled, events) = pull_counting(&store, &a).await.expect("pull a");
     assert_eq!(
         (pulled.image.id.clone(), pulled.unpacked),
         (a_id.clone(), 2)
@@ -177,20 +185,7 @@ async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
     );
 
     // The second image shares the base: only its own layer comes.
-    events.clear();
-    let pulled = pull(&store, &b, &plain(), &mut |p| {
-        if let Progress::Fetched {
-            index,
-            bytes,
-            total,
-            ..
-        } = p
-        {
-            events.push((index, bytes, total));
-        }
-    })
-    .await
-    .expect("pull b");
+    let (pulled, events) = pull_counting(&store, &b).await.expect("pull b");
     assert_eq!((pulled.image.id, pulled.unpacked), (b_id, 1));
     assert_eq!(fetched(&events), vec![(1, gzip(&other).len() as u64)]);
     assert_eq!(
@@ -201,20 +196,7 @@ async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
     );
 
     // Pulled again: nothing downloaded, nothing unpacked.
-    events.clear();
-    let again = pull(&store, &a, &plain(), &mut |p| {
-        if let Progress::Fetched {
-            index,
-            bytes,
-            total,
-            ..
-        } = p
-        {
-            events.push((index, bytes, total));
-        }
-    })
-    .await
-    .expect("pull a again");
+    let (again, events) = pull_counting(&store, &a).await.expect("pull a again");
     assert_eq!((again.unpacked, events.len()), (0, 0));
 }
 
