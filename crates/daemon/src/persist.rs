@@ -36,6 +36,10 @@ pub struct SavedSandbox {
     /// Where its commands start when they do not say (its image's).
     #[serde(default)]
     pub cwd: Option<String>,
+    /// Whom its calls act as when they name nobody (`None`, written
+    /// before images had users: the built-in images' `user`).
+    #[serde(default)]
+    pub user: Option<forkbox_proto::User>,
     pub spec: TemplateSpec,
     pub vm: VmHandle,
     /// Its egress policy when last written: a re-adopted sandbox is
@@ -225,6 +229,7 @@ mod tests {
             created_unix: 1,
             envs: BTreeMap::new(),
             cwd: Some("/work".into()),
+            user: Some(forkbox_proto::User::Uid(1000)),
             spec: TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal),
             vm: VmHandle {
                 dir: "/tmp/forkbox-vm-x".into(),

@@ -263,6 +263,28 @@ impl ResolvedImage {
     pub fn working_dir(&self) -> Option<String> {
         self.run.working_dir.clone().filter(|w| w.starts_with('/'))
     }
+
+    /// Whom commands and file calls act as when they name nobody: the
+    /// image's `User` where it names one other than root (its group part
+    /// is the guest's to look up); else the built-in images' unprivileged
+    /// `user`, or uid 1000 in a stored image, which may have no such name.
+    /// Root is never the default: it must be asked for.
+    pub fn default_user(&self) -> forkbox_proto::User {
+        use forkbox_proto::User;
+        let named = self
+            .run
+            .user
+            .as_deref()
+            .map(|u| u.split(':').next().unwrap_or(u))
+            .filter(|u| !u.is_empty() && *u != "root" && *u != "0");
+        match (named, &self.id) {
+            (Some(u), _) => u
+                .parse()
+                .map_or_else(|_| User::Name(u.to_owned()), User::Uid),
+            (None, None) => User::Name(forkbox_host::image::USER.to_owned()),
+            (None, Some(_)) => User::Uid(1000),
+        }
+    }
 }
 
 /// Why a template is not acceptable.
@@ -587,6 +609,34 @@ mod tests {
             (ImageName::Minimal.into(), None)
         );
         assert!(builtin.env().is_empty() && builtin.working_dir().is_none());
+    }
+
+    #[test]
+    fn resolved_image_default_user_is_the_image_s_unless_root_never_root() {
+        use forkbox_proto::User;
+        let stored = |user: Option<&str>| ResolvedImage {
+            root: RootImage::Layers(Vec::new()),
+            id: Some(forkbox_image::Digest::of(b"x")),
+            run: forkbox_image::RunConfig {
+                user: user.map(str::to_owned),
+                ..Default::default()
+            },
+        };
+        assert_eq!(stored(Some("app")).default_user(), User::Name("app".into()));
+        assert_eq!(stored(Some("1001:1001")).default_user(), User::Uid(1001));
+        assert_eq!(
+            stored(Some("app:staff")).default_user(),
+            User::Name("app".into())
+        );
+        for root in [Some("root"), Some("0"), Some("0:0"), Some(""), None] {
+            assert_eq!(stored(root).default_user(), User::Uid(1000), "{root:?}");
+        }
+        let builtin = ResolvedImage {
+            root: ImageName::Minimal.into(),
+            id: None,
+            run: Default::default(),
+        };
+        assert_eq!(builtin.default_user(), User::Name("user".into()));
     }
 
     #[test]

@@ -27,8 +27,9 @@ pub struct ExecBody {
     pub envs: BTreeMap<String, String>,
     #[serde(default)]
     pub cwd: Option<String>,
-    /// A user name or a numeric uid; default `user`, the image's
-    /// unprivileged user (`root` must be asked for).
+    /// A user name or a numeric uid; default the image's unprivileged user
+    /// (`user` in the built-in images; a stored image's `User` unless
+    /// root, else uid 1000; `root` must be asked for).
     #[serde(default)]
     pub user: Option<String>,
     /// Wall-clock limit in seconds; on expiry the process group is killed
@@ -80,14 +81,13 @@ const DEFAULT_BUFFERED_CAP: u64 = 16 << 20;
 /// Largest `output_cap` of a buffered command (per stream).
 const MAX_BUFFERED_CAP: u64 = 256 << 20;
 
-/// Whom a request acts as when it names nobody: the image's unprivileged
-/// user. Policy code runs without root unless the caller asks for it.
-pub const DEFAULT_USER: &str = forkbox_host::image::USER;
-
 /// The user a request's `user` field names (`None`: root, asked for as
-/// `root` or `0`); absent: [`DEFAULT_USER`].
-pub(super) fn acting_user(named: Option<String>) -> Option<User> {
-    let named = named.unwrap_or_else(|| DEFAULT_USER.to_owned());
+/// `root` or `0`); absent: `default`, the sandbox's
+/// (`Daemon::default_user`: its image's unprivileged user).
+pub(super) fn acting_user(default: User, named: Option<String>) -> Option<User> {
+    let Some(named) = named else {
+        return Some(default);
+    };
     match named.parse::<u32>() {
         Ok(0) => None,
         Ok(uid) => Some(User::Uid(uid)),
@@ -100,6 +100,7 @@ pub(super) fn exec_request(
     b: ExecBody,
     buffered: bool,
     bounds: &Bounds,
+    default_user: User,
 ) -> ApiResult<(ExecRequest, Option<Vec<u8>>)> {
     let mut req = match (b.cmd, b.argv) {
         (Some(c), None) => ExecRequest::shell(c),
@@ -112,7 +113,7 @@ pub(super) fn exec_request(
     };
     req.env = b.envs;
     req.cwd = b.cwd;
-    req.user = acting_user(b.user);
+    req.user = acting_user(default_user, b.user);
     req.timeout = secs(b.timeout_secs, "timeout_secs")?;
     if let Some(t) = req.timeout.filter(|t| *t > bounds.max_exec) {
         return Err(ApiError::BadRequest(format!(
@@ -167,11 +168,12 @@ pub(super) async fn command_run(
 ) -> ApiResult<Response> {
     let framing = Framing::accepted(&headers, &[Framing::Ndjson, Framing::Sse]);
     if b.background {
-        let (req, stdin) = exec_request(b, false, daemon.bounds())?;
+        let (req, stdin) = exec_request(b, false, daemon.bounds(), daemon.default_user(&id))?;
         let pid = daemon.spawn_process(&id, req, stdin).await?;
         return Ok(Json(ProcessStarted { pid }).into_response());
     }
-    let (req, stdin) = exec_request(b, framing.is_none(), daemon.bounds())?;
+    let default_user = daemon.default_user(&id);
+    let (req, stdin) = exec_request(b, framing.is_none(), daemon.bounds(), default_user)?;
     let cap = req.output_cap.unwrap_or(DEFAULT_BUFFERED_CAP);
     let mut rx = daemon.exec(&id, req, stdin)?;
     let Some(framing) = framing else {

@@ -35,8 +35,10 @@ pub(super) struct DownloadQuery {
     /// default).
     max_bytes: Option<u64>,
     /// Whose rights the call acts with: a user name or a numeric uid;
-    /// default `user`, the image's unprivileged user (`root` must be asked
-    /// for). The guest's kernel checks every path as that user's.
+    /// default the image's unprivileged user (`user` in the built-in
+    /// images; a stored image's `User` unless root, else uid 1000; `root`
+    /// must be asked for). The guest's kernel checks every path as that
+    /// user's.
     user: Option<String>,
 }
 
@@ -46,8 +48,10 @@ pub(super) struct PathQuery {
     /// An absolute guest path.
     path: String,
     /// Whose rights the call acts with: a user name or a numeric uid;
-    /// default `user`, the image's unprivileged user (`root` must be asked
-    /// for). The guest's kernel checks every path as that user's.
+    /// default the image's unprivileged user (`user` in the built-in
+    /// images; a stored image's `User` unless root, else uid 1000; `root`
+    /// must be asked for). The guest's kernel checks every path as that
+    /// user's.
     user: Option<String>,
 }
 
@@ -58,8 +62,10 @@ pub(super) struct WriteQuery {
     /// Permission bits in octal (default 644).
     mode: Option<String>,
     /// Whose rights the call acts with: a user name or a numeric uid;
-    /// default `user`, the image's unprivileged user (`root` must be asked
-    /// for). The guest's kernel checks every path as that user's.
+    /// default the image's unprivileged user (`user` in the built-in
+    /// images; a stored image's `User` unless root, else uid 1000; `root`
+    /// must be asked for). The guest's kernel checks every path as that
+    /// user's.
     user: Option<String>,
 }
 
@@ -70,8 +76,10 @@ pub(super) struct RemoveQuery {
     /// Remove a whole tree.
     recursive: Option<bool>,
     /// Whose rights the call acts with: a user name or a numeric uid;
-    /// default `user`, the image's unprivileged user (`root` must be asked
-    /// for). The guest's kernel checks every path as that user's.
+    /// default the image's unprivileged user (`user` in the built-in
+    /// images; a stored image's `User` unless root, else uid 1000; `root`
+    /// must be asked for). The guest's kernel checks every path as that
+    /// user's.
     user: Option<String>,
 }
 
@@ -158,7 +166,13 @@ async fn download(
         }
         Some(m) => m,
     };
-    let rx = daemon.download(&id, acting_user(q.user), what, path, max)?;
+    let rx = daemon.download(
+        &id,
+        acting_user(daemon.default_user(&id), q.user),
+        what,
+        path,
+        max,
+    )?;
     download_response(daemon, rx, content_type, max).await
 }
 
@@ -240,7 +254,13 @@ pub(super) async fn file_write(
             })?,
     };
     let bytes = daemon
-        .write_file(&id, acting_user(q.user), path.clone(), mode, body)
+        .write_file(
+            &id,
+            acting_user(daemon.default_user(&id), q.user),
+            path.clone(),
+            mode,
+            body,
+        )
         .await?;
     Ok(Json(Written { path, bytes }))
 }
@@ -256,7 +276,12 @@ pub(super) async fn file_remove(
     let path = guest_path(q.path)?;
     let recursive = q.recursive.unwrap_or(false);
     daemon
-        .remove_path(&id, acting_user(q.user), path, recursive)
+        .remove_path(
+            &id,
+            acting_user(daemon.default_user(&id), q.user),
+            path,
+            recursive,
+        )
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -271,7 +296,11 @@ pub(super) async fn file_list(
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
     let entries = daemon
-        .list_dir(&id, acting_user(q.user), path.clone())
+        .list_dir(
+            &id,
+            acting_user(daemon.default_user(&id), q.user),
+            path.clone(),
+        )
         .await?;
     let base = path.trim_end_matches('/');
     Ok(Json(
@@ -296,7 +325,9 @@ pub(super) async fn file_stat(
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
     Ok(Json(stat_json(
-        &daemon.stat(&id, acting_user(q.user), path).await?,
+        &daemon
+            .stat(&id, acting_user(daemon.default_user(&id), q.user), path)
+            .await?,
     )))
 }
 
@@ -309,7 +340,9 @@ pub(super) async fn file_mkdir(
 ) -> ApiResult<StatusCode> {
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
-    daemon.mkdir(&id, acting_user(q.user), path).await?;
+    daemon
+        .mkdir(&id, acting_user(daemon.default_user(&id), q.user), path)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -341,7 +374,12 @@ pub(super) async fn tar_upload(
     let q: PathQuery = query(raw)?;
     let path = guest_path(q.path)?;
     let bytes = daemon
-        .upload_tar(&id, acting_user(q.user), path.clone(), body)
+        .upload_tar(
+            &id,
+            acting_user(daemon.default_user(&id), q.user),
+            path.clone(),
+            body,
+        )
         .await?;
     Ok(Json(Written { path, bytes }))
 }

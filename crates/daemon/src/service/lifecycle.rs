@@ -128,6 +128,7 @@ pub enum Reply {
 pub(super) struct Inherited {
     envs: BTreeMap<String, String>,
     cwd: Option<String>,
+    user: forkbox_proto::User,
     spec: TemplateSpec,
     /// The parent's policy as written down (the one in force, when the
     /// fork says).
@@ -279,7 +280,11 @@ impl Daemon {
         let mut envs = image.as_ref().map(|i| i.env()).unwrap_or_default();
         envs.extend(template.envs.clone());
         envs.extend(req.envs);
-        let cwd = image.and_then(|i| i.working_dir());
+        let cwd = image.as_ref().and_then(|i| i.working_dir());
+        let user = image.map_or_else(
+            || forkbox_proto::User::Name(forkbox_host::image::USER.to_owned()),
+            |i| i.default_user(),
+        );
         let policy = req.network.unwrap_or_else(Policy::deny_all);
         let opts = ForkOptions {
             policy: Some(policy.clone()),
@@ -311,6 +316,7 @@ impl Daemon {
                                 policy,
                                 envs,
                                 cwd,
+                                user,
                                 spec: template,
                                 ports: BTreeMap::new(),
                                 baseline,
@@ -445,6 +451,7 @@ impl Daemon {
             let inherited = Inherited {
                 envs: live.envs.clone(),
                 cwd: live.cwd.clone(),
+                user: live.user.clone(),
                 spec: live.spec.clone(),
                 policy: live.policy.clone(),
                 baseline: live.baseline.clone(),
@@ -598,6 +605,7 @@ impl Daemon {
                         policy: inherited.policy.clone(),
                         envs: inherited.envs.clone(),
                         cwd: inherited.cwd.clone(),
+                        user: inherited.user.clone(),
                         spec: inherited.spec.clone(),
                         ports: BTreeMap::new(),
                         baseline: inherited.baseline.clone(),

@@ -189,6 +189,9 @@ struct Live {
     /// Where its commands start when they do not say: its image's
     /// `WorkingDir` (`None`: the agent's default).
     cwd: Option<String>,
+    /// Whom its commands and file calls act as when they name nobody
+    /// (`ResolvedImage::default_user`).
+    user: forkbox_proto::User,
     /// Its template's recipe and resources (a template made from the
     /// sandbox copies them).
     spec: TemplateSpec,
@@ -327,6 +330,17 @@ impl Daemon {
     /// Counts a failed request by kind (the HTTP edge calls this).
     pub fn count_error(&self, e: &DaemonError) {
         self.inner.metrics.error(e.kind());
+    }
+
+    /// Whom calls to sandbox `id` act as when they name nobody: its
+    /// image's unprivileged user (for a sandbox that is not there, the
+    /// built-in images' `user`: the call itself then fails saying why).
+    pub fn default_user(&self, id: &SandboxId) -> forkbox_proto::User {
+        let s = self.lock();
+        s.machines.get(id).map_or_else(
+            || forkbox_proto::User::Name(forkbox_host::image::USER.to_owned()),
+            |live| live.user.clone(),
+        )
     }
 
     fn machine(&self, id: &SandboxId) -> Result<Arc<dyn BackendVm>, DaemonError> {

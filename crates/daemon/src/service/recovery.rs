@@ -37,6 +37,7 @@ impl Daemon {
             created_unix: r.created_unix,
             envs: live.envs.clone(),
             cwd: live.cwd.clone(),
+            user: Some(live.user.clone()),
             spec: live.spec.clone(),
             vm,
             network: Some(live.policy.clone()),
@@ -124,6 +125,9 @@ impl Daemon {
                             policy: saved.network.unwrap_or_else(Policy::deny_all),
                             envs: saved.envs,
                             cwd: saved.cwd,
+                            user: saved.user.unwrap_or_else(|| {
+                                forkbox_proto::User::Name(forkbox_host::image::USER.to_owned())
+                            }),
                             spec: saved.spec,
                             ports: BTreeMap::new(),
                             baseline: saved.baseline.map(Arc::new),

@@ -768,6 +768,7 @@ mod tests {
             config: forkbox_image::RunConfig {
                 env: vec!["PATH=/img/bin".into(), "SHARED=image".into()],
                 working_dir: Some("/work".into()),
+                user: Some("app".into()),
                 ..Default::default()
             },
             manifest: None,
@@ -829,6 +830,11 @@ mod tests {
             let mut events = d.exec(&a.id, req, None).expect("exec");
             while events.recv().await.is_some() {}
         }
+        assert_eq!(
+            d.default_user(&a.id),
+            forkbox_proto::User::Name("app".into()),
+            "the image's User"
+        );
         let seen = seen.lock().expect("seen").clone();
         let want = |cmd: &str, shared: &str, cwd: &str| {
             let env = BTreeMap::from([
