@@ -209,6 +209,11 @@ fn import_oci_layout_unpacks_layers_that_overlayfs_stacks_as_the_image() {
         xattr(&b.0.join("usr/bin/ping"), "security.capability").map(|v| v.len()),
         Some(20)
     );
+    assert!(b.0.join("etc/sneaky").exists());
+    assert_eq!(
+        xattr(&b.0.join("etc/sneaky"), "trusted.overlay.opaque"),
+        None
+    );
     let gone = fs::symlink_metadata(t.0.join("etc/passwd")).expect("whiteout");
     assert!(gone.file_type().is_char_device() && gone.rdev() == 0);
     assert_eq!(

@@ -109,6 +109,8 @@ pub fn base_layer() -> Vec<u8> {
                 1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
             ],
         ),
+        // overlayfs's own attribute: dropped, never in the layer.
+        E::Xattr("etc/sneaky", "trusted.overlay.opaque", b"y"),
         E::Fifo("run-fifo"),
         E::Char("null", 1, 3),
     ])
