@@ -34,7 +34,7 @@ const IMAGE_NAME: &str = "io.containerd.image.name";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
-    #[error("{path}")]
+    #[error("cannot read {path}")]
     Read {
         path: PathBuf,
         #[source]
