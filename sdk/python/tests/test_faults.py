@@ -4,12 +4,15 @@ killed, and a bystander sandbox is not affected."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Iterator
 
 import pytest
 
-from forkbox import ForkboxError, GuestEndedError, Sandbox
+from forkbox import (DownloadInterruptedError, ForkboxError, GuestEndedError, Sandbox,
+                     TooLargeError)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,61 @@ def test_guest_that_ends_its_own_vm_is_its_own_failure(bystander: Sandbox, how: 
         _unaffected(bystander)
     finally:
         sb.kill()
+
+
+def test_vmm_killed_from_outside_is_infrastructure_and_harms_no_bystander(bystander: Sandbox) -> None:
+    """A VMM that dies of a host's SIGKILL: the next call is a 502 the
+    infrastructure owns, the sandbox is dead as `vm_lost`, the bystander
+    answers as before."""
+    sb = Sandbox.create("minimal", timeout=600)
+    try:
+        assert sb.commands.run("echo up").stdout == "up\n"
+        os.kill(int(sb.get_info()["metrics"]["vmm_pid"]), signal.SIGKILL)
+        with pytest.raises(ForkboxError) as caught:
+            sb.commands.run("true", timeout=60)
+        e = caught.value
+        assert e.infrastructure and e.status == 502, e
+        assert not isinstance(e, GuestEndedError), e
+        # The daemon's reaper records the death as it finds the VMM gone:
+        # at the latest within its next round.
+        deadline = time.monotonic() + 30
+        death = sb.get_info().get("death")
+        while death is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            death = sb.get_info().get("death")
+        assert isinstance(death, dict) and "vm_lost" in death, death
+        _unaffected(bystander)
+    finally:
+        sb.kill()
+
+
+def test_output_floods_are_cut_and_harm_no_bystander(bystander: Sandbox) -> None:
+    """A command that floods its stdout (64 MiB) is cut at the output cap
+    (16 MiB kept); one that writes to the console (the serial log) ends as
+    commands do; the sandbox and the bystander answer after both."""
+    with Sandbox.create("minimal", timeout=600) as sb:
+        r = sb.commands.run("head -c 67108864 /dev/zero | tr '\\0' x", timeout=300)
+        assert r.exit_code == 0, r
+        # The daemon keeps at most 16 MiB of a buffered command's stdout.
+        assert len(r.stdout) == 16 << 20 and set(r.stdout) == {"x"}, len(r.stdout)
+        # Every console byte is a VM exit: 256 KiB, not the 8 MiB the
+        # serial log holds (a unit test holds that cap).
+        r = sb.commands.run("head -c 262144 /dev/zero | tr '\\0' y > /dev/console; echo done",
+                            timeout=300, user="root")
+        assert (r.exit_code, r.stdout) == (0, "done\n"), r
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+        _unaffected(bystander)
+
+
+def test_endless_file_read_is_too_large_and_harms_no_bystander(bystander: Sandbox) -> None:
+    """Reading a file that never ends (`/dev/zero`) stops at `max_bytes`:
+    its size is not known before it streams, so the cut comes mid-stream
+    and the SDK says `DownloadInterruptedError` (a file known to be too
+    large is a `TooLargeError` before anything streams); never an
+    infrastructure failure. The sandbox and the bystander answer after."""
+    with Sandbox.create("minimal", timeout=600) as sb:
+        with pytest.raises((TooLargeError, DownloadInterruptedError)) as caught:
+            sb.files.read("/dev/zero", format="bytes", max_bytes=1 << 20, user="root")
+        assert not caught.value.infrastructure, caught.value
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+        _unaffected(bystander)
