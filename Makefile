@@ -31,7 +31,11 @@ deps:
 		echo "make: installing Debian packages:$$missing"; \
 		SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 		$$SUDO apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing && \
+		case " $$missing " in *" docker-registry "*) \
+			echo "make: docker-registry is for the tests, which start their own on loopback: its system service (port 5000, all interfaces) is stopped and disabled"; \
+			$$SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true;; \
+		esac; \
 	fi
 
 # The emulated KVM host wants QEMU 10 (with 7.2 its kernel crashed under
