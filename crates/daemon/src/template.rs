@@ -233,6 +233,12 @@ pub struct TemplateInfo {
     pub zygote_rss_kib: Option<u64>,
 }
 
+/// Whom calls act as, unnamed, in a built-in image (and in a sandbox
+/// whose image is unknown: one recorded before images had users).
+pub fn builtin_user() -> forkbox_proto::User {
+    forkbox_proto::User::Name(forkbox_host::image::USER.to_owned())
+}
+
 /// A template's image, found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolvedImage {
@@ -281,7 +287,7 @@ impl ResolvedImage {
             (Some(u), _) => u
                 .parse()
                 .map_or_else(|_| User::Name(u.to_owned()), User::Uid),
-            (None, None) => User::Name(forkbox_host::image::USER.to_owned()),
+            (None, None) => builtin_user(),
             (None, Some(_)) => User::Uid(1000),
         }
     }
@@ -384,14 +390,8 @@ impl TemplateSpec {
         if !ok {
             return Err(TemplateError::BadName(n.clone()));
         }
-        let i = &self.image;
-        let image_ok = (1..=255).contains(&i.len())
-            && i.starts_with(|c: char| c.is_ascii_alphanumeric())
-            && i.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "._-/:@".contains(c))
-            && !i.contains("..");
-        if !image_ok {
-            return Err(TemplateError::BadImageName(i.clone()));
+        if !forkbox_image::store::is_name(&self.image) {
+            return Err(TemplateError::BadImageName(self.image.clone()));
         }
         VmShape {
             vcpus: self.vcpus,

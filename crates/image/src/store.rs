@@ -327,9 +327,7 @@ impl Store {
     }
 
     fn ref_path(&self, name: &str) -> Result<PathBuf, StoreError> {
-        let allowed = |c: char| c.is_ascii_alphanumeric() || "._-/:@".contains(c);
-        let starts_well = name.starts_with(|c: char| c.is_ascii_alphanumeric());
-        if !starts_well || name.len() > 255 || !name.chars().all(allowed) || name.contains("..") {
+        if !is_name(name) {
             return Err(StoreError::BadName(name.to_owned()));
         }
         // One file per name: `/` is the only character a name has that a
@@ -514,6 +512,16 @@ impl Store {
         collected.bytes += sweep(&t, &|_| false)?.1;
         Ok(collected)
     }
+}
+
+/// Whether `name` can name an image (or be an id): a letter or digit,
+/// then letters, digits and `._-/:@`, no `..`, at most 255 characters.
+pub fn is_name(name: &str) -> bool {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "._-/:@".contains(c);
+    name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.len() <= 255
+        && name.chars().all(allowed)
+        && !name.contains("..")
 }
 
 /// Removes what `keep` does not name in `dir`; returns how many entries

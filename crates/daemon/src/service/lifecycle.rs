@@ -281,10 +281,7 @@ impl Daemon {
         envs.extend(template.envs.clone());
         envs.extend(req.envs);
         let cwd = image.as_ref().and_then(|i| i.working_dir());
-        let user = image.map_or_else(
-            || forkbox_proto::User::Name(forkbox_host::image::USER.to_owned()),
-            |i| i.default_user(),
-        );
+        let user = image.map_or_else(crate::template::builtin_user, |i| i.default_user());
         let policy = req.network.unwrap_or_else(Policy::deny_all);
         let opts = ForkOptions {
             policy: Some(policy.clone()),

@@ -337,10 +337,9 @@ impl Daemon {
     /// built-in images' `user`: the call itself then fails saying why).
     pub fn default_user(&self, id: &SandboxId) -> forkbox_proto::User {
         let s = self.lock();
-        s.machines.get(id).map_or_else(
-            || forkbox_proto::User::Name(forkbox_host::image::USER.to_owned()),
-            |live| live.user.clone(),
-        )
+        s.machines
+            .get(id)
+            .map_or_else(crate::template::builtin_user, |live| live.user.clone())
     }
 
     fn machine(&self, id: &SandboxId) -> Result<Arc<dyn BackendVm>, DaemonError> {

@@ -125,9 +125,7 @@ impl Daemon {
                             policy: saved.network.unwrap_or_else(Policy::deny_all),
                             envs: saved.envs,
                             cwd: saved.cwd,
-                            user: saved.user.unwrap_or_else(|| {
-                                forkbox_proto::User::Name(forkbox_host::image::USER.to_owned())
-                            }),
+                            user: saved.user.unwrap_or_else(crate::template::builtin_user),
                             spec: saved.spec,
                             ports: BTreeMap::new(),
                             baseline: saved.baseline.map(Arc::new),
