@@ -69,18 +69,7 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
                 forkbox_image::import(&store, &path, name.as_deref(), &mut |p| progress.event(p))
                     .with_context(|| format!("importing {}", path.display()))?;
             progress.finish();
-            let image = &imported.image;
-            eprintln!(
-                "forkbox: imported {} ({} layers, {} unpacked now, {:.1} MiB of layers)",
-                image.id.short(),
-                image.layers.len(),
-                imported.unpacked,
-                mib(image.layer_bytes(&store)),
-            );
-            for n in &imported.names {
-                eprintln!("forkbox: named {n}");
-            }
-            println!("{}", image.id);
+            report("imported", &store, &imported);
         }
         ImageCmd::Pull {
             reference,
@@ -111,15 +100,7 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
                 ))
                 .with_context(|| format!("pulling {reference}"))?;
             progress.finish();
-            let image = &pulled.image;
-            eprintln!(
-                "forkbox: pulled {reference}: {} ({} layers, {} unpacked now, {:.1} MiB of layers)",
-                image.id.short(),
-                image.layers.len(),
-                pulled.unpacked,
-                mib(image.layer_bytes(&store)),
-            );
-            println!("{}", image.id);
+            report("pulled", &store, &pulled);
         }
         ImageCmd::Ls { json } => ls(&store()?, json)?,
         ImageCmd::Rm { name } => {
@@ -205,6 +186,22 @@ fn ls(store: &Store, json: bool) -> anyhow::Result<()> {
         println!("{name:<40} {short:<12} {layers:>6} {size:>10}  {used}");
     }
     Ok(())
+}
+
+/// What an import or pull stored, on stderr; the image's id on stdout.
+fn report(done: &str, store: &Store, imported: &forkbox_image::Imported) {
+    let image = &imported.image;
+    eprintln!(
+        "forkbox: {done} {} ({} layers, {} unpacked now, {:.1} MiB of layers)",
+        image.id.short(),
+        image.layers.len(),
+        imported.unpacked,
+        mib(image.layer_bytes(store)),
+    );
+    for n in &imported.names {
+        eprintln!("forkbox: named {n}");
+    }
+    println!("{}", image.id);
 }
 
 fn mib(bytes: u64) -> f64 {
