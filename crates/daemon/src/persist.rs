@@ -41,6 +41,10 @@ pub struct SavedSandbox {
     #[serde(default)]
     pub user: Option<forkbox_proto::User>,
     pub spec: TemplateSpec,
+    /// Its stored image's id (`None`: a built-in image, or state written
+    /// before templates kept the image they found).
+    #[serde(default)]
+    pub image_id: Option<forkbox_image::Digest>,
     pub vm: VmHandle,
     /// Its egress policy when last written: a re-adopted sandbox is
     /// served a new broker with it. `None` (state written before
@@ -56,6 +60,10 @@ pub struct SavedSandbox {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedTemplate {
     pub spec: TemplateSpec,
+    /// The stored image it boots, as found at its making (see
+    /// [`SavedSandbox::image_id`]).
+    #[serde(default)]
+    pub image_id: Option<forkbox_image::Digest>,
     pub from_sandbox: Option<SandboxId>,
     /// Unregistered (not just un-baked) when deleted.
     pub drop_on_failure: bool,
@@ -231,6 +239,7 @@ mod tests {
             cwd: Some("/work".into()),
             user: Some(forkbox_proto::User::Uid(1000)),
             spec: TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal),
+            image_id: None,
             vm: VmHandle {
                 dir: "/tmp/forkbox-vm-x".into(),
                 pid: 42,

@@ -231,6 +231,10 @@ pub struct TemplateInfo {
     /// copy-on-write, with every sandbox forked from it).
     pub zygote_pid: Option<u32>,
     pub zygote_rss_kib: Option<u64>,
+    /// The stored image it boots, by id, as found when the template was
+    /// made: moving the image's name later changes nothing for it (none
+    /// for a built-in image).
+    pub image_id: Option<String>,
 }
 
 /// Whom calls act as, unnamed, in a built-in image (and in a sandbox
@@ -251,6 +255,14 @@ pub struct ResolvedImage {
 }
 
 impl ResolvedImage {
+    pub fn builtin(name: ImageName) -> Self {
+        Self {
+            root: name.into(),
+            id: None,
+            run: Default::default(),
+        }
+    }
+
     /// The image's `Env` as a map (`NAME=value`; an entry without `=` is
     /// a name with an empty value).
     pub fn env(&self) -> BTreeMap<String, String> {
@@ -350,20 +362,23 @@ impl TemplateSpec {
 
     /// What its VMs boot: a built-in image, or a stored image's layers
     /// (with the image's id, for the store to keep it while the template
-    /// lives).
+    /// lives). `found` is the id an earlier resolution found (a template
+    /// written down, a sandbox's): that image, not what the name names
+    /// now. Reads the store: done once per template, never per sandbox.
     pub fn root_image(
         &self,
         images: Option<&forkbox_image::Store>,
+        found: Option<&forkbox_image::Digest>,
     ) -> Result<ResolvedImage, TemplateError> {
         if let Some(name) = self.builtin_image() {
-            return Ok(ResolvedImage {
-                root: name.into(),
-                id: None,
-                run: Default::default(),
-            });
+            return Ok(ResolvedImage::builtin(name));
         }
         let store = images.ok_or_else(|| TemplateError::UnknownImage(self.image.clone()))?;
-        let image = store.resolve(&self.image).map_err(|e| match e {
+        let image = match found {
+            Some(id) => store.image(id),
+            None => store.resolve(&self.image),
+        };
+        let image = image.map_err(|e| match e {
             forkbox_image::StoreError::NoImage(_) => {
                 TemplateError::UnknownImage(self.image.clone())
             }
@@ -424,13 +439,11 @@ impl TemplateSpec {
         Ok(())
     }
 
-    pub fn boot_spec(
-        &self,
-        boot_timeout: Duration,
-        images: Option<&forkbox_image::Store>,
-    ) -> Result<BackendVmSpec, TemplateError> {
-        Ok(BackendVmSpec {
-            image: self.root_image(images)?.root,
+    /// What its bake boots, `image` being its image found
+    /// ([`Self::root_image`]).
+    pub fn boot_spec(&self, boot_timeout: Duration, image: &ResolvedImage) -> BackendVmSpec {
+        BackendVmSpec {
+            image: image.root.clone(),
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             boot_timeout,
@@ -439,7 +452,7 @@ impl TemplateSpec {
                 // In the VM's own directory: the bake's log is nobody's.
                 egress_log: None,
             },
-        })
+        }
     }
 
     /// Whether creating from it replays a recipe after boot.
@@ -578,7 +591,7 @@ mod tests {
         store.tag("task/base:1", &image.id).expect("tag");
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         t.image = "task/base:1".into();
-        let resolved = t.root_image(Some(&store)).expect("resolved");
+        let resolved = t.root_image(Some(&store), None).expect("resolved");
         let paths = image
             .layers
             .iter()
@@ -597,13 +610,26 @@ mod tests {
             ])
         );
         assert_eq!(resolved.working_dir().as_deref(), Some("/work"));
+        // Found once, the image stays what the template boots: the name
+        // moved to another image (or gone) changes nothing.
+        let other = forkbox_image::Image {
+            id: forkbox_image::Digest::of(b"other config"),
+            layers: vec![layer(b"other")],
+            ..image.clone()
+        };
+        store.put_image(&other).expect("other image");
+        store.tag("task/base:1", &other.id).expect("moved tag");
+        let again = t.root_image(Some(&store), Some(&image.id)).expect("by id");
+        assert_eq!(again, resolved);
+        let now = t.root_image(Some(&store), None).expect("by name");
+        assert_eq!(now.id, Some(other.id.clone()));
         t.image = "task/base:2".into();
         assert!(matches!(
-            t.root_image(Some(&store)),
+            t.root_image(Some(&store), None),
             Err(TemplateError::UnknownImage(_))
         ));
         t.image = "minimal".into();
-        let builtin = t.root_image(Some(&store)).expect("builtin");
+        let builtin = t.root_image(Some(&store), None).expect("builtin");
         assert_eq!(
             (builtin.root.clone(), builtin.id.clone()),
             (ImageName::Minimal.into(), None)
@@ -652,7 +678,7 @@ mod tests {
         t.image = "ubuntu:24.04".into();
         t.validate().expect("a name the store may have");
         assert!(matches!(
-            t.boot_spec(Duration::from_secs(1), None),
+            t.root_image(None, None),
             Err(TemplateError::UnknownImage(_))
         ));
         t.image = "debian".into();
@@ -707,15 +733,13 @@ mod tests {
     fn template_network_is_the_bake_policy_default_deny() {
         let mut t = TemplateSpec::builtin(ImageName::Minimal);
         let boot = Duration::from_secs(1);
-        assert_eq!(
-            t.boot_spec(boot, None).expect("boot spec").network.policy,
-            Policy::deny_all()
-        );
+        let image = t.root_image(None, None).expect("built-in");
+        assert_eq!(t.boot_spec(boot, &image).network.policy, Policy::deny_all());
         t = serde_json::from_str(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["mirror.local:80"]}}"#,
         )
         .expect("parse");
-        let policy = t.boot_spec(boot, None).expect("boot spec").network.policy;
+        let policy = t.boot_spec(boot, &image).network.policy;
         assert_eq!(policy.allow_rules().len(), 1);
         let bad = serde_json::from_str::<TemplateSpec>(
             r#"{"name":"py","image":"minimal","network":{"allow_out":["x:99999"]}}"#,

@@ -40,8 +40,9 @@ pub fn template_spec(data: &[u8]) {
         assert!(!spec.name.contains('/') && spec.name != "." && spec.name != "..");
         // Without an image store, only a built-in image boots; a stored
         // image's name is unknown, and said so.
-        match spec.boot_spec(Duration::from_secs(1), None) {
-            Ok(boot) => {
+        match spec.root_image(None, None) {
+            Ok(image) => {
+                let boot = spec.boot_spec(Duration::from_secs(1), &image);
                 assert!(spec.builtin_image().is_some(), "{}", spec.image);
                 assert_eq!(boot.vcpus, spec.vcpus);
             }

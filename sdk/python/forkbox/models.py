@@ -89,6 +89,10 @@ class TemplateInfo:
     error: Optional[str] = None
     """Why the last bake failed."""
     bake_ms: Optional[int] = None
+    image_id: Optional[str] = None
+    """The stored image it boots (`sha256:…`), as found when it was made:
+    moving the image's name later changes nothing for it. `None`: a
+    built-in image."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The daemon's whole object, fields this SDK does not know included."""
 
@@ -102,7 +106,7 @@ class TemplateInfo:
                    from_sandbox=d.get("from_sandbox"), error=d.get("error"),
                    protect=list(d.get("protect") or []),
                    limits=dict(d.get("limits") or {}),
-                   bake_ms=d.get("bake_ms"), raw=dict(d))
+                   bake_ms=d.get("bake_ms"), image_id=d.get("image_id"), raw=dict(d))
 
 
 @dataclass

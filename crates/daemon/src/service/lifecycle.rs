@@ -130,6 +130,7 @@ pub(super) struct Inherited {
     cwd: Option<String>,
     user: forkbox_proto::User,
     spec: TemplateSpec,
+    image_id: Option<forkbox_image::Digest>,
     /// The parent's policy as written down (the one in force, when the
     /// fork says).
     policy: Policy,
@@ -241,7 +242,7 @@ impl Daemon {
     /// A sandbox from a template: a fork of the template's zygote, baked
     /// first if it is not yet.
     pub(super) async fn create(&self, req: CreateSandbox) -> Result<SandboxInfo, DaemonError> {
-        let (zygote, template, baseline) = match self.zygote(&req.template).await {
+        let (zygote, of) = match self.zygote(&req.template).await {
             Ok(z) => z,
             Err(e) => {
                 if !matches!(e, DaemonError::NoTemplate(_)) {
@@ -250,6 +251,7 @@ impl Daemon {
                 return Err(e);
             }
         };
+        let template = of.spec;
         let limits = template
             .limits
             .overridden_by(req.limits)
@@ -269,19 +271,12 @@ impl Daemon {
             .await?;
         let started = Instant::now();
         // The image's configuration under the template's and the
-        // request's (a stored image's: pinned while its template lives).
-        let image = match template.root_image(self.images()) {
-            Ok(image) => Some(image),
-            Err(e) => {
-                tracing::warn!(template = %template.name, "its image's configuration is not applied: {e}");
-                None
-            }
-        };
-        let mut envs = image.as_ref().map(|i| i.env()).unwrap_or_default();
+        // request's.
+        let mut envs = of.image.env();
         envs.extend(template.envs.clone());
         envs.extend(req.envs);
-        let cwd = image.as_ref().and_then(|i| i.working_dir());
-        let user = image.map_or_else(crate::template::builtin_user, |i| i.default_user());
+        let cwd = of.image.working_dir();
+        let user = of.image.default_user();
         let policy = req.network.unwrap_or_else(Policy::deny_all);
         let opts = ForkOptions {
             policy: Some(policy.clone()),
@@ -315,8 +310,9 @@ impl Daemon {
                                 cwd,
                                 user,
                                 spec: template,
+                                image_id: of.image.id.clone(),
                                 ports: BTreeMap::new(),
-                                baseline,
+                                baseline: of.baseline,
                             },
                         );
                         self.save(&s, &id);
@@ -450,6 +446,7 @@ impl Daemon {
                 cwd: live.cwd.clone(),
                 user: live.user.clone(),
                 spec: live.spec.clone(),
+                image_id: live.image_id.clone(),
                 policy: live.policy.clone(),
                 baseline: live.baseline.clone(),
             };
@@ -604,6 +601,7 @@ impl Daemon {
                         cwd: inherited.cwd.clone(),
                         user: inherited.user.clone(),
                         spec: inherited.spec.clone(),
+                        image_id: inherited.image_id.clone(),
                         ports: BTreeMap::new(),
                         baseline: inherited.baseline.clone(),
                     },

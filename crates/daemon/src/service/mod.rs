@@ -68,7 +68,7 @@ use crate::core::{
 use crate::metrics::Metrics;
 use crate::network::EgressLogs;
 use crate::persist::Store;
-use crate::template::TemplateSpec;
+use crate::template::{ResolvedImage, TemplateSpec};
 
 pub use error::{chain, DaemonError};
 pub use files::{Download, Transfer};
@@ -195,6 +195,9 @@ struct Live {
     /// Its template's recipe and resources (a template made from the
     /// sandbox copies them).
     spec: TemplateSpec,
+    /// Its template's stored image (`None`: a built-in image), which a
+    /// template made from the sandbox boots too.
+    image_id: Option<forkbox_image::Digest>,
     /// Open port forwards by guest port; they close with the sandbox
     /// (dropping one stops its listener and its connections).
     ports: BTreeMap<u16, PortForward>,
@@ -282,6 +285,7 @@ impl Daemon {
         .map(|i| {
             let t = Template {
                 spec: TemplateSpec::builtin(i),
+                image: Arc::new(ResolvedImage::builtin(i)),
                 from_sandbox: None,
                 drop_on_failure: false,
                 zygote: Zygote::None { error: None },

@@ -39,6 +39,7 @@ impl Daemon {
             cwd: live.cwd.clone(),
             user: Some(live.user.clone()),
             spec: live.spec.clone(),
+            image_id: live.image_id.clone(),
             vm,
             network: Some(live.policy.clone()),
             baseline: live.baseline.as_deref().cloned(),
@@ -67,6 +68,18 @@ impl Daemon {
         let (templates, mut sandboxes) = store.load();
         let (mut adopted, mut cleared) = (0, 0);
         for t in templates {
+            // Its image as found at its making (older state: as its name
+            // finds it now); pinned in the store while it lives.
+            let image = match t.spec.root_image(self.images(), t.image_id.as_ref()) {
+                Ok(image) => Arc::new(image),
+                Err(e) => {
+                    cleared += 1;
+                    tracing::warn!(template = %t.spec.name, "cannot find a template's image; clearing its zygote away: {e}");
+                    backend.discard(&t.vm);
+                    store.forget_template(&t.spec.name);
+                    continue;
+                }
+            };
             let network = t.network.map(|policy| NetworkSpec {
                 policy,
                 egress_log: None,
@@ -79,6 +92,7 @@ impl Daemon {
                         name,
                         Template {
                             spec: t.spec,
+                            image,
                             from_sandbox: t.from_sandbox,
                             drop_on_failure: t.drop_on_failure,
                             zygote: Zygote::Ready {
@@ -127,6 +141,7 @@ impl Daemon {
                             cwd: saved.cwd,
                             user: saved.user.unwrap_or_else(crate::template::builtin_user),
                             spec: saved.spec,
+                            image_id: saved.image_id,
                             ports: BTreeMap::new(),
                             baseline: saved.baseline.map(Arc::new),
                         },

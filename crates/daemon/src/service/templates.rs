@@ -22,7 +22,7 @@ use super::{blocking, chain, reap, Baseline, Daemon, DaemonError};
 use crate::backend::{BackendError, BackendVm, ForkOptions};
 use crate::core::SandboxId;
 use crate::persist::SavedTemplate;
-use crate::template::{TemplateInfo, TemplateSpec, TemplateState};
+use crate::template::{ResolvedImage, TemplateInfo, TemplateSpec, TemplateState};
 
 /// One event of a template bake.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -100,6 +100,9 @@ pub(super) type BakeWatch = watch::Receiver<Option<Result<(), BakeFailure>>>;
 /// A template and its zygote.
 pub(super) struct Template {
     pub(super) spec: TemplateSpec,
+    /// Its image, found once when the template was made: every sandbox
+    /// of it gets this image's configuration without asking the store.
+    pub(super) image: Arc<ResolvedImage>,
     pub(super) from_sandbox: Option<SandboxId>,
     /// Made by a request (not built in): a failed first bake unregisters
     /// it, so the same name can be tried again.
@@ -139,8 +142,17 @@ impl Template {
             bake_ms,
             zygote_pid: pid,
             zygote_rss_kib: pid.and_then(measure::rss_kib),
+            image_id: self.image.id.as_ref().map(ToString::to_string),
         }
     }
+}
+
+/// A zygote's template, as a sandbox forked from it needs it.
+pub(super) struct ZygoteOf {
+    pub(super) spec: TemplateSpec,
+    pub(super) image: Arc<ResolvedImage>,
+    /// Its protected paths' record.
+    pub(super) baseline: Option<Arc<Baseline>>,
 }
 
 /// What asking for a bake found.
@@ -160,14 +172,19 @@ impl Daemon {
         id: &SandboxId,
         name: String,
     ) -> Result<TemplateInfo, DaemonError> {
-        let (machine, mut spec, baseline) = {
+        let (machine, mut spec, baseline, image_id) = {
             let s = self.lock();
             // "snapshot": the API's word for it, in messages and events.
             let (_, live) = s.forkable(id, "snapshot")?;
             let mut spec = live.spec.clone();
             spec.envs = live.envs.clone();
-            (live.machine.clone(), spec, live.baseline.clone())
+            let image_id = live.image_id.clone();
+            (live.machine.clone(), spec, live.baseline.clone(), image_id)
         };
+        // The sandbox's own image, whatever its name names now.
+        let image = spec
+            .root_image(self.images(), image_id.as_ref())
+            .map_err(DaemonError::BadTemplate)?;
         // Its state holds what the recipe did; it is never baked.
         spec.name = name.clone();
         spec.setup.clear();
@@ -178,6 +195,7 @@ impl Daemon {
         self.register(
             Template {
                 spec,
+                image: Arc::new(image),
                 from_sandbox: Some(id.clone()),
                 drop_on_failure: true,
                 zygote: Zygote::Baking(rx),
@@ -255,12 +273,14 @@ impl Daemon {
     /// unregistered again).
     pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         spec.validate().map_err(DaemonError::BadTemplate)?;
-        spec.boot_spec(self.inner.config.boot_timeout, self.images())
+        let image = spec
+            .root_image(self.images(), None)
             .map_err(DaemonError::BadTemplate)?;
         let name = spec.name.clone();
         self.register(
             Template {
                 spec,
+                image: Arc::new(image),
                 from_sandbox: None,
                 drop_on_failure: true,
                 zygote: Zygote::None { error: None },
@@ -313,7 +333,7 @@ impl Daemon {
         if !replace && s.templates.contains_key(&t.spec.name) {
             return Err(DaemonError::TemplateExists(t.spec.name));
         }
-        self.pin_image(&t.spec)?;
+        self.pin_image(&t)?;
         s.templates.insert(t.spec.name.clone(), t);
         Ok(())
     }
@@ -323,20 +343,17 @@ impl Daemon {
         self.inner.config.images.as_ref().map(|(store, _)| store)
     }
 
-    /// Keeps the stored image `spec` names in the store while its template
+    /// Keeps the stored image of `t` in the store while the template
     /// lives (`forkbox image rm` and `gc` leave it); nothing for a
     /// built-in image.
-    fn pin_image(&self, spec: &TemplateSpec) -> Result<(), DaemonError> {
+    fn pin_image(&self, t: &Template) -> Result<(), DaemonError> {
         let Some((store, holder)) = &self.inner.config.images else {
             return Ok(());
         };
-        let id = spec
-            .root_image(Some(store))
-            .map_err(DaemonError::BadTemplate)?
-            .id;
-        match id {
-            Some(id) => store.pin(&format!("{holder}: template {}", spec.name), &id),
-            None => store.unpin(&format!("{holder}: template {}", spec.name)),
+        let holder = format!("{holder}: template {}", t.spec.name);
+        match &t.image.id {
+            Some(id) => store.pin(&holder, id),
+            None => store.unpin(&holder),
         }
         .map_err(|e| DaemonError::infra("pinning the template's image in the store", e))
     }
@@ -350,12 +367,12 @@ impl Daemon {
         }
     }
 
-    /// The zygote of `name`, its spec and its protected paths' record,
-    /// baking it first when needed.
+    /// The zygote of `name` with its template, baking it first when
+    /// needed.
     pub(super) async fn zygote(
         &self,
         name: &str,
-    ) -> Result<(Arc<dyn BackendVm>, TemplateSpec, Option<Arc<Baseline>>), DaemonError> {
+    ) -> Result<(Arc<dyn BackendVm>, ZygoteOf), DaemonError> {
         loop {
             let mut w = match self.start_bake(name, None)? {
                 BakeStart::Ready => {
@@ -368,7 +385,14 @@ impl Daemon {
                         machine, baseline, ..
                     } = &t.zygote
                     {
-                        return Ok((machine.clone(), t.spec.clone(), baseline.clone()));
+                        return Ok((
+                            machine.clone(),
+                            ZygoteOf {
+                                spec: t.spec.clone(),
+                                image: t.image.clone(),
+                                baseline: baseline.clone(),
+                            },
+                        ));
                     }
                     continue;
                 }
@@ -401,16 +425,10 @@ impl Daemon {
             Zygote::Baking(w) => return Ok(BakeStart::InProgress(w.clone())),
             Zygote::None { .. } => {}
         }
-        let machine_spec = t
-            .spec
-            .boot_spec(self.inner.config.boot_timeout, self.images())
-            .map_err(DaemonError::BadTemplate)?;
+        let machine_spec = t.spec.boot_spec(self.inner.config.boot_timeout, &t.image);
         // The recipe runs in the image's environment and directory, the
         // template's own variables over the image's.
-        let image = t
-            .spec
-            .root_image(self.images())
-            .map_err(DaemonError::BadTemplate)?;
+        let image = t.image.clone();
         let mut recipe_envs = image.env();
         recipe_envs.extend(t.spec.envs.clone());
         let recipe_cwd = image.working_dir();
@@ -537,6 +555,7 @@ impl Daemon {
                 if let (Some(store), Some(vm)) = (&self.inner.store, machine.handle()) {
                     store.save_template(&SavedTemplate {
                         spec: t.spec.clone(),
+                        image_id: t.image.id.clone(),
                         from_sandbox: t.from_sandbox.clone(),
                         drop_on_failure: t.drop_on_failure,
                         bake_ms: took.as_millis() as u64,
@@ -855,16 +874,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_template_of_a_stored_image_pins_it_until_it_is_deleted() {
+    async fn a_template_keeps_the_stored_image_it_found_pinned_until_it_is_deleted() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = forkbox_image::Store::open(dir.path()).expect("store");
-        let image = forkbox_image::Image {
-            id: forkbox_image::Digest::of(b"config"),
+        let image_of = |config: &[u8], user: &str| forkbox_image::Image {
+            id: forkbox_image::Digest::of(config),
             layers: Vec::new(),
-            config: Default::default(),
+            config: forkbox_image::RunConfig {
+                user: Some(user.into()),
+                ..Default::default()
+            },
             manifest: None,
             created: None,
         };
+        let image = image_of(b"config", "app");
         store.put_image(&image).expect("image");
         store.tag("task:1", &image.id).expect("tag");
         let d = Daemon::new(
@@ -890,9 +913,36 @@ mod tests {
             store.remove("task:1"),
             Err(forkbox_image::StoreError::InUse { .. })
         ));
+        // The name moves to another image: the template, its sandboxes
+        // and a snapshot of one keep the image the bake found.
+        let other = image_of(b"other config", "bob");
+        store.put_image(&other).expect("other image");
+        store.tag("task:1", &other.id).expect("moved");
+        let a = created_with(&d, "t", None).await;
+        assert_eq!(
+            d.default_user(&a.id),
+            forkbox_proto::User::Name("app".into())
+        );
+        let snap = d
+            .template_from_sandbox(&a.id, "snap".into())
+            .await
+            .expect("snapshot");
+        let id = Some(image.id.to_string());
+        assert_eq!(
+            (d.template("t").expect("t").image_id, snap.image_id),
+            (id.clone(), id)
+        );
+        let pins = store.pins().expect("pins");
+        assert_eq!(pins.get("forkboxd test: template snap"), Some(&image.id));
+        let b = created_with(&d, "snap", None).await;
+        assert_eq!(
+            d.default_user(&b.id),
+            forkbox_proto::User::Name("app".into())
+        );
         d.delete_template("t").expect("deleted");
+        d.delete_template("snap").expect("deleted");
         assert!(store.pins().expect("pins").is_empty());
-        store.remove("task:1").expect("free to go");
+        store.remove(&image.id.to_string()).expect("free to go");
     }
 
     #[tokio::test]
