@@ -29,8 +29,6 @@ class EventReader(Protocol[T_co]):
 
     def ended(self) -> Exception: ...
 
-MAX_BYTES_HEADER = "x-forkbox-max-bytes"
-
 DEFAULT_ROOT_SOCKET = "/run/forkbox/forkbox.sock"
 
 
@@ -75,10 +73,61 @@ def _error_of(r: httpx.Response) -> ForkboxError:
     return from_response(r.status_code, body)
 
 
-def _whole(r: httpx.Response, chunks: "list[bytes]") -> httpx.Response:
-    """A downloaded answer as one response, its body read."""
-    return httpx.Response(r.status_code, headers=r.headers, content=b"".join(chunks),
-                          request=r.request)
+FRAMES = "application/vnd.forkbox.frames"
+_FRAME_DATA, _FRAME_END, _FRAME_FAILED = 0, 1, 2
+
+
+class _Frames:
+    """Reads a framed download (`Accept: application/vnd.forkbox.frames`):
+    frames of a kind byte, a 4-byte big-endian length and the payload,
+    data frames then one end (`1`) or failure (`2`, JSON `{"status": N,
+    "error": {…}}`). The daemon says how a download ended, so a cut is
+    never guessed from the bytes that came."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._data: "list[bytes]" = []
+        self.received = 0
+        self._end: Optional[ForkboxError] = None
+        self._ended = False
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        while not self._ended and len(self._buf) >= 5:
+            kind, n = self._buf[0], int.from_bytes(self._buf[1:5], "big")
+            if len(self._buf) < 5 + n:
+                return
+            payload = bytes(self._buf[5:5 + n])
+            del self._buf[:5 + n]
+            if kind == _FRAME_DATA:
+                self._data.append(payload)
+                self.received += n
+            elif kind == _FRAME_END:
+                self._ended = True
+            elif kind == _FRAME_FAILED:
+                body = json.loads(payload)
+                self._end = from_response(int(body.get("status", 500)), body)
+                self._ended = True
+            else:
+                raise ForkboxError(f"a download frame of unknown kind {kind}: is the daemon newer "
+                                   "than this SDK?", "protocol")
+
+    def result(self, r: httpx.Response, cut: Optional[Exception] = None) -> httpx.Response:
+        """The download as one response, its body read; or the error its
+        last frame names; or `DownloadInterruptedError` when it never came
+        (`cut`: the transport's error, if one ended the body)."""
+        if self._end is not None:
+            raise self._end
+        if not self._ended:
+            raise from_cut_download(self.received) from cut
+        return httpx.Response(r.status_code, headers=r.headers, content=b"".join(self._data),
+                              request=r.request)
+
+
+def _download_headers(kw: Dict[str, Any]) -> Dict[str, Any]:
+    headers = dict(kw.pop("headers", {}))
+    headers["Accept"] = FRAMES
+    return headers
 
 
 def _ndjson_line(line: str) -> Optional[Dict[str, Any]]:
@@ -124,22 +173,25 @@ class Client:
         return r.json() if r.content else None
 
     def download(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """A file read or tar download: its response, whole. A body cut
-        short is `TooLargeError` (cut at its limit) or
+        """A file read or tar download: its response, whole, its body the
+        file's or archive's bytes. One that fails after its answer started
+        raises what the daemon said (`TooLargeError` at its limit,
+        `GuestTimeoutError`, an `InfrastructureError` if its VM died); a
+        body that stops before the daemon said how it ended is
         `DownloadInterruptedError`, never `DaemonUnavailableError`."""
+        headers = _download_headers(kw)
         try:
-            with self._http.stream(method, path, **kw) as r:
+            with self._http.stream(method, path, headers=headers, **kw) as r:
                 if r.status_code >= 400:
                     r.read()
                     raise _error_of(r)
-                chunks: "list[bytes]" = []
+                frames = _Frames()
                 try:
                     for c in r.iter_bytes():
-                        chunks.append(c)
+                        frames.feed(c)
                 except httpx.TransportError as e:
-                    got = sum(map(len, chunks))
-                    raise from_cut_download(got, r.headers.get(MAX_BYTES_HEADER)) from e
-                return _whole(r, chunks)
+                    return frames.result(r, e)
+                return frames.result(r)
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 
@@ -200,19 +252,19 @@ class AsyncClient:
 
     async def download(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """As `Client.download`."""
+        headers = _download_headers(kw)
         try:
-            async with self._http.stream(method, path, **kw) as r:
+            async with self._http.stream(method, path, headers=headers, **kw) as r:
                 if r.status_code >= 400:
                     await r.aread()
                     raise _error_of(r)
-                chunks: "list[bytes]" = []
+                frames = _Frames()
                 try:
                     async for c in r.aiter_bytes():
-                        chunks.append(c)
+                        frames.feed(c)
                 except httpx.TransportError as e:
-                    got = sum(map(len, chunks))
-                    raise from_cut_download(got, r.headers.get(MAX_BYTES_HEADER)) from e
-                return _whole(r, chunks)
+                    return frames.result(r, e)
+                return frames.result(r)
         except httpx.TransportError as e:
             raise _unavailable(self.url, e) from e
 

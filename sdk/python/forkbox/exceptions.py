@@ -78,8 +78,8 @@ class TooLargeError(ForkboxError):
     """A request body, or a file read or tar download, over its limit
     (HTTP 413, kind `too_large`). A read or download asks for more with
     `max_bytes=` (default 256 MiB, at most the daemon's
-    `--max-download-bytes`). Raised too when a download's stream was cut
-    at exactly its `max_bytes` (the limit was passed mid-stream)."""
+    `--max-download-bytes`). Raised too when the limit was passed after
+    the download's answer started (the daemon's last frame says so)."""
 
 
 class GuestTimeoutError(ForkboxError, TimeoutError):
@@ -111,15 +111,15 @@ class TamperedError(ForkboxError):
         self.report = report
 
 
-class DownloadInterruptedError(ForkboxError):
-    """A file read or tar download whose stream stopped short of its
-    end, not at its limit: the guest failed or did not answer in time
-    mid-stream (or its VM died: the sandbox's state then says `dead`).
-    The daemon's log says which."""
-
-
 class InfrastructureError(ForkboxError):
     """The sandbox machinery failed (VM died, agent unreachable)."""
+
+
+class DownloadInterruptedError(InfrastructureError):
+    """A file read or tar download whose stream stopped before the
+    daemon said how it ended: the daemon or the connection to it went
+    away mid-stream. Infrastructure: a guest's failure (a limit passed,
+    a guest that did not answer, a VM that died) is its own error."""
 
 
 class TemplateInfrastructureError(TemplateError, InfrastructureError):
@@ -166,18 +166,13 @@ def from_response(status: int, body: Any) -> ForkboxError:
     return cls(str(detail.get("message", "")), kind, status, detail)
 
 
-def from_cut_download(received: int, max_bytes: Optional[str]) -> ForkboxError:
-    """The error for a download whose body stopped short after
-    `received` bytes; `max_bytes` is its `x-forkbox-max-bytes` header."""
-    if max_bytes is not None and max_bytes.isdigit() and received == int(max_bytes):
-        return TooLargeError(
-            f"the download passed its limit of {max_bytes} bytes and was cut there; ask for "
-            f"more with max_bytes= (up to the daemon's --max-download-bytes)",
-            "too_large", 200, {"kind": "too_large", "infrastructure": False})
+def from_cut_download(received: int) -> ForkboxError:
+    """The error for a download whose body stopped after `received`
+    bytes without its last frame."""
     return DownloadInterruptedError(
-        f"the download stopped after {received} bytes: the guest failed or did not answer "
-        f"in time mid-stream (see the daemon's log)",
-        "interrupted", 200, {"kind": "interrupted", "infrastructure": False})
+        f"the download stopped after {received} bytes before the daemon said how it ended: "
+        f"the daemon or the connection to it went away mid-stream (see the daemon's log)",
+        "interrupted", 200, {"kind": "interrupted", "infrastructure": True})
 
 
 def from_bake_failure(event: Dict[str, Any]) -> TemplateError:

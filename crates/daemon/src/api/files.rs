@@ -3,7 +3,7 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::RawQuery;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::Json;
 use futures_util::StreamExt;
@@ -12,9 +12,8 @@ use tokio::sync::mpsc;
 use utoipa::{IntoParams, ToSchema};
 
 use super::commands::acting_user;
-use super::error::{report, ApiError, ApiErrorBody, ApiResult};
+use super::error::{report, ApiError, ApiErrorBody, ApiResult, ErrorDetail};
 use super::extract::{query, OnSandbox, UploadBody};
-use super::stream::unexpected_end;
 use crate::service::{Daemon, Download, Transfer};
 
 /// A download answers only once this much of it arrived (or all of it):
@@ -24,6 +23,64 @@ const DOWNLOAD_PEEK: usize = 1 << 20;
 
 /// The header that tells a download's size limit.
 pub(super) const MAX_BYTES_HEADER: &str = "x-forkbox-max-bytes";
+
+/// The media type of a framed download, which a client asks for with
+/// `Accept`. The body is frames, each a kind byte, a 4-byte big-endian
+/// length and that many bytes: [`FRAME_DATA`] (the file's or archive's
+/// bytes), then one [`FRAME_END`] (all of it came) or [`FRAME_FAILED`]
+/// (JSON `{"status": N, "error": {kind, message, infrastructure, …}}`,
+/// what an error response would have said). A download that fails after
+/// its answer started says why, and the body still ends cleanly: a body
+/// without its last frame means the daemon or the connection went away.
+pub(super) const FRAMES: &str = "application/vnd.forkbox.frames";
+pub(super) const FRAME_DATA: u8 = 0;
+pub(super) const FRAME_END: u8 = 1;
+pub(super) const FRAME_FAILED: u8 = 2;
+
+/// How a download's body is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// The bytes themselves. A failure after the answer started closes
+    /// the connection without the chunked encoding's last chunk; bytes
+    /// hyper still held are lost with it, so the count that arrives says
+    /// nothing.
+    Raw,
+    /// [`FRAMES`].
+    Frames,
+}
+
+impl Framing {
+    fn of(headers: &HeaderMap) -> Self {
+        let asked = headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.split(';').next().map(str::trim) == Some(FRAMES));
+        if asked {
+            Self::Frames
+        } else {
+            Self::Raw
+        }
+    }
+}
+
+fn frame(kind: u8, payload: &[u8]) -> Bytes {
+    let len = u32::try_from(payload.len()).expect("a download frame is under 4 GiB");
+    let mut b = Vec::with_capacity(5 + payload.len());
+    b.push(kind);
+    b.extend_from_slice(&len.to_be_bytes());
+    b.extend_from_slice(payload);
+    Bytes::from(b)
+}
+
+/// How a download's stream went on after its answer started.
+enum Part {
+    Data(Vec<u8>),
+    End,
+    /// Counted and logged; its status and body as an error response.
+    Failed(StatusCode, ErrorDetail),
+}
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -132,9 +189,13 @@ pub(super) fn stat_json(s: &forkbox_proto::FileStat) -> FileStatJson {
 
 /// Reads a guest file (raw bytes), streamed, up to `max_bytes`. Over the
 /// limit: 413 (kind `too_large`) when that is known before the answer
-/// starts (a regular file's size, or within its first MiB); otherwise the
-/// body stops short and the connection is closed without the chunked
-/// encoding's last chunk, which HTTP clients report as an incomplete read.
+/// starts (a regular file's size, within its first MiB, or a limit of at
+/// most 1 MiB); otherwise the body stops short and the connection is
+/// closed without the chunked encoding's last chunk, which HTTP clients
+/// report as an incomplete read. With `Accept:
+/// application/vnd.forkbox.frames` the body is framed instead, and a
+/// failure after the answer started is its last frame (see the README's
+/// "Files").
 #[utoipa::path(get, path = "/sandboxes/{id}/files", params(("id" = String, Path), DownloadQuery),
     responses((status = 200, content_type = "application/octet-stream", description = "the file's bytes"),
               (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
@@ -142,8 +203,17 @@ pub(super) fn stat_json(s: &forkbox_proto::FileStat) -> FileStatJson {
 pub(super) async fn file_read(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
+    headers: HeaderMap,
 ) -> ApiResult<Response> {
-    download(daemon, id, Transfer::File, raw, "application/octet-stream").await
+    let framing = Framing::of(&headers);
+    download(
+        daemon,
+        id,
+        Transfer::File,
+        raw,
+        ("application/octet-stream", framing),
+    )
+    .await
 }
 
 async fn download(
@@ -151,7 +221,7 @@ async fn download(
     id: crate::core::SandboxId,
     what: Transfer,
     raw: Option<String>,
-    content_type: &'static str,
+    form: (&'static str, Framing),
 ) -> ApiResult<Response> {
     let q: DownloadQuery = query(raw)?;
     let path = guest_path(q.path)?;
@@ -173,7 +243,15 @@ async fn download(
         path,
         max,
     )?;
-    download_response(daemon, rx, content_type, max).await
+    download_response(daemon, rx, form, max).await
+}
+
+/// The service's download channel closed without saying how it ended.
+fn download_cut() -> ApiError {
+    ApiError::Daemon(crate::service::DaemonError::Infrastructure {
+        what: "the download's stream ended without its end".into(),
+        cause: None,
+    })
 }
 
 /// Waits for the first [`DOWNLOAD_PEEK`] bytes (or the end) of a
@@ -181,7 +259,7 @@ async fn download(
 async fn download_response(
     daemon: Daemon,
     mut rx: mpsc::Receiver<Download>,
-    content_type: &'static str,
+    (content_type, framing): (&'static str, Framing),
     max: u64,
 ) -> ApiResult<Response> {
     let mut head: Vec<u8> = Vec::new();
@@ -189,45 +267,82 @@ async fn download_response(
         match rx.recv().await {
             Some(Download::Data(b)) => {
                 head.extend(b);
-                if head.len() >= DOWNLOAD_PEEK {
+                // At the limit, nothing but the end can follow: wait for
+                // it, so that a limit of at most a MiB is a whole answer
+                // or a 413, never a cut stream.
+                if head.len() >= DOWNLOAD_PEEK && (head.len() as u64) < max {
                     break false;
                 }
             }
             Some(Download::Done(_)) => break true,
             Some(Download::Failed(e)) => return Err(e.into()),
-            None => return Err(unexpected_end()),
+            None => return Err(download_cut()),
         }
     };
-    let body = if whole {
-        Body::from(head)
-    } else {
-        let rest = futures_util::stream::unfold(Some(rx), move |rx| {
-            let daemon = daemon.clone();
-            async move {
-                let mut rx = rx?;
-                let item = match rx.recv().await {
-                    Some(Download::Data(b)) => Ok(Bytes::from(b)),
-                    Some(Download::Done(_)) => return None,
-                    // Counted here, once; the client sees a cut stream.
-                    Some(Download::Failed(e)) => {
-                        let detail = report(&daemon, &e.into());
-                        tracing::info!(kind = %detail.kind, "a download failed mid-stream: {}", detail.message);
-                        Err(std::io::Error::other(detail.message))
+    let body = match (whole, framing) {
+        (true, Framing::Raw) => Body::from(head),
+        (true, Framing::Frames) => {
+            let mut b = frame(FRAME_DATA, &head).to_vec();
+            b.extend_from_slice(&frame(FRAME_END, &[]));
+            Body::from(b)
+        }
+        (false, _) => {
+            let rest = futures_util::stream::unfold(Some(rx), move |rx| {
+                let daemon = daemon.clone();
+                async move {
+                    let mut rx = rx?;
+                    let part = match rx.recv().await {
+                        Some(Download::Data(b)) => return Some((Part::Data(b), Some(rx))),
+                        Some(Download::Done(_)) => Part::End,
+                        Some(Download::Failed(e)) => failed(&daemon, e.into()),
+                        None => failed(&daemon, download_cut()),
+                    };
+                    Some((part, None))
+                }
+            });
+            let head = futures_util::stream::once(async move { Part::Data(head) });
+            let parts = head.chain(rest);
+            match framing {
+                Framing::Raw => Body::from_stream(parts.filter_map(|p| async move {
+                    match p {
+                        Part::Data(b) => Some(Ok(Bytes::from(b))),
+                        Part::End => None,
+                        Part::Failed(_, d) => Some(Err(std::io::Error::other(d.message))),
                     }
-                    None => Err(std::io::Error::other("the download ended without its end")),
-                };
-                let next = item.is_ok().then_some(rx);
-                Some((item, next))
+                })),
+                Framing::Frames => Body::from_stream(parts.map(|p| {
+                    Ok::<_, std::convert::Infallible>(match p {
+                        Part::Data(b) => frame(FRAME_DATA, &b),
+                        Part::End => frame(FRAME_END, &[]),
+                        Part::Failed(status, error) => {
+                            let body = serde_json::json!({
+                                "status": status.as_u16(),
+                                "error": error,
+                            });
+                            frame(FRAME_FAILED, body.to_string().as_bytes())
+                        }
+                    })
+                })),
             }
-        });
-        let head = futures_util::stream::once(async move { Ok(Bytes::from(head)) });
-        Body::from_stream(head.chain(rest))
+        }
     };
     let mut r = Response::new(body);
     let h = r.headers_mut();
+    let content_type = match framing {
+        Framing::Raw => content_type,
+        Framing::Frames => FRAMES,
+    };
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(MAX_BYTES_HEADER, HeaderValue::from(max));
     Ok(r)
+}
+
+/// A download that failed after its answer started: counted here, once,
+/// and logged.
+fn failed(daemon: &Daemon, e: ApiError) -> Part {
+    let detail = report(daemon, &e);
+    tracing::info!(kind = %detail.kind, "a download failed mid-stream: {}", detail.message);
+    Part::Failed(e.status(), detail)
 }
 
 /// Writes a guest file from the raw request body, creating parent
@@ -356,8 +471,17 @@ pub(super) async fn file_mkdir(
 pub(super) async fn tar_download(
     OnSandbox { daemon, id }: OnSandbox,
     RawQuery(raw): RawQuery,
+    headers: HeaderMap,
 ) -> ApiResult<Response> {
-    download(daemon, id, Transfer::Tar, raw, "application/x-tar").await
+    let framing = Framing::of(&headers);
+    download(
+        daemon,
+        id,
+        Transfer::Tar,
+        raw,
+        ("application/x-tar", framing),
+    )
+    .await
 }
 
 /// Unpacks a tar archive (the request body, at most the daemon's
@@ -392,6 +516,7 @@ mod tests {
     use forkbox_proto::frame::write_frame;
     use forkbox_proto::{encode_control, AgentError, ErrorKind, FrameKind, Request, Response};
 
+    use super::{DOWNLOAD_PEEK, FRAMES, FRAME_DATA, FRAME_END, FRAME_FAILED};
     use crate::api::testing::*;
     use crate::service::Bounds;
 
@@ -554,6 +679,150 @@ mod tests {
         assert!(
             text.contains("forkbox_errors_total{kind=\"too_large\"} 1"),
             "{text}"
+        );
+    }
+
+    /// A limit of at most the peek: a file of unknown size over it is a
+    /// 413 before anything streams, even when it reaches the peek.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_read_over_a_limit_of_a_mib_is_413_not_a_cut_stream() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let resp = get(
+            &app,
+            &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes={DOWNLOAD_PEEK}"),
+        )
+        .await;
+        clients_fault(resp, StatusCode::PAYLOAD_TOO_LARGE, "too_large").await;
+    }
+
+    /// Decodes an HTTP/1.1 chunked body: its bytes, and whether it ended
+    /// with the last chunk.
+    fn dechunk(mut b: &[u8]) -> (Vec<u8>, bool) {
+        let mut out = Vec::new();
+        loop {
+            let Some(i) = b.windows(2).position(|w| w == b"\r\n") else {
+                return (out, false);
+            };
+            let size = std::str::from_utf8(&b[..i]).expect("chunk size");
+            let n = usize::from_str_radix(size.trim(), 16).expect("hex chunk size");
+            b = &b[i + 2..];
+            if n == 0 {
+                return (out, b.starts_with(b"\r\n"));
+            }
+            if b.len() < n + 2 {
+                out.extend_from_slice(&b[..b.len().min(n)]);
+                return (out, false);
+            }
+            out.extend_from_slice(&b[..n]);
+            b = &b[n + 2..];
+        }
+    }
+
+    /// A download over a real HTTP connection, read slowly so that the
+    /// server holds bytes it has not yet sent: (head, body bytes, whether
+    /// the body ended with its last chunk).
+    async fn download_over_http(app: Router, uri: &str, accept: &str) -> (String, Vec<u8>, bool) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let req = format!(
+            "GET {uri} HTTP/1.1\r\nHost: forkboxd\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+        );
+        conn.write_all(req.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let split = got
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a response head");
+        let head = String::from_utf8_lossy(&got[..split]).into_owned();
+        let (body, ended) = dechunk(&got[split + 4..]);
+        (head, body, ended)
+    }
+
+    /// Frames of a framed download: (kind, payload) each.
+    fn frames(mut b: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        let mut out = Vec::new();
+        while b.len() >= 5 {
+            let n = u32::from_be_bytes(b[1..5].try_into().expect("4 bytes")) as usize;
+            assert!(b.len() >= 5 + n, "a frame cut short");
+            out.push((b[0], b[5..5 + n].to_vec()));
+            b = &b[5 + n..];
+        }
+        assert!(b.is_empty(), "{} bytes after the last frame", b.len());
+        out
+    }
+
+    /// Past the first MiB the answer has started. Raw, the connection is
+    /// closed without the last chunk; framed, every byte up to the limit
+    /// arrives, then a frame saying why it stopped, then a clean end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_download_cut_mid_stream_over_http_is_incomplete_raw_and_says_why_framed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let limit = 3usize << 20;
+        let uri = format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes={limit}");
+        let (head, body, ended) = download_over_http(app.clone(), &uri, "*/*").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            !ended,
+            "a raw cut has no last chunk ({} bytes came)",
+            body.len()
+        );
+        let (head, body, ended) = download_over_http(app, &uri, FRAMES).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.contains(FRAMES), "{head}");
+        assert!(ended, "a framed cut ends cleanly");
+        let frames = frames(&body);
+        let (last, data) = frames.split_last().expect("frames");
+        assert!(data.iter().all(|(k, _)| *k == FRAME_DATA));
+        let bytes: usize = data.iter().map(|(_, d)| d.len()).sum();
+        assert_eq!(bytes, limit, "every byte up to the limit");
+        assert_eq!(last.0, FRAME_FAILED);
+        let why: serde_json::Value = serde_json::from_slice(&last.1).expect("JSON");
+        assert_eq!(why["status"], 413, "{why}");
+        assert_eq!(why["error"]["kind"], "too_large", "{why}");
+        assert_eq!(why["error"]["infrastructure"], false, "{why}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_whole_framed_download_is_its_data_then_its_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), |conn, _| {
+            write_frame(conn, FrameKind::Data, b"hello").expect("data");
+            let done = Response::Done { bytes: 5 };
+            write_frame(conn, FrameKind::Control, &encode_control(&done)).expect("done");
+        });
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        let req = axum::http::Request::builder()
+            .uri(format!("/sandboxes/{id}/files?path=/f"))
+            .header(header::ACCEPT, format!("application/json, {FRAMES}; q=0.9"))
+            .body(Body::empty())
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], FRAMES);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(
+            frames(&body),
+            vec![(FRAME_DATA, b"hello".to_vec()), (FRAME_END, Vec::new())]
         );
     }
 
