@@ -5,6 +5,7 @@
 //! Every method here blocks (boots take seconds); the service calls them on
 //! `tokio::task::spawn_blocking`.
 
+use std::path::Path;
 use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
@@ -46,6 +47,8 @@ pub enum BackendError {
     Fork(#[source] VmError),
     #[error("re-adopting a VM")]
     Adopt(#[source] VmError),
+    #[error("restoring a VM from its snapshot")]
+    Restore(#[source] VmError),
     #[error("fork child {index} did not come up")]
     ForkChild {
         index: usize,
@@ -70,6 +73,14 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Box<dyn BackendVm>, BackendError>;
     /// Clears away what is left of a VM that cannot be adopted.
     fn discard(&self, handle: &VmHandle);
+    /// Starts a VM from a snapshot ([`BackendVm::snapshot`]), running,
+    /// its clock and entropy refreshed; with `network`, one that has a
+    /// network is served a broker with that policy. Blocking.
+    fn restore(
+        &self,
+        snapshot: &Path,
+        network: Option<&NetworkSpec>,
+    ) -> Result<Box<dyn BackendVm>, BackendError>;
 }
 
 /// One running VM as the daemon drives it (the VMM crate's `Machine` is
@@ -100,6 +111,10 @@ pub trait BackendVm: Send + Sync {
     /// command reads them from the image into its own guest memory (about
     /// 380 pages, 1.5 MiB, per sandbox for the `minimal` image's busybox).
     fn make_zygote(&self) -> Result<(), BackendError>;
+    /// Writes the VM to `dir` (its memory, sparse, and its state), which
+    /// [`Backend::restore`] starts again, in another daemon run or after
+    /// a reboot; the VM keeps its run state. Returns the bytes written.
+    fn snapshot(&self, dir: &Path) -> Result<u64, BackendError>;
     /// `n` copy-on-write children, running, each with its after-fork hook
     /// done (clock, entropy). The parent keeps its run state. `Err` when
     /// the request as a whole failed; otherwise one entry per child.
@@ -177,6 +192,15 @@ impl Backend for VmBackend {
 
     fn discard(&self, handle: &VmHandle) {
         Vm::discard(handle);
+    }
+
+    fn restore(
+        &self,
+        snapshot: &Path,
+        network: Option<&NetworkSpec>,
+    ) -> Result<Box<dyn BackendVm>, BackendError> {
+        let vm = Vm::restore(&self.assets, snapshot, network).map_err(BackendError::Restore)?;
+        Ok(ForkboxVm::boxed(vm))
     }
 }
 
@@ -282,6 +306,10 @@ impl BackendVm for ForkboxVm {
         Some(self.handle.clone())
     }
 
+    fn snapshot(&self, dir: &Path) -> Result<u64, BackendError> {
+        self.with_vm("writing the VM's snapshot", |vm| vm.snapshot(dir))
+    }
+
     fn kill(&self) {
         self.vm.write().unwrap_or_else(|p| p.into_inner()).kill();
     }
@@ -349,8 +377,8 @@ pub(crate) mod fake {
     use tokio::sync::watch;
 
     use super::{
-        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
-        VmCgroup, VmEnd, VmHandle,
+        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec, Path,
+        VmCgroup, VmEnd, VmError, VmHandle,
     };
 
     /// An agent on a unix socket in `dir`: says hello, reads one request,
@@ -442,6 +470,8 @@ pub(crate) mod fake {
         /// sets `vmm_hang_over`, longer than any wait for them.
         pub vmm_hung: Mutex<Vec<u32>>,
         pub vmm_hang_over: (Mutex<bool>, std::sync::Condvar),
+        /// VMs started from a snapshot.
+        pub restores: AtomicUsize,
     }
 
     /// What became of the fake VMs.
@@ -561,6 +591,24 @@ pub(crate) mod fake {
                 .expect("discarded")
                 .push(handle.pid);
         }
+
+        fn restore(
+            &self,
+            snapshot: &Path,
+            network: Option<&NetworkSpec>,
+        ) -> Result<Box<dyn BackendVm>, BackendError> {
+            // What `FakeVm::snapshot` wrote, or the restore fails as a
+            // missing snapshot would.
+            std::fs::read(snapshot.join("memory")).map_err(|e| {
+                BackendError::Restore(VmError::Io(std::io::Error::new(
+                    e.kind(),
+                    format!("{}: {e}", snapshot.display()),
+                )))
+            })?;
+            self.world.restores.fetch_add(1, ORD);
+            let policy = network.map(|n| n.policy.clone());
+            Ok(FakeVm::boxed(&self.world, policy))
+        }
     }
 
     impl Drop for FakeVm {
@@ -646,6 +694,16 @@ pub(crate) mod fake {
                 dir: format!("/nonexistent/vm-{}", self.pid).into(),
                 pid: self.pid,
             })
+        }
+        fn snapshot(&self, dir: &Path) -> Result<u64, BackendError> {
+            let memory = format!("the memory of fake VM {}", self.pid);
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(dir.join("memory"), &memory))
+                .map_err(|e| BackendError::Control {
+                    what: "writing the VM's snapshot",
+                    source: VmError::Io(e),
+                })?;
+            Ok(memory.len() as u64)
         }
         fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
             match &mut *self.policy() {

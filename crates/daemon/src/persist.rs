@@ -74,6 +74,11 @@ pub struct SavedTemplate {
     pub network: Option<Policy>,
     #[serde(default)]
     pub baseline: Option<Baseline>,
+    /// Bytes of its zygote's snapshot under `snapshots/` (`forkbox
+    /// template save`): a daemon that cannot adopt the zygote (it was
+    /// stopped, the host rebooted) starts it from there, without baking.
+    #[serde(default)]
+    pub saved_bytes: Option<u64>,
 }
 
 impl SavedSandbox {
@@ -125,7 +130,8 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens `dir`, with `sandboxes/`, `templates/` and `egress/` in it,
+    /// Opens `dir`, with `sandboxes/`, `templates/`, `snapshots/` and
+    /// `egress/` in it,
     /// making each (mode 0700) if missing. Each must be ours
     /// ([`forkbox_host::owned`]): a directory another user made, a
     /// symbolic link, one group or others may write, or a path with `..`
@@ -133,7 +139,7 @@ impl Store {
     /// what it reads there. The store keeps the canonical path.
     pub fn open(dir: &Path) -> Result<Self, OwnedError> {
         let dir = forkbox_host::owned::ensure_dir(dir)?;
-        for sub in ["sandboxes", "templates", "egress"] {
+        for sub in ["sandboxes", "templates", "snapshots", "egress"] {
             forkbox_host::owned::ensure_dir(&dir.join(sub))?;
         }
         Ok(Self { dir })
@@ -169,8 +175,16 @@ impl Store {
         write_json(&self.template_path(&t.spec.name), t);
     }
 
+    /// Forgets a template: its record and its snapshot, if it has one.
     pub fn forget_template(&self, name: &str) {
         let _ = std::fs::remove_file(self.template_path(name));
+        let _ = std::fs::remove_dir_all(self.snapshot_dir(name));
+    }
+
+    /// Where the snapshot of template `name`'s zygote is kept.
+    pub fn snapshot_dir(&self, name: &str) -> PathBuf {
+        // Template names are [a-z0-9._-], never `..` alone: validated.
+        self.dir.join("snapshots").join(name)
     }
 
     /// Everything written down, each file read on its own: one that does

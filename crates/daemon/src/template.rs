@@ -235,6 +235,10 @@ pub struct TemplateInfo {
     /// made: moving the image's name later changes nothing for it (none
     /// for a built-in image).
     pub image_id: Option<String>,
+    /// Bytes of its zygote's snapshot in the daemon's state directory
+    /// (`POST /templates/{name}/save`): a restarted daemon, even after a
+    /// reboot, starts the zygote from it instead of baking.
+    pub saved_bytes: Option<u64>,
 }
 
 /// Whom calls act as, unnamed, in a built-in image (and in a sandbox

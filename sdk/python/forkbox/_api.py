@@ -513,6 +513,10 @@ def get_template(name: str) -> "Call[TemplateInfo]":
     return Call("GET", f"/templates/{name}", {}, lambda r: TemplateInfo.from_json(r.json()))
 
 
+def save_template(name: str) -> "Call[TemplateInfo]":
+    return Call("POST", f"/templates/{name}/save", {}, lambda r: TemplateInfo.from_json(r.json()))
+
+
 def delete_template(name: str) -> "Call[None]":
     return Call("DELETE", f"/templates/{name}", {}, _none)
 

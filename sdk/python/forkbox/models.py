@@ -93,6 +93,9 @@ class TemplateInfo:
     """The stored image it boots (`sha256:…`), as found when it was made:
     moving the image's name later changes nothing for it. `None`: a
     built-in image."""
+    saved_bytes: Optional[int] = None
+    """Bytes of its zygote's snapshot in the daemon's state directory
+    (`Template.save`); `None`: not saved, a restarted daemon bakes it."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The daemon's whole object, fields this SDK does not know included."""
 
@@ -106,7 +109,8 @@ class TemplateInfo:
                    from_sandbox=d.get("from_sandbox"), error=d.get("error"),
                    protect=list(d.get("protect") or []),
                    limits=dict(d.get("limits") or {}),
-                   bake_ms=d.get("bake_ms"), image_id=d.get("image_id"), raw=dict(d))
+                   bake_ms=d.get("bake_ms"), image_id=d.get("image_id"),
+                   saved_bytes=d.get("saved_bytes"), raw=dict(d))
 
 
 @dataclass

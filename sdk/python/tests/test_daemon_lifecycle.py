@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import REPO, SDK
-from forkbox import ConflictError, Sandbox
+from forkbox import ConflictError, Sandbox, Template
 
 
 def _start(sock: str, state: str, log_path: str, *extra: str,
@@ -82,6 +82,49 @@ def test_daemon_killed_and_restarted_re_adopts_its_sandboxes() -> None:
         if first.poll() is None:
             first.kill()
         sys.stderr.write("--- restart test daemon log ---\n" + Path(log).read_text()[-3000:])
+
+
+def test_saved_template_outlives_a_stopped_daemon_without_baking() -> None:
+    """A baked and saved template survives a clean stop, which ends every
+    VM as a reboot would: the next daemon starts its zygote from the
+    snapshot in its state directory. What its setup wrote at random is
+    still there: it was not baked again."""
+    d = tempfile.mkdtemp(prefix="forkboxd-saved-", dir="/tmp")
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    first = _start(sock, state, log)
+    second: Optional[subprocess.Popen] = None
+    try:
+        Template.build("saved-t", image="minimal",
+                       setup=["od -An -tx1 -N16 /dev/urandom > /tmp/baked"], url=url)
+        with Sandbox.create("saved-t", timeout=600, url=url) as sb:
+            mark = sb.files.read("/tmp/baked")
+        assert len(mark.split()) == 16, mark
+        with pytest.raises(ConflictError):
+            Template.save("debian", url=url)  # not baked
+        info = Template.save("saved-t", url=url)
+        assert info.saved_bytes and info.saved_bytes > 0, info
+        assert Path(f"{state}/snapshots/saved-t/memory").is_file()
+        recorded = _vmm_pids(state)
+        first.terminate()
+        first.wait(60)
+        assert not any(_vmm_running(p) for p in recorded), "a clean stop ends every VM"
+        assert os.listdir(f"{state}/templates") == ["saved-t.json"]
+        second = _start(sock, state, log)
+        again = Template.get("saved-t", url=url)
+        assert (again.state, again.saved_bytes) == ("ready", info.saved_bytes), again
+        assert "started again from its snapshot" in Path(log).read_text()
+        with Sandbox.create("saved-t", timeout=600, url=url) as sb:
+            assert sb.files.read("/tmp/baked") == mark, "baked again"
+            assert sb.commands.run("echo alive").stdout == "alive\n"
+        Template.delete("saved-t", url=url)
+        assert not Path(f"{state}/snapshots/saved-t").exists()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+        sys.stderr.write("--- saved template test daemon log ---\n" + Path(log).read_text()[-3000:])
 
 
 def _vmm_pids(state: str) -> List[int]:

@@ -10,7 +10,7 @@
 //! This module owns the router, its bearer-token check and the OpenAPI
 //! document; the handlers are grouped by resource:
 //!
-//! - `templates`: `/templates`: list, register and bake, delete.
+//! - `templates`: `/templates`: list, register and bake, save, delete.
 //! - `sandboxes`: `/sandboxes`: create, list, kill, time-to-live, pause,
 //!   fork, templates from a sandbox, console logs.
 //! - `network`: a sandbox's egress policy and egress log.
@@ -87,6 +87,7 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         template_create,
         template_get,
         template_bake,
+        template_save,
         template_delete,
         sandbox_create,
         sandbox_list,
@@ -237,6 +238,7 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
             get(template_get).delete(template_delete),
         )
         .route("/templates/{name}/bake", post(template_bake))
+        .route("/templates/{name}/save", post(template_save))
         .route("/sandboxes", get(sandbox_list).post(sandbox_create))
         .route("/sandboxes/kill", post(sandbox_kill_by_label))
         .nest("/sandboxes/{id}", sandbox)

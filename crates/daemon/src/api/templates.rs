@@ -1,5 +1,5 @@
 //! `/templates`: the templates, registering and baking one (its bake
-//! streamed as NDJSON), deleting one.
+//! streamed as NDJSON), saving one to outlive the daemon, deleting one.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -56,6 +56,21 @@ pub(super) async fn template_bake(
 ) -> ApiResult<Response> {
     let rx = st.daemon.bake_named(&name)?;
     Ok(streamed(rx, Framing::Ndjson))
+}
+
+/// Saves a baked template's zygote (its memory, sparse, and its state)
+/// in the daemon's state directory: a restarted daemon, even after a
+/// reboot, starts it from there instead of baking (`saved_bytes` in its
+/// info). Saved again, the snapshot is replaced; deleting the template
+/// removes it. Creations from the template wait while it is written.
+#[utoipa::path(post, path = "/templates/{name}/save", params(("name" = String, Path)),
+    responses((status = 200, body = TemplateInfo), (status = 400, body = ApiErrorBody),
+              (status = 404, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
+pub(super) async fn template_save(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<TemplateInfo>> {
+    Ok(Json(st.daemon.save_template(&name).await?))
 }
 
 #[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),

@@ -284,11 +284,12 @@ impl Daemon {
         .into_iter()
         .map(|i| {
             let t = Template {
-                spec: TemplateSpec::builtin(i),
-                image: Arc::new(ResolvedImage::builtin(i)),
-                from_sandbox: None,
                 drop_on_failure: false,
-                zygote: Zygote::None { error: None },
+                ..Template::new(
+                    TemplateSpec::builtin(i),
+                    ResolvedImage::builtin(i),
+                    Zygote::None { error: None },
+                )
             };
             (i.as_str().to_owned(), t)
         })
@@ -385,7 +386,9 @@ impl Daemon {
                 .filter_map(|t| {
                     match std::mem::replace(&mut t.zygote, Zygote::None { error: None }) {
                         Zygote::Ready { machine, .. } => {
-                            if let Some(store) = &self.inner.store {
+                            // A saved template's record and snapshot
+                            // stay: the next run starts it from there.
+                            if let (Some(store), None) = (&self.inner.store, t.saved_bytes) {
                                 store.forget_template(&t.spec.name);
                             }
                             Some(machine)

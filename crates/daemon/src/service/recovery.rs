@@ -80,34 +80,64 @@ impl Daemon {
                     continue;
                 }
             };
-            let network = t.network.map(|policy| NetworkSpec {
+            let network = t.network.clone().map(|policy| NetworkSpec {
                 policy,
                 egress_log: None,
             });
-            match backend.adopt(&t.vm, network.as_ref()) {
+            let name = t.spec.name.clone();
+            let machine = match backend.adopt(&t.vm, network.as_ref()) {
+                Ok(m) => Ok(m),
+                Err(e) => {
+                    backend.discard(&t.vm);
+                    match t.saved_bytes {
+                        // Stopped with the daemon, or gone with a reboot:
+                        // started again from its snapshot, not baked.
+                        Some(_) => {
+                            let dir = store.snapshot_dir(&name);
+                            let restored = backend.restore(&dir, network.as_ref()).and_then(|m| {
+                                m.make_zygote()?;
+                                Ok(m)
+                            });
+                            if restored.is_ok() {
+                                tracing::info!(template = %name, "its zygote started again from its snapshot in {}", dir.display());
+                            }
+                            restored.map_err(|r| {
+                                format!(
+                                    "cannot re-adopt its zygote ({}) nor start it from its snapshot ({})",
+                                    chain(&e),
+                                    chain(&r)
+                                )
+                            })
+                        }
+                        None => Err(format!("cannot re-adopt its zygote: {}", chain(&e))),
+                    }
+                }
+            };
+            match machine {
                 Ok(m) => {
                     adopted += 1;
-                    let name = t.spec.name.clone();
-                    self.lock().templates.insert(
-                        name,
-                        Template {
-                            spec: t.spec,
-                            image,
-                            from_sandbox: t.from_sandbox,
-                            drop_on_failure: t.drop_on_failure,
-                            zygote: Zygote::Ready {
-                                machine: Arc::from(m),
-                                bake_ms: t.bake_ms,
-                                baseline: t.baseline.map(Arc::new),
-                            },
+                    let t = Template {
+                        spec: t.spec,
+                        image,
+                        from_sandbox: t.from_sandbox,
+                        drop_on_failure: t.drop_on_failure,
+                        zygote: Zygote::Ready {
+                            machine: Arc::from(m),
+                            bake_ms: t.bake_ms,
+                            baseline: t.baseline.map(Arc::new),
                         },
-                    );
+                        saved_bytes: t.saved_bytes,
+                    };
+                    // A zygote started from its snapshot is a new VM.
+                    if let Some(record) = t.record() {
+                        store.save_template(&record);
+                    }
+                    self.lock().templates.insert(name, t);
                 }
-                Err(e) => {
+                Err(why) => {
                     cleared += 1;
-                    tracing::warn!(template = %t.spec.name, error = %chain(&e), "cannot re-adopt a template's zygote; clearing it away");
-                    backend.discard(&t.vm);
-                    store.forget_template(&t.spec.name);
+                    tracing::warn!(template = %name, "{why}; clearing it away");
+                    store.forget_template(&name);
                 }
             }
         }
@@ -264,5 +294,87 @@ mod tests {
             egress(),
         );
         assert_eq!(d3.recover(), (6, 0));
+    }
+
+    /// A saved template outlives a daemon that stopped its zygote (as a
+    /// reboot would): the next run starts it from its snapshot, without
+    /// baking; an unsaved one is gone with the daemon; a deleted one
+    /// leaves no snapshot.
+    #[tokio::test]
+    async fn a_saved_template_is_started_from_its_snapshot_not_baked_after_a_stop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = || Some(Store::open(dir.path()).expect("store"));
+        let egress = || {
+            EgressLogs::open(&dir.path().join("egress"), Duration::from_secs(60)).expect("egress")
+        };
+        let d = Daemon::with_store(
+            Arc::new(Fake::default()),
+            Config::default(),
+            store(),
+            egress(),
+        );
+        let e = d.save_template("minimal").await.expect_err("not baked");
+        assert_eq!(e.kind(), "conflict", "{e}");
+        let a = created(&d, None).await;
+        d.template_from_sandbox(&a.id, "snap".into())
+            .await
+            .expect("snapshot template");
+        let saved = d.save_template("minimal").await.expect("saved");
+        assert!(saved.saved_bytes.is_some_and(|b| b > 0), "{saved:?}");
+        let memory = dir.path().join("snapshots/minimal/memory");
+        assert!(memory.is_file(), "the snapshot is in the state directory");
+        d.save_template("snap").await.expect("saved");
+        d.delete_template("snap").expect("deleted");
+        assert!(
+            !dir.path().join("snapshots/snap").exists(),
+            "deleted with it"
+        );
+        d.shutdown().await;
+        assert!(memory.is_file(), "a stop keeps a saved template's snapshot");
+
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        // Every VM of the first run is gone, as after a reboot.
+        world.gone.lock().expect("gone").extend(1000..1100);
+        let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
+        assert_eq!(
+            d.recover(),
+            (1, 0),
+            "minimal restored; nothing else was left"
+        );
+        assert_eq!(world.restores.load(ORD), 1);
+        let t = d.template("minimal").expect("minimal");
+        assert_eq!(
+            (t.state, t.saved_bytes),
+            (TemplateState::Ready, saved.saved_bytes)
+        );
+        assert!(
+            d.template("snap").is_err(),
+            "a deleted template stays deleted"
+        );
+        assert_eq!(
+            *world.zygote_policies.lock().expect("zygote_policies"),
+            vec![Some(Policy::deny_all())],
+            "made a zygote again, denying all egress"
+        );
+        created(&d, None).await;
+        assert_eq!(
+            world.boots.load(ORD),
+            0,
+            "started from its snapshot, not baked"
+        );
+
+        // A snapshot that cannot start: the template is cleared away
+        // (the built-in one bakes again on demand), loudly.
+        d.shutdown().await;
+        std::fs::remove_file(&memory).expect("rm");
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        world.gone.lock().expect("gone").extend(1000..1100);
+        let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
+        assert_eq!(d.recover(), (0, 1));
+        assert!(!dir.path().join("snapshots/minimal").exists());
+        created(&d, None).await;
+        assert_eq!(world.boots.load(ORD), 1, "baked again");
     }
 }

@@ -108,6 +108,9 @@ pub(super) struct Template {
     /// it, so the same name can be tried again.
     pub(super) drop_on_failure: bool,
     pub(super) zygote: Zygote,
+    /// Bytes of its zygote's snapshot in the state directory, once saved
+    /// ([`Daemon::save_template`]).
+    pub(super) saved_bytes: Option<u64>,
 }
 
 pub(super) enum Zygote {
@@ -125,6 +128,40 @@ pub(super) enum Zygote {
 }
 
 impl Template {
+    pub(super) fn new(spec: TemplateSpec, image: ResolvedImage, zygote: Zygote) -> Self {
+        Self {
+            spec,
+            image: Arc::new(image),
+            from_sandbox: None,
+            drop_on_failure: true,
+            zygote,
+            saved_bytes: None,
+        }
+    }
+
+    /// What the state directory keeps of it while its zygote is up.
+    pub(super) fn record(&self) -> Option<SavedTemplate> {
+        let Zygote::Ready {
+            machine,
+            bake_ms,
+            baseline,
+        } = &self.zygote
+        else {
+            return None;
+        };
+        Some(SavedTemplate {
+            spec: self.spec.clone(),
+            image_id: self.image.id.clone(),
+            from_sandbox: self.from_sandbox.clone(),
+            drop_on_failure: self.drop_on_failure,
+            bake_ms: *bake_ms,
+            vm: machine.handle()?,
+            network: machine.network_policy(),
+            baseline: baseline.as_deref().cloned(),
+            saved_bytes: self.saved_bytes,
+        })
+    }
+
     pub(super) fn info(&self) -> TemplateInfo {
         let (state, error, bake_ms, pid) = match &self.zygote {
             Zygote::None { error: None } => (TemplateState::NotBaked, None, None, None),
@@ -143,6 +180,7 @@ impl Template {
             zygote_pid: pid,
             zygote_rss_kib: pid.and_then(measure::rss_kib),
             image_id: self.image.id.as_ref().map(ToString::to_string),
+            saved_bytes: self.saved_bytes,
         }
     }
 }
@@ -194,11 +232,8 @@ impl Daemon {
         let (tx, rx) = watch::channel(None);
         self.register(
             Template {
-                spec,
-                image: Arc::new(image),
                 from_sandbox: Some(id.clone()),
-                drop_on_failure: true,
-                zygote: Zygote::Baking(rx),
+                ..Template::new(spec, image, Zygote::Baking(rx))
             },
             false,
         )?;
@@ -225,6 +260,59 @@ impl Daemon {
         };
         let result = self.bake_ended(&name, outcome, start.elapsed(), &tx);
         result.map_err(|f| f.to_error(&name))
+    }
+
+    /// Writes the zygote of `name` (its memory, sparse, and its state)
+    /// to the state directory, so that a daemon that cannot re-adopt it
+    /// (it was stopped, or the host rebooted) starts it from there instead
+    /// of baking. Saved again, the snapshot is replaced. Creations from the
+    /// template wait while it is written.
+    pub async fn save_template(&self, name: &str) -> Result<TemplateInfo, DaemonError> {
+        let Some(store) = self.inner.store.clone() else {
+            return Err(DaemonError::Invalid(
+                "this daemon keeps no state (forkboxd --no-state): a template saved now \
+                 would not outlive it"
+                    .into(),
+            ));
+        };
+        let machine = {
+            let s = self.lock();
+            let t = s
+                .templates
+                .get(name)
+                .ok_or_else(|| DaemonError::NoTemplate(name.into()))?;
+            match &t.zygote {
+                Zygote::Ready { machine, .. } => machine.clone(),
+                _ => {
+                    return Err(DaemonError::Busy(format!(
+                        "template {name:?} is not baked: bake it (or create a sandbox from it) \
+                         before saving it"
+                    )))
+                }
+            }
+        };
+        let dir = store.snapshot_dir(name);
+        let zygote = machine.clone();
+        let bytes = blocking(move || zygote.snapshot(&dir)).await??;
+        let mut s = self.lock();
+        match s.templates.get_mut(name) {
+            // Still the zygote it saved (not deleted, nor made again).
+            Some(t) if matches!(&t.zygote, Zygote::Ready { machine: m, .. } if Arc::ptr_eq(m, &machine)) =>
+            {
+                t.saved_bytes = Some(bytes);
+                if let Some(record) = t.record() {
+                    store.save_template(&record);
+                }
+                Ok(t.info())
+            }
+            _ => {
+                drop(s);
+                let _ = std::fs::remove_dir_all(store.snapshot_dir(name));
+                Err(DaemonError::Busy(format!(
+                    "template {name:?} was deleted or made again while it was saved"
+                )))
+            }
+        }
     }
 
     pub fn templates(&self) -> Vec<TemplateInfo> {
@@ -278,13 +366,7 @@ impl Daemon {
             .map_err(DaemonError::BadTemplate)?;
         let name = spec.name.clone();
         self.register(
-            Template {
-                spec,
-                image: Arc::new(image),
-                from_sandbox: None,
-                drop_on_failure: true,
-                zygote: Zygote::None { error: None },
-            },
+            Template::new(spec, image, Zygote::None { error: None }),
             false,
         )?;
         self.bake_named(&name)
@@ -548,27 +630,17 @@ impl Daemon {
         took: Duration,
         done: &watch::Sender<Option<Result<(), BakeFailure>>>,
     ) -> Result<TemplateInfo, BakeFailure> {
-        let zygote_policy = outcome.as_ref().ok().and_then(|(m, _)| m.network_policy());
         let mut s = self.lock();
         let result = match (outcome, s.templates.get_mut(name)) {
             (Ok((machine, baseline)), Some(t)) => {
-                if let (Some(store), Some(vm)) = (&self.inner.store, machine.handle()) {
-                    store.save_template(&SavedTemplate {
-                        spec: t.spec.clone(),
-                        image_id: t.image.id.clone(),
-                        from_sandbox: t.from_sandbox.clone(),
-                        drop_on_failure: t.drop_on_failure,
-                        bake_ms: took.as_millis() as u64,
-                        vm,
-                        network: zygote_policy,
-                        baseline: baseline.as_deref().cloned(),
-                    });
-                }
                 t.zygote = Zygote::Ready {
                     machine,
                     bake_ms: took.as_millis() as u64,
                     baseline,
                 };
+                if let (Some(store), Some(record)) = (&self.inner.store, t.record()) {
+                    store.save_template(&record);
+                }
                 Ok(t.info())
             }
             (Ok((machine, _)), None) => {

@@ -1,5 +1,5 @@
 //! `forkbox template`: bake (built-in by name, or from a TOML file), list,
-//! rm. A bake streams NDJSON events; a spinner shows the current step with
+//! save, rm. A bake streams NDJSON events; a spinner shows the current step with
 //! the setup output printed above it.
 
 use std::io::Write;
@@ -33,7 +33,11 @@ pub enum TemplateCmd {
     /// List the templates.
     #[command(alias = "ls")]
     List,
-    /// Remove a baked template.
+    /// Save a baked template's zygote in the daemon's state directory: a
+    /// restarted daemon (even after a reboot) starts it from there instead
+    /// of baking. Saved again, the snapshot is replaced.
+    Save { name: String },
+    /// Remove a baked template (and its saved snapshot).
     Rm { name: String },
 }
 
@@ -68,6 +72,9 @@ pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<
                         t.get("ready")
                             .map_or("-".into(), |r| readiness_text(r).unwrap_or_else(|| cell(r))),
                         t.get("state").map_or("-".into(), cell),
+                        t["saved_bytes"]
+                            .as_u64()
+                            .map_or("-".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
                     ]
                 })
                 .collect();
@@ -80,9 +87,34 @@ pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<
                     "SETUP",
                     "READY",
                     "STATE",
+                    "SAVED",
                 ],
                 &rows,
             );
+            Ok(0)
+        }
+        TemplateCmd::Save { name } => {
+            let spinner = ProgressBar::new_spinner();
+            spinner.set_message(format!("saving template {name}'s zygote"));
+            spinner.enable_steady_tick(Duration::from_millis(120));
+            let saved: Result<serde_json::Value, _> = client
+                .call(
+                    Method::POST,
+                    &format!("/templates/{}/save", segment(&name)),
+                    Body::Empty,
+                )
+                .and_then(|r| r.json());
+            spinner.finish_and_clear();
+            let saved = saved?;
+            if format == Format::Json {
+                print_json(&saved)?;
+            } else {
+                let bytes = saved["saved_bytes"].as_u64().unwrap_or(0);
+                println!(
+                    "saved {name}: {:.1} MiB; a restarted forkboxd starts it from there, without baking",
+                    bytes as f64 / 1048576.0
+                );
+            }
             Ok(0)
         }
         TemplateCmd::Rm { name } => {

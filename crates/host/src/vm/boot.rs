@@ -299,7 +299,14 @@ impl Vm {
 
     /// Starts a VMM from the snapshot in `dir`, resumes it if it comes up
     /// paused, and runs the after-fork hook (clock, RNG) before returning.
-    pub fn restore(assets: &Assets, snapshot: &Path) -> Result<Vm, VmError> {
+    /// A snapshot of a VM with a network is served a broker with
+    /// `network`'s policy, as [`adopt`](Self::adopt) does (`None`: its
+    /// guest's connections fail).
+    pub fn restore(
+        assets: &Assets,
+        snapshot: &Path,
+        network: Option<&NetworkSpec>,
+    ) -> Result<Vm, VmError> {
         become_subreaper()?;
         let start = Instant::now();
         let user = VmmUser::new()?;
@@ -363,6 +370,13 @@ impl Vm {
         }
         vm.cgroup = cgroup.take();
         vm.owner = Some(vm.control.own()?);
+        if let Some(n) = network {
+            let net = VmNet::start(vm.dir.path(), n.policy.clone(), n.egress_log.clone())?;
+            let links = forkbox_net::broker::link::BrokerLinks::connect(net.broker.path())
+                .map_err(VmError::Io)?;
+            vm.control.broker(&links)?;
+            vm.net = Some(net);
+        }
         if status.state != RunState::Running {
             vm.resume()?;
         }
