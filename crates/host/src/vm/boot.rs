@@ -84,21 +84,8 @@ impl Vm {
         let mut cmdline = GUEST_CMDLINE.to_owned() + root_cmdline;
         let net = match &spec.network {
             Some(network) => {
-                let policy_path = dir.path().join("net-policy.json");
-                let json = serde_json::to_string(&network.policy)
-                    .map_err(|e| VmError::Io(std::io::Error::other(e)))?;
-                std::fs::write(&policy_path, json).map_err(VmError::Io)?;
-                let net = VmNet::start(
-                    dir.path(),
-                    network.policy.clone(),
-                    network.egress_log.clone(),
-                )?;
-                cmd.arg("--net-policy")
-                    .arg(&policy_path)
-                    .arg("--net-broker")
-                    .arg(net.broker.path())
-                    .arg("--net-log")
-                    .arg(&net.egress_log);
+                let (net, args) = VmNet::start_for_vmm(dir.path(), network)?;
+                cmd.args(args);
                 cmdline.push_str(NET_CMDLINE);
                 Some(net)
             }
@@ -299,9 +286,9 @@ impl Vm {
 
     /// Starts a VMM from the snapshot in `dir`, resumes it if it comes up
     /// paused, and runs the after-fork hook (clock, RNG) before returning.
-    /// A snapshot of a VM with a network is served a broker with
-    /// `network`'s policy, as [`adopt`](Self::adopt) does (`None`: its
-    /// guest's connections fail).
+    /// A snapshot of a VM with a network needs `network` (its policy and
+    /// egress log, served by a broker of its own, as at boot); the VMM
+    /// refuses to start without it.
     pub fn restore(
         assets: &Assets,
         snapshot: &Path,
@@ -312,7 +299,16 @@ impl Vm {
         let user = VmmUser::new()?;
         let dir = vm_dir("forkbox-restore-", user)?;
         let paths = paths_in(dir.path());
-        let mut child = vmm_command(&assets.vmm, &[], user)
+        let mut cmd = vmm_command(&assets.vmm, &[], user);
+        let net = match network {
+            Some(n) => {
+                let (net, args) = VmNet::start_for_vmm(dir.path(), n)?;
+                cmd.args(args);
+                Some(net)
+            }
+            None => None,
+        };
+        let mut child = cmd
             .arg("--restore")
             .arg(snapshot)
             .arg("--control")
@@ -343,7 +339,7 @@ impl Vm {
             after_fork: None,
             vmm_answered: None,
             replaced: None,
-            net: None,
+            net,
             owner: None,
             user,
             cgroup: None,
@@ -370,13 +366,6 @@ impl Vm {
         }
         vm.cgroup = cgroup.take();
         vm.owner = Some(vm.control.own()?);
-        if let Some(n) = network {
-            let net = VmNet::start(vm.dir.path(), n.policy.clone(), n.egress_log.clone())?;
-            let links = forkbox_net::broker::link::BrokerLinks::connect(net.broker.path())
-                .map_err(VmError::Io)?;
-            vm.control.broker(&links)?;
-            vm.net = Some(net);
-        }
         if status.state != RunState::Running {
             vm.resume()?;
         }

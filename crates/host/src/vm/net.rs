@@ -41,6 +41,29 @@ impl VmNet {
         let broker = NetBroker::start_with_log(&path, policy, Some(egress_log.clone()))?;
         Ok(Self { broker, egress_log })
     }
+
+    /// Starts the broker of a VMM about to be spawned (booted or restored)
+    /// in `dir`, with the arguments that give the VMM its network: the
+    /// policy (a file in `dir`), the broker and the egress log.
+    pub(super) fn start_for_vmm(
+        dir: &Path,
+        network: &NetworkSpec,
+    ) -> Result<(Self, [std::ffi::OsString; 6]), VmError> {
+        let policy_path = dir.join("net-policy.json");
+        let json = serde_json::to_string(&network.policy)
+            .map_err(|e| VmError::Io(std::io::Error::other(e)))?;
+        std::fs::write(&policy_path, json).map_err(VmError::Io)?;
+        let net = Self::start(dir, network.policy.clone(), network.egress_log.clone())?;
+        let args = [
+            "--net-policy".into(),
+            policy_path.into(),
+            "--net-broker".into(),
+            net.broker.path().into(),
+            "--net-log".into(),
+            net.egress_log.clone().into(),
+        ];
+        Ok((net, args))
+    }
 }
 
 /// A VM's network: virtio-net behind the VMM's userspace gateway, egress
