@@ -681,6 +681,71 @@ fn template_file() {
     }
 }
 
+/// One tar member with its name and link written as given (`tar`'s
+/// builder refuses the hostile ones), then its data padded.
+fn member(name: &str, kind: tar::EntryType, link: &str, mode: u32, data: &[u8]) -> Vec<u8> {
+    let mut h = tar::Header::new_old();
+    let old = h.as_old_mut();
+    old.name[..name.len()].copy_from_slice(name.as_bytes());
+    old.linkname[..link.len()].copy_from_slice(link.as_bytes());
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_size(data.len() as u64);
+    h.set_cksum();
+    let mut out = h.as_bytes().to_vec();
+    out.extend_from_slice(data);
+    out.resize(out.len().div_ceil(512) * 512, 0);
+    out
+}
+
+fn tar_unpack() {
+    use tar::EntryType as T;
+    let archives: [(&str, Vec<Vec<u8>>); 7] = [
+        (
+            "ordinary",
+            vec![
+                member("d/", T::Directory, "", 0o755, b""),
+                member("d/f", T::Regular, "", 0o644, b"hello"),
+                member("d/l", T::Symlink, "f", 0o777, b""),
+                member("d/h", T::Link, "d/f", 0o644, b""),
+            ],
+        ),
+        (
+            "dotdot",
+            vec![member("../escape", T::Regular, "", 0o644, b"x")],
+        ),
+        (
+            "absolute",
+            vec![member("/tmp/forkbox-fuzz-abs", T::Regular, "", 0o644, b"x")],
+        ),
+        (
+            "through-a-link",
+            vec![
+                member("l", T::Symlink, "../outside", 0o777, b""),
+                member("l/x", T::Regular, "", 0o644, b"x"),
+            ],
+        ),
+        (
+            "setuid",
+            vec![member("s", T::Regular, "", 0o4755, b"#!/bin/sh\n")],
+        ),
+        ("device", vec![member("null", T::Char, "", 0o666, b"")]),
+        (
+            "link-up-then-down",
+            vec![
+                member("a/", T::Directory, "", 0o755, b""),
+                member("a/up", T::Symlink, "..", 0o777, b""),
+                member("a/up/b", T::Regular, "", 0o644, b"x"),
+            ],
+        ),
+    ];
+    for (name, members) in archives {
+        let mut tar = members.concat();
+        tar.extend_from_slice(&[0u8; 1024]);
+        put("tar_unpack", name, &tar);
+    }
+}
+
 fn main() {
     chains();
     blk();
@@ -694,4 +759,5 @@ fn main() {
     template();
     template_file();
     net();
+    tar_unpack();
 }

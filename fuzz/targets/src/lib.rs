@@ -33,6 +33,8 @@
 //!   become for forkboxd.
 //! - [`virtio_net`]: the virtio-net device serving rx and tx queues the
 //!   input lays out, with frames for the guest, forks and resets.
+//! - [`tar_unpack`]: the CLI's unpacking of a tar archive from a guest
+//!   (`forkbox cp SANDBOX:/DIR LOCAL`), into a real directory.
 
 mod agent;
 mod blk;
@@ -47,6 +49,7 @@ mod policy;
 mod ring;
 mod template;
 mod template_file;
+mod unpack;
 mod vsock;
 
 pub use agent::{agent_client, agent_frames};
@@ -60,6 +63,7 @@ pub use net::virtio_net;
 pub use policy::policy_rules;
 pub use template::template_spec;
 pub use template_file::template_file;
+pub use unpack::tar_unpack;
 pub use vsock::vsock_packets;
 
 /// A fuzz target's body.
@@ -81,4 +85,5 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("template_spec", template_spec),
     ("template_file", template_file),
     ("virtio_net", virtio_net),
+    ("tar_unpack", tar_unpack),
 ];

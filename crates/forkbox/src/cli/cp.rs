@@ -10,7 +10,8 @@ use clap::Args;
 use hyper::Method;
 use serde::Deserialize;
 
-use super::{print_json, unpack, SandboxId};
+use super::{print_json, SandboxId};
+use forkbox::unpack;
 
 #[derive(Args)]
 pub struct CpArgs {

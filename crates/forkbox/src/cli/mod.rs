@@ -22,7 +22,6 @@ mod exec;
 mod network;
 mod sandbox;
 mod template;
-mod unpack;
 
 /// The exit status of `forkbox exec` when the sandbox machinery (or the
 /// daemon, or the request) failed rather than the command: like
