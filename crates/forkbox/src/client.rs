@@ -123,7 +123,17 @@ pub enum ClientError {
     Status { status: u16, body: String },
     #[error("forkboxd sent JSON this client does not understand")]
     Decode(#[source] serde_json::Error),
+    #[error("the download stopped after {received} bytes, before forkboxd said how it ended: forkboxd or the connection to it went away (see its log)")]
+    Interrupted { received: u64 },
+    #[error("a download frame of unknown kind {0}: is forkboxd newer than this client?")]
+    Frame(u8),
 }
+
+/// The media type of a framed download (`GET …/files`, `…/files/tar`):
+/// frames of a kind byte (0 data, 1 the end, 2 a failure with its JSON
+/// error), a 4-byte big-endian length and the payload, so that a download
+/// that fails after its answer started still says why.
+pub const FRAMES: &str = "application/vnd.forkbox.frames";
 
 impl ClientError {
     /// The daemon's error object, if it answered with one.
@@ -366,6 +376,49 @@ impl Response<'_> {
         Ok(out)
     }
 
+    /// A framed download's bytes ([`FRAMES`]): its data, or the error its
+    /// failure frame names, or [`ClientError::Interrupted`] when the body
+    /// ends before its end frame.
+    pub fn framed_bytes(mut self) -> Result<Vec<u8>, ClientError> {
+        let mut buf = std::mem::take(&mut self.pending);
+        let mut out = Vec::new();
+        loop {
+            while let Some(head) = buf.get(..5) {
+                let n = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+                let Some(payload) = buf.get(5..5 + n) else {
+                    break;
+                };
+                match head[0] {
+                    0 => out.extend_from_slice(payload),
+                    1 => return Ok(out),
+                    2 => {
+                        #[derive(Deserialize)]
+                        struct Failed {
+                            status: u16,
+                            error: ApiError,
+                        }
+                        let f: Failed =
+                            serde_json::from_slice(payload).map_err(ClientError::Decode)?;
+                        return Err(ClientError::Api {
+                            status: f.status,
+                            error: Box::new(f.error),
+                        });
+                    }
+                    kind => return Err(ClientError::Frame(kind)),
+                }
+                buf.drain(..5 + n);
+            }
+            match self.next_chunk()? {
+                Some(c) => buf.extend_from_slice(&c),
+                None => {
+                    return Err(ClientError::Interrupted {
+                        received: out.len() as u64,
+                    })
+                }
+            }
+        }
+    }
+
     /// The whole body as JSON.
     pub fn json<T: DeserializeOwned>(self) -> Result<T, ClientError> {
         serde_json::from_slice(&self.bytes()?).map_err(ClientError::Decode)
@@ -473,5 +526,60 @@ mod tests {
             .get::<serde_json::Value>("/health")
             .expect_err("nothing listens there");
         assert!(e.to_string().contains("forkbox daemon"), "{e}");
+    }
+
+    /// A daemon on a unix socket that answers one request with `body`
+    /// (HTTP/1.1, close-delimited).
+    fn answering(body: Vec<u8>) -> (tempfile::TempDir, Client) {
+        use std::io::{Read, Write};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("d.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            let mut req = [0u8; 4096];
+            let _ = conn.read(&mut req);
+            let head =
+                format!("HTTP/1.1 200 OK\r\ncontent-type: {FRAMES}\r\nconnection: close\r\n\r\n");
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(&body);
+        });
+        let client = Client::new(Endpoint::Unix(path), None).expect("client");
+        (dir, client)
+    }
+
+    fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![kind];
+        f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn download(body: Vec<u8>) -> Result<Vec<u8>, ClientError> {
+        let (_dir, client) = answering(body);
+        client
+            .send(Method::GET, "/f", Body::Empty, Some(FRAMES))?
+            .ok()?
+            .framed_bytes()
+    }
+
+    #[test]
+    fn framed_download_is_its_data_or_the_error_its_last_frame_names() {
+        let whole = [frame(0, b"hello "), frame(0, b"world"), frame(1, b"")].concat();
+        assert_eq!(download(whole).expect("whole"), b"hello world");
+        let why = br#"{"status":413,"error":{"kind":"too_large","message":"over 5 bytes","infrastructure":false}}"#;
+        let cut = [frame(0, b"hello"), frame(2, why)].concat();
+        match download(cut) {
+            Err(ClientError::Api { status: 413, error }) => assert_eq!(error.kind, "too_large"),
+            other => panic!("{other:?}"),
+        }
+        match download(frame(0, b"hel")[..6].to_vec()) {
+            Err(ClientError::Interrupted { received: 0 }) => {}
+            other => panic!("{other:?}"),
+        }
+        match download([frame(0, b"abc"), frame(9, b"")].concat()) {
+            Err(ClientError::Frame(9)) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::client::{segment, with_query, Body, Client};
+use crate::client::{segment, with_query, Body, Client, FRAMES};
 use anyhow::{bail, Context};
 use clap::Args;
 use hyper::Method;
@@ -206,8 +206,14 @@ fn download(
     let shown = target.display().to_string();
     if st.kind == "dir" {
         let archive = client
-            .call(Method::GET, &guest.url("files/tar", src, &[]), Body::Empty)?
-            .bytes()?;
+            .send(
+                Method::GET,
+                &guest.url("files/tar", src, &[]),
+                Body::Empty,
+                Some(FRAMES),
+            )?
+            .ok()?
+            .framed_bytes()?;
         std::fs::create_dir_all(&target).with_context(|| format!("creating {shown}"))?;
         // The archive comes from the guest: `unpack` refuses any member
         // that would land outside `target`, pass through or make a link
@@ -223,8 +229,14 @@ fn download(
     } else {
         use std::os::unix::fs::PermissionsExt;
         let data = client
-            .call(Method::GET, &guest.url("files", src, &[]), Body::Empty)?
-            .bytes()?;
+            .send(
+                Method::GET,
+                &guest.url("files", src, &[]),
+                Body::Empty,
+                Some(FRAMES),
+            )?
+            .ok()?
+            .framed_bytes()?;
         std::fs::write(&target, &data).with_context(|| format!("writing {shown}"))?;
         // The guest's mode, without setuid, setgid or sticky bits.
         if st.mode & 0o777 != 0 {
