@@ -10,6 +10,7 @@
 
 pub mod churn;
 pub mod fork;
+pub mod image;
 pub mod isolation;
 pub mod net;
 pub mod service;
@@ -59,6 +60,9 @@ pub enum BenchCmd {
     /// The service through its HTTP API: create-from-template → first
     /// command result beside the raw fork, and group fan-out.
     Service(service::Options),
+    /// Image import into a fresh store: an image, a second one on the same
+    /// base, the first again; percentiles, ratios, what the store holds.
+    Image(image::Options),
     /// A tight loop and fork+exec, here: the yardstick for other figures.
     Calibrate {
         #[arg(long)]
@@ -162,6 +166,11 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
             vm::exec(runs, json)
         }
         BenchCmd::Testbed { runs, json } => testbed::run(runs, json),
+        BenchCmd::Image(opts) => {
+            let report = image::run(&opts)?;
+            print_report(opts.json, report);
+            Ok(0)
+        }
     }
 }
 
