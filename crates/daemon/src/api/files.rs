@@ -520,6 +520,17 @@ mod tests {
     use crate::api::testing::*;
     use crate::service::Bounds;
 
+    /// A sandbox whose agent answers every call with data frames of
+    /// `chunk` bytes for as long as the client reads: its agent's
+    /// directory (kept while it lives), the app and its id.
+    async fn endless_sandbox(chunk: usize) -> (tempfile::TempDir, Router, String) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = scripted_agent(dir.path(), move |conn, _| endless(conn, chunk));
+        let app = app_with_agent_and(Some(sock), Bounds::default());
+        let id = sandbox(&app).await;
+        (dir, app, id)
+    }
+
     /// Sends data frames of `chunk` bytes for as long as the client reads.
     fn endless(conn: &mut std::os::unix::net::UnixStream, chunk: usize) {
         let data = vec![0u8; chunk];
@@ -597,10 +608,7 @@ mod tests {
     /// the limit itself. Under the first MiB, that is a 413.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn file_read_from_an_agent_ignoring_the_limit_is_413() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 4096));
-        let app = app_with_agent_and(Some(sock), Bounds::default());
-        let id = sandbox(&app).await;
+        let (_dir, app, id) = endless_sandbox(4096).await;
         let resp = get(
             &app,
             &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes=10000"),
@@ -651,10 +659,7 @@ mod tests {
     /// the client never gets more than the limit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn file_read_over_the_limit_mid_stream_cuts_the_body_at_the_limit() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
-        let app = app_with_agent_and(Some(sock), Bounds::default());
-        let id = sandbox(&app).await;
+        let (_dir, app, id) = endless_sandbox(64 * 1024).await;
         let limit = 3u64 << 20;
         let resp = get(
             &app,
@@ -686,10 +691,7 @@ mod tests {
     /// 413 before anything streams, even when it reaches the peek.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn file_read_over_a_limit_of_a_mib_is_413_not_a_cut_stream() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
-        let app = app_with_agent_and(Some(sock), Bounds::default());
-        let id = sandbox(&app).await;
+        let (_dir, app, id) = endless_sandbox(64 * 1024).await;
         let resp = get(
             &app,
             &format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes={DOWNLOAD_PEEK}"),
@@ -772,10 +774,7 @@ mod tests {
     /// arrives, then a frame saying why it stopped, then a clean end.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_download_cut_mid_stream_over_http_is_incomplete_raw_and_says_why_framed() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = scripted_agent(dir.path(), |conn, _| endless(conn, 64 * 1024));
-        let app = app_with_agent_and(Some(sock), Bounds::default());
-        let id = sandbox(&app).await;
+        let (_dir, app, id) = endless_sandbox(64 * 1024).await;
         let limit = 3usize << 20;
         let uri = format!("/sandboxes/{id}/files?path=/dev/zero&max_bytes={limit}");
         let (head, body, ended) = download_over_http(app.clone(), &uri, "*/*").await;
