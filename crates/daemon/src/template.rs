@@ -188,6 +188,13 @@ pub struct TemplateSpec {
     /// them.
     #[serde(default, skip_serializing_if = "SandboxLimits::is_empty")]
     pub limits: SandboxLimits,
+    /// Start the stored image's `Entrypoint` and `Cmd` (its service: a
+    /// web app, a database) in the background after the setup commands
+    /// and before the readiness check, as the image's user, in its
+    /// `WorkingDir`, with its `Env` under `envs`; the zygote holds it
+    /// running, so every sandbox of the template has it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub run_image_cmd: bool,
 }
 
 fn default_vcpus() -> u8 {
@@ -334,6 +341,8 @@ pub enum TemplateError {
     TooManyProtected(usize),
     #[error("{0}")]
     BadLimits(String),
+    #[error("run_image_cmd: image {0:?} has no `Entrypoint` or `Cmd` to run")]
+    NoImageCmd(String),
 }
 
 /// Most paths a template may protect.
@@ -356,6 +365,7 @@ impl TemplateSpec {
             network: None,
             protect: Vec::new(),
             limits: SandboxLimits::default(),
+            run_image_cmd: false,
         }
     }
 
@@ -461,7 +471,23 @@ impl TemplateSpec {
 
     /// Whether creating from it replays a recipe after boot.
     pub fn has_recipe(&self) -> bool {
-        !self.setup.is_empty() || self.ready.is_some()
+        !self.setup.is_empty() || self.ready.is_some() || self.run_image_cmd
+    }
+
+    /// The image's service, when the template asks for it: its
+    /// `Entrypoint` then `Cmd`, and whom it runs as.
+    pub fn image_cmd(
+        &self,
+        image: &ResolvedImage,
+    ) -> Result<Option<(Vec<String>, forkbox_proto::User)>, TemplateError> {
+        if !self.run_image_cmd {
+            return Ok(None);
+        }
+        let argv = [image.run.entrypoint.clone(), image.run.cmd.clone()].concat();
+        if argv.is_empty() {
+            return Err(TemplateError::NoImageCmd(self.image.clone()));
+        }
+        Ok(Some((argv, image.default_user())))
     }
 }
 

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 /// ready = { tcp_port = 8000 }   # or command = "…", file = "/path", http_url = "…"
 /// ready_timeout_secs = 60
 /// protect = ["/task/tests", "/task/grade.sh"]   # the policy may not change these
+/// run_image_cmd = true      # a stored image's Entrypoint/Cmd, started before `ready`
 /// [limits]                  # each sandbox's host resources; default: its shape's
 /// cpus = 1.5                # CPU time, up to vcpus + 1
 /// memory_mib = 768          # host memory of its own, up to memory_mib + 512
@@ -56,6 +57,10 @@ pub struct TemplateFile {
     /// Each sandbox's host resources (a creation may set its own).
     #[serde(default)]
     pub limits: Option<SandboxLimits>,
+    /// Start the stored image's `Entrypoint`/`Cmd` in the background
+    /// after setup, before the readiness check.
+    #[serde(default)]
+    pub run_image_cmd: bool,
 }
 
 /// The host resources one sandbox may take (forkboxd's `SandboxLimits`):
@@ -102,6 +107,8 @@ pub struct TemplateSpec {
     pub protect: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<SandboxLimits>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub run_image_cmd: bool,
 }
 
 impl TemplateFile {
@@ -134,6 +141,7 @@ impl TemplateFile {
             network: self.network,
             protect: self.protect,
             limits: self.limits,
+            run_image_cmd: self.run_image_cmd,
         })
     }
 }

@@ -44,4 +44,5 @@ pub fn template_file(data: &[u8]) {
     assert_eq!(daemons.setup, spec.setup);
     assert_eq!(daemons.envs, spec.envs);
     assert_eq!(daemons.protect, spec.protect);
+    assert_eq!(daemons.run_image_cmd, spec.run_image_cmd);
 }

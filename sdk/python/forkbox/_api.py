@@ -475,12 +475,13 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
                   envs: Optional[Mapping[str, str]],
                   network: Optional[NetworkArg] = None,
                   protect: Optional[Sequence[str]] = None,
-                  limits: Optional[LimitsArg] = None) -> Json:
+                  limits: Optional[LimitsArg] = None, run_image_cmd: bool = False) -> Json:
     """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
     one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
     `{"http_url": url}`. `network`: the egress policy while it bakes.
     `protect`: paths the policy may not change. `limits`: each sandbox's
-    host resources."""
+    host resources. `run_image_cmd`: start the stored image's
+    `Entrypoint`/`Cmd` in the background before the readiness check."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
     if isinstance(protect, str):
@@ -497,6 +498,8 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
         spec["protect"] = list(protect)
     if limits:
         spec["limits"] = dict(limits)
+    if run_image_cmd:
+        spec["run_image_cmd"] = True
     return spec
 
 

@@ -89,6 +89,9 @@ class TemplateInfo:
     error: Optional[str] = None
     """Why the last bake failed."""
     bake_ms: Optional[int] = None
+    run_image_cmd: bool = False
+    """Its stored image's `Entrypoint`/`Cmd` runs in the background in
+    every sandbox (started before the readiness check, at the bake)."""
     image_id: Optional[str] = None
     """The stored image it boots (`sha256:…`), as found when it was made:
     moving the image's name later changes nothing for it. `None`: a
@@ -110,6 +113,7 @@ class TemplateInfo:
                    protect=list(d.get("protect") or []),
                    limits=dict(d.get("limits") or {}),
                    bake_ms=d.get("bake_ms"), image_id=d.get("image_id"),
+                   run_image_cmd=bool(d.get("run_image_cmd", False)),
                    saved_bytes=d.get("saved_bytes"), raw=dict(d))
 
 

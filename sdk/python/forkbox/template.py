@@ -30,6 +30,7 @@ class Template:
               network: Optional[NetworkArg] = None,
               protect: Optional[Sequence[str]] = None,
               limits: Optional[LimitsArg] = None,
+              run_image_cmd: bool = False,
               on_progress: Optional[ProgressCallback] = None,
               url: Optional[str] = None) -> TemplateInfo:
         """Registers and bakes a template: boot `image`, run each `setup`
@@ -54,13 +55,18 @@ class Template:
         `{"cpus": 0.5, "memory_mib": 256}` (as `Sandbox.create`'s, which
         may set its own); the bake runs without them.
 
+        `run_image_cmd`: start a stored image's `Entrypoint` and `Cmd` (its
+        service) in the background after `setup` and before `ready`, as
+        the image's user, in its `WorkingDir`; every sandbox of the
+        template then has it running.
+
         `on_progress` gets every event of the bake as a dict: `{"type":
         "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,
         and the last one, `done` (with `boot_ms`, `total_ms`) or `failed`.
         A failed bake raises `TemplateError` (`.step`, `.output`);
         `TemplateInfrastructureError` when the VM failed, not the recipe."""
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network, protect, limits)
+                                  envs, network, protect, limits, run_image_cmd)
         return _bake(shared_client(url), ("POST", "/templates"), on_progress, json=spec)
 
     @staticmethod
@@ -112,10 +118,11 @@ class AsyncTemplate:
                     network: Optional[NetworkArg] = None,
                     protect: Optional[Sequence[str]] = None,
                     limits: Optional[LimitsArg] = None,
+                    run_image_cmd: bool = False,
                     on_progress: Optional[ProgressCallback] = None,
                     url: Optional[str] = None) -> TemplateInfo:
         spec = _api.template_spec(name, image, vcpus, memory_mib, setup, ready, ready_timeout,
-                                  envs, network, protect, limits)
+                                  envs, network, protect, limits, run_image_cmd)
         return await _abake(shared_async_client(url), ("POST", "/templates"), on_progress,
                             json=spec)
 

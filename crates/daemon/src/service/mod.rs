@@ -143,6 +143,10 @@ pub struct Bounds {
 /// The default [`Bounds::exec_margin`].
 pub const EXEC_MARGIN: Duration = Duration::from_secs(30);
 
+/// Bound on starting a template's image service (the agent answers with
+/// its pid once it is started; it does not wait for it).
+pub const SERVICE_START: Duration = Duration::from_secs(60);
+
 impl Default for Bounds {
     fn default() -> Self {
         Self {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use forkbox_host::measure;
 use forkbox_host::poll::{self, TimedOut};
 use forkbox_net::policy::Policy;
-use forkbox_proto::client::AgentClient;
+use forkbox_proto::client::{AgentClient, ClientError};
 use forkbox_proto::{ExecRequest, OutputStream};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
@@ -227,6 +227,7 @@ impl Daemon {
         spec.name = name.clone();
         spec.setup.clear();
         spec.ready = None;
+        spec.run_image_cmd = false;
         spec.network = None;
         spec.validate().map_err(DaemonError::BadTemplate)?;
         let (tx, rx) = watch::channel(None);
@@ -364,6 +365,7 @@ impl Daemon {
         let image = spec
             .root_image(self.images(), None)
             .map_err(DaemonError::BadTemplate)?;
+        spec.image_cmd(&image).map_err(DaemonError::BadTemplate)?;
         let name = spec.name.clone();
         self.register(
             Template::new(spec, image, Zygote::None { error: None }),
@@ -511,9 +513,13 @@ impl Daemon {
         // The recipe runs in the image's environment and directory, the
         // template's own variables over the image's.
         let image = t.image.clone();
-        let mut recipe_envs = image.env();
-        recipe_envs.extend(t.spec.envs.clone());
-        let recipe_cwd = image.working_dir();
+        let mut envs = image.env();
+        envs.extend(t.spec.envs.clone());
+        let run = RecipeRun {
+            envs,
+            cwd: image.working_dir(),
+            service: t.spec.image_cmd(&image).map_err(DaemonError::BadTemplate)?,
+        };
         // A bake boots a whole VM, whose setup may write all its RAM: the
         // host's memory must have room for it above the reserve.
         if let Some(available) = (self.inner.config.host_memory)() {
@@ -560,14 +566,8 @@ impl Daemon {
                         .boot(&machine_spec)
                         .map_err(|e| BakeFailure::of("boot".into(), &DaemonError::from(e)))?;
                     let boot_ms = machine.boot_time().as_millis() as u64;
-                    run_recipe(
-                        &machine.agent(),
-                        max_exec,
-                        &recipe,
-                        (&recipe_envs, recipe_cwd.as_deref()),
-                        &mut |e| send2(e),
-                    )
-                    .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
+                    run_recipe(&machine.agent(), max_exec, &recipe, &run, &mut |e| send2(e))
+                        .map_err(|e| BakeFailure::of(step_of(&e), &e))?;
                     let baseline = if recipe.protect.is_empty() {
                         None
                     } else {
@@ -683,16 +683,27 @@ pub(super) fn step_of(e: &DaemonError) -> String {
     }
 }
 
-/// Setup commands in order (each at most `max_exec`), then the readiness
-/// check until it passes or its timeout ends. Blocking; every agent call
+/// What a recipe runs with, from its template's image: the environment
+/// and directory of its commands, and the image's service if the
+/// template starts it.
+pub(super) struct RecipeRun {
+    pub(super) envs: BTreeMap<String, String>,
+    pub(super) cwd: Option<String>,
+    pub(super) service: Option<(Vec<String>, forkbox_proto::User)>,
+}
+
+/// Setup commands in order (each at most `max_exec`), then the image's
+/// service if asked for, then the readiness check until it passes or its
+/// timeout ends. Blocking; every agent call
 /// has a deadline.
 pub(super) fn run_recipe(
     agent: &AgentClient,
     max_exec: Duration,
     t: &TemplateSpec,
-    (envs, cwd): (&BTreeMap<String, String>, Option<&str>),
+    run: &RecipeRun,
     progress: &mut dyn FnMut(BakeEvent),
 ) -> Result<(), DaemonError> {
+    let (envs, cwd) = (&run.envs, run.cwd.as_deref());
     for (i, cmd) in t.setup.iter().enumerate() {
         let step = format!("setup[{i}]");
         progress(BakeEvent::Step {
@@ -721,6 +732,40 @@ pub(super) fn run_recipe(
                 output: tail(&output),
             });
         }
+    }
+    if let Some((argv, user)) = &run.service {
+        progress(BakeEvent::Step {
+            step: "service".into(),
+            detail: format!(
+                "the image's {argv:?} in the background, as {}",
+                match user {
+                    forkbox_proto::User::Name(n) => n.clone(),
+                    forkbox_proto::User::Uid(u) => format!("uid {u}"),
+                }
+            ),
+        });
+        let mut req = ExecRequest::argv(argv.clone());
+        req.env = envs.clone();
+        req.cwd = cwd.map(str::to_owned);
+        req.user = Some(user.clone());
+        let pid = agent
+            .clone()
+            .with_call_timeout(max_exec.min(super::SERVICE_START))
+            .spawn(&req)
+            .map_err(|e| match e {
+                // The guest could not start it (no such file, no such
+                // user): the image's or the template's doing.
+                ClientError::Agent(refused) => DaemonError::Recipe {
+                    step: "service".into(),
+                    message: format!("starting {argv:?}: {refused}"),
+                    output: String::new(),
+                },
+                e => DaemonError::infra("starting the image's service", e),
+            })?;
+        progress(BakeEvent::Output {
+            stream: "stdout".into(),
+            data: format!("service started: pid {pid}\n"),
+        });
     }
     if let Some(ready) = &t.ready {
         progress(BakeEvent::Step {
@@ -849,7 +894,7 @@ mod tests {
     /// `Env` under the template's variables (under the command's own), its
     /// `WorkingDir` where the command names none; the setup runs so too.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_stored_image_s_env_and_working_dir_reach_its_recipe_and_commands() {
+    async fn a_stored_image_s_env_and_working_dir_reach_its_recipe_service_and_commands() {
         use forkbox_proto::{ExecResult, ExitStatus, Request, Response};
         let dir = tempfile::tempdir().expect("tempdir");
         let store = forkbox_image::Store::open(&dir.path().join("store")).expect("store");
@@ -860,18 +905,38 @@ mod tests {
                 env: vec!["PATH=/img/bin".into(), "SHARED=image".into()],
                 working_dir: Some("/work".into()),
                 user: Some("app".into()),
-                ..Default::default()
+                entrypoint: vec!["/img/bin/serve".into()],
+                cmd: vec!["--port".into(), "8080".into()],
             },
             manifest: None,
             created: None,
         };
         store.put_image(&image).expect("image");
         store.tag("task:1", &image.id).expect("tag");
+        let bare = forkbox_image::Image {
+            id: forkbox_image::Digest::of(b"no cmd"),
+            config: Default::default(),
+            ..image.clone()
+        };
+        store.put_image(&bare).expect("image");
+        store.tag("bare:1", &bare.id).expect("tag");
         type Seen = Vec<(String, BTreeMap<String, String>, Option<String>)>;
         let seen: Arc<std::sync::Mutex<Seen>> = Default::default();
         let record = seen.clone();
         let sock = crate::backend::fake::scripted_agent(dir.path(), move |conn, req| {
-            if let Request::Exec { exec, .. } = req {
+            if let Request::Spawn { exec } = req {
+                let what = format!("spawn {:?} as {:?}", exec.command, exec.user);
+                record
+                    .lock()
+                    .expect("seen")
+                    .push((what, exec.env, exec.cwd));
+                let r = Response::Spawned { pid: 7 };
+                let _ = forkbox_proto::frame::write_frame(
+                    conn,
+                    forkbox_proto::FrameKind::Control,
+                    &forkbox_proto::encode_control(&r),
+                );
+            } else if let Request::Exec { exec, .. } = req {
                 let what = format!("{:?}", exec.command);
                 record
                     .lock()
@@ -907,6 +972,22 @@ mod tests {
         spec.image = "task:1".into();
         spec.setup = vec!["make setup".into()];
         spec.envs = BTreeMap::from([("SHARED".into(), "template".into())]);
+        spec.run_image_cmd = true;
+        spec.ready = Some(crate::template::Readiness::Command(
+            "curl -fs localhost:8080".into(),
+        ));
+        let e = d
+            .bake(TemplateSpec {
+                image: "bare:1".into(),
+                ..spec.clone()
+            })
+            .expect_err("no command to run");
+        assert_eq!(e.kind(), "invalid_request", "{e}");
+        assert!(
+            chain(&e).contains("no `Entrypoint` or `Cmd`"),
+            "{}",
+            chain(&e)
+        );
         let mut rx = d.bake(spec).expect("starts");
         let mut last = None;
         while let Some(e) = rx.recv().await {
@@ -935,14 +1016,28 @@ mod tests {
             (cmd.to_owned(), env, Some(cwd.to_owned()))
         };
         let shell = |c: &str| format!("{:?}", ExecRequest::shell(c).command);
+        let service = format!(
+            "spawn {:?} as {:?}",
+            ExecRequest::argv(["/img/bin/serve", "--port", "8080"]).command,
+            Some(forkbox_proto::User::Name("app".into()))
+        );
+        let ready = crate::template::Readiness::Command("curl -fs localhost:8080".into()).script();
         assert_eq!(
             seen,
             vec![
                 want(&shell("make setup"), "template", "/work"),
+                want(&service, "template", "/work"),
+                want(&shell(&ready), "template", "/work"),
                 want(&shell("ls"), "template", "/work"),
                 want(&shell("pwd"), "command", "/elsewhere"),
             ]
         );
+        // A snapshot of a sandbox holds the service running already.
+        let snap = d
+            .template_from_sandbox(&a.id, "snap".into())
+            .await
+            .expect("snapshot");
+        assert!(!snap.spec.run_image_cmd);
     }
 
     #[tokio::test]
