@@ -25,6 +25,12 @@ struct LocalRegistry {
 
 impl LocalRegistry {
     fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// With `basic`, the registry asks for basic auth (htpasswd, bcrypt)
+    /// and knows that one user.
+    fn start_with(basic: Option<(&str, &str)>) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -32,10 +38,19 @@ impl LocalRegistry {
             .port();
         let addr = format!("127.0.0.1:{port}");
         let config = dir.path().join("config.yml");
-        let yaml = format!(
+        let mut yaml = format!(
             "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
             dir.path().join("data").display()
         );
+        if let Some((user, password)) = basic {
+            let hash = bcrypt::hash(password, 4).expect("bcrypt");
+            let htpasswd = dir.path().join("htpasswd");
+            std::fs::write(&htpasswd, format!("{user}:{hash}\n")).expect("htpasswd");
+            yaml += &format!(
+                "auth:\n  htpasswd:\n    realm: forkbox-test\n    path: {}\n",
+                htpasswd.display()
+            );
+        }
         std::fs::write(&config, yaml).expect("config");
         let child = Command::new("docker-registry")
             .arg("serve")
@@ -72,13 +87,17 @@ impl Drop for LocalRegistry {
 /// Pushes an image of `layers` (uncompressed tars, pushed gzip'd) as
 /// `reference`; returns its id (the configuration's digest).
 async fn push(reference: &str, layers: &[Vec<u8>]) -> Digest {
+    push_as(reference, layers, &RegistryAuth::Anonymous).await
+}
+
+async fn push_as(reference: &str, layers: &[Vec<u8>], auth: &RegistryAuth) -> Digest {
     let client = Client::new(ClientConfig {
         protocol: ClientProtocol::Http,
         ..Default::default()
     });
     let image: Reference = reference.parse().expect("reference");
     client
-        .auth(&image, &RegistryAuth::Anonymous, RegistryOperation::Push)
+        .auth(&image, auth, RegistryOperation::Push)
         .await
         .expect("auth");
     let diff_ids: Vec<Digest> = layers.iter().map(|l| Digest::of(l)).collect();
@@ -227,6 +246,46 @@ async fn pull_of_a_missing_tag_or_registry_says_so_and_stores_nothing() {
             .count(),
         0
     );
+}
+
+/// A registry that asks for basic auth: a pull with the right user and
+/// password stores the image; anonymous or with a wrong password it is
+/// refused, saying so, and stores nothing.
+#[tokio::test(flavor = "current_thread")]
+async fn pull_from_a_registry_with_basic_auth_needs_the_right_password() {
+    let registry = LocalRegistry::start_with(Some(("trainer", "s3cret")));
+    let reference = format!("{}/tasks/private:v1", registry.addr);
+    let basic = RegistryAuth::Basic("trainer".into(), "s3cret".into());
+    let id = push_as(&reference, &[base_layer()], &basic).await;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    for auth in [None, Some(("trainer".to_owned(), "wrong".to_owned()))] {
+        let registry = Registry {
+            auth: auth.clone(),
+            plain_http: true,
+        };
+        let err = pull(&store, &reference, &registry, &mut |_| {})
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(err, PullError::Registry { .. }),
+            "{auth:?}: {err:?}"
+        );
+        let said = format!("{err:#?}");
+        assert!(
+            said.contains("401") || said.to_lowercase().contains("unauthorized"),
+            "{auth:?}: {said}"
+        );
+        assert!(store.ids().expect("ids").is_empty());
+    }
+    let registry = Registry {
+        auth: Some(("trainer".into(), "s3cret".into())),
+        plain_http: true,
+    };
+    let pulled = pull(&store, &reference, &registry, &mut |_| {})
+        .await
+        .expect("pulled with the password");
+    assert_eq!(pulled.image.id, id);
 }
 
 /// Writes `bytes` where a stopped download of `blob` leaves its part.
