@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::control::Control;
-use forkbox_host::vm::{Assets, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec};
+use forkbox_host::vm::{Assets, Expected, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
@@ -75,11 +75,14 @@ pub trait Backend: Send + Sync + 'static {
     fn discard(&self, handle: &VmHandle);
     /// Starts a VM from a snapshot ([`BackendVm::snapshot`]), running,
     /// its clock and entropy refreshed; with `network`, one that has a
-    /// network is served a broker with that policy. Blocking.
+    /// network is served a broker with that policy. The snapshot's state
+    /// must be of `expect` (its VMM wrote it, and may have been a
+    /// guest's). Blocking.
     fn restore(
         &self,
         snapshot: &Path,
         network: Option<&NetworkSpec>,
+        expect: &Expected,
     ) -> Result<Box<dyn BackendVm>, BackendError>;
 }
 
@@ -198,8 +201,10 @@ impl Backend for VmBackend {
         &self,
         snapshot: &Path,
         network: Option<&NetworkSpec>,
+        expect: &Expected,
     ) -> Result<Box<dyn BackendVm>, BackendError> {
-        let vm = Vm::restore(&self.assets, snapshot, network).map_err(BackendError::Restore)?;
+        let vm = Vm::restore(&self.assets, snapshot, network, Some(expect))
+            .map_err(BackendError::Restore)?;
         Ok(ForkboxVm::boxed(vm))
     }
 }
@@ -377,8 +382,8 @@ pub(crate) mod fake {
     use tokio::sync::watch;
 
     use super::{
-        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec, Path,
-        VmCgroup, VmEnd, VmError, VmHandle,
+        Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, Expected, ForkOptions,
+        NetworkSpec, Path, VmCgroup, VmEnd, VmError, VmHandle,
     };
 
     /// An agent on a unix socket in `dir`: says hello, reads one request,
@@ -596,6 +601,7 @@ pub(crate) mod fake {
             &self,
             snapshot: &Path,
             network: Option<&NetworkSpec>,
+            _expect: &Expected,
         ) -> Result<Box<dyn BackendVm>, BackendError> {
             // What `FakeVm::snapshot` wrote, or the restore fails as a
             // missing snapshot would.

@@ -178,7 +178,19 @@ impl Store {
     /// Forgets a template: its record and its snapshot, if it has one.
     pub fn forget_template(&self, name: &str) {
         let _ = std::fs::remove_file(self.template_path(name));
+        self.forget_snapshot(name);
+    }
+
+    /// Removes template `name`'s snapshot, if it has one.
+    pub fn forget_snapshot(&self, name: &str) {
         let _ = std::fs::remove_dir_all(self.snapshot_dir(name));
+    }
+
+    /// Where a snapshot of template `name` is written before it replaces
+    /// the one in [`Self::snapshot_dir`] (no template name starts with
+    /// `.`).
+    pub fn snapshot_tmp_dir(&self, name: &str) -> PathBuf {
+        self.dir.join("snapshots").join(format!(".{name}.new"))
     }
 
     /// Where the snapshot of template `name`'s zygote is kept.

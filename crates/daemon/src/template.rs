@@ -190,9 +190,10 @@ pub struct TemplateSpec {
     pub limits: SandboxLimits,
     /// Start the stored image's `Entrypoint` and `Cmd` (its service: a
     /// web app, a database) in the background after the setup commands
-    /// and before the readiness check, as the image's user, in its
-    /// `WorkingDir`, with its `Env` under `envs`; the zygote holds it
-    /// running, so every sandbox of the template has it.
+    /// and before the readiness check, as the image's `User` (root when
+    /// it names none, as a container runtime would), in its `WorkingDir`,
+    /// with its `Env` under `envs`; the zygote holds it running, so every
+    /// sandbox of the template has it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub run_image_cmd: bool,
 }
@@ -487,7 +488,23 @@ impl TemplateSpec {
         if argv.is_empty() {
             return Err(TemplateError::NoImageCmd(self.image.clone()));
         }
-        Ok(Some((argv, image.default_user())))
+        // As a container runtime runs it: as the image's `User` (its user
+        // part), root when it names none; many images' services start as
+        // root and drop privileges themselves. Commands of the policy keep
+        // their unprivileged default ([`ResolvedImage::default_user`]).
+        let user = match image
+            .run
+            .user
+            .as_deref()
+            .map(|u| u.split(':').next().unwrap_or(u))
+        {
+            None | Some("") => forkbox_proto::User::Uid(0),
+            Some(u) => u.parse().map_or_else(
+                |_| forkbox_proto::User::Name(u.to_owned()),
+                forkbox_proto::User::Uid,
+            ),
+        };
+        Ok(Some((argv, user)))
     }
 }
 
@@ -665,6 +682,41 @@ mod tests {
             (ImageName::Minimal.into(), None)
         );
         assert!(builtin.env().is_empty() && builtin.working_dir().is_none());
+    }
+
+    #[test]
+    fn image_cmd_is_entrypoint_then_cmd_as_the_image_s_user_or_root() {
+        use forkbox_proto::User;
+        let image = |user: Option<&str>| ResolvedImage {
+            root: RootImage::Layers(Vec::new()),
+            id: Some(forkbox_image::Digest::of(b"x")),
+            run: forkbox_image::RunConfig {
+                user: user.map(str::to_owned),
+                entrypoint: vec!["/entry".into()],
+                cmd: vec!["--serve".into()],
+                ..Default::default()
+            },
+        };
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        assert_eq!(t.image_cmd(&image(None)), Ok(None), "not asked for");
+        t.run_image_cmd = true;
+        let argv = vec!["/entry".to_owned(), "--serve".to_owned()];
+        for (user, want) in [
+            (None, User::Uid(0)),
+            (Some("postgres"), User::Name("postgres".into())),
+            (Some("999:999"), User::Uid(999)),
+            (Some("app:staff"), User::Name("app".into())),
+        ] {
+            assert_eq!(
+                t.image_cmd(&image(user)),
+                Ok(Some((argv.clone(), want))),
+                "{user:?}"
+            );
+        }
+        assert_eq!(
+            t.image_cmd(&ResolvedImage::builtin(ImageName::Minimal)),
+            Err(TemplateError::NoImageCmd("minimal".into()))
+        );
     }
 
     #[test]

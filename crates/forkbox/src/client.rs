@@ -239,6 +239,7 @@ impl Client {
         let (parts, body) = resp.into_parts();
         Ok(Response {
             status: parts.status,
+            headers: parts.headers,
             body,
             rt: &self.rt,
             pending: Vec::new(),
@@ -291,6 +292,7 @@ impl Client {
 /// An answer whose body is read on demand.
 pub struct Response<'c> {
     status: StatusCode,
+    headers: hyper::HeaderMap,
     body: Incoming,
     rt: &'c tokio::runtime::Runtime,
     pending: Vec<u8>,
@@ -380,6 +382,14 @@ impl Response<'_> {
     /// failure frame names, or [`ClientError::Interrupted`] when the body
     /// ends before its end frame.
     pub fn framed_bytes(mut self) -> Result<Vec<u8>, ClientError> {
+        // A daemon older than frames answers with the bytes themselves.
+        let framed = self
+            .headers
+            .get(hyper::header::CONTENT_TYPE)
+            .is_some_and(|t| t.as_bytes() == FRAMES.as_bytes());
+        if !framed {
+            return self.bytes();
+        }
         let mut buf = std::mem::take(&mut self.pending);
         let mut out = Vec::new();
         loop {
@@ -408,13 +418,16 @@ impl Response<'_> {
                 }
                 buf.drain(..5 + n);
             }
-            match self.next_chunk()? {
-                Some(c) => buf.extend_from_slice(&c),
-                None => {
+            // A body that breaks off (a daemon that died mid-stream) is
+            // interrupted, as one that ends without its end frame.
+            match self.next_chunk() {
+                Ok(Some(c)) => buf.extend_from_slice(&c),
+                Ok(None) | Err(ClientError::Http(_)) => {
                     return Err(ClientError::Interrupted {
                         received: out.len() as u64,
                     })
                 }
+                Err(e) => return Err(e),
             }
         }
     }

@@ -35,13 +35,14 @@ pub fn tar_unpack(data: &[u8]) {
         std::fs::read_dir(&outside).expect("read").next().is_none(),
         "made in a sibling of the target"
     );
-    check_tree(&root, Path::new(""));
+    let real_root = std::fs::canonicalize(&root).expect("the target");
+    check_tree(&root, Path::new(""), &real_root);
     remove(&base);
 }
 
 /// Every entry under `dir` (`rel` inside the target): its kind, its mode
 /// bits, and where a link leads.
-fn check_tree(dir: &Path, rel: &Path) {
+fn check_tree(dir: &Path, rel: &Path, real_root: &Path) {
     for entry in std::fs::read_dir(dir).expect("read a directory it made") {
         let entry = entry.expect("an entry");
         let path = entry.path();
@@ -56,6 +57,15 @@ fn check_tree(dir: &Path, rel: &Path) {
                 inside.display(),
                 target.display()
             );
+            // Links through links: where it really leads, if anywhere.
+            if let Ok(real) = std::fs::canonicalize(&path) {
+                assert!(
+                    real.starts_with(real_root),
+                    "link {} really leads to {}",
+                    inside.display(),
+                    real.display()
+                );
+            }
             continue;
         }
         assert!(
@@ -71,7 +81,7 @@ fn check_tree(dir: &Path, rel: &Path) {
             inside.display()
         );
         if kind.is_dir() {
-            check_tree(&path, &inside);
+            check_tree(&path, &inside, real_root);
         }
     }
 }

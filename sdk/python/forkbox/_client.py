@@ -84,14 +84,21 @@ class _Frames:
     "error": {…}}`). The daemon says how a download ended, so a cut is
     never guessed from the bytes that came."""
 
-    def __init__(self) -> None:
+    def __init__(self, r: Optional[httpx.Response] = None) -> None:
         self._buf = bytearray()
         self._data: "list[bytes]" = []
         self.received = 0
         self._end: Optional[ForkboxError] = None
         self._ended = False
+        # A daemon older than frames answers with the bytes themselves.
+        ctype = r.headers.get("content-type", FRAMES) if r is not None else FRAMES
+        self._raw = ctype.split(";")[0].strip() != FRAMES
 
     def feed(self, chunk: bytes) -> None:
+        if self._raw:
+            self._data.append(chunk)
+            self.received += len(chunk)
+            return
         self._buf += chunk
         while not self._ended and len(self._buf) >= 5:
             kind, n = self._buf[0], int.from_bytes(self._buf[1:5], "big")
@@ -118,6 +125,8 @@ class _Frames:
         (`cut`: the transport's error, if one ended the body)."""
         if self._end is not None:
             raise self._end
+        if self._raw and cut is None:
+            self._ended = True
         if not self._ended:
             raise from_cut_download(self.received) from cut
         return httpx.Response(r.status_code, headers=r.headers, content=b"".join(self._data),
@@ -185,7 +194,7 @@ class Client:
                 if r.status_code >= 400:
                     r.read()
                     raise _error_of(r)
-                frames = _Frames()
+                frames = _Frames(r)
                 try:
                     for c in r.iter_bytes():
                         frames.feed(c)
@@ -258,7 +267,7 @@ class AsyncClient:
                 if r.status_code >= 400:
                     await r.aread()
                     raise _error_of(r)
-                frames = _Frames()
+                frames = _Frames(r)
                 try:
                     async for c in r.aiter_bytes():
                         frames.feed(c)

@@ -57,8 +57,8 @@ class Template:
 
         `run_image_cmd`: start a stored image's `Entrypoint` and `Cmd` (its
         service) in the background after `setup` and before `ready`, as
-        the image's user, in its `WorkingDir`; every sandbox of the
-        template then has it running.
+        the image's `User` (root when it names none), in its `WorkingDir`;
+        every sandbox of the template then has it running.
 
         `on_progress` gets every event of the bake as a dict: `{"type":
         "step", "step", "detail"}`, `{"type": "output", "stream", "data"}`,

@@ -59,3 +59,14 @@ def test_a_body_without_its_end_is_interrupted_infrastructure(body: bytes) -> No
     # Once the end came, a connection that breaks after it loses nothing.
     whole = _read(_frame(0, b"abc") + _frame(1, b""), 2)
     assert whole.result(_response(), httpx.ReadError("reset")).content == b"abc"
+
+
+def test_a_daemon_older_than_frames_is_read_raw() -> None:
+    r = httpx.Response(200, headers={"content-type": "application/octet-stream"},
+                       request=httpx.Request("GET", "http://forkboxd/f"))
+    frames = _Frames(r)
+    for part in (b"\x01\x00\x00", b"\x00\x00 raw"):
+        frames.feed(part)
+    assert frames.result(r).content == b"\x01\x00\x00\x00\x00 raw"
+    with pytest.raises(DownloadInterruptedError):
+        _Frames(r).result(r, httpx.ReadError("reset"))

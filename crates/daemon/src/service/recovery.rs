@@ -12,6 +12,7 @@ use super::{chain, Daemon, Live, Shared, Template, Zygote};
 use crate::backend::NetworkSpec;
 use crate::core::{SandboxId, SandboxState};
 use crate::persist::SavedSandbox;
+use forkbox_host::vm::Expected;
 
 impl Daemon {
     /// Writes a live sandbox down (when the daemon keeps state).
@@ -94,10 +95,17 @@ impl Daemon {
                         // started again from its snapshot, not baked.
                         Some(_) => {
                             let dir = store.snapshot_dir(&name);
-                            let restored = backend.restore(&dir, network.as_ref()).and_then(|m| {
-                                m.make_zygote()?;
-                                Ok(m)
-                            });
+                            let expect = Expected {
+                                image: image.root.clone(),
+                                vcpus: t.spec.vcpus,
+                                memory_mib: t.spec.memory_mib,
+                            };
+                            let restored = backend
+                                .restore(&dir, network.as_ref(), &expect)
+                                .and_then(|m| {
+                                    m.make_zygote()?;
+                                    Ok(m)
+                                });
                             if restored.is_ok() {
                                 tracing::info!(template = %name, "its zygote started again from its snapshot in {}", dir.display());
                             }
@@ -132,6 +140,23 @@ impl Daemon {
                     if let Some(record) = t.record() {
                         store.save_template(&record);
                     }
+                    self.lock().templates.insert(name, t);
+                }
+                // A saved template whose snapshot does not start (a new
+                // forkbox whose state format changed, say) is kept, record
+                // and snapshot, to be tried again at the next start; until
+                // then it says why, and one with a recipe bakes on demand.
+                Err(why) if t.saved_bytes.is_some() => {
+                    cleared += 1;
+                    tracing::error!(template = %name, "{why}; it stays registered, not baked, and its snapshot is tried again at the next start");
+                    let t = Template {
+                        spec: t.spec,
+                        image,
+                        from_sandbox: t.from_sandbox,
+                        drop_on_failure: t.drop_on_failure,
+                        zygote: Zygote::None { error: Some(why) },
+                        saved_bytes: None,
+                    };
                     self.lock().templates.insert(name, t);
                 }
                 Err(why) => {
@@ -364,17 +389,30 @@ mod tests {
             "started from its snapshot, not baked"
         );
 
-        // A snapshot that cannot start: the template is cleared away
-        // (the built-in one bakes again on demand), loudly.
+        // A snapshot that cannot start (a newer forkbox, say) is kept and
+        // tried again at the next start; meanwhile the template says why,
+        // and bakes on demand (its stale snapshot then goes).
         d.shutdown().await;
         std::fs::remove_file(&memory).expect("rm");
-        let fake = Fake::default();
-        let world = fake.world.clone();
-        world.gone.lock().expect("gone").extend(1000..1100);
-        let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
-        assert_eq!(d.recover(), (0, 1));
-        assert!(!dir.path().join("snapshots/minimal").exists());
-        created(&d, None).await;
-        assert_eq!(world.boots.load(ORD), 1, "baked again");
+        for run in 0..2 {
+            let fake = Fake::default();
+            let world = fake.world.clone();
+            world.gone.lock().expect("gone").extend(1000..1100);
+            let d = Daemon::with_store(Arc::new(fake), Config::default(), store(), egress());
+            assert_eq!(d.recover(), (0, 1), "run {run}");
+            let t = d.template("minimal").expect("still registered");
+            assert_eq!(t.state, TemplateState::Failed);
+            assert!(
+                t.error.as_deref().is_some_and(|e| e.contains("snapshot")),
+                "{t:?}"
+            );
+            assert!(dir.path().join("snapshots/minimal").exists(), "kept");
+            if run == 1 {
+                created(&d, None).await;
+                assert_eq!(world.boots.load(ORD), 1, "baked again");
+                assert!(!dir.path().join("snapshots/minimal").exists(), "stale");
+            }
+            d.shutdown().await;
+        }
     }
 }

@@ -292,28 +292,47 @@ impl Daemon {
                 }
             }
         };
-        let dir = store.snapshot_dir(name);
-        let zygote = machine.clone();
-        let bytes = blocking(move || zygote.snapshot(&dir)).await??;
+        // Written aside, then put in place only if the template still has
+        // this zygote: a delete or a stop meanwhile never loses the
+        // snapshot it keeps, nor gets a stale one.
+        let tmp = store.snapshot_tmp_dir(name);
+        let _ = std::fs::remove_dir_all(&tmp);
+        let (zygote, into) = (machine.clone(), tmp.clone());
+        let written = blocking(move || zygote.snapshot(&into))
+            .await
+            .and_then(|r| r.map_err(DaemonError::from));
+        let bytes = match written {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(e);
+            }
+        };
         let mut s = self.lock();
-        match s.templates.get_mut(name) {
-            // Still the zygote it saved (not deleted, nor made again).
-            Some(t) if matches!(&t.zygote, Zygote::Ready { machine: m, .. } if Arc::ptr_eq(m, &machine)) =>
-            {
-                t.saved_bytes = Some(bytes);
-                if let Some(record) = t.record() {
-                    store.save_template(&record);
-                }
-                Ok(t.info())
-            }
-            _ => {
-                drop(s);
-                let _ = std::fs::remove_dir_all(store.snapshot_dir(name));
-                Err(DaemonError::Busy(format!(
-                    "template {name:?} was deleted or made again while it was saved"
-                )))
-            }
+        let current = s.templates.get_mut(name).filter(
+            |t| matches!(&t.zygote, Zygote::Ready { machine: m, .. } if Arc::ptr_eq(m, &machine)),
+        );
+        let Some(t) = current else {
+            drop(s);
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(DaemonError::Busy(format!(
+                "template {name:?} was deleted or made again while it was saved"
+            )));
+        };
+        let dir = store.snapshot_dir(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = std::fs::rename(&tmp, &dir) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(DaemonError::infra(
+                format!("putting the snapshot in {}", dir.display()),
+                e,
+            ));
         }
+        t.saved_bytes = Some(bytes);
+        if let Some(record) = t.record() {
+            store.save_template(&record);
+        }
+        Ok(t.info())
     }
 
     pub fn templates(&self) -> Vec<TemplateInfo> {
@@ -343,6 +362,7 @@ impl Daemon {
             )));
         }
         let old = std::mem::replace(&mut t.zygote, Zygote::None { error: None });
+        t.saved_bytes = None;
         if t.drop_on_failure {
             s.templates.remove(name);
             self.unpin_image(name);
@@ -507,6 +527,14 @@ impl Daemon {
         match &t.zygote {
             Zygote::Ready { .. } => return Ok(BakeStart::Ready),
             Zygote::Baking(w) => return Ok(BakeStart::InProgress(w.clone())),
+            // Made from a sandbox's state, which no recipe makes again.
+            Zygote::None { error } if t.from_sandbox.is_some() => {
+                return Err(DaemonError::Busy(format!(
+                    "template {name:?} holds a sandbox's state and has no zygote ({}); it \
+                     cannot be baked: delete it",
+                    error.as_deref().unwrap_or("gone")
+                )))
+            }
             Zygote::None { .. } => {}
         }
         let machine_spec = t.spec.boot_spec(self.inner.config.boot_timeout, &t.image);
@@ -640,6 +668,10 @@ impl Daemon {
                 };
                 if let (Some(store), Some(record)) = (&self.inner.store, t.record()) {
                     store.save_template(&record);
+                    // Baked anew: a snapshot left from before is stale.
+                    if t.saved_bytes.is_none() {
+                        store.forget_snapshot(name);
+                    }
                 }
                 Ok(t.info())
             }

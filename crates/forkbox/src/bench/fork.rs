@@ -237,7 +237,8 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         let mut samples = Vec::new();
         for i in 0..o.restore_runs {
             let t = Instant::now();
-            let vm = Vm::restore(&assets, dir, None).context("restoring the baseline snapshot")?;
+            let vm =
+                Vm::restore(&assets, dir, None, None).context("restoring the baseline snapshot")?;
             first_exec(vm.agent())?;
             samples.push(t.elapsed());
             retire(vm);
@@ -407,7 +408,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         }
         std::thread::sleep(Duration::from_secs(o.snapshot_age));
         let t = Instant::now();
-        let restored = Vm::restore(&assets, &dir, None).context("restore")?;
+        let restored = Vm::restore(&assets, &dir, None, None).context("restore")?;
         first_exec(restored.agent())?;
         let restore_ms = t.elapsed().as_secs_f64() * 1000.0;
         let host_before = unix_now();

@@ -703,7 +703,7 @@ pub(crate) fn snapshot_restore_resumes_processes_with_current_clock() -> TestRes
     drop(vm);
     // The snapshot ages: its guest clock falls behind.
     std::thread::sleep(Duration::from_secs(4));
-    let restored = Vm::restore(assets(), &snap_dir, None).map_err(|e| format!("{e:#}"))?;
+    let restored = Vm::restore(assets(), &snap_dir, None, None).map_err(|e| format!("{e:#}"))?;
     let report = restored.after_fork.clone().ok_or("no after-fork report")?;
     check(report.clock.is_done(), format!("{report:?}"))?;
     let before = unix_now();

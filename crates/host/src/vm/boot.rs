@@ -289,11 +289,20 @@ impl Vm {
     /// A snapshot of a VM with a network needs `network` (its policy and
     /// egress log, served by a broker of its own, as at boot); the VMM
     /// refuses to start without it.
+    ///
+    /// With `expect`, the snapshot's state must name exactly that image's
+    /// files and that shape: the VMM that wrote it may have been a guest's,
+    /// and the restoring VMM opens the files its state names (a path to a
+    /// host file would become the guest's disk).
     pub fn restore(
         assets: &Assets,
         snapshot: &Path,
         network: Option<&NetworkSpec>,
+        expect: Option<&Expected>,
     ) -> Result<Vm, VmError> {
+        if let Some(expect) = expect {
+            expect.check(snapshot)?;
+        }
         become_subreaper()?;
         let start = Instant::now();
         let user = VmmUser::new()?;
@@ -384,4 +393,96 @@ fn jail_args(dir: &Path) -> std::io::Result<[std::ffi::OsString; 2]> {
     let root = dir.join("root");
     std::fs::create_dir(&root)?;
     Ok(["--root".into(), root.into_os_string()])
+}
+
+/// What a snapshot must be of to be restored ([`Vm::restore`]).
+#[derive(Debug, Clone)]
+pub struct Expected {
+    pub image: RootImage,
+    pub vcpus: u8,
+    pub memory_mib: u32,
+}
+
+impl Expected {
+    /// Reads the snapshot's `state.json` (at most 64 MiB) and compares
+    /// its hardware with this.
+    fn check(&self, snapshot: &Path) -> Result<(), VmError> {
+        #[derive(serde::Deserialize)]
+        struct State {
+            hardware: Hardware,
+        }
+        #[derive(serde::Deserialize)]
+        struct Hardware {
+            vcpus: u8,
+            memory_mib: u64,
+            #[serde(default)]
+            layers: Vec<PathBuf>,
+            disks: Vec<PathBuf>,
+        }
+        let bad = |why: String| VmError::SnapshotMismatch {
+            dir: snapshot.to_owned(),
+            why,
+        };
+        let path = snapshot.join("state.json");
+        let mut text = Vec::new();
+        std::fs::File::open(&path)
+            .and_then(|f| {
+                std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 << 20), &mut text)
+            })
+            .map_err(|e| VmError::Io(io_context(e, &path)))?;
+        let state: State =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("state.json: {e}")))?;
+        let hw = state.hardware;
+        let (layers, disks) = self.image.files()?;
+        if (hw.layers, hw.disks) != (layers, disks) {
+            return Err(bad("it names other disk files than the image's".into()));
+        }
+        if (hw.vcpus, hw.memory_mib) != (self.vcpus, u64::from(self.memory_mib)) {
+            return Err(bad(format!(
+                "{} vCPUs and {} MiB, not {} and {}",
+                hw.vcpus, hw.memory_mib, self.vcpus, self.memory_mib
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot's state names the files its restoring VMM opens: one
+    /// written by a guest's VMM naming a host file is refused.
+    #[test]
+    fn a_snapshot_naming_other_files_or_another_shape_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layers = vec![PathBuf::from("/store/layers/a.erofs")];
+        let expect = Expected {
+            image: RootImage::Layers(layers.clone()),
+            vcpus: 2,
+            memory_mib: 512,
+        };
+        let write = |layers: &[PathBuf], disks: &[&str], vcpus: u8| {
+            let state = serde_json::json!({"format_version": 1, "hardware": {
+                "vcpus": vcpus, "memory_mib": 512, "layers": layers, "disks": disks,
+                "vsock": true, "net": true}});
+            std::fs::write(dir.path().join("state.json"), state.to_string()).expect("write");
+        };
+        write(&layers, &[], 2);
+        expect.check(dir.path()).expect("its own");
+        for (layers, disks, vcpus) in [
+            (&layers[..], &["/etc/shadow"][..], 2),
+            (&[PathBuf::from("/dev/sda")][..], &[][..], 2),
+            (&layers[..], &[][..], 8),
+        ] {
+            write(layers, disks, vcpus);
+            let e = expect.check(dir.path()).expect_err("not its own");
+            assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
+        }
+        std::fs::write(dir.path().join("state.json"), "not json").expect("write");
+        assert!(matches!(
+            expect.check(dir.path()),
+            Err(VmError::SnapshotMismatch { .. })
+        ));
+    }
 }

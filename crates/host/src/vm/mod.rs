@@ -39,6 +39,7 @@ mod process;
 mod user;
 
 pub use assets::Assets;
+pub use boot::Expected;
 pub use fork::{after_fork_deadline, child_seed, loss_signature, seeded_entropy, ForkOptions};
 pub use forkbox_vmm_api::MAX_CHILDREN_PER_FORK;
 pub use net::NetworkSpec;
@@ -72,6 +73,11 @@ pub enum VmError {
     Image(#[from] ImageError),
     #[error("an image with no layers cannot be a root")]
     NoLayers,
+    /// A snapshot's `state.json` (which its VMM wrote, and so a guest
+    /// that took the VMM over may have) names other files or another
+    /// shape than the VM it is restored as.
+    #[error("the snapshot in {dir} is not of this VM: {why}")]
+    SnapshotMismatch { dir: PathBuf, why: String },
     #[error("cannot find {name}: build it with `make build` (looked in: {looked})")]
     MissingBinary { name: &'static str, looked: String },
     #[error("cannot start forkbox-vmm")]
@@ -193,6 +199,15 @@ impl RootImage {
     /// What the VMM is given (`--disk` or `--layer`s) and what the guest
     /// is told (the root's file system and layer count), the built-in
     /// image built first if need be.
+    /// The files its VMM is given: layers (one partitioned disk), then
+    /// whole disks, as a snapshot's state records them.
+    pub fn files(&self) -> Result<(Vec<PathBuf>, Vec<PathBuf>), VmError> {
+        Ok(match self {
+            RootImage::Builtin(name) => (Vec::new(), vec![crate::image::ensure(*name)?]),
+            RootImage::Layers(layers) => (layers.clone(), Vec::new()),
+        })
+    }
+
     fn prepare(&self) -> Result<(Vec<String>, String), VmError> {
         Ok(match self {
             RootImage::Builtin(name) => {
