@@ -302,18 +302,26 @@ impl ResolvedImage {
     pub fn default_user(&self) -> forkbox_proto::User {
         use forkbox_proto::User;
         let named = self
-            .run
-            .user
-            .as_deref()
-            .map(|u| u.split(':').next().unwrap_or(u))
-            .filter(|u| !u.is_empty() && *u != "root" && *u != "0");
+            .image_user()
+            .filter(|u| *u != User::Uid(0) && *u != User::Name("root".into()));
         match (named, &self.id) {
-            (Some(u), _) => u
-                .parse()
-                .map_or_else(|_| User::Name(u.to_owned()), User::Uid),
+            (Some(u), _) => u,
             (None, None) => builtin_user(),
             (None, Some(_)) => User::Uid(1000),
         }
+    }
+
+    /// The image's `User` as the guest takes it: its user part (the group
+    /// is the guest's to look up), a uid if numeric; `None` if it names
+    /// nobody.
+    pub fn image_user(&self) -> Option<forkbox_proto::User> {
+        use forkbox_proto::User;
+        let u = self.run.user.as_deref()?;
+        let u = u.split(':').next().unwrap_or(u);
+        (!u.is_empty()).then(|| {
+            u.parse()
+                .map_or_else(|_| User::Name(u.to_owned()), User::Uid)
+        })
     }
 }
 
@@ -492,18 +500,7 @@ impl TemplateSpec {
         // part), root when it names none; many images' services start as
         // root and drop privileges themselves. Commands of the policy keep
         // their unprivileged default ([`ResolvedImage::default_user`]).
-        let user = match image
-            .run
-            .user
-            .as_deref()
-            .map(|u| u.split(':').next().unwrap_or(u))
-        {
-            None | Some("") => forkbox_proto::User::Uid(0),
-            Some(u) => u.parse().map_or_else(
-                |_| forkbox_proto::User::Name(u.to_owned()),
-                forkbox_proto::User::Uid,
-            ),
-        };
+        let user = image.image_user().unwrap_or(forkbox_proto::User::Uid(0));
         Ok(Some((argv, user)))
     }
 }
