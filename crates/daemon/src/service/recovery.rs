@@ -121,26 +121,15 @@ impl Daemon {
                     }
                 }
             };
-            match machine {
+            let (zygote, saved_bytes) = match machine {
                 Ok(m) => {
                     adopted += 1;
-                    let t = Template {
-                        spec: t.spec,
-                        image,
-                        from_sandbox: t.from_sandbox,
-                        drop_on_failure: t.drop_on_failure,
-                        zygote: Zygote::Ready {
-                            machine: Arc::from(m),
-                            bake_ms: t.bake_ms,
-                            baseline: t.baseline.map(Arc::new),
-                        },
-                        saved_bytes: t.saved_bytes,
+                    let zygote = Zygote::Ready {
+                        machine: Arc::from(m),
+                        bake_ms: t.bake_ms,
+                        baseline: t.baseline.map(Arc::new),
                     };
-                    // A zygote started from its snapshot is a new VM.
-                    if let Some(record) = t.record() {
-                        store.save_template(&record);
-                    }
-                    self.lock().templates.insert(name, t);
+                    (zygote, t.saved_bytes)
                 }
                 // A saved template whose snapshot does not start (a new
                 // forkbox whose state format changed, say) is kept, record
@@ -149,22 +138,29 @@ impl Daemon {
                 Err(why) if t.saved_bytes.is_some() => {
                     cleared += 1;
                     tracing::error!(template = %name, "{why}; it stays registered, not baked, and its snapshot is tried again at the next start");
-                    let t = Template {
-                        spec: t.spec,
-                        image,
-                        from_sandbox: t.from_sandbox,
-                        drop_on_failure: t.drop_on_failure,
-                        zygote: Zygote::None { error: Some(why) },
-                        saved_bytes: None,
-                    };
-                    self.lock().templates.insert(name, t);
+                    (Zygote::None { error: Some(why) }, None)
                 }
                 Err(why) => {
                     cleared += 1;
                     tracing::warn!(template = %name, "{why}; clearing it away");
                     store.forget_template(&name);
+                    continue;
                 }
+            };
+            let t = Template {
+                spec: t.spec,
+                image,
+                from_sandbox: t.from_sandbox,
+                drop_on_failure: t.drop_on_failure,
+                zygote,
+                saved_bytes,
+            };
+            // A zygote started from its snapshot is a new VM (a template
+            // not started has no record to write: its old one stays).
+            if let Some(record) = t.record() {
+                store.save_template(&record);
             }
+            self.lock().templates.insert(name, t);
         }
         sandboxes.sort_by_key(|s| (s.created_unix, s.parent.is_some()));
         for saved in sandboxes {
