@@ -144,6 +144,11 @@ impl<W: Write> HashingWriter<W> {
         }
     }
 
+    /// Bytes written so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     pub fn finish(self) -> (W, Digest, u64) {
         let hex = hex::encode(self.hasher.finalize());
         (self.inner, Digest { hex }, self.bytes)

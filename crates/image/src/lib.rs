@@ -12,12 +12,15 @@
 //!   the store, everything checked against its digest.
 //! - [`registry`]: the same from a registry (`oci-client`), each blob
 //!   downloaded once, a stopped download resumed.
+//! - [`artifact`]: a baked template (its snapshot, and its image whole)
+//!   pushed to a registry as one OCI artifact and pulled from it.
 //!
 //! It does not depend on the rest of forkbox: the VM runner is given
 //! layer files, not this crate's types.
 
 #![forbid(unsafe_code)]
 
+pub mod artifact;
 pub mod digest;
 pub mod import;
 pub mod layer;

@@ -66,6 +66,10 @@ pub enum PullError {
     },
     #[error(transparent)]
     Import(#[from] ImportError),
+    #[error("`{reference}` is not a forkbox template (its configuration is a {config}): pull images with `forkbox image pull`")]
+    NotATemplate { reference: String, config: String },
+    #[error("{0}")]
+    Artifact(String),
 }
 
 impl From<StoreError> for PullError {
@@ -85,17 +89,10 @@ pub async fn pull(
         .parse()
         .map_err(|_| PullError::Reference(reference.to_owned()))?;
     let client = Client::new(ClientConfig {
-        protocol: if registry.plain_http {
-            ClientProtocol::Http
-        } else {
-            ClientProtocol::Https
-        },
+        protocol: protocol(registry),
         ..Default::default()
     });
-    let auth = match &registry.auth {
-        Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
-        None => RegistryAuth::Anonymous,
-    };
+    let auth = auth(registry);
     let _lock = store.lock(FlockOperation::LockShared)?;
     let (bytes, digest) = manifest(&client, &image, &auth, image.digest()).await?;
     let (bytes, digest) = match media_type(&bytes).as_deref() {
@@ -142,9 +139,24 @@ pub async fn pull(
     Ok(imported)
 }
 
+pub(crate) fn protocol(registry: &Registry) -> ClientProtocol {
+    if registry.plain_http {
+        ClientProtocol::Http
+    } else {
+        ClientProtocol::Https
+    }
+}
+
+pub(crate) fn auth(registry: &Registry) -> RegistryAuth {
+    match &registry.auth {
+        Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
+        None => RegistryAuth::Anonymous,
+    }
+}
+
 /// The manifest `image` names, checked against `expected` (or its own
 /// digest, where the reference names a tag).
-async fn manifest(
+pub(crate) async fn manifest(
     client: &Client,
     image: &Reference,
     auth: &RegistryAuth,
@@ -182,7 +194,7 @@ fn media_type(bytes: &[u8]) -> Option<String> {
 
 /// Downloads the blob `d` into the store, unless it has it: resuming a
 /// part an earlier pull left, checked against its digest as it enters.
-async fn fetch(
+pub(crate) async fn fetch(
     client: &Client,
     image: &Reference,
     store: &Store,

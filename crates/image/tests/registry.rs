@@ -361,3 +361,130 @@ async fn pull_resumes_a_stopped_download_and_drops_a_wrong_one() {
         .await
         .expect("started over");
 }
+
+/// A fake snapshot: a state file and a sparse memory file of `mib` MiB
+/// with data at a few places.
+fn snapshot(dir: &Path, mib: u64) -> Vec<u8> {
+    use std::io::{Seek, SeekFrom, Write};
+    std::fs::create_dir_all(dir).expect("dir");
+    std::fs::write(
+        dir.join("state.json"),
+        br#"{"hardware":{"layers":[],"disks":[]}}"#,
+    )
+    .expect("state");
+    let mut memory = std::fs::File::create(dir.join("memory")).expect("memory");
+    memory.set_len(mib << 20).expect("size");
+    for (at, byte) in [(0u64, 1u8), (3 << 20, 7), ((mib << 20) - 4096, 9)] {
+        memory.seek(SeekFrom::Start(at)).expect("seek");
+        memory.write_all(&[byte; 4096]).expect("write");
+    }
+    std::fs::read(dir.join("memory")).expect("read")
+}
+
+fn collect() -> (
+    forkbox_image::artifact::OnTransfer,
+    std::sync::Arc<std::sync::Mutex<Vec<artifact::Transfer>>>,
+) {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let into = seen.clone();
+    (
+        std::sync::Arc::new(move |t| into.lock().expect("lock").push(t)),
+        seen,
+    )
+}
+
+use forkbox_image::artifact;
+
+/// A template pushed with its image travels whole: another store pulls
+/// its record, state, memory (sparse again) and image; a second push
+/// sends only what the registry lacks; an image is not a template.
+#[tokio::test(flavor = "current_thread")]
+async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
+    let registry = LocalRegistry::start();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let ours = Store::open(&tmp.path().join("ours")).expect("store");
+    let image_ref = format!("{}/tasks/a:v1", registry.addr);
+    let image_id = push(&image_ref, &[base_layer(), top_layer()]).await;
+    let (image, _) = pull_counting(&ours, &image_ref).await.expect("pull image");
+    let memory = snapshot(&tmp.path().join("snap"), 16);
+    let snap = tmp.path().join("snap");
+
+    let packed = artifact::pack_memory(&snap.join("memory"), tmp.path()).expect("pack");
+    assert!(
+        packed.bytes < 1 << 20,
+        "16 MiB, mostly zeros, packs to {} bytes",
+        packed.bytes
+    );
+    let target = format!("{}/templates/a:v1", registry.addr);
+    let state = snap.join("state.json");
+    let push = || artifact::TemplatePush {
+        config: br#"{"name":"a"}"#.to_vec(),
+        state: &state,
+        memory: &packed,
+        image: Some((&ours, &image.image)),
+    };
+    let (on, _) = collect();
+    let first = artifact::push_template(&target, &plain(), push(), on)
+        .await
+        .expect("push");
+    assert_eq!(first.present, 0);
+    let (on, seen) = collect();
+    let again = format!("{}/templates/a:v2", registry.addr);
+    let second = artifact::push_template(&again, &plain(), push(), on)
+        .await
+        .expect("push again");
+    assert_eq!(second.digest, first.digest, "the same artifact");
+    assert!(seen.lock().expect("lock").iter().all(|t| t.present));
+    assert_eq!(
+        second.present + second.sent,
+        first.sent,
+        "only the record and manifest sent again"
+    );
+
+    let theirs = Store::open(&tmp.path().join("theirs")).expect("store");
+    let (on, seen) = collect();
+    let pulled = artifact::pull_template(Some(&theirs), &again, &plain(), tmp.path(), on)
+        .await
+        .expect("pull");
+    assert_eq!(pulled.config, br#"{"name":"a"}"#);
+    assert_eq!(pulled.digest, first.digest);
+    assert_eq!(
+        pulled.state,
+        std::fs::read(snap.join("state.json")).expect("state")
+    );
+    let got = pulled.image.expect("the image came");
+    assert_eq!(got.id, image_id);
+    assert!(theirs.layer_path(&got.layers[1].diff_id).exists());
+    assert!(seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .any(|t| t.what == "memory"));
+
+    let out = tmp.path().join("memory.out");
+    let bytes = artifact::unpack_memory(pulled.memory.path(), &out, 16 << 20).expect("unpack");
+    assert_eq!(bytes, 16 << 20);
+    assert!(
+        std::fs::read(&out).expect("read") == memory,
+        "the memory comes back byte for byte"
+    );
+    let allocated =
+        std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&out).expect("meta")) * 512;
+    assert!(
+        allocated < 1 << 20,
+        "sparse again: {allocated} bytes allocated"
+    );
+
+    // More memory than the guest has is refused.
+    let small = tmp.path().join("memory.small");
+    let err = artifact::unpack_memory(pulled.memory.path(), &small, 8 << 20).expect_err("too big");
+    assert!(err.to_string().contains("more than"), "{err}");
+
+    // An image is not a template.
+    let (on, _) = collect();
+    let err = artifact::pull_template(Some(&theirs), &image_ref, &plain(), tmp.path(), on)
+        .await
+        .err()
+        .expect("not a template");
+    assert!(matches!(err, PullError::NotATemplate { .. }), "{err}");
+}
