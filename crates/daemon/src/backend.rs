@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::control::Control;
+use forkbox_host::image::ImageName;
 use forkbox_host::vm::{Assets, Expected, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
@@ -84,6 +85,13 @@ pub trait Backend: Send + Sync + 'static {
         network: Option<&NetworkSpec>,
         expect: &Expected,
     ) -> Result<Box<dyn BackendVm>, BackendError>;
+    /// The `sha256:…` digest of a built-in image's disk, which a snapshot
+    /// made on another host must have been made over (built first if need
+    /// be; read whole the first time).
+    fn disk_digest(&self, image: ImageName) -> Result<String, BackendError>;
+    /// A snapshot's state from another host (a pulled template) made to
+    /// name this host's files of `expect`'s image.
+    fn rebase(&self, state: &[u8], expect: &Expected) -> Result<Vec<u8>, BackendError>;
 }
 
 /// One running VM as the daemon drives it (the VMM crate's `Machine` is
@@ -206,6 +214,14 @@ impl Backend for VmBackend {
         let vm = Vm::restore(&self.assets, snapshot, network, Some(expect))
             .map_err(BackendError::Restore)?;
         Ok(ForkboxVm::boxed(vm))
+    }
+
+    fn disk_digest(&self, image: ImageName) -> Result<String, BackendError> {
+        forkbox_host::image::digest(image).map_err(|e| BackendError::Restore(e.into()))
+    }
+
+    fn rebase(&self, state: &[u8], expect: &Expected) -> Result<Vec<u8>, BackendError> {
+        expect.rebase(state).map_err(BackendError::Restore)
     }
 }
 
@@ -477,6 +493,9 @@ pub(crate) mod fake {
         pub vmm_hang_over: (Mutex<bool>, std::sync::Condvar),
         /// VMs started from a snapshot.
         pub restores: AtomicUsize,
+        /// Which build of the built-in images' disks this host has: a
+        /// test sets another to play another host.
+        pub disks: Mutex<u32>,
     }
 
     /// What became of the fake VMs.
@@ -615,6 +634,18 @@ pub(crate) mod fake {
             let policy = network.map(|n| n.policy.clone());
             Ok(FakeVm::boxed(&self.world, policy))
         }
+
+        fn disk_digest(
+            &self,
+            image: forkbox_host::image::ImageName,
+        ) -> Result<String, BackendError> {
+            let disks = self.world.disks.lock().expect("disks");
+            Ok(format!("sha256:{:064}", *disks * 10 + image as u32))
+        }
+
+        fn rebase(&self, state: &[u8], _expect: &Expected) -> Result<Vec<u8>, BackendError> {
+            Ok(state.to_vec())
+        }
     }
 
     impl Drop for FakeVm {
@@ -705,6 +736,10 @@ pub(crate) mod fake {
             let memory = format!("the memory of fake VM {}", self.pid);
             std::fs::create_dir_all(dir)
                 .and_then(|()| std::fs::write(dir.join("memory"), &memory))
+                .and_then(|()| {
+                    let state = r#"{"hardware":{"layers":[],"disks":["/fake/disk"]}}"#;
+                    std::fs::write(dir.join("state.json"), state)
+                })
                 .map_err(|e| BackendError::Control {
                     what: "writing the VM's snapshot",
                     source: VmError::Io(e),

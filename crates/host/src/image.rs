@@ -91,6 +91,29 @@ pub fn ensure(name: ImageName) -> Result<PathBuf, ImageError> {
     }
 }
 
+/// The `sha256:…` digest of the built-in image's disk file, building it
+/// first if need be: a snapshot made on one host restores on another only
+/// over the same bytes (a pulled template checks it). Kept beside the
+/// file in `<file>.sha256` once computed, since a built image never
+/// changes; a cache that cannot be written (one mounted read-only) costs
+/// a read of the file each time.
+pub fn digest(name: ImageName) -> Result<String, ImageError> {
+    use sha2::{Digest, Sha256};
+    let path = ensure(name)?;
+    let kept = path.with_extension("ext4.sha256");
+    if let Ok(text) = std::fs::read_to_string(&kept) {
+        if text.starts_with("sha256:") && text.len() == 71 {
+            return Ok(text);
+        }
+    }
+    let mut hasher = Sha256::new();
+    let mut file = std::fs::File::open(&path).map_err(io_err(&path))?;
+    std::io::copy(&mut file, &mut hasher).map_err(io_err(&path))?;
+    let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
+    let _ = std::fs::write(&kept, &digest);
+    Ok(digest)
+}
+
 /// The busybox image.
 fn minimal() -> Result<PathBuf, ImageError> {
     let busybox_dir = debs::unpacked("busybox-static")?;

@@ -65,12 +65,12 @@ pub struct PackedMemory {
     pub bytes: u64,
 }
 
-/// Compresses the guest memory `memory` into a temporary file in `work`
-/// (zstd, whose frames of zeros cost next to nothing: the file is
+/// Compresses the guest memory file `memory` into a temporary file in
+/// `work` (zstd, whose frames of zeros cost next to nothing: the file is
 /// sparse). Blocking: seconds for a large guest.
-pub fn pack_memory(memory: &Path, work: &Path) -> io::Result<PackedMemory> {
+pub fn pack_memory(memory: File, work: &Path) -> io::Result<PackedMemory> {
     let file = tempfile::NamedTempFile::new_in(work)?;
-    let mut input = BufReader::with_capacity(1 << 20, File::open(memory)?);
+    let mut input = BufReader::with_capacity(1 << 20, memory);
     let out = HashingWriter::new(BufWriter::with_capacity(1 << 20, file.reopen()?));
     let mut encoder = zstd::Encoder::new(out, 3)?;
     io::copy(&mut input, &mut encoder)?;

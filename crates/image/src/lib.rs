@@ -26,6 +26,8 @@ pub mod import;
 pub mod layer;
 pub mod registry;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use digest::Digest;
 pub use import::{import, ImportError, Imported, Progress};

@@ -3,11 +3,9 @@
 //! temporary directory; images pushed to it with `oci-client`. Needs root
 //! (unpacking keeps owners), as `make test` runs.
 
-use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
+use forkbox_image::testing::LocalRegistry;
 use forkbox_image::{pull, Digest, Progress, PullError, Registry, Store};
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
@@ -15,74 +13,6 @@ use oci_client::{Client, Reference, RegistryOperation};
 
 mod common;
 use common::*;
-
-/// A registry on 127.0.0.1, ended when dropped.
-struct LocalRegistry {
-    child: Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl LocalRegistry {
-    fn start() -> Self {
-        Self::start_with(None)
-    }
-
-    /// With `basic`, the registry asks for basic auth (htpasswd, bcrypt)
-    /// and knows that one user.
-    fn start_with(basic: Option<(&str, &str)>) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let config = dir.path().join("config.yml");
-        let mut yaml = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-            dir.path().join("data").display()
-        );
-        if let Some((user, password)) = basic {
-            let hash = bcrypt::hash(password, 4).expect("bcrypt");
-            let htpasswd = dir.path().join("htpasswd");
-            std::fs::write(&htpasswd, format!("{user}:{hash}\n")).expect("htpasswd");
-            yaml += &format!(
-                "auth:\n  htpasswd:\n    realm: forkbox-test\n    path: {}\n",
-                htpasswd.display()
-            );
-        }
-        std::fs::write(&config, yaml).expect("config");
-        let child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect(
-                "run docker-registry (apt-get install docker-registry; `make test` installs it)",
-            );
-        let start = Instant::now();
-        while TcpStream::connect(&addr).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "the registry never listened on {addr}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        LocalRegistry {
-            child,
-            addr,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for LocalRegistry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Pushes an image of `layers` (uncompressed tars, pushed gzip'd) as
 /// `reference`; returns its id (the configuration's digest).
@@ -409,7 +339,11 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
     let memory = snapshot(&tmp.path().join("snap"), 16);
     let snap = tmp.path().join("snap");
 
-    let packed = artifact::pack_memory(&snap.join("memory"), tmp.path()).expect("pack");
+    let packed = artifact::pack_memory(
+        std::fs::File::open(snap.join("memory")).expect("open"),
+        tmp.path(),
+    )
+    .expect("pack");
     assert!(
         packed.bytes < 1 << 20,
         "16 MiB, mostly zeros, packs to {} bytes",

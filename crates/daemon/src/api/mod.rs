@@ -10,7 +10,8 @@
 //! This module owns the router, its bearer-token check and the OpenAPI
 //! document; the handlers are grouped by resource:
 //!
-//! - `templates`: `/templates`: list, register and bake, save, delete.
+//! - `templates`: `/templates`: list, register and bake, save, push to
+//!   and pull from a registry, delete.
 //! - `sandboxes`: `/sandboxes`: create, list, kill, time-to-live, pause,
 //!   fork, templates from a sandbox, console logs.
 //! - `network`: a sandbox's egress policy and egress log.
@@ -48,8 +49,8 @@ use utoipa::OpenApi;
 use crate::core::{DeathCause, ExpiryAction, SandboxId, SandboxState};
 use crate::network::NetworkPolicy;
 use crate::service::{
-    BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, SandboxInfo,
-    SandboxMetrics,
+    BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, PullTemplate,
+    PushTemplate, RegistryEvent, SandboxInfo, SandboxMetrics,
 };
 use crate::template::{Readiness, SandboxLimits, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -88,6 +89,8 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         template_get,
         template_bake,
         template_save,
+        template_push,
+        template_pull,
         template_delete,
         sandbox_create,
         sandbox_list,
@@ -137,6 +140,9 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         Readiness,
         BakeEvent,
         BakeFailure,
+        PushTemplate,
+        PullTemplate,
+        RegistryEvent,
         ForkChild,
         SnapshotBody,
         CreateBody,
@@ -239,6 +245,8 @@ pub fn router(daemon: Daemon, token: Option<String>) -> Router {
         )
         .route("/templates/{name}/bake", post(template_bake))
         .route("/templates/{name}/save", post(template_save))
+        .route("/templates/{name}/push", post(template_push))
+        .route("/templates/{name}/pull", post(template_pull))
         .route("/sandboxes", get(sandbox_list).post(sandbox_create))
         .route("/sandboxes/kill", post(sandbox_kill_by_label))
         .nest("/sandboxes/{id}", sandbox)

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 
 use super::commands::ExecOutput;
 use super::error::{ApiError, ErrorDetail};
-use crate::service::{BakeEvent, DaemonError};
+use crate::service::{BakeEvent, DaemonError, RegistryEvent};
 
 /// One NDJSON line (or SSE event) of a streamed command.
 #[derive(Debug, Serialize, ToSchema)]
@@ -46,6 +46,18 @@ impl Event for BakeEvent {
             Self::Step { .. } => "step",
             Self::Output { .. } => "output",
             Self::Done { .. } => "done",
+            Self::Failed(_) => "failed",
+        }
+    }
+}
+
+impl Event for RegistryEvent {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Step { .. } => "step",
+            Self::Progress { .. } => "progress",
+            Self::Pushed { .. } => "pushed",
+            Self::Pulled { .. } => "pulled",
             Self::Failed(_) => "failed",
         }
     }

@@ -1,5 +1,6 @@
 //! `/templates`: the templates, registering and baking one (its bake
-//! streamed as NDJSON), saving one to outlive the daemon, deleting one.
+//! streamed as NDJSON), saving one to outlive the daemon, pushing one to a
+//! registry and pulling one from it (streamed too), deleting one.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -10,7 +11,7 @@ use super::error::{ApiErrorBody, ApiResult};
 use super::extract::JsonBody;
 use super::stream::{streamed, Framing};
 use super::AppState;
-use crate::service::BakeEvent;
+use crate::service::{BakeEvent, PullTemplate, PushTemplate, RegistryEvent};
 use crate::template::{TemplateInfo, TemplateSpec};
 
 /// Built-in, baked and snapshot templates, with their zygotes' state.
@@ -71,6 +72,42 @@ pub(super) async fn template_save(
     Path(name): Path<String>,
 ) -> ApiResult<Json<TemplateInfo>> {
     Ok(Json(st.daemon.save_template(&name).await?))
+}
+
+/// Pushes a baked template to a registry as one OCI artifact: its record,
+/// its zygote's snapshot (the memory compressed with zstd) and, for a
+/// stored image, the image whole (blobs the registry has are not sent).
+/// A template not yet saved is saved first. Streams NDJSON
+/// [`RegistryEvent`]s; the last line is `pushed` or `failed`.
+#[utoipa::path(post, path = "/templates/{name}/push", params(("name" = String, Path)), request_body = PushTemplate,
+    responses((status = 200, description = "NDJSON stream of registry events", body = RegistryEvent, content_type = "application/x-ndjson"),
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody)))]
+pub(super) async fn template_push(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+    JsonBody(req): JsonBody<PushTemplate>,
+) -> ApiResult<Response> {
+    let rx = st.daemon.push_template(&name, req)?;
+    Ok(streamed(rx, Framing::Ndjson))
+}
+
+/// Pulls a template a daemon pushed, registers it as `name` and starts
+/// its zygote from the snapshot, without baking: sandboxes fork from it
+/// at once. Its image comes with it (layers the store has are not
+/// downloaded); a template on a built-in image needs this host's disk of
+/// that image to be the same bytes. Creations from `name` wait while it
+/// is pulled. Streams NDJSON [`RegistryEvent`]s; the last line is
+/// `pulled` or `failed`.
+#[utoipa::path(post, path = "/templates/{name}/pull", params(("name" = String, Path)), request_body = PullTemplate,
+    responses((status = 200, description = "NDJSON stream of registry events", body = RegistryEvent, content_type = "application/x-ndjson"),
+              (status = 400, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
+pub(super) async fn template_pull(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+    JsonBody(req): JsonBody<PullTemplate>,
+) -> ApiResult<Response> {
+    let rx = st.daemon.pull_template(&name, req)?;
+    Ok(streamed(rx, Framing::Ndjson))
 }
 
 #[utoipa::path(delete, path = "/templates/{name}", params(("name" = String, Path)),

@@ -34,6 +34,7 @@
 //! - `reaper`: TTLs and VMs that ended by themselves.
 //! - `recovery`: writing live VMs down, and re-adopting them after a
 //!   restart.
+//! - `registry`: baked templates pushed to a registry and pulled from one.
 //! - `view`: sandboxes as the API shows them.
 //! - `vmm_metrics`: the VMMs' own counters, summed for `/metrics`.
 //! - `error`: why a request failed ([`DaemonError`]).
@@ -47,6 +48,7 @@ mod network;
 mod ports;
 mod reaper;
 mod recovery;
+mod registry;
 mod templates;
 #[cfg(test)]
 mod testing;
@@ -76,6 +78,7 @@ pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
 pub use integrity::{Baseline, IntegrityReport};
 pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
+pub use registry::{PullTemplate, PushTemplate, RegistryEvent};
 pub use templates::{BakeEvent, BakeFailure};
 pub use upload::{Upload, UploadFailure, CHUNKS_IN_FLIGHT};
 pub use view::{NetworkInfo, SandboxInfo, SandboxMetrics};

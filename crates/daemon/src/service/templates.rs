@@ -463,7 +463,7 @@ impl Daemon {
     }
 
     /// Lets the store remove the image of the template `name` (gone).
-    fn unpin_image(&self, name: &str) {
+    pub(super) fn unpin_image(&self, name: &str) {
         if let Some((store, holder)) = &self.inner.config.images {
             if let Err(e) = store.unpin(&format!("{holder}: template {name}")) {
                 tracing::warn!(template = name, "unpinning its image: {e}");

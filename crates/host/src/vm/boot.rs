@@ -447,9 +447,77 @@ impl Expected {
     }
 }
 
+impl Expected {
+    /// The state of a snapshot made on another host (a pulled template)
+    /// made to name this host's files of the same image, so that
+    /// [`Vm::restore`] finds them and [`Expected::check`] accepts them.
+    /// Only the file names change: their count must be the image's, and
+    /// the caller has checked that they are the same files (the same
+    /// layers by digest, the same built-in disk by digest).
+    pub fn rebase(&self, state: &[u8]) -> Result<Vec<u8>, VmError> {
+        let bad = |why: String| VmError::SnapshotMismatch {
+            dir: PathBuf::from("(pulled)"),
+            why,
+        };
+        let mut state: serde_json::Value =
+            serde_json::from_slice(state).map_err(|e| bad(format!("state.json: {e}")))?;
+        let (layers, disks) = self.image.files()?;
+        let hardware = state
+            .get_mut("hardware")
+            .and_then(serde_json::Value::as_object_mut)
+            .ok_or_else(|| bad("its state has no hardware".into()))?;
+        for (key, ours) in [("layers", layers), ("disks", disks)] {
+            let theirs = hardware.get(key).and_then(serde_json::Value::as_array);
+            let count = theirs.map_or(0, Vec::len);
+            if count != ours.len() {
+                return Err(bad(format!(
+                    "it has {count} {key}, and the image here {}",
+                    ours.len()
+                )));
+            }
+            hardware.insert(key.into(), serde_json::json!(ours));
+        }
+        Ok(serde_json::to_vec(&state).expect("JSON serializes"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pulled snapshot names the pusher's files: rebased, it names
+    /// ours and passes the check; another count of layers is refused.
+    #[test]
+    fn a_pulled_snapshot_is_rebased_onto_this_hosts_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ours = vec![
+            PathBuf::from("/here/a.erofs"),
+            PathBuf::from("/here/b.erofs"),
+        ];
+        let expect = Expected {
+            image: RootImage::Layers(ours.clone()),
+            vcpus: 1,
+            memory_mib: 256,
+        };
+        let theirs = serde_json::json!({"format_version": 1, "vcpus": [{"x": 1}], "hardware": {
+            "vcpus": 1, "memory_mib": 256, "layers": ["/there/a.erofs", "/there/b.erofs"],
+            "disks": [], "vsock": true, "net": true}});
+        let rebased = expect
+            .rebase(theirs.to_string().as_bytes())
+            .expect("rebase");
+        std::fs::write(dir.path().join("state.json"), &rebased).expect("write");
+        expect.check(dir.path()).expect("names our files now");
+        let v: serde_json::Value = serde_json::from_slice(&rebased).expect("json");
+        assert_eq!(v["vcpus"], theirs["vcpus"], "the rest unchanged");
+        let one = Expected {
+            image: RootImage::Layers(ours[..1].to_vec()),
+            ..expect
+        };
+        let e = one
+            .rebase(theirs.to_string().as_bytes())
+            .expect_err("2 layers, not 1");
+        assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
+    }
 
     /// A snapshot's state names the files its restoring VMM opens: one
     /// written by a guest's VMM naming a host file is refused.
