@@ -38,13 +38,13 @@ from .exceptions import (AuthenticationError, CapacityError, ConflictError,
                          TooLargeError, GuestTimeoutError, GuestEndedError,
                          DownloadInterruptedError, TamperedError)
 from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
-                     TemplateInfo)
+                     PushResult, TemplateInfo)
 from .sandbox import CommandHandle, Integrity, Network, Sandbox
 from .template import AsyncTemplate, Template
 
 __all__ = [
     "Sandbox", "AsyncSandbox", "Template", "AsyncTemplate", "CommandResult", "EntryInfo",
-    "TemplateInfo", "Client", "AsyncClient", "default_url", "ForkboxError",
+    "TemplateInfo", "PushResult", "Client", "AsyncClient", "default_url", "ForkboxError",
     "InvalidRequestError", "NotFoundError", "ConflictError", "CapacityError",
     "UnsupportedError", "AuthenticationError", "TemplateError", "TemplateInfrastructureError",
     "InfrastructureError", "DaemonUnavailableError", "TooLargeError", "GuestTimeoutError",

@@ -18,7 +18,7 @@ import httpx
 from .exceptions import (ForkboxError, InfrastructureError, TemplateError, from_bake_failure,
                          from_response)
 from .models import (CommandResult, EntryInfo, IntegrityReport, ProcessInfo, ProcessOutput,
-                     TemplateInfo)
+                     PushResult, TemplateInfo)
 
 T = TypeVar("T")
 
@@ -526,6 +526,57 @@ def delete_template(name: str) -> "Call[None]":
 
 def bake_path(name: str) -> str:
     return f"/templates/{name}/bake"
+
+
+def push_path(name: str) -> str:
+    return f"/templates/{name}/push"
+
+
+def pull_path(name: str) -> str:
+    return f"/templates/{name}/pull"
+
+
+def registry_body(reference: str, plain_http: bool, username: Optional[str],
+                  password: Optional[str]) -> Json:
+    """A push's or a pull's body: the reference and how to reach it."""
+    return {"reference": reference, "plain_http": plain_http, "username": username,
+            "password": password}
+
+
+def pulled_name(reference: str) -> str:
+    """A pulled template's default name: its repository's last part
+    (`pytest-env` for `host:5000/team/pytest-env:v3`)."""
+    path = reference.split("@")[0]
+    return path.rsplit("/", 1)[-1].split(":")[0]
+
+
+class RegistryStream:
+    """Reads a push's or a pull's events: each goes to `on_progress`;
+    `feed` answers a `PushResult` at `pushed`, the template at `pulled`,
+    and raises `TemplateError` at `failed`."""
+
+    def __init__(self, on_progress: Optional[Callable[[Json], None]]) -> None:
+        self._cb = on_progress
+
+    def feed(self, ev: Json) -> Optional[Union[PushResult, TemplateInfo]]:
+        if self._cb is not None:
+            self._cb(ev)
+        t = ev.get("type")
+        if t == "pushed":
+            return PushResult(reference=str(ev["reference"]), digest=str(ev["digest"]),
+                              sent_bytes=int(ev["sent_bytes"]),
+                              present_bytes=int(ev["present_bytes"]),
+                              total_ms=int(ev["total_ms"]))
+        if t == "pulled":
+            return TemplateInfo.from_json(ev.get("template") or {}, "ready")
+        if t == "failed":
+            raise from_bake_failure(ev)
+        return None
+
+    @staticmethod
+    def ended() -> TemplateError:
+        return from_bake_failure({"step": "stream", "kind": "infrastructure",
+                                  "message": "the transfer's stream ended without its end"})
 
 
 class BakeStream:

@@ -63,6 +63,19 @@ class EntryInfo:
 
 
 @dataclass
+class PushResult:
+    """What `Template.push` sent."""
+
+    reference: str
+    digest: str
+    """The artifact's manifest (`sha256:…`): pull `repo@digest` for exactly this."""
+    sent_bytes: int
+    present_bytes: int
+    """Bytes the registry had already (an image's shared layers, a second push)."""
+    total_ms: int
+
+
+@dataclass
 class TemplateInfo:
     """A template as `GET /templates` shows it."""
 

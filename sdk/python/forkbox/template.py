@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import _api
 from ._api import LimitsArg, NetworkArg, Ready
 from ._client import AsyncClient, Client, shared_async_client, shared_client
-from .models import TemplateInfo
+from .models import PushResult, TemplateInfo
 from .sandbox import _do
 from .async_sandbox import _do as _ado
 
@@ -93,6 +93,39 @@ class Template:
         return _do(shared_client(url), _api.save_template(name))
 
     @staticmethod
+    def push(name: str, reference: str, *, plain_http: bool = False,
+             username: Optional[str] = None, password: Optional[str] = None,
+             on_progress: Optional[ProgressCallback] = None,
+             url: Optional[str] = None) -> PushResult:
+        """Pushes a baked template to a registry (`host[:port]/repo:tag`)
+        as one OCI artifact: its zygote's snapshot (the memory compressed)
+        and, for a stored image, the image whole; blobs the registry has
+        are not sent again. Saved first (`save`) if it was not.
+        `plain_http`: a registry on loopback. `on_progress` gets each
+        event: `step`, `progress` (`what`, `bytes`, `total`, `present`),
+        and the last, `pushed` or `failed` (raised as `TemplateError`)."""
+        body = _api.registry_body(reference, plain_http, username, password)
+        return shared_client(url).follow_ndjson("POST", _api.push_path(name),
+                                                _api.RegistryStream(on_progress), json=body)
+
+    @staticmethod
+    def pull(reference: str, *, name: Optional[str] = None, plain_http: bool = False,
+             username: Optional[str] = None, password: Optional[str] = None,
+             on_progress: Optional[ProgressCallback] = None,
+             url: Optional[str] = None) -> TemplateInfo:
+        """Pulls a pushed template as `name` (default: the repository's
+        last part) and starts its zygote from the snapshot, without a bake:
+        sandboxes fork from it at once, and it is saved here (a restarted
+        daemon keeps it). Its image comes with it. A template on a built-in
+        image needs this host's disk of that image to be the same bytes;
+        one on a stored image travels anywhere. Events and errors as in
+        `push`; the last is `pulled`."""
+        body = _api.registry_body(reference, plain_http, username, password)
+        path = _api.pull_path(name or _api.pulled_name(reference))
+        return shared_client(url).follow_ndjson("POST", path,
+                                                _api.RegistryStream(on_progress), json=body)
+
+    @staticmethod
     def delete(name: str, url: Optional[str] = None) -> None:
         _do(shared_client(url), _api.delete_template(name))
 
@@ -144,6 +177,27 @@ class AsyncTemplate:
     async def save(name: str, url: Optional[str] = None) -> TemplateInfo:
         """As `Template.save`."""
         return await _ado(shared_async_client(url), _api.save_template(name))
+
+    @staticmethod
+    async def push(name: str, reference: str, *, plain_http: bool = False,
+                   username: Optional[str] = None, password: Optional[str] = None,
+                   on_progress: Optional[ProgressCallback] = None,
+                   url: Optional[str] = None) -> PushResult:
+        """As `Template.push`."""
+        body = _api.registry_body(reference, plain_http, username, password)
+        return await shared_async_client(url).follow_ndjson(
+            "POST", _api.push_path(name), _api.RegistryStream(on_progress), json=body)
+
+    @staticmethod
+    async def pull(reference: str, *, name: Optional[str] = None, plain_http: bool = False,
+                   username: Optional[str] = None, password: Optional[str] = None,
+                   on_progress: Optional[ProgressCallback] = None,
+                   url: Optional[str] = None) -> TemplateInfo:
+        """As `Template.pull`."""
+        body = _api.registry_body(reference, plain_http, username, password)
+        path = _api.pull_path(name or _api.pulled_name(reference))
+        return await shared_async_client(url).follow_ndjson(
+            "POST", path, _api.RegistryStream(on_progress), json=body)
 
     @staticmethod
     async def delete(name: str, url: Optional[str] = None) -> None:

@@ -127,6 +127,73 @@ def test_saved_template_outlives_a_stopped_daemon_without_baking() -> None:
         sys.stderr.write("--- saved template test daemon log ---\n" + Path(log).read_text()[-3000:])
 
 
+def _registry(root: str) -> "tuple[subprocess.Popen, str]":
+    """Debian's `docker-registry` on a free loopback port, its storage
+    under `root`."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    config = Path(root, "registry.yml")
+    config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+                      f"    rootdirectory: {root}/data\nhttp:\n  addr: {addr}\n")
+    proc = subprocess.Popen(["docker-registry", "serve", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", int(addr.split(":")[1])), timeout=1).close()
+            return proc, addr
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "no registry"
+            time.sleep(0.1)
+
+
+def test_a_pushed_template_is_pulled_by_another_daemon_and_forks_without_a_bake() -> None:
+    """One daemon bakes a template and pushes it to a registry, then
+    stops; another, with its own state directory, pulls it and forks from
+    it: what the setup wrote at random is there, so it was not baked
+    again. A second push sends only the record and the manifest."""
+    d = tempfile.mkdtemp(prefix="forkboxd-push-", dir="/tmp")
+    sock, log = f"{d}/forkbox.sock", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    registry, addr = _registry(d)
+    daemon: Optional[subprocess.Popen] = _start(sock, f"{d}/here", log)
+    try:
+        Template.build("pushed-t", image="minimal",
+                       setup=["od -An -tx1 -N16 /dev/urandom > /tmp/baked"], url=url)
+        with Sandbox.create("pushed-t", timeout=600, url=url) as sb:
+            mark = sb.files.read("/tmp/baked")
+        events: List[dict] = []
+        pushed = Template.push("pushed-t", f"{addr}/templates/pushed-t:v1", plain_http=True,
+                               on_progress=events.append, url=url)
+        assert pushed.present_bytes == 0 and pushed.sent_bytes > 0, pushed
+        assert any(e.get("what") == "memory" for e in events), events
+        again = Template.push("pushed-t", f"{addr}/templates/pushed-t:v2", plain_http=True,
+                              url=url)
+        assert again.digest == pushed.digest, (again, pushed)
+        assert again.sent_bytes < 64 * 1024 <= again.present_bytes, again
+        assert daemon is not None
+        daemon.terminate()
+        daemon.wait(60)
+        daemon = _start(sock, f"{d}/there", log)
+        info = Template.pull(f"{addr}/templates/pushed-t:v1", plain_http=True, url=url)
+        assert (info.name, info.state) == ("pushed-t", "ready"), info
+        assert info.saved_bytes, info
+        with Sandbox.create("pushed-t", timeout=600, url=url) as sb:
+            assert sb.files.read("/tmp/baked") == mark, "baked again"
+            assert sb.commands.run("echo alive").stdout == "alive\n"
+        with pytest.raises(ConflictError):
+            Template.pull(f"{addr}/templates/pushed-t:v1", plain_http=True, url=url)
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.terminate()
+            daemon.wait(60)
+        registry.kill()
+        registry.wait()
+        sys.stderr.write("--- push/pull test daemon log ---\n" + Path(log).read_text()[-3000:])
+
+
 def _vmm_pids(state: str) -> List[int]:
     """The VMM pids the daemon recorded for its sandboxes and zygotes."""
     pids: List[int] = []

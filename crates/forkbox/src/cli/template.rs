@@ -1,6 +1,7 @@
 //! `forkbox template`: bake (built-in by name, or from a TOML file), list,
-//! save, rm. A bake streams NDJSON events; a spinner shows the current step with
-//! the setup output printed above it.
+//! save, push, pull, rm. A bake streams NDJSON events; a spinner shows the
+//! current step with the setup output printed above it. A push or a pull
+//! streams its steps and bytes the same way.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -37,8 +38,66 @@ pub enum TemplateCmd {
     /// restarted daemon (even after a reboot) starts it from there instead
     /// of baking. Saved again, the snapshot is replaced.
     Save { name: String },
+    /// Push a baked template to a registry (`host[:port]/repo:tag`) as one
+    /// OCI artifact: its snapshot (memory compressed) and, for a stored
+    /// image, the image whole. Saved first if it was not.
+    Push {
+        name: String,
+        reference: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Pull a pushed template and start its zygote from the snapshot,
+    /// without baking: sandboxes fork from it at once.
+    Pull {
+        reference: String,
+        /// Its name here (default: the repository's last part, as
+        /// `pytest-env` for `host:5000/team/pytest-env:v3`).
+        #[arg(long)]
+        name: Option<String>,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
     /// Remove a baked template (and its saved snapshot).
     Rm { name: String },
+}
+
+/// How the daemon reaches a registry.
+#[derive(clap::Args)]
+pub struct RegistryArgs {
+    /// Speak plain HTTP (a registry on loopback), not HTTPS.
+    #[arg(long)]
+    plain_http: bool,
+    /// Basic auth (bearer tokens are fetched as the registry asks); the
+    /// password comes from `FORKBOX_REGISTRY_PASSWORD`.
+    #[arg(long)]
+    user: Option<String>,
+}
+
+impl RegistryArgs {
+    fn body(self, reference: String) -> anyhow::Result<serde_json::Value> {
+        let password = match &self.user {
+            Some(_) => Some(
+                std::env::var("FORKBOX_REGISTRY_PASSWORD")
+                    .context("--user needs the password in FORKBOX_REGISTRY_PASSWORD")?,
+            ),
+            None => None,
+        };
+        Ok(serde_json::json!({
+            "reference": reference,
+            "plain_http": self.plain_http,
+            "username": self.user,
+            "password": password,
+        }))
+    }
+}
+
+/// The name a pulled template gets without `--name`: the repository's
+/// last part.
+fn default_name(reference: &str) -> String {
+    let path = reference.split('@').next().unwrap_or(reference);
+    let last = path.rsplit('/').next().unwrap_or(path);
+    last.split(':').next().unwrap_or(last).to_owned()
 }
 
 pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<i32> {
@@ -116,6 +175,25 @@ pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<
                 );
             }
             Ok(0)
+        }
+        TemplateCmd::Push {
+            name,
+            reference,
+            registry,
+        } => {
+            let body = Body::json(&registry.body(reference)?);
+            let path = format!("/templates/{}/push", segment(&name));
+            transfer(client, &path, body, format)
+        }
+        TemplateCmd::Pull {
+            reference,
+            name,
+            registry,
+        } => {
+            let name = name.unwrap_or_else(|| default_name(&reference));
+            let body = Body::json(&registry.body(reference)?);
+            let path = format!("/templates/{}/pull", segment(&name));
+            transfer(client, &path, body, format)
         }
         TemplateCmd::Rm { name } => {
             client.call(
@@ -237,6 +315,137 @@ fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Resu
     anyhow::bail!("the bake's event stream ended without `done` or `failed`")
 }
 
+/// One line of a push's or a pull's NDJSON stream.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum RegistryEvent {
+    Step {
+        step: String,
+        #[serde(default)]
+        detail: String,
+    },
+    Progress {
+        what: String,
+        bytes: u64,
+        total: u64,
+        #[serde(default)]
+        present: bool,
+    },
+    Pushed {
+        reference: String,
+        digest: String,
+        sent_bytes: u64,
+        present_bytes: u64,
+        total_ms: u64,
+    },
+    Pulled {
+        #[serde(default)]
+        template: serde_json::Value,
+        digest: String,
+        downloaded_bytes: u64,
+        total_ms: u64,
+    },
+    Failed {
+        step: String,
+        #[serde(default)]
+        kind: String,
+        #[serde(default)]
+        message: String,
+    },
+    #[serde(other)]
+    Other,
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / 1048576.0)
+}
+
+/// A push or a pull: its steps and bytes on the spinner, its end printed.
+fn transfer(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Result<i32> {
+    let mut resp = client
+        .send(Method::POST, path, body, Some("application/x-ndjson"))?
+        .ok()?;
+    let mut progress = Progress::new(format);
+    while let Some(line) = resp.next_line()? {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        if format == Format::Json {
+            let mut out = std::io::stdout().lock();
+            out.write_all(&line)?;
+            out.write_all(b"\n")?;
+            out.flush()?;
+        }
+        let event: RegistryEvent =
+            serde_json::from_slice(&line).context("reading the transfer's event stream")?;
+        match event {
+            RegistryEvent::Step { step, detail } => progress.step(&step, &detail),
+            RegistryEvent::Progress {
+                what,
+                bytes,
+                total,
+                present,
+            } => {
+                let msg = if present {
+                    format!("{what}: {} there already", mib(total))
+                } else {
+                    format!("{what}: {} of {}", mib(bytes), mib(total))
+                };
+                progress.status(&msg);
+            }
+            RegistryEvent::Pushed {
+                reference,
+                digest,
+                sent_bytes,
+                present_bytes,
+                total_ms,
+            } => {
+                progress.finish();
+                if format == Format::Human {
+                    println!(
+                        "pushed {reference} ({digest}) in {:.1} s: {} sent, {} the registry had",
+                        total_ms as f64 / 1000.0,
+                        mib(sent_bytes),
+                        mib(present_bytes)
+                    );
+                }
+                return Ok(0);
+            }
+            RegistryEvent::Pulled {
+                template,
+                digest,
+                downloaded_bytes,
+                total_ms,
+            } => {
+                progress.finish();
+                if format == Format::Human {
+                    println!(
+                        "pulled {} ({digest}) in {:.1} s, {} downloaded: its zygote is up, no bake",
+                        cell(&template["name"]),
+                        total_ms as f64 / 1000.0,
+                        mib(downloaded_bytes)
+                    );
+                }
+                return Ok(0);
+            }
+            RegistryEvent::Failed {
+                step,
+                kind,
+                message,
+            } => {
+                progress.finish();
+                if format == Format::Human {
+                    eprintln!("forkbox: failed at step {step} ({kind}): {message}");
+                }
+                return Ok(1);
+            }
+            RegistryEvent::Other => {}
+        }
+    }
+    progress.finish();
+    anyhow::bail!("the transfer's event stream ended without an end")
+}
+
 /// The spinner and the setup output above it. Off a terminal, steps are
 /// plain lines on stderr; with `--json`, nothing (the events are printed).
 struct Progress {
@@ -275,6 +484,16 @@ impl Progress {
             Some(bar) if !bar.is_hidden() => bar.set_message(msg),
             Some(_) => eprintln!("==> {msg}"),
             None => {}
+        }
+    }
+
+    /// Replaces the spinner's message (a terminal only: bytes moving are
+    /// not worth a line each).
+    fn status(&mut self, msg: &str) {
+        if let Some(bar) = &self.bar {
+            if !bar.is_hidden() {
+                bar.set_message(msg.to_owned());
+            }
         }
     }
 
@@ -328,5 +547,16 @@ mod tests {
         assert!(matches!(e, BakeEvent::Failed { output, .. } if output == "boom"));
         let e: BakeEvent = serde_json::from_str(r#"{"type":"zygote","pid":1}"#).expect("unknown");
         assert!(matches!(e, BakeEvent::Other));
+    }
+
+    #[test]
+    fn a_pulled_template_is_named_for_its_repository() {
+        for (reference, name) in [
+            ("127.0.0.1:5000/team/pytest-env:v3", "pytest-env"),
+            ("registry.example/tasks/swe@sha256:00ff", "swe"),
+            ("localhost:5000/plain", "plain"),
+        ] {
+            assert_eq!(default_name(reference), name, "{reference}");
+        }
     }
 }
