@@ -12,6 +12,8 @@
 //!   the store, everything checked against its digest.
 //! - [`registry`]: the same from a registry (`oci-client`), each blob
 //!   downloaded once, a stopped download resumed.
+//! - [`local_registry`]: a real registry on loopback, for tests and
+//!   benchmarks.
 //! - [`artifact`]: a baked template (its snapshot, and its image whole)
 //!   pushed to a registry as one OCI artifact and pulled from it.
 //!
@@ -24,10 +26,9 @@ pub mod artifact;
 pub mod digest;
 pub mod import;
 pub mod layer;
+pub mod local_registry;
 pub mod registry;
 pub mod store;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 pub use digest::Digest;
 pub use import::{import, ImportError, Imported, Progress};

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use forkbox_image::testing::LocalRegistry;
+use forkbox_image::local_registry::LocalRegistry;
 use forkbox_image::{pull, Digest, Progress, PullError, Registry, Store};
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
@@ -110,7 +110,7 @@ fn fetched(events: &[(usize, u64, u64)]) -> Vec<(usize, u64)> {
 
 #[tokio::test(flavor = "current_thread")]
 async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
-    let registry = LocalRegistry::start();
+    let registry = LocalRegistry::start().expect("a registry");
     let tmp = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&tmp.path().join("store")).expect("store");
     let (base, top) = (base_layer(), top_layer());
@@ -151,7 +151,7 @@ async fn pull_from_a_registry_stores_each_blob_once_and_names_the_image() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn pull_of_a_missing_tag_or_registry_says_so_and_stores_nothing() {
-    let registry = LocalRegistry::start();
+    let registry = LocalRegistry::start().expect("a registry");
     let tmp = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&tmp.path().join("store")).expect("store");
     let missing = format!("{}/tasks/none:v1", registry.addr);
@@ -183,7 +183,7 @@ async fn pull_of_a_missing_tag_or_registry_says_so_and_stores_nothing() {
 /// refused, saying so, and stores nothing.
 #[tokio::test(flavor = "current_thread")]
 async fn pull_from_a_registry_with_basic_auth_needs_the_right_password() {
-    let registry = LocalRegistry::start_with(Some(("trainer", "s3cret")));
+    let registry = LocalRegistry::start_with_basic("trainer", "s3cret").expect("a registry");
     let reference = format!("{}/tasks/private:v1", registry.addr);
     let basic = RegistryAuth::Basic("trainer".into(), "s3cret".into());
     let id = push_as(&reference, &[base_layer()], &basic).await;
@@ -239,7 +239,7 @@ fn partial_exists(store: &Store, blob: &Digest) -> bool {
 
 #[tokio::test(flavor = "current_thread")]
 async fn pull_resumes_a_stopped_download_and_drops_a_wrong_one() {
-    let registry = LocalRegistry::start();
+    let registry = LocalRegistry::start().expect("a registry");
     let tmp = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&tmp.path().join("store")).expect("store");
     // A layer big enough that half of it is worth resuming: incompressible.
@@ -330,7 +330,7 @@ use forkbox_image::artifact;
 /// sends only what the registry lacks; an image is not a template.
 #[tokio::test(flavor = "current_thread")]
 async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
-    let registry = LocalRegistry::start();
+    let registry = LocalRegistry::start().expect("a registry");
     let tmp = tempfile::tempdir().expect("tempdir");
     let ours = Store::open(&tmp.path().join("ours")).expect("store");
     let image_ref = format!("{}/tasks/a:v1", registry.addr);

@@ -527,7 +527,7 @@ mod tests {
     use crate::network::EgressLogs;
     use crate::persist::Store;
     use crate::service::testing::*;
-    use forkbox_image::testing::LocalRegistry;
+    use forkbox_image::local_registry::LocalRegistry;
 
     fn daemon_in(dir: &std::path::Path, fake: Fake) -> Daemon {
         let egress =
@@ -567,7 +567,7 @@ mod tests {
     /// nothing behind.
     #[tokio::test]
     async fn a_pushed_template_is_pulled_by_another_daemon_and_forks_without_a_bake() {
-        let registry = LocalRegistry::start();
+        let registry = LocalRegistry::start().expect("a registry");
         let (here, there) = (
             tempfile::tempdir().expect("tmp"),
             tempfile::tempdir().expect("tmp"),

@@ -14,6 +14,7 @@ pub mod image;
 pub mod isolation;
 pub mod net;
 pub mod service;
+pub mod template;
 pub mod testbed;
 pub mod vm;
 
@@ -63,6 +64,9 @@ pub enum BenchCmd {
     /// Image import into a fresh store: an image, a second one on the same
     /// base, the first again; percentiles, ratios, what the store holds.
     Image(image::Options),
+    /// A template that travels: bake + first command on one daemon, push,
+    /// then pull + first command on another (its own state directory).
+    Template(template::Options),
     /// A tight loop and fork+exec, here: the yardstick for other figures.
     Calibrate {
         #[arg(long)]
@@ -138,6 +142,18 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
                 return Ok(code);
             }
             let report = service::run(&opts)?;
+            if opts.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                report.print();
+            }
+            Ok(0)
+        }
+        BenchCmd::Template(opts) => {
+            if let Some(code) = crate::delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let report = template::run(&opts)?;
             if opts.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
