@@ -142,6 +142,17 @@ impl Store {
         for sub in ["sandboxes", "templates", "snapshots", "egress"] {
             forkbox_host::owned::ensure_dir(&dir.join(sub))?;
         }
+        // What a save, push or pull that did not finish left: a snapshot
+        // written aside (`.NAME.new`), a memory compressed or downloaded
+        // (`.tmpXXXX`). No template's name starts with a dot.
+        if let Ok(entries) = std::fs::read_dir(dir.join("snapshots")) {
+            for e in entries.flatten() {
+                if e.file_name().as_encoded_bytes().starts_with(b".") {
+                    let path = e.path();
+                    let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+                }
+            }
+        }
         Ok(Self { dir })
     }
 
@@ -299,6 +310,29 @@ mod tests {
         );
         store.forget_sandbox(&a.id);
         assert_eq!(store.load().1.len(), 1);
+    }
+
+    /// A save, push or pull cut short leaves its debris in `snapshots/`;
+    /// the next open clears it and keeps every saved snapshot.
+    #[test]
+    fn opening_clears_what_an_unfinished_snapshot_write_left() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        let snaps = dir.path().join("snapshots");
+        for d in ["t", ".t.new"] {
+            std::fs::create_dir(snaps.join(d)).expect("dir");
+            std::fs::write(snaps.join(d).join("memory"), b"m").expect("memory");
+        }
+        std::fs::write(snaps.join(".tmpAbC123"), b"packed").expect("temp");
+        drop(store);
+        Store::open(dir.path()).expect("open again");
+        let mut left: Vec<_> = std::fs::read_dir(&snaps)
+            .expect("read")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["t"]);
+        assert!(snaps.join("t/memory").is_file());
     }
 
     #[test]
