@@ -29,7 +29,7 @@ use oci_spec::image::{Descriptor, ImageManifest};
 use rustix::fs::FlockOperation;
 
 use crate::digest::{Digest, HashingWriter};
-use crate::import::{self, Found, ImportError, MAX_JSON};
+use crate::import::{self, Found, MAX_JSON};
 use crate::registry::{self, PullError, Registry};
 use crate::store::{Image, Store};
 
@@ -446,15 +446,7 @@ pub async fn pull_template(
             let count = image_layers.len();
             let mut found = Vec::with_capacity(count);
             for (index, d) in image_layers.iter().enumerate() {
-                let media_type = d.media_type().to_string();
-                if !import::is_layer(&media_type) {
-                    return Err(ImportError::MediaType {
-                        what: format!("layer {}", d.digest()),
-                        media_type,
-                    }
-                    .into());
-                }
-                let blob = Digest::try_from(d.digest()).map_err(ImportError::from)?;
+                let (blob, media_type) = registry::layer_of(d)?;
                 let what = format!("layer {}/{count}", index + 1);
                 if store.blob_path(&blob).exists() {
                     progress(Transfer {

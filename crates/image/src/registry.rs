@@ -116,16 +116,8 @@ pub async fn pull(
     let count = parsed.layers().len();
     let mut layers = Vec::with_capacity(count);
     for (index, d) in parsed.layers().iter().enumerate() {
-        let media_type = d.media_type().to_string();
-        if !import::is_layer(&media_type) {
-            return Err(ImportError::MediaType {
-                what: format!("layer {}", d.digest()),
-                media_type,
-            }
-            .into());
-        }
+        let (blob, media_type) = layer_of(d)?;
         fetch(&client, &image, store, d, Some((index, count)), progress).await?;
-        let blob = Digest::try_from(d.digest()).map_err(ImportError::from)?;
         layers.push((store.blob_path(&blob), Some(blob), media_type));
     }
     let found = Found {
@@ -185,6 +177,20 @@ pub(crate) async fn manifest(
         });
     }
     Ok((bytes.to_vec(), found))
+}
+
+/// A layer's blob digest and media type, refused unless it is a layer.
+pub(crate) fn layer_of(d: &Descriptor) -> Result<(Digest, String), PullError> {
+    let media_type = d.media_type().to_string();
+    if !import::is_layer(&media_type) {
+        return Err(ImportError::MediaType {
+            what: format!("layer {}", d.digest()),
+            media_type,
+        }
+        .into());
+    }
+    let blob = Digest::try_from(d.digest()).map_err(ImportError::from)?;
+    Ok((blob, media_type))
 }
 
 fn media_type(bytes: &[u8]) -> Option<String> {

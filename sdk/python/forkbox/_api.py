@@ -550,17 +550,37 @@ def pulled_name(reference: str) -> str:
     return path.rsplit("/", 1)[-1].split(":")[0]
 
 
-class RegistryStream:
-    """Reads a push's or a pull's events: each goes to `on_progress`;
-    `feed` answers a `PushResult` at `pushed`, the template at `pulled`,
-    and raises `TemplateError` at `failed`."""
+class BakeStream:
+    """Reads a bake's events: each goes to `on_progress`; `feed` answers
+    the template at `done` and raises `TemplateError` at `failed`."""
 
     def __init__(self, on_progress: Optional[Callable[[Json], None]]) -> None:
         self._cb = on_progress
 
-    def feed(self, ev: Json) -> Optional[Union[PushResult, TemplateInfo]]:
+    def feed(self, ev: Json) -> Any:
         if self._cb is not None:
             self._cb(ev)
+        if ev.get("type") == "failed":
+            raise from_bake_failure(ev)
+        return self._end(ev)
+
+    def _end(self, ev: Json) -> Any:
+        """The result at the stream's last event; `None` before."""
+        if ev.get("type") == "done":
+            return TemplateInfo.from_json(ev.get("template") or {}, "ready")
+        return None
+
+    @staticmethod
+    def ended() -> TemplateError:
+        return from_bake_failure({"step": "stream", "kind": "infrastructure",
+                                  "message": "the bake's stream ended without done or failed"})
+
+
+class RegistryStream(BakeStream):
+    """Reads a push's or a pull's events as `BakeStream` reads a bake's:
+    `feed` answers a `PushResult` at `pushed`, the template at `pulled`."""
+
+    def _end(self, ev: Json) -> Optional[Union[PushResult, TemplateInfo]]:
         t = ev.get("type")
         if t == "pushed":
             return PushResult(reference=str(ev["reference"]), digest=str(ev["digest"]),
@@ -569,34 +589,9 @@ class RegistryStream:
                               total_ms=int(ev["total_ms"]))
         if t == "pulled":
             return TemplateInfo.from_json(ev.get("template") or {}, "ready")
-        if t == "failed":
-            raise from_bake_failure(ev)
         return None
 
     @staticmethod
     def ended() -> TemplateError:
         return from_bake_failure({"step": "stream", "kind": "infrastructure",
                                   "message": "the transfer's stream ended without its end"})
-
-
-class BakeStream:
-    """Reads a bake's events: each goes to `on_progress`; `feed` answers
-    the template at `done` and raises `TemplateError` at `failed`."""
-
-    def __init__(self, on_progress: Optional[Callable[[Json], None]]) -> None:
-        self._cb = on_progress
-
-    def feed(self, ev: Json) -> Optional[TemplateInfo]:
-        if self._cb is not None:
-            self._cb(ev)
-        t = ev.get("type")
-        if t == "done":
-            return TemplateInfo.from_json(ev.get("template") or {}, "ready")
-        if t == "failed":
-            raise from_bake_failure(ev)
-        return None
-
-    @staticmethod
-    def ended() -> TemplateError:
-        return from_bake_failure({"step": "stream", "kind": "infrastructure",
-                                  "message": "the bake's stream ended without done or failed"})

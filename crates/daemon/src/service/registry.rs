@@ -125,8 +125,22 @@ struct PushedTemplate {
 const FORMAT: u32 = 1;
 const FORKBOX: &str = env!("CARGO_PKG_VERSION");
 
-fn failure(step: &str, e: &DaemonError) -> RegistryEvent {
-    RegistryEvent::Failed(BakeFailure::of(step.into(), e))
+/// Runs `work` on a task of its own; its outcome (`end` of its result
+/// and its milliseconds, or the step it failed at) is the stream's last
+/// event.
+fn to_the_end<T>(
+    tx: mpsc::Sender<RegistryEvent>,
+    work: impl std::future::Future<Output = Result<T, (&'static str, DaemonError)>> + Send + 'static,
+    end: impl FnOnce(T, u64) -> RegistryEvent + Send + 'static,
+) {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let event = match work.await {
+            Ok(done) => end(done, start.elapsed().as_millis() as u64),
+            Err((step, e)) => RegistryEvent::Failed(BakeFailure::of(step.into(), &e)),
+        };
+        let _ = tx.send(event).await;
+    });
 }
 
 impl From<PullError> for DaemonError {
@@ -171,21 +185,19 @@ impl Daemon {
         }
         self.template(name)?;
         let (tx, rx) = mpsc::channel(64);
-        let (this, name) = (self.clone(), name.to_owned());
-        tokio::spawn(async move {
-            let start = Instant::now();
-            let event = match this.push(&name, &req, &tx).await {
-                Ok(pushed) => RegistryEvent::Pushed {
-                    reference: req.reference,
-                    digest: pushed.digest.to_string(),
-                    sent_bytes: pushed.sent,
-                    present_bytes: pushed.present,
-                    total_ms: start.elapsed().as_millis() as u64,
-                },
-                Err((step, e)) => failure(step, &e),
-            };
-            let _ = tx.send(event).await;
-        });
+        let (this, name, events) = (self.clone(), name.to_owned(), tx.clone());
+        let reference = req.reference.clone();
+        to_the_end(
+            tx,
+            async move { this.push(&name, &req, &events).await },
+            |pushed, total_ms| RegistryEvent::Pushed {
+                reference,
+                digest: pushed.digest.to_string(),
+                sent_bytes: pushed.sent,
+                present_bytes: pushed.present,
+                total_ms,
+            },
+        );
         Ok(rx)
     }
 
@@ -335,20 +347,17 @@ impl Daemon {
             return Err(DaemonError::TemplateExists(name.to_owned()));
         }
         let (tx, rx) = mpsc::channel(64);
-        let (this, name) = (self.clone(), name.to_owned());
-        tokio::spawn(async move {
-            let start = Instant::now();
-            let event = match this.pull(&name, &req, &tx).await {
-                Ok((template, digest, downloaded)) => RegistryEvent::Pulled {
-                    template: Box::new(template),
-                    digest,
-                    downloaded_bytes: downloaded,
-                    total_ms: start.elapsed().as_millis() as u64,
-                },
-                Err((step, e)) => failure(step, &e),
-            };
-            let _ = tx.send(event).await;
-        });
+        let (this, name, events) = (self.clone(), name.to_owned(), tx.clone());
+        to_the_end(
+            tx,
+            async move { this.pull(&name, &req, &events).await },
+            |(template, digest, downloaded), total_ms| RegistryEvent::Pulled {
+                template: Box::new(template),
+                digest,
+                downloaded_bytes: downloaded,
+                total_ms,
+            },
+        );
         Ok(rx)
     }
 

@@ -252,7 +252,17 @@ enum BakeEvent {
     Other,
 }
 
-fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Result<i32> {
+/// Follows a POST's NDJSON event stream: each line printed with `--json`,
+/// each event given to `on` with the progress display, until `on` says
+/// the exit code (the stream's last event).
+fn follow<E: serde::de::DeserializeOwned>(
+    client: &Client,
+    path: &str,
+    body: Body,
+    format: Format,
+    what: &str,
+    mut on: impl FnMut(E, &mut Progress) -> Option<i32>,
+) -> anyhow::Result<i32> {
     let mut resp = client
         .send(Method::POST, path, body, Some("application/x-ndjson"))?
         .ok()?;
@@ -267,8 +277,19 @@ fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Resu
             out.write_all(b"\n")?;
             out.flush()?;
         }
-        let event: BakeEvent =
-            serde_json::from_slice(&line).context("reading the bake's event stream")?;
+        let event: E = serde_json::from_slice(&line)
+            .with_context(|| format!("reading the {what}'s event stream"))?;
+        if let Some(code) = on(event, &mut progress) {
+            progress.finish();
+            return Ok(code);
+        }
+    }
+    progress.finish();
+    anyhow::bail!("the {what}'s event stream ended before its last event")
+}
+
+fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Result<i32> {
+    follow(client, path, body, format, "bake", |event, progress| {
         match event {
             BakeEvent::Step { step, detail } => progress.step(&step, &detail),
             BakeEvent::Output { data } => progress.output(&data),
@@ -287,7 +308,7 @@ fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Resu
                         total_ms as f64 / 1000.0
                     );
                 }
-                return Ok(0);
+                return Some(0);
             }
             BakeEvent::Failed {
                 step,
@@ -306,13 +327,12 @@ fn bake(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Resu
                         }
                     }
                 }
-                return Ok(1);
+                return Some(1);
             }
             BakeEvent::Other => {}
         }
-    }
-    progress.finish();
-    anyhow::bail!("the bake's event stream ended without `done` or `failed`")
+        None
+    })
 }
 
 /// One line of a push's or a pull's NDJSON stream.
@@ -362,22 +382,7 @@ fn mib(bytes: u64) -> String {
 
 /// A push or a pull: its steps and bytes on the spinner, its end printed.
 fn transfer(client: &Client, path: &str, body: Body, format: Format) -> anyhow::Result<i32> {
-    let mut resp = client
-        .send(Method::POST, path, body, Some("application/x-ndjson"))?
-        .ok()?;
-    let mut progress = Progress::new(format);
-    while let Some(line) = resp.next_line()? {
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        if format == Format::Json {
-            let mut out = std::io::stdout().lock();
-            out.write_all(&line)?;
-            out.write_all(b"\n")?;
-            out.flush()?;
-        }
-        let event: RegistryEvent =
-            serde_json::from_slice(&line).context("reading the transfer's event stream")?;
+    follow(client, path, body, format, "transfer", |event, progress| {
         match event {
             RegistryEvent::Step { step, detail } => progress.step(&step, &detail),
             RegistryEvent::Progress {
@@ -409,7 +414,7 @@ fn transfer(client: &Client, path: &str, body: Body, format: Format) -> anyhow::
                         mib(present_bytes)
                     );
                 }
-                return Ok(0);
+                return Some(0);
             }
             RegistryEvent::Pulled {
                 template,
@@ -426,7 +431,7 @@ fn transfer(client: &Client, path: &str, body: Body, format: Format) -> anyhow::
                         mib(downloaded_bytes)
                     );
                 }
-                return Ok(0);
+                return Some(0);
             }
             RegistryEvent::Failed {
                 step,
@@ -437,13 +442,12 @@ fn transfer(client: &Client, path: &str, body: Body, format: Format) -> anyhow::
                 if format == Format::Human {
                     eprintln!("forkbox: failed at step {step} ({kind}): {message}");
                 }
-                return Ok(1);
+                return Some(1);
             }
             RegistryEvent::Other => {}
         }
-    }
-    progress.finish();
-    anyhow::bail!("the transfer's event stream ended without an end")
+        None
+    })
 }
 
 /// The spinner and the setup output above it. Off a terminal, steps are
