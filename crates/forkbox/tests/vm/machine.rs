@@ -636,10 +636,12 @@ pub(crate) fn vm_nmi_makes_a_given_up_guest_say_where_it_was() -> TestResult {
 /// count grows by at least the unmatched ones), and the VM is served
 /// throughout (its agent answers a command every second, each within a
 /// minute, until the guest has made 200 kicks; a loop that cannot make
-/// them in five minutes fails the trial).
+/// them in five minutes fails the trial). A bystander VM beside it answers
+/// a command every second too, each within a minute.
 pub(crate) fn vm_guest_kicking_a_queue_in_a_loop_is_still_served() -> TestResult {
     let vm =
         Vm::boot(assets(), &networked(&net_policy(&[]))).map_err(|e| format!("boot: {e:#}"))?;
+    let bystander = boot(VmSpec::default());
     let mmio_exits = |vm: &Vm| -> Result<u64, Failed> {
         let status = vm.control().status().map_err(|e| format!("status: {e}"))?;
         Ok(status
@@ -688,6 +690,8 @@ pub(crate) fn vm_guest_kicking_a_queue_in_a_loop_is_still_served() -> TestResult
         )?;
         std::thread::sleep(Duration::from_secs(1));
         last = kicked(&vm)?;
+        let heard = answer_within(&bystander, "echo here", Duration::from_secs(60))?;
+        check(heard == "here\n", format!("the bystander said {heard:?}"))?;
         commands += 1;
     }
     let exits = mmio_exits(&vm)? - before;
@@ -697,7 +701,8 @@ pub(crate) fn vm_guest_kicking_a_queue_in_a_loop_is_still_served() -> TestResult
         format!("{kicks} kicks in the guest, every other one unmatched, but {exits} MMIO exits"),
     )?;
     eprintln!(
-        "kick loop: {kicks} kicks in {:.0?}, {exits} MMIO exits, {commands} commands answered",
+        "kick loop: {kicks} kicks in {:.0?}, {exits} MMIO exits, {commands} commands answered \
+         by it and by a bystander",
         start.elapsed()
     );
     sh(vm.agent(), "echo still here").map(drop)
