@@ -53,6 +53,11 @@ pub struct Report {
     pub pulled_bytes: u64,
     /// Pull, then create → first command result.
     pub pull_then_first_command: Stats,
+    /// The last pull's steps as its event stream told them: each step's
+    /// name and the milliseconds from the request to its start.
+    pub pull_steps_ms: Vec<(String, f64)>,
+    /// The first push's steps, the same way.
+    pub push_steps_ms: Vec<(String, f64)>,
     /// p50 of `pull_then_first_command` over `bake_then_first_command_ms`.
     pub ratio_to_fresh_bake: f64,
 }
@@ -77,10 +82,10 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
 
     let reference = format!("{}/bench/travel:v1", registry.addr);
     let t = Instant::now();
-    let pushed = transfer(&client, "push", "bench-travel", &reference)?;
+    let (pushed, push_steps_ms) = transfer(&client, "push", "bench-travel", &reference)?;
     let push_ms = ms(t.elapsed());
     let t = Instant::now();
-    let again = transfer(&client, "push", "bench-travel", &reference)?;
+    let (again, _) = transfer(&client, "push", "bench-travel", &reference)?;
     let push_again_ms = ms(t.elapsed());
     drop(client);
     drop(here);
@@ -89,11 +94,13 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
     let there = LocalDaemon::start(&[])?;
     let client = there.client()?;
     let (mut pulls, mut whole, mut pulled_bytes) = (Vec::new(), Vec::new(), 0);
+    let mut pull_steps_ms = Vec::new();
     for i in 0..o.runs {
         let name = format!("travel-{i}");
         let t = Instant::now();
-        let pulled = transfer(&client, "pull", &name, &reference)
+        let (pulled, steps) = transfer(&client, "pull", &name, &reference)
             .with_context(|| format!("pulling; daemon log:\n{}", there.log_tail(20)))?;
+        pull_steps_ms = steps;
         pulls.push(t.elapsed());
         first_command(&client, &name)?;
         whole.push(t.elapsed());
@@ -126,6 +133,8 @@ pub fn run(o: &Options) -> anyhow::Result<Report> {
         pulled_bytes,
         ratio_to_fresh_bake: whole.p50_ms / fresh,
         pull_then_first_command: whole,
+        pull_steps_ms,
+        push_steps_ms,
     })
 }
 
@@ -144,8 +153,15 @@ fn first_command(client: &Client, template: &str) -> anyhow::Result<()> {
 }
 
 /// A push or a pull of template `name` to or from `reference`; its last
-/// event (`pushed` or `pulled`).
-fn transfer(client: &Client, verb: &str, name: &str, reference: &str) -> anyhow::Result<Value> {
+/// event (`pushed` or `pulled`), and when each step began (ms).
+fn transfer(
+    client: &Client,
+    verb: &str,
+    name: &str,
+    reference: &str,
+) -> anyhow::Result<(Value, Vec<(String, f64)>)> {
+    let start = Instant::now();
+    let mut steps = Vec::new();
     let path = format!("/templates/{}/{verb}", segment(name));
     let body = json!({ "reference": reference, "plain_http": true });
     let mut resp = client
@@ -158,7 +174,14 @@ fn transfer(client: &Client, verb: &str, name: &str, reference: &str) -> anyhow:
         .ok()?;
     while let Some(event) = resp.next_json::<Value>()? {
         match event["type"].as_str() {
-            Some("pushed" | "pulled") => return Ok(event),
+            Some("step") => steps.push((
+                event["step"].as_str().unwrap_or("?").to_owned(),
+                ms(start.elapsed()),
+            )),
+            Some("pushed" | "pulled") => {
+                steps.push(("end".into(), ms(start.elapsed())));
+                return Ok((event, steps));
+            }
             Some("failed") => bail!("{verb} failed: {}", event["message"]),
             _ => {}
         }
@@ -196,5 +219,14 @@ impl Report {
             "  pull + first command / fresh bake + first command: {:.2}",
             self.ratio_to_fresh_bake
         );
+        let steps = |steps: &[(String, f64)]| {
+            let each: Vec<String> = steps
+                .iter()
+                .map(|(s, t)| format!("{s} at {t:.0} ms"))
+                .collect();
+            each.join(", ")
+        };
+        println!("  the first push's steps: {}", steps(&self.push_steps_ms));
+        println!("  the last pull's steps: {}", steps(&self.pull_steps_ms));
     }
 }
