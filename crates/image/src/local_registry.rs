@@ -36,6 +36,22 @@ impl LocalRegistry {
         })
     }
 
+    /// A registry that asks for a bearer token from `realm` (a token
+    /// server the caller runs), trusting tokens signed by the key of
+    /// `cert_pem` whose issuer and audience are `forkbox-test` (the
+    /// `testing` feature).
+    #[cfg(feature = "testing")]
+    pub fn start_with_token(realm: &str, cert_pem: &str) -> io::Result<Self> {
+        Self::start_with_yaml(|dir| {
+            let bundle = dir.join("token-cert.pem");
+            std::fs::write(&bundle, cert_pem)?;
+            Ok(format!(
+                "auth:\n  token:\n    realm: {realm}\n    service: forkbox-test\n    issuer: forkbox-test\n    rootcertbundle: {}\n",
+                bundle.display()
+            ))
+        })
+    }
+
     fn start_with_yaml(
         extra: impl FnOnce(&std::path::Path) -> io::Result<String>,
     ) -> io::Result<Self> {

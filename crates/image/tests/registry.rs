@@ -422,3 +422,164 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
         .expect("not a template");
     assert!(matches!(err, PullError::NotATemplate { .. }), "{err}");
 }
+
+/// A token server for a registry's bearer auth, on loopback: it grants
+/// `user`:`password` what each scope asks, in an ES256 JWT whose `x5c`
+/// holds its self-signed certificate (the registry trusts that
+/// certificate); anyone else gets a 401.
+struct TokenServer {
+    realm: String,
+    cert_pem: String,
+}
+
+impl TokenServer {
+    fn start(user: &'static str, password: &'static str) -> Self {
+        use base64::Engine;
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["forkbox-test".into()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let x5c = base64::engine::general_purpose::STANDARD.encode(cert.der());
+        let rng = ring::rand::SystemRandom::new();
+        let signer = ring::signature::EcdsaKeyPair::from_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
+            &key.serialize_der(),
+            &rng,
+        )
+        .expect("signer");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let realm = format!("http://{}/token", listener.local_addr().expect("addr"));
+        let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let head = read_head(&mut conn);
+                let granted = head
+                    .lines()
+                    .any(|l| l.eq_ignore_ascii_case(&format!("authorization: basic {basic}")));
+                let reply = if granted {
+                    let token = jwt(&head, user, &x5c, &signer, &rng);
+                    let body = serde_json::json!({"token": token, "access_token": token, "expires_in": 300})
+                        .to_string();
+                    format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
+                } else {
+                    "HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        .into()
+                };
+                let _ = std::io::Write::write_all(&mut conn, reply.as_bytes());
+            }
+        });
+        Self {
+            realm,
+            cert_pem: cert.pem(),
+        }
+    }
+}
+
+/// A request's head, as sent.
+fn read_head(conn: &mut std::net::TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8];
+    while !head.ends_with(b"\r\n\r\n") && head.len() < 16 << 10 {
+        match std::io::Read::read(conn, &mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+/// `%XX` decoded.
+fn unescape(s: &str) -> String {
+    let mut out = Vec::new();
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The token for the scopes the request line asks for.
+fn jwt(
+    head: &str,
+    user: &str,
+    x5c: &str,
+    signer: &ring::signature::EcdsaKeyPair,
+    rng: &ring::rand::SystemRandom,
+) -> String {
+    use base64::Engine;
+    let url = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let target = head.split_whitespace().nth(1).unwrap_or("");
+    let query = target.split_once('?').map_or("", |(_, q)| q);
+    let access: Vec<serde_json::Value> = query
+        .split('&')
+        .filter_map(|kv| kv.strip_prefix("scope="))
+        .map(unescape)
+        .filter_map(|scope| {
+            // repository:NAME:ACTIONS (NAME may hold no colon here).
+            let mut parts = scope.splitn(3, ':');
+            let (kind, name, actions) = (parts.next()?, parts.next()?, parts.next()?);
+            Some(serde_json::json!({"type": kind, "name": name,
+                "actions": actions.split(',').collect::<Vec<_>>()}))
+        })
+        .collect();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let header = serde_json::json!({"typ": "JWT", "alg": "ES256", "x5c": [x5c]});
+    let claims = serde_json::json!({"iss": "forkbox-test", "sub": user, "aud": "forkbox-test",
+        "exp": now + 300, "nbf": now - 10, "iat": now, "jti": format!("t{now}"), "access": access});
+    let signing = format!(
+        "{}.{}",
+        url.encode(header.to_string()),
+        url.encode(claims.to_string())
+    );
+    let sig = signer.sign(rng, signing.as_bytes()).expect("sign");
+    format!("{signing}.{}", url.encode(sig.as_ref()))
+}
+
+/// A registry that asks for bearer tokens: the right user gets one and
+/// pulls; anyone else is refused by the token server, and nothing is
+/// stored.
+#[tokio::test(flavor = "current_thread")]
+async fn pull_from_a_registry_with_bearer_tokens_needs_the_right_user() {
+    let tokens = TokenServer::start("trainer", "s3cret");
+    let registry =
+        LocalRegistry::start_with_token(&tokens.realm, &tokens.cert_pem).expect("a registry");
+    let reference = format!("{}/tasks/tok:v1", registry.addr);
+    let auth = RegistryAuth::Basic("trainer".into(), "s3cret".into());
+    let id = push_as(&reference, &[base_layer()], &auth).await;
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&tmp.path().join("store")).expect("store");
+    for who in [None, Some(("trainer", "wrong"))] {
+        let registry = Registry {
+            auth: who.map(|(u, p)| (u.to_owned(), p.to_owned())),
+            plain_http: true,
+        };
+        let e = pull(&store, &reference, &registry, &mut |_| {})
+            .await
+            .expect_err("no token for them");
+        assert!(matches!(e, PullError::Registry { .. }), "{who:?}: {e:?}");
+        assert!(store.resolve(&reference).is_err(), "nothing stored");
+    }
+    let registry = Registry {
+        auth: Some(("trainer".into(), "s3cret".into())),
+        plain_http: true,
+    };
+    let pulled = pull(&store, &reference, &registry, &mut |_| {})
+        .await
+        .expect("the right user pulls");
+    assert_eq!(pulled.image.id, id);
+}
