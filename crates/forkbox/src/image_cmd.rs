@@ -37,6 +37,19 @@ pub enum ImageCmd {
         #[arg(long)]
         user: Option<String>,
     },
+    /// Push a stored image (a name or an id) to a registry as
+    /// `host[:port]/repo:tag`: its configuration and its layers as the
+    /// store received them; blobs the registry has are not sent.
+    Push {
+        name: String,
+        reference: String,
+        #[arg(long)]
+        plain_http: bool,
+        /// Basic auth or a token server's; the password comes from
+        /// `FORKBOX_REGISTRY_PASSWORD`.
+        #[arg(long)]
+        user: Option<String>,
+    },
     /// List the store's images: names, ids, layers and sizes.
     Ls {
         #[arg(long)]
@@ -77,19 +90,8 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
             user,
         } => {
             let store = store()?;
-            let auth = match user {
-                Some(u) => {
-                    let password = std::env::var("FORKBOX_REGISTRY_PASSWORD")
-                        .context("--user needs the password in FORKBOX_REGISTRY_PASSWORD")?;
-                    Some((u, password))
-                }
-                None => None,
-            };
-            let registry = forkbox_image::Registry { auth, plain_http };
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
+            let registry = registry(plain_http, user)?;
+            let rt = runtime()?;
             let mut progress = LayerBars::default();
             let pulled = rt
                 .block_on(forkbox_image::pull(
@@ -101,6 +103,40 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
                 .with_context(|| format!("pulling {reference}"))?;
             progress.finish();
             report("pulled", &store, &pulled);
+        }
+        ImageCmd::Push {
+            name,
+            reference,
+            plain_http,
+            user,
+        } => {
+            let store = store()?;
+            let image = store.resolve(&name)?;
+            let registry = registry(plain_http, user)?;
+            let bar = ProgressBar::new_spinner();
+            bar.enable_steady_tick(Duration::from_millis(120));
+            let shown = bar.clone();
+            let on: forkbox_image::artifact::OnTransfer = std::sync::Arc::new(move |t| {
+                shown.set_message(if t.present {
+                    format!("{}: in the registry already", t.what)
+                } else {
+                    format!("{}: {:.1} of {:.1} MiB", t.what, mib(t.bytes), mib(t.total))
+                });
+            });
+            let pushed = runtime()?
+                .block_on(forkbox_image::artifact::push_image(
+                    &store, &image, &reference, &registry, on,
+                ))
+                .with_context(|| format!("pushing {name} to {reference}"));
+            bar.finish_and_clear();
+            let pushed = pushed?;
+            eprintln!(
+                "forkbox: pushed {} as {reference} ({}): {:.1} MiB sent, {:.1} MiB the registry had",
+                image.id.short(),
+                pushed.digest,
+                mib(pushed.sent),
+                mib(pushed.present)
+            );
         }
         ImageCmd::Ls { json } => ls(&store()?, json)?,
         ImageCmd::Rm { name } => {
@@ -122,6 +158,26 @@ pub fn run(cmd: ImageCmd) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// How to reach a registry: `--user`'s password from the environment.
+fn registry(plain_http: bool, user: Option<String>) -> anyhow::Result<forkbox_image::Registry> {
+    let auth = match user {
+        Some(u) => {
+            let password = std::env::var("FORKBOX_REGISTRY_PASSWORD")
+                .context("--user needs the password in FORKBOX_REGISTRY_PASSWORD")?;
+            Some((u, password))
+        }
+        None => None,
+    };
+    Ok(forkbox_image::Registry { auth, plain_http })
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 fn ls(store: &Store, json: bool) -> anyhow::Result<()> {

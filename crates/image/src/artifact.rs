@@ -218,19 +218,6 @@ pub async fn push_template(
     push: TemplatePush<'_>,
     progress: OnTransfer,
 ) -> Result<Pushed, PullError> {
-    let target: Reference = reference
-        .parse()
-        .map_err(|_| PullError::Reference(reference.to_owned()))?;
-    if target.digest().is_some() {
-        return Err(PullError::Reference(format!(
-            "{reference} (a push names a tag, not a digest)"
-        )));
-    }
-    let (client, auth) = connect(registry);
-    client
-        .auth(&target, &auth, RegistryOperation::Push)
-        .await
-        .map_err(registry_err(format!("pushing to {}", target.whole())))?;
     let mut parts = vec![
         Part::of_file("state", STATE_MEDIA_TYPE, push.state)?,
         Part {
@@ -252,22 +239,73 @@ pub async fn push_template(
                 size: file_size(&store.blob_path(&image.id))?,
                 path: store.blob_path(&image.id),
             });
-            let count = image.layers.len();
-            for (i, layer) in image.layers.iter().enumerate() {
-                parts.push(Part {
-                    what: format!("layer {}/{count}", i + 1),
-                    media_type: layer.media_type.clone(),
-                    digest: layer.blob.clone(),
-                    size: layer.size,
-                    path: store.blob_path(&layer.blob),
-                });
-            }
+            parts.extend(layer_parts(store, image));
             Some(lock)
         }
         None => None,
     };
+    let config = (CONFIG_MEDIA_TYPE, push.config);
+    push_parts(reference, registry, config, &parts, progress).await
+}
+
+/// Pushes a stored image as `reference`: its configuration and its
+/// layers as the store received them, under an OCI manifest. Blobs the
+/// registry has are not sent again.
+pub async fn push_image(
+    store: &Store,
+    image: &Image,
+    reference: &str,
+    registry: &Registry,
+    progress: OnTransfer,
+) -> Result<Pushed, PullError> {
+    let _lock = store.lock(FlockOperation::LockShared)?;
+    let config = store.read_blob(&image.id, MAX_JSON)?;
+    let parts: Vec<Part> = layer_parts(store, image).collect();
+    push_parts(
+        reference,
+        registry,
+        (IMAGE_CONFIG_MEDIA_TYPE, config),
+        &parts,
+        progress,
+    )
+    .await
+}
+
+fn layer_parts<'a>(store: &'a Store, image: &'a Image) -> impl Iterator<Item = Part> + 'a {
+    let count = image.layers.len();
+    image.layers.iter().enumerate().map(move |(i, layer)| Part {
+        what: format!("layer {}/{count}", i + 1),
+        media_type: layer.media_type.clone(),
+        digest: layer.blob.clone(),
+        size: layer.size,
+        path: store.blob_path(&layer.blob),
+    })
+}
+
+/// Sends each of `parts` the registry lacks, then `config` (its media
+/// type and bytes) and the manifest naming them, as `reference`.
+async fn push_parts(
+    reference: &str,
+    registry: &Registry,
+    (config_type, config): (&str, Vec<u8>),
+    parts: &[Part],
+    progress: OnTransfer,
+) -> Result<Pushed, PullError> {
+    let target: Reference = reference
+        .parse()
+        .map_err(|_| PullError::Reference(reference.to_owned()))?;
+    if target.digest().is_some() {
+        return Err(PullError::Reference(format!(
+            "{reference} (a push names a tag, not a digest)"
+        )));
+    }
+    let (client, auth) = connect(registry);
+    client
+        .auth(&target, &auth, RegistryOperation::Push)
+        .await
+        .map_err(registry_err(format!("pushing to {}", target.whole())))?;
     let (mut sent, mut present) = (0, 0);
-    for part in &parts {
+    for part in parts {
         let digest = part.digest.to_string();
         let have = client
             .blob_exists(&target, &digest)
@@ -286,19 +324,19 @@ pub async fn push_template(
         upload(&client, &target, part, progress.clone()).await?;
         sent += part.size;
     }
-    let config = Digest::of(&push.config);
+    let config_digest = Digest::of(&config);
     client
-        .push_blob(&target, push.config.clone(), &config.to_string())
+        .push_blob(&target, config.clone(), &config_digest.to_string())
         .await
-        .map_err(registry_err("pushing the template's record"))?;
-    sent += push.config.len() as u64;
+        .map_err(registry_err("pushing the configuration"))?;
+    sent += config.len() as u64;
     let manifest = serde_json::json!({
         "schemaVersion": 2,
         "mediaType": MANIFEST_MEDIA_TYPE,
         "config": {
-            "mediaType": CONFIG_MEDIA_TYPE,
-            "digest": config.to_string(),
-            "size": push.config.len(),
+            "mediaType": config_type,
+            "digest": config_digest.to_string(),
+            "size": config.len(),
         },
         "layers": parts.iter().map(Part::descriptor).collect::<Vec<_>>(),
     });

@@ -583,3 +583,38 @@ async fn pull_from_a_registry_with_bearer_tokens_needs_the_right_user() {
         .expect("the right user pulls");
     assert_eq!(pulled.image.id, id);
 }
+
+/// A stored image pushed to another repository is pulled whole by
+/// another store, with the same id; pushed again, only its configuration
+/// and manifest are sent.
+#[tokio::test(flavor = "current_thread")]
+async fn an_image_pushed_from_the_store_is_pulled_whole_elsewhere() {
+    let registry = LocalRegistry::start().expect("a registry");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let ours = Store::open(&tmp.path().join("ours")).expect("store");
+    let from = format!("{}/tasks/a:v1", registry.addr);
+    let id = push(&from, &[base_layer(), top_layer()]).await;
+    let (image, _) = pull_counting(&ours, &from).await.expect("pull");
+    let to = format!("{}/mirror/a:v1", registry.addr);
+    let (on, _) = collect();
+    let pushed = artifact::push_image(&ours, &image.image, &to, &plain(), on)
+        .await
+        .expect("push");
+    assert_eq!(pushed.present, 0, "another repository: every layer sent");
+    let (on, _) = collect();
+    let again = artifact::push_image(&ours, &image.image, &to, &plain(), on)
+        .await
+        .expect("push again");
+    assert_eq!(
+        (again.digest, again.present),
+        (
+            pushed.digest,
+            image.image.layers.iter().map(|l| l.size).sum::<u64>()
+        )
+    );
+    let theirs = Store::open(&tmp.path().join("theirs")).expect("store");
+    let (got, _) = pull_counting(&theirs, &to)
+        .await
+        .expect("pull the pushed one");
+    assert_eq!((got.image.id, got.unpacked), (id, 2));
+}

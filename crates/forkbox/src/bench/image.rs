@@ -1,8 +1,12 @@
 //! `forkbox bench image`: importing images into a fresh image store. Each
 //! run imports an image (a base layer of the chosen size and a small
 //! one), then a second image on the same base, then the first again, and
-//! sizes what the store holds. Runs here, not in the emulated host: no VM
-//! is involved (it needs root, for the layers' owners, and `mkfs.erofs`).
+//! sizes what the store holds. Then the same two images through a
+//! registry (`docker-registry` on loopback): pushed once, and pulled into
+//! a fresh store each run, the first and then the second, of which only
+//! the small layer should come. Runs here, not in the emulated host: no
+//! VM is involved (it needs root, for the layers' owners, and
+//! `mkfs.erofs`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -56,6 +60,7 @@ pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
         std::fs::remove_dir_all(&dir).context("removing the run's store")?;
     }
     let (files, bytes) = stored.unwrap_or_default();
+    let pulls = through_a_registry(opts, work.path(), &a, &b)?;
     let (first, shared, again) = (
         Stats::from_durations(&first),
         Stats::from_durations(&shared),
@@ -73,6 +78,81 @@ pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
         "first_import_mib_per_s": mib_s,
         "store_after_both": {"layer_files": files, "layer_mib": bytes as f64 / 1048576.0,
                              "layers_named_by_the_images": 4},
+        "registry": pulls,
+    }))
+}
+
+/// Pushes the images of archives `a` and `b` to a local registry once,
+/// then pulls them into a fresh store per run.
+fn through_a_registry(
+    opts: &Options,
+    work: &Path,
+    a: &Path,
+    b: &Path,
+) -> anyhow::Result<serde_json::Value> {
+    use forkbox_image::local_registry::LocalRegistry;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+    let registry = LocalRegistry::start().context("starting a registry on loopback")?;
+    let plain = forkbox_image::Registry {
+        auth: None,
+        plain_http: true,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let source = Store::open(&work.join("source")).context("a store")?;
+    let mut refs = Vec::new();
+    let mut push_ms = Vec::new();
+    for (archive, name) in [(a, "a"), (b, "b")] {
+        let image = forkbox_image::import(&source, archive, None, &mut |_| {})?.image;
+        let reference = format!("{}/bench/{name}:1", registry.addr);
+        let start = Instant::now();
+        rt.block_on(forkbox_image::artifact::push_image(
+            &source,
+            &image,
+            &reference,
+            &plain,
+            Arc::new(|_| {}),
+        ))
+        .with_context(|| format!("pushing {reference}"))?;
+        push_ms.push(start.elapsed().as_secs_f64() * 1000.0);
+        refs.push(reference);
+    }
+    let (mut first, mut second, fetched) = (Vec::new(), Vec::new(), Arc::new(AtomicU64::new(0)));
+    for run in 0..opts.runs {
+        eprintln!("bench image: registry pull {}/{}", run + 1, opts.runs);
+        let dir = work.join("pulled");
+        let store = Store::open(&dir).context("a fresh store")?;
+        for (reference, into) in refs.iter().zip([&mut first, &mut second]) {
+            fetched.store(0, Relaxed);
+            let got = fetched.clone();
+            let start = Instant::now();
+            rt.block_on(forkbox_image::pull(&store, reference, &plain, &mut |p| {
+                if let forkbox_image::Progress::Fetched { bytes, total, .. } = p {
+                    if bytes == total {
+                        got.fetch_add(total, Relaxed);
+                    }
+                }
+            }))
+            .with_context(|| format!("pulling {reference}"))?;
+            into.push(start.elapsed());
+        }
+        drop(store);
+        std::fs::remove_dir_all(&dir).context("removing the run's store")?;
+    }
+    let (first, second) = (
+        Stats::from_durations(&first),
+        Stats::from_durations(&second),
+    );
+    Ok(json!({
+        "push_first_ms": push_ms[0],
+        "push_second_same_base_ms": push_ms[1],
+        "pull_first": first,
+        "pull_first_mib_per_s": opts.base_mib as f64 / (first.p50_ms / 1000.0),
+        "pull_second_same_base": second,
+        "pull_second_downloaded_bytes": fetched.load(Relaxed),
+        "ratio_pull_second_to_first_p50": second.p50_ms / first.p50_ms,
     }))
 }
 
