@@ -244,8 +244,12 @@ pub async fn push_template(
         }
         None => None,
     };
+    let sources = match push.image {
+        Some((store, _)) => holders(store),
+        None => Vec::new(),
+    };
     let config = (CONFIG_MEDIA_TYPE, push.config);
-    push_parts(reference, registry, config, &parts, progress).await
+    push_parts(reference, registry, config, &parts, &sources, progress).await
 }
 
 /// Pushes a stored image as `reference`: its configuration and its
@@ -261,14 +265,36 @@ pub async fn push_image(
     let _lock = store.lock(FlockOperation::LockShared)?;
     let config = store.read_blob(&image.id, MAX_JSON)?;
     let parts: Vec<Part> = layer_parts(store, image).collect();
-    push_parts(
+    let sources = holders(store);
+    let pushed = push_parts(
         reference,
         registry,
         (IMAGE_CONFIG_MEDIA_TYPE, config),
         &parts,
+        &sources,
         progress,
     )
-    .await
+    .await?;
+    // Known by that name now: a later push of an image sharing its layers
+    // to the same registry mounts them from there.
+    store.tag(reference, &image.id)?;
+    Ok(pushed)
+}
+
+/// Repositories known to hold blobs: each image name in the store that
+/// is a registry reference (where it was pulled from or pushed to), with
+/// its image's blobs.
+fn holders(store: &Store) -> Vec<(Reference, Vec<Digest>)> {
+    let names = store.names().unwrap_or_default();
+    names
+        .into_iter()
+        .filter_map(|(name, id)| {
+            let reference = name.parse::<Reference>().ok()?;
+            let image = store.image(&id).ok()?;
+            let blobs = image.layers.iter().map(|l| l.blob.clone());
+            Some((reference, blobs.chain([image.id]).collect()))
+        })
+        .collect()
 }
 
 fn layer_parts<'a>(store: &'a Store, image: &'a Image) -> impl Iterator<Item = Part> + 'a {
@@ -283,12 +309,16 @@ fn layer_parts<'a>(store: &'a Store, image: &'a Image) -> impl Iterator<Item = P
 }
 
 /// Sends each of `parts` the registry lacks, then `config` (its media
-/// type and bytes) and the manifest naming them, as `reference`.
+/// type and bytes) and the manifest naming them, as `reference`. A blob
+/// another repository of the same registry holds (one of `sources`) is
+/// mounted from there, not sent: a registry answers for blobs per
+/// repository.
 async fn push_parts(
     reference: &str,
     registry: &Registry,
     (config_type, config): (&str, Vec<u8>),
     parts: &[Part],
+    sources: &[(Reference, Vec<Digest>)],
     progress: OnTransfer,
 ) -> Result<Pushed, PullError> {
     let target: Reference = reference
@@ -311,6 +341,7 @@ async fn push_parts(
             .blob_exists(&target, &digest)
             .await
             .map_err(registry_err(format!("asking for blob {digest}")))?;
+        let have = have || mounted(&client, &target, sources, &part.digest).await;
         if have {
             present += part.size;
             progress(Transfer {
@@ -359,6 +390,30 @@ async fn push_parts(
         sent,
         present,
     })
+}
+
+/// Whether the blob `digest` could be mounted into `target`'s repository
+/// from another repository of the same registry known to hold it.
+async fn mounted(
+    client: &Client,
+    target: &Reference,
+    sources: &[(Reference, Vec<Digest>)],
+    digest: &Digest,
+) -> bool {
+    for (source, blobs) in sources {
+        let there = source.resolve_registry() == target.resolve_registry()
+            && source.repository() != target.repository()
+            && blobs.contains(digest);
+        if there
+            && client
+                .mount_blob(target, source, &digest.to_string())
+                .await
+                .is_ok()
+        {
+            return true;
+        }
+    }
+    false
 }
 
 fn file_size(path: &Path) -> Result<u64, PullError> {

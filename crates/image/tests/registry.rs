@@ -361,7 +361,15 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
     let first = artifact::push_template(&target, &plain(), push(), on)
         .await
         .expect("push");
-    assert_eq!(first.present, 0);
+    let layers: u64 = image.image.layers.iter().map(|l| l.size).sum();
+    let config = std::fs::metadata(ours.blob_path(&image.image.id))
+        .expect("config")
+        .len();
+    assert_eq!(
+        first.present,
+        layers + config,
+        "the image's configuration and layers mounted from tasks/a"
+    );
     let (on, seen) = collect();
     let again = format!("{}/templates/a:v2", registry.addr);
     let second = artifact::push_template(&again, &plain(), push(), on)
@@ -371,7 +379,7 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
     assert!(seen.lock().expect("lock").iter().all(|t| t.present));
     assert_eq!(
         second.present + second.sent,
-        first.sent,
+        first.present + first.sent,
         "only the record and manifest sent again"
     );
 
@@ -585,8 +593,11 @@ async fn pull_from_a_registry_with_bearer_tokens_needs_the_right_user() {
 }
 
 /// A stored image pushed to another repository is pulled whole by
-/// another store, with the same id; pushed again, only its configuration
-/// and manifest are sent.
+/// another store, with the same id. Its layers are mounted from the
+/// repository it was pulled from, not sent. Two images of one base
+/// imported from files: the first pushed sends all, the second, pushed
+/// to another repository, mounts the base from the first's (its push
+/// named it so) and sends only its own layer.
 #[tokio::test(flavor = "current_thread")]
 async fn an_image_pushed_from_the_store_is_pulled_whole_elsewhere() {
     let registry = LocalRegistry::start().expect("a registry");
@@ -595,26 +606,40 @@ async fn an_image_pushed_from_the_store_is_pulled_whole_elsewhere() {
     let from = format!("{}/tasks/a:v1", registry.addr);
     let id = push(&from, &[base_layer(), top_layer()]).await;
     let (image, _) = pull_counting(&ours, &from).await.expect("pull");
+    let layers: u64 = image.image.layers.iter().map(|l| l.size).sum();
     let to = format!("{}/mirror/a:v1", registry.addr);
     let (on, _) = collect();
     let pushed = artifact::push_image(&ours, &image.image, &to, &plain(), on)
         .await
         .expect("push");
-    assert_eq!(pushed.present, 0, "another repository: every layer sent");
-    let (on, _) = collect();
-    let again = artifact::push_image(&ours, &image.image, &to, &plain(), on)
-        .await
-        .expect("push again");
-    assert_eq!(
-        (again.digest, again.present),
-        (
-            pushed.digest,
-            image.image.layers.iter().map(|l| l.size).sum::<u64>()
-        )
-    );
+    assert_eq!(pushed.present, layers, "mounted from tasks/a, not sent");
+    assert_eq!(ours.resolve(&to).expect("named by its push").id, id);
     let theirs = Store::open(&tmp.path().join("theirs")).expect("store");
     let (got, _) = pull_counting(&theirs, &to)
         .await
         .expect("pull the pushed one");
     assert_eq!((got.image.id, got.unpacked), (id, 2));
+
+    let other = layer(&[E::File("etc/other", 0o644, 0, b"other\n")]);
+    let mut from_files = Vec::new();
+    for (name, top) in [("c", top_layer()), ("b", other)] {
+        let archive = tmp.path().join(format!("{name}.tar"));
+        docker_archive(&archive, &[base_layer(), top], &format!("local/{name}:1"));
+        let image = forkbox_image::import(&ours, &archive, None, &mut |_| {})
+            .expect("import")
+            .image;
+        let to = format!("{}/files/{name}:v1", registry.addr);
+        let (on, _) = collect();
+        let pushed = artifact::push_image(&ours, &image, &to, &plain(), on)
+            .await
+            .expect("push");
+        from_files.push((pushed.present, image));
+    }
+    assert_eq!(from_files[0].0, 0, "nothing to mount from");
+    let (present, b) = &from_files[1];
+    assert_eq!(*present, b.layers[0].size, "the base mounted, not sent");
+    let third = format!("{}/files/b:v1", registry.addr);
+    let theirs = Store::open(&tmp.path().join("third")).expect("store");
+    let (got, _) = pull_counting(&theirs, &third).await.expect("pull b");
+    assert_eq!(got.image.id, b.id);
 }

@@ -142,3 +142,29 @@ pub fn config(diff_ids: &[Digest]) -> Vec<u8> {
     }))
     .expect("config json")
 }
+
+/// A `docker save` archive of the older kind: uncompressed layers.
+pub fn docker_archive(path: &std::path::Path, layers: &[Vec<u8>], tag: &str) -> Digest {
+    let diff_ids: Vec<Digest> = layers.iter().map(|t| Digest::of(t)).collect();
+    let cfg = config(&diff_ids);
+    let id = Digest::of(&cfg);
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = header(tar::EntryType::Regular, 0o644, 0, data.len() as u64);
+        b.append_data(&mut h, name, data).expect("entry");
+    };
+    add(&format!("{}.json", id.hex()), &cfg);
+    let mut names = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let name = format!("layer{i}/layer.tar");
+        add(&name, l);
+        names.push(name);
+    }
+    let manifest = serde_json::json!([{"Config": format!("{}.json", id.hex()), "RepoTags": [tag], "Layers": names}]);
+    add(
+        "manifest.json",
+        &serde_json::to_vec(&manifest).expect("manifest"),
+    );
+    std::fs::write(path, b.into_inner().expect("tar")).expect("archive");
+    id
+}
