@@ -29,9 +29,9 @@ use oci_spec::image::{Descriptor, ImageManifest};
 use rustix::fs::FlockOperation;
 
 use crate::digest::{Digest, HashingWriter};
-use crate::import::{self, Found, MAX_JSON};
+use crate::import::{self, Found, ImportError, MAX_JSON};
 use crate::registry::{self, PullError, Registry};
-use crate::store::{Image, Store};
+use crate::store::{Image, Store, StoreLock};
 
 /// The artifact's configuration: the daemon's record of the template.
 pub const CONFIG_MEDIA_TYPE: &str = "application/vnd.forkbox.template.config.v1+json";
@@ -63,6 +63,12 @@ pub struct PackedMemory {
     file: tempfile::NamedTempFile,
     pub digest: Digest,
     pub bytes: u64,
+}
+
+impl PackedMemory {
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
 }
 
 /// Compresses the guest memory file `memory` into a temporary file in
@@ -472,8 +478,8 @@ pub struct PulledTemplate {
     pub config: Vec<u8>,
     /// The snapshot's state as pushed (its files' paths are the pusher's).
     pub state: Vec<u8>,
-    /// The compressed memory (see [`unpack_memory`]), in the work directory.
-    pub memory: tempfile::NamedTempFile,
+    /// The compressed memory (see [`unpack_memory`]).
+    pub memory: PulledMemory,
     /// The stored image it boots, now in the store (unnamed: pin it).
     pub image: Option<Image>,
     /// The artifact's manifest, and the bytes downloaded.
@@ -481,9 +487,34 @@ pub struct PulledTemplate {
     pub downloaded: u64,
 }
 
+/// A pulled template's compressed memory. With a store, it is a blob of
+/// the store, downloaded as an image's blobs are (a pull that stopped
+/// resumes where it stopped), and kept from a `gc` while this is held:
+/// [`PulledMemory::unpacked`] removes it once it is of no more use, and a
+/// pull that failed after the download leaves it for the next one (or a
+/// `gc`). Without a store, a temporary file.
+pub struct PulledMemory {
+    path: PathBuf,
+    in_store: Option<StoreLock>,
+    _temp: Option<tempfile::NamedTempFile>,
+}
+
+impl PulledMemory {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Done with: a blob of the store is removed.
+    pub fn unpacked(self) {
+        if self.in_store.is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 /// Pulls the template artifact `reference` names: its record, state and
-/// memory (into a temporary file in `work`), and its image, if it has one,
-/// into `store`.
+/// memory (into the store, or a temporary file in `work` without one), and
+/// its image, if it has one, into `store`.
 pub async fn pull_template(
     store: Option<&Store>,
     reference: &str,
@@ -517,8 +548,41 @@ pub async fn pull_template(
     }
     let state = small_blob(&client, &source, &layers[0], MAX_STATE).await?;
     downloaded += state.len() as u64;
-    let memory = tempfile::NamedTempFile::new_in(work).map_err(|e| write_err("memory", e))?;
-    downloaded += big_blob(&client, &source, &layers[1], memory.path(), &progress).await?;
+    let memory = match store {
+        Some(store) => {
+            let lock = store.lock(FlockOperation::LockShared)?;
+            let blob = Digest::try_from(layers[1].digest()).map_err(ImportError::from)?;
+            if !store.blob_path(&blob).exists() {
+                downloaded += layers[1].size();
+            }
+            let on = progress.clone();
+            let mut each = move |p: import::Progress<'_>| {
+                if let import::Progress::Fetched { bytes, total, .. } = p {
+                    on(Transfer {
+                        what: "memory".into(),
+                        bytes,
+                        total,
+                        present: false,
+                    });
+                }
+            };
+            registry::fetch(&client, &source, store, &layers[1], Some((0, 1)), &mut each).await?;
+            PulledMemory {
+                path: store.blob_path(&blob),
+                in_store: Some(lock),
+                _temp: None,
+            }
+        }
+        None => {
+            let temp = tempfile::NamedTempFile::new_in(work).map_err(|e| write_err("memory", e))?;
+            downloaded += big_blob(&client, &source, &layers[1], temp.path(), &progress).await?;
+            PulledMemory {
+                path: temp.path().to_owned(),
+                in_store: None,
+                _temp: Some(temp),
+            }
+        }
+    };
     let image = match &layers[2..] {
         [] => None,
         [config, image_layers @ ..] => {

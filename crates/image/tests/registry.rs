@@ -384,10 +384,27 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
     );
 
     let theirs = Store::open(&tmp.path().join("theirs")).expect("store");
+    // A pull that stopped halfway through the memory resumes there.
+    let packed_bytes = std::fs::read(packed.path()).expect("packed");
+    leave_partial(
+        &theirs,
+        &packed.digest,
+        &packed_bytes[..packed_bytes.len() / 2],
+    );
     let (on, seen) = collect();
     let pulled = artifact::pull_template(Some(&theirs), &again, &plain(), tmp.path(), on)
         .await
         .expect("pull");
+    let first_memory = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .find(|t| t.what == "memory")
+        .map(|t| t.bytes);
+    assert!(
+        first_memory.is_some_and(|b| b >= packed_bytes.len() as u64 / 2),
+        "resumed at half: {first_memory:?}"
+    );
     assert_eq!(pulled.config, br#"{"name":"a"}"#);
     assert_eq!(pulled.digest, first.digest);
     assert_eq!(
@@ -421,6 +438,11 @@ async fn a_template_pushed_with_its_image_is_pulled_whole_into_another_store() {
     let small = tmp.path().join("memory.small");
     let err = artifact::unpack_memory(pulled.memory.path(), &small, 8 << 20).expect_err("too big");
     assert!(err.to_string().contains("more than"), "{err}");
+    // Unpacked, the memory blob leaves the store.
+    let blob = pulled.memory.path().to_owned();
+    assert_eq!(blob, theirs.blob_path(&packed.digest));
+    pulled.memory.unpacked();
+    assert!(!blob.exists());
 
     // An image is not a template.
     let (on, _) = collect();

@@ -462,6 +462,7 @@ impl Daemon {
             artifact::unpack_memory(memory.path(), &to.join("memory"), limit).map_err(|e| {
                 DaemonError::Invalid(format!("the pulled memory does not unpack: {e}"))
             })?;
+            memory.unpacked();
             let _ = std::fs::remove_dir_all(&at);
             std::fs::rename(&to, &at).map_err(io)?;
             Ok(std::fs::metadata(at.join("memory"))
