@@ -22,7 +22,6 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use oci_client::client::ClientConfig;
-use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 use oci_spec::image::{Descriptor, ImageManifest};
@@ -682,7 +681,7 @@ async fn small_blob(
     }
     let mut bytes = Vec::new();
     let mut stream = client
-        .pull_blob_stream(source, &descriptor(d))
+        .pull_blob_stream(source, &registry::descriptor(d))
         .await
         .map_err(registry_err(what.clone()))?;
     while let Some(chunk) = stream.next().await {
@@ -714,7 +713,7 @@ async fn big_blob(
         .map_err(|e| write_err(&what, e))?;
     let mut out = HashingWriter::new(BufWriter::with_capacity(1 << 20, file));
     let mut stream = client
-        .pull_blob_stream(source, &descriptor(d))
+        .pull_blob_stream(source, &registry::descriptor(d))
         .await
         .map_err(registry_err(what.clone()))?;
     let mut last = 0;
@@ -756,15 +755,4 @@ fn check(d: &Descriptor, found: &Digest) -> Result<(), PullError> {
         });
     }
     Ok(())
-}
-
-fn descriptor(d: &Descriptor) -> OciDescriptor {
-    OciDescriptor {
-        media_type: d.media_type().to_string(),
-        digest: d.digest().to_string(),
-        size: i64::try_from(d.size()).unwrap_or(i64::MAX),
-        urls: None,
-        annotations: None,
-        artifact_type: None,
-    }
 }

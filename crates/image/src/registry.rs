@@ -179,6 +179,18 @@ pub(crate) async fn manifest(
     Ok((bytes.to_vec(), found))
 }
 
+/// `d` as `oci-client` takes it.
+pub(crate) fn descriptor(d: &Descriptor) -> OciDescriptor {
+    OciDescriptor {
+        media_type: d.media_type().to_string(),
+        digest: d.digest().to_string(),
+        size: i64::try_from(d.size()).unwrap_or(i64::MAX),
+        urls: None,
+        annotations: None,
+        artifact_type: None,
+    }
+}
+
 /// A layer's blob digest and media type, refused unless it is a layer.
 pub(crate) fn layer_of(d: &Descriptor) -> Result<(Digest, String), PullError> {
     let media_type = d.media_type().to_string();
@@ -225,14 +237,7 @@ pub(crate) async fn fetch(
         fs::remove_file(&partial).map_err(write_err)?;
         have = 0;
     }
-    let descriptor = OciDescriptor {
-        media_type: d.media_type().to_string(),
-        digest: d.digest().to_string(),
-        size: i64::try_from(d.size()).unwrap_or(i64::MAX),
-        urls: None,
-        annotations: None,
-        artifact_type: None,
-    };
+    let descriptor = descriptor(d);
     if have < d.size() {
         let response = client
             .pull_blob_stream_partial(image, &descriptor, have, None)

@@ -49,8 +49,8 @@ use utoipa::OpenApi;
 use crate::core::{DeathCause, ExpiryAction, SandboxId, SandboxState};
 use crate::network::NetworkPolicy;
 use crate::service::{
-    BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, PullTemplate,
-    PushTemplate, RegistryEvent, SandboxInfo, SandboxMetrics,
+    BakeEvent, BakeFailure, Daemon, IntegrityReport, NetworkInfo, PortForwardInfo, RegistryEvent,
+    RegistryRequest, SandboxInfo, SandboxMetrics,
 };
 use crate::template::{Readiness, SandboxLimits, TemplateInfo, TemplateSpec, TemplateState};
 
@@ -140,8 +140,7 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         Readiness,
         BakeEvent,
         BakeFailure,
-        PushTemplate,
-        PullTemplate,
+        RegistryRequest,
         RegistryEvent,
         ForkChild,
         SnapshotBody,

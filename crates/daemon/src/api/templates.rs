@@ -11,7 +11,7 @@ use super::error::{ApiErrorBody, ApiResult};
 use super::extract::JsonBody;
 use super::stream::{streamed, Framing};
 use super::AppState;
-use crate::service::{BakeEvent, PullTemplate, PushTemplate, RegistryEvent};
+use crate::service::{BakeEvent, RegistryEvent, RegistryRequest};
 use crate::template::{TemplateInfo, TemplateSpec};
 
 /// Built-in, baked and snapshot templates, with their zygotes' state.
@@ -79,13 +79,13 @@ pub(super) async fn template_save(
 /// stored image, the image whole (blobs the registry has are not sent).
 /// A template not yet saved is saved first. Streams NDJSON
 /// [`RegistryEvent`]s; the last line is `pushed` or `failed`.
-#[utoipa::path(post, path = "/templates/{name}/push", params(("name" = String, Path)), request_body = PushTemplate,
+#[utoipa::path(post, path = "/templates/{name}/push", params(("name" = String, Path)), request_body = RegistryRequest,
     responses((status = 200, description = "NDJSON stream of registry events", body = RegistryEvent, content_type = "application/x-ndjson"),
               (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody)))]
 pub(super) async fn template_push(
     State(st): State<AppState>,
     Path(name): Path<String>,
-    JsonBody(req): JsonBody<PushTemplate>,
+    JsonBody(req): JsonBody<RegistryRequest>,
 ) -> ApiResult<Response> {
     let rx = st.daemon.push_template(&name, req)?;
     Ok(streamed(rx, Framing::Ndjson))
@@ -98,13 +98,13 @@ pub(super) async fn template_push(
 /// that image to be the same bytes. Creations from `name` wait while it
 /// is pulled. Streams NDJSON [`RegistryEvent`]s; the last line is
 /// `pulled` or `failed`.
-#[utoipa::path(post, path = "/templates/{name}/pull", params(("name" = String, Path)), request_body = PullTemplate,
+#[utoipa::path(post, path = "/templates/{name}/pull", params(("name" = String, Path)), request_body = RegistryRequest,
     responses((status = 200, description = "NDJSON stream of registry events", body = RegistryEvent, content_type = "application/x-ndjson"),
               (status = 400, body = ApiErrorBody), (status = 409, body = ApiErrorBody)))]
 pub(super) async fn template_pull(
     State(st): State<AppState>,
     Path(name): Path<String>,
-    JsonBody(req): JsonBody<PullTemplate>,
+    JsonBody(req): JsonBody<RegistryRequest>,
 ) -> ApiResult<Response> {
     let rx = st.daemon.pull_template(&name, req)?;
     Ok(streamed(rx, Framing::Ndjson))

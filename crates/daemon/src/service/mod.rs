@@ -78,7 +78,7 @@ pub use guest::{AttachEvent, ExecEvent, ProcessEnded};
 pub use integrity::{Baseline, IntegrityReport};
 pub use lifecycle::{CreateSandbox, Lifecycle, Reply};
 pub use ports::PortForwardInfo;
-pub use registry::{PullTemplate, PushTemplate, RegistryEvent};
+pub use registry::{RegistryEvent, RegistryRequest};
 pub use templates::{BakeEvent, BakeFailure};
 pub use upload::{Upload, UploadFailure, CHUNKS_IN_FLIGHT};
 pub use view::{NetworkInfo, SandboxInfo, SandboxMetrics};

@@ -27,11 +27,12 @@ use crate::core::SandboxId;
 use crate::template::{TemplateInfo, TemplateSpec};
 use forkbox_host::vm::Expected;
 
-/// `POST /templates/{name}/push`.
+/// The body of `POST /templates/{name}/push` and `/pull`: where, and how
+/// to reach it.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct PushTemplate {
-    /// `host[:port]/repository:tag`.
+pub struct RegistryRequest {
+    /// `host[:port]/repository:tag` (a pull may name `…@sha256:…`).
     pub reference: String,
     /// Speak HTTP, not HTTPS: for a registry on loopback.
     #[serde(default)]
@@ -43,26 +44,15 @@ pub struct PushTemplate {
     pub password: Option<String>,
 }
 
-/// `POST /templates/{name}/pull`.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PullTemplate {
-    /// `host[:port]/repository:tag` or `…@sha256:…`.
-    pub reference: String,
-    #[serde(default)]
-    pub plain_http: bool,
-    #[serde(default)]
-    pub username: Option<String>,
-    #[serde(default)]
-    pub password: Option<String>,
-}
-
-fn registry(plain_http: bool, username: &Option<String>, password: &Option<String>) -> Registry {
-    Registry {
-        auth: username
-            .clone()
-            .map(|u| (u, password.clone().unwrap_or_default())),
-        plain_http,
+impl RegistryRequest {
+    fn registry(&self) -> Registry {
+        Registry {
+            auth: self
+                .username
+                .clone()
+                .map(|u| (u, self.password.clone().unwrap_or_default())),
+            plain_http: self.plain_http,
+        }
     }
 }
 
@@ -174,7 +164,7 @@ impl Daemon {
     pub fn push_template(
         &self,
         name: &str,
-        req: PushTemplate,
+        req: RegistryRequest,
     ) -> Result<mpsc::Receiver<RegistryEvent>, DaemonError> {
         if self.inner.store.is_none() {
             return Err(DaemonError::Invalid(
@@ -204,7 +194,7 @@ impl Daemon {
     async fn push(
         &self,
         name: &str,
-        req: &PushTemplate,
+        req: &RegistryRequest,
         tx: &mpsc::Sender<RegistryEvent>,
     ) -> Result<artifact::Pushed, (&'static str, DaemonError)> {
         let store = self.inner.store.clone().expect("checked");
@@ -318,7 +308,7 @@ impl Daemon {
             memory: &packed,
             image: image.as_ref().map(|(s, i)| (*s, i)),
         };
-        let access = registry(req.plain_http, &req.username, &req.password);
+        let access = req.registry();
         artifact::push_template(&req.reference, &access, push, on_transfer(tx))
             .await
             .map_err(|e| ("push", e.into()))
@@ -329,7 +319,7 @@ impl Daemon {
     pub fn pull_template(
         &self,
         name: &str,
-        req: PullTemplate,
+        req: RegistryRequest,
     ) -> Result<mpsc::Receiver<RegistryEvent>, DaemonError> {
         if self.inner.store.is_none() {
             return Err(DaemonError::Invalid(
@@ -364,7 +354,7 @@ impl Daemon {
     async fn pull(
         &self,
         name: &str,
-        req: &PullTemplate,
+        req: &RegistryRequest,
         tx: &mpsc::Sender<RegistryEvent>,
     ) -> Result<(TemplateInfo, String, u64), (&'static str, DaemonError)> {
         let store = self.inner.store.clone().expect("checked");
@@ -372,7 +362,7 @@ impl Daemon {
             step: "pull".into(),
             detail: format!("downloading {}", req.reference),
         });
-        let access = registry(req.plain_http, &req.username, &req.password);
+        let access = req.registry();
         let work = store.dir().join("snapshots");
         let pulled = artifact::pull_template(
             self.images(),
@@ -554,15 +544,15 @@ mod tests {
         (seen.pop().expect("a last event"), seen)
     }
 
-    fn access(reference: String) -> (PushTemplate, PullTemplate) {
+    fn access(reference: String) -> (RegistryRequest, RegistryRequest) {
         (
-            PushTemplate {
+            RegistryRequest {
                 reference: reference.clone(),
                 plain_http: true,
                 username: None,
                 password: None,
             },
-            PullTemplate {
+            RegistryRequest {
                 reference,
                 plain_http: true,
                 username: None,
