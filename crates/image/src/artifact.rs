@@ -59,15 +59,60 @@ pub type OnTransfer = Arc<dyn Fn(Transfer) + Send + Sync>;
 
 /// A snapshot's memory, compressed for a push: a temporary file.
 pub struct PackedMemory {
-    file: tempfile::NamedTempFile,
+    file: tempfile::TempPath,
     pub digest: Digest,
     pub bytes: u64,
 }
 
 impl PackedMemory {
     pub fn path(&self) -> &Path {
-        self.file.path()
+        &self.file
     }
+
+    /// Keeps this packed memory as `at` (a hard link), its digest beside
+    /// it in `at`.sha256, for [`PackedMemory::kept`]: a second push of the
+    /// same snapshot is not compressed again.
+    pub fn keep(&self, at: &Path) -> io::Result<()> {
+        let sum = digest_path(at);
+        let _ = std::fs::remove_file(at);
+        std::fs::hard_link(&self.file, at)?;
+        let tmp = tempfile::NamedTempFile::new_in(at.parent().unwrap_or(Path::new(".")))?;
+        std::fs::write(tmp.path(), self.digest.to_string())?;
+        tmp.persist(sum).map_err(|e| e.error)?;
+        Ok(())
+    }
+
+    /// The packed memory kept as `at`, if there is one (with its digest),
+    /// linked aside into `work` so that the snapshot's replacement loses
+    /// nothing here.
+    pub fn kept(at: &Path, work: &Path) -> io::Result<Option<Self>> {
+        let Ok(text) = std::fs::read_to_string(digest_path(at)) else {
+            return Ok(None);
+        };
+        let Ok(digest) = text.trim().parse::<Digest>() else {
+            return Ok(None);
+        };
+        let aside = tempfile::Builder::new()
+            .prefix(".tmp")
+            .make_in(work, |p| std::fs::hard_link(at, p));
+        let aside = match aside {
+            Ok(f) => f.into_temp_path(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let bytes = std::fs::metadata(&aside)?.len();
+        Ok(Some(Self {
+            file: aside,
+            digest,
+            bytes,
+        }))
+    }
+}
+
+fn digest_path(at: &Path) -> PathBuf {
+    let mut name = at.as_os_str().to_owned();
+    name.push(".sha256");
+    PathBuf::from(name)
 }
 
 /// Compresses the guest memory file `memory` into a temporary file in
@@ -82,7 +127,7 @@ pub fn pack_memory(memory: File, work: &Path) -> io::Result<PackedMemory> {
     let (out, digest, bytes) = encoder.finish()?.finish();
     out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     Ok(PackedMemory {
-        file,
+        file: file.into_temp_path(),
         digest,
         bytes,
     })
@@ -230,7 +275,7 @@ pub async fn push_template(
             media_type: MEMORY_MEDIA_TYPE.into(),
             digest: push.memory.digest.clone(),
             size: push.memory.bytes,
-            path: push.memory.file.path().to_owned(),
+            path: push.memory.path().to_owned(),
         },
     ];
     // The image's blobs are read under the store's lock: a `gc` waits.

@@ -216,9 +216,13 @@ impl Daemon {
             );
             self.save_template(name).await.map_err(|e| ("save", e))?;
         }
-        // The snapshot's two files as one save left them: read together
-        // under the lock a save renames them under.
-        let (record, state, memory) = {
+        // The snapshot's two files as one save left them (and its memory
+        // packed by an earlier push): read together under the lock a save
+        // renames them under.
+        let work = store.dir().join("snapshots");
+        let dir = store.snapshot_dir(name);
+        let packed_at = dir.join("memory.zst");
+        let (record, state, memory, kept) = {
             let s = self.lock();
             let t = s
                 .templates
@@ -235,14 +239,14 @@ impl Daemon {
                     DaemonError::Busy(format!("template {name:?} is not baked")),
                 ));
             };
-            let dir = store.snapshot_dir(name);
             let read = || -> std::io::Result<_> {
                 Ok((
                     std::fs::read(dir.join("state.json"))?,
                     std::fs::File::open(dir.join("memory"))?,
+                    artifact::PackedMemory::kept(&packed_at, &work)?,
                 ))
             };
-            let (state, memory) = read().map_err(|e| {
+            let (state, memory, kept) = read().map_err(|e| {
                 (
                     "save",
                     DaemonError::infra(format!("reading the snapshot in {}", dir.display()), e),
@@ -259,19 +263,29 @@ impl Daemon {
                 network: machine.network_policy(),
                 baseline: baseline.as_deref().cloned(),
             };
-            (record, state, memory)
+            (record, state, memory, kept)
         };
         let mut record = record;
         let backend = self.inner.backend.clone();
         let builtin = record.spec.builtin_image();
-        step(
-            "compress",
-            "compressing the guest memory (zstd) and hashing what is sent".into(),
-        );
-        let work = store.dir().join("snapshots");
+        let fresh = kept.is_none();
+        if fresh {
+            step(
+                "compress",
+                "compressing the guest memory (zstd) and hashing what is sent".into(),
+            );
+        }
+        let ino = |f: &std::fs::File| {
+            f.metadata()
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        };
+        let packed_ino = ino(&memory).ok();
         let (packed, disk) = blocking(move || -> Result<_, DaemonError> {
-            let packed = artifact::pack_memory(memory, &work)
-                .map_err(|e| DaemonError::infra("compressing the guest memory", e))?;
+            let packed = match kept {
+                Some(packed) => packed,
+                None => artifact::pack_memory(memory, &work)
+                    .map_err(|e| DaemonError::infra("compressing the guest memory", e))?,
+            };
             let disk = builtin.map(|b| backend.disk_digest(b)).transpose()?;
             Ok((packed, disk))
         })
@@ -279,6 +293,19 @@ impl Daemon {
         .and_then(|r| r)
         .map_err(|e| ("compress", e))?;
         record.builtin_disk = disk;
+        if fresh {
+            // Kept beside the snapshot it was made of, if that is still
+            // the one there: the next push sends it without compressing.
+            let _s = self.lock();
+            let same = std::fs::File::open(dir.join("memory"))
+                .and_then(|f| ino(&f))
+                .ok();
+            if same.is_some() && same == packed_ino {
+                if let Err(e) = packed.keep(&packed_at) {
+                    tracing::warn!(template = name, "keeping the packed memory: {e}");
+                }
+            }
+        }
         let state_file = tempfile::NamedTempFile::new_in(store.dir().join("snapshots"))
             .and_then(|f| std::fs::write(f.path(), &state).map(|()| f))
             .map_err(|e| ("compress", DaemonError::infra("writing the state aside", e)))?;
@@ -587,6 +614,22 @@ mod tests {
             "saved first: {events:?}"
         );
         assert!(a.template("minimal").expect("t").saved_bytes.is_some());
+        let packed = here.path().join("snapshots/minimal/memory.zst");
+        assert!(packed.is_file(), "the packed memory kept for the next push");
+        // Pushed again (another tag): nothing compressed, nothing but the
+        // record and manifest sent.
+        let (again, _) = access(format!("{}/templates/minimal:v2", registry.addr));
+        let (end, events) = last(a.push_template("minimal", again).expect("push")).await;
+        let RegistryEvent::Pushed { present_bytes, .. } = end else {
+            panic!("{end:?}");
+        };
+        assert!(present_bytes > 0);
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, RegistryEvent::Step { step, .. } if step == "compress")),
+            "compressed again: {events:?}"
+        );
 
         let fake = Fake::default();
         let world = fake.world.clone();
