@@ -378,16 +378,34 @@ impl Daemon {
 /// How long a call whose connection dropped waits to see its VM end.
 const VM_END_GRACE: Duration = Duration::from_secs(5);
 
-/// After a call lost its agent connection: waits, at most
-/// [`VM_END_GRACE`], for the VM to be seen ended. A guest that powers off
-/// or panics drops the connection a moment before its VMM has exited, and
-/// that end, not the dropped connection, says whose doing it was. Blocks:
-/// call it on the blocking thread that made the call.
+/// How long a call that found no one listening on the VM's socket waits
+/// to see its VM end: a VMM that closed its socket is exiting, which
+/// takes milliseconds (a guest's power-off, which takes longer, drops a
+/// connection instead).
+const VM_GONE_GRACE: Duration = Duration::from_secs(1);
+
+/// After a call lost its agent connection, or found no one listening on
+/// the VM's socket: waits, at most [`VM_END_GRACE`] (or
+/// [`VM_GONE_GRACE`]), for the VM to be seen ended. A guest that powers off or panics drops the connection a
+/// moment before its VMM has exited, and that end, not the dropped
+/// connection, says whose doing it was; a VMM killed from outside closes
+/// its socket a moment before it can be seen ended, and the call's answer
+/// should already say it died. Blocks: call it on the blocking thread
+/// that made the call.
 pub(super) fn settle(machine: &Arc<dyn BackendVm>, e: &ClientError) {
-    if !matches!(e, ClientError::Disconnected(_)) {
-        return;
-    }
-    let deadline = std::time::Instant::now() + VM_END_GRACE;
+    let grace = match e {
+        ClientError::Disconnected(_) => VM_END_GRACE,
+        ClientError::Connect { source, .. }
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            ) =>
+        {
+            VM_GONE_GRACE
+        }
+        _ => return,
+    };
+    let deadline = std::time::Instant::now() + grace;
     forkbox_host::poll::holds_by(deadline, Duration::from_millis(20), || {
         machine.exited().is_some()
     });
@@ -464,6 +482,36 @@ mod tests {
             })
         );
         assert_eq!(d.lock().registry.live(), 0);
+    }
+
+    /// A VMM killed from outside closes its socket a moment before it can
+    /// be seen ended: the call that found no one listening waits for that
+    /// end, so its answer says the sandbox died and the death is recorded
+    /// with it, not a reaper round later.
+    #[tokio::test]
+    async fn a_call_that_finds_no_listener_waits_for_the_vmm_to_be_seen_ended() {
+        let fake = Fake::default();
+        let world = fake.world.clone();
+        let d = daemon(fake, 4);
+        let a = created(&d, None).await;
+        let later = world.clone();
+        let ender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            later.lose_last("the VMM died (signal 9)");
+        });
+        let mut rx = d
+            .exec(&a.id, ExecRequest::shell("true"), None)
+            .expect("starts");
+        match rx.recv().await {
+            Some(ExecEvent::Failed(e)) => {
+                assert!(e.is_infrastructure(), "{e:?}");
+                assert!(chain(&e).contains("died: the VMM died (signal 9)"), "{e:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        ender.join().expect("ender");
+        let i = d.execute_sync_info(&a.id).expect("remembered");
+        assert_eq!(i.state, SandboxState::Dead, "recorded with the answer");
     }
 
     #[tokio::test]
