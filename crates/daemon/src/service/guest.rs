@@ -378,8 +378,8 @@ impl Daemon {
 /// How long a call whose connection dropped waits to see its VM end.
 const VM_END_GRACE: Duration = Duration::from_secs(5);
 
-/// How long a call that found no one listening on the VM's socket waits
-/// to see its VM end: a VMM that closed its socket is exiting, which
+/// How long a call that found no one listening on the VM's socket (or no
+/// agent behind it) waits to see its VM end: a VMM that closed its socket is exiting, which
 /// takes milliseconds (a guest's power-off, which takes longer, drops a
 /// connection instead).
 const VM_GONE_GRACE: Duration = Duration::from_secs(1);
@@ -403,6 +403,10 @@ pub(super) fn settle(machine: &Arc<dyn BackendVm>, e: &ClientError) {
         {
             VM_GONE_GRACE
         }
+        // Connected, but the VMM reset the connection before the agent
+        // answered (a dying VMM's socket can still accept), or it never
+        // answered: the same short wait, the call fails either way.
+        ClientError::NotReady { .. } => VM_GONE_GRACE,
         _ => return,
     };
     let deadline = std::time::Instant::now() + grace;
