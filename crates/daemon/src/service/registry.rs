@@ -159,6 +159,16 @@ fn on_transfer(tx: &mpsc::Sender<RegistryEvent>) -> OnTransfer {
 }
 
 impl Daemon {
+    /// The state directory, or why `what` needs one.
+    fn state_for(&self, what: &str) -> Result<(), DaemonError> {
+        match self.inner.store {
+            Some(_) => Ok(()),
+            None => Err(DaemonError::Invalid(format!(
+                "this daemon keeps no state (forkboxd --no-state): {what}"
+            ))),
+        }
+    }
+
     /// Pushes the baked template `name` to a registry, saving it first if
     /// it was not.
     pub fn push_template(
@@ -166,13 +176,7 @@ impl Daemon {
         name: &str,
         req: RegistryRequest,
     ) -> Result<mpsc::Receiver<RegistryEvent>, DaemonError> {
-        if self.inner.store.is_none() {
-            return Err(DaemonError::Invalid(
-                "this daemon keeps no state (forkboxd --no-state): a template is pushed from \
-                 its saved snapshot"
-                    .into(),
-            ));
-        }
+        self.state_for("a template is pushed from its saved snapshot")?;
         self.template(name)?;
         let (tx, rx) = mpsc::channel(64);
         let (this, name, events) = (self.clone(), name.to_owned(), tx.clone());
@@ -348,13 +352,7 @@ impl Daemon {
         name: &str,
         req: RegistryRequest,
     ) -> Result<mpsc::Receiver<RegistryEvent>, DaemonError> {
-        if self.inner.store.is_none() {
-            return Err(DaemonError::Invalid(
-                "this daemon keeps no state (forkboxd --no-state): a pulled template's \
-                 snapshot lives in the state directory"
-                    .into(),
-            ));
-        }
+        self.state_for("a pulled template's snapshot lives in the state directory")?;
         let probe = TemplateSpec {
             name: name.to_owned(),
             ..TemplateSpec::builtin(forkbox_host::image::ImageName::Minimal)
