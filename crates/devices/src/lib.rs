@@ -183,6 +183,12 @@ impl Interrupt {
         w.warn(device, what);
     }
 
+    /// Logs a host failure the guest can repeat at will (a write to a full
+    /// host disk), under the same rate limit as its own errors.
+    pub fn host_error(&self, device: &str, what: &dyn Display) {
+        self.guest_error(device, &format_args!("host: {what}"));
+    }
+
     /// Guest-caused errors seen so far, logged or not.
     pub fn guest_errors(&self) -> u64 {
         match self.health.warnings.lock() {

@@ -1,9 +1,12 @@
-//! Read-only virtio-blk (virtio 1.x §5.2) over a host file, or several
-//! behind a partition table ([`Disk`]).
+//! virtio-blk (virtio 1.x §5.2): read-only over a host file, or several
+//! behind a partition table ([`Disk`]); or writable over an [`Overlay`].
 //!
-//! Image layers are read-only and shared by every fork, so the device
+//! Image layers are read-only and shared by every fork, so such a device
 //! offers `VIRTIO_BLK_F_RO`, answers IN, GET_ID and FLUSH, and fails OUT
-//! with IOERR. It is driven only by queue notifications (no host events).
+//! with IOERR. A writable disk answers OUT too, offers FLUSH (a no-op: see
+//! [`Overlay`]) and 4 KiB logical blocks (its map's unit, so a guest's
+//! writes need no copy-up). It is driven only by queue notifications (no
+//! host events).
 //!
 //! Reads use `pread` (positionless, so a forked child sharing the open file
 //! description cannot move our offset) into a bounded bounce buffer, then
@@ -15,12 +18,15 @@ use std::io;
 use std::os::fd::RawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use super::disk::Disk;
+use super::overlay::Overlay;
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
-    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,
+    VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT,
 };
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_queue::Queue;
@@ -67,6 +73,8 @@ pub enum BlockError {
     OutOfRange { sector: u64, len: u64 },
     #[error("cannot read the backing file")]
     Io(#[source] io::Error),
+    #[error("cannot write the guest's blocks")]
+    HostWrite(#[source] io::Error),
     #[error("write to a read-only disk")]
     ReadOnly,
     #[error("unsupported request type {0}")]
@@ -79,9 +87,39 @@ pub enum BlockError {
     TooLarge(u64),
 }
 
-/// A read-only virtio block device backed by a [`Disk`].
+/// What a block device serves.
+pub enum Backing {
+    ReadOnly(Disk),
+    /// Shared with the VMM, which freezes it at a fork and saves it in a
+    /// snapshot while the device serves nothing.
+    Writable(Arc<Mutex<Overlay>>),
+}
+
+impl Backing {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match self {
+            Backing::ReadOnly(disk) => disk.read_exact_at(buf, offset),
+            Backing::Writable(o) => lock(o).read_exact_at(buf, offset),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Backing::ReadOnly(disk) => disk.len(),
+            Backing::Writable(o) => lock(o).len(),
+        }
+    }
+}
+
+/// Locks an overlay; a poisoned lock (a panicked thread) still yields it.
+pub fn lock(o: &Mutex<Overlay>) -> std::sync::MutexGuard<'_, Overlay> {
+    o.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A virtio block device backed by a read-only [`Disk`] or a writable
+/// [`Overlay`].
 pub struct Block {
-    disk: Disk,
+    disk: Backing,
     capacity: u64,
     id: [u8; VIRTIO_BLK_ID_BYTES as usize],
     acked_features: u64,
@@ -106,17 +144,31 @@ impl Block {
 
     /// A device reading `disk`.
     pub fn from_disk(disk: Disk) -> Block {
-        let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
-        let text = format!("fbx-layers-{}", disk.layers());
-        id[..text.len()].copy_from_slice(text.as_bytes());
-        Block {
+        let id = format!("fbx-layers-{}", disk.layers());
+        Self::with_backing(Backing::ReadOnly(disk), id.as_bytes())
+    }
+
+    /// A writable device over `overlay`, whose serial (GET_ID) is `id`:
+    /// how the guest tells its writable disks apart.
+    pub fn writable(overlay: Arc<Mutex<Overlay>>, id: &[u8]) -> Block {
+        Self::with_backing(Backing::Writable(overlay), id)
+    }
+
+    fn with_backing(disk: Backing, id: &[u8]) -> Block {
+        let mut block = Block {
             capacity: disk.len() / SECTOR_SIZE,
             disk,
-            id,
+            id: [0; VIRTIO_BLK_ID_BYTES as usize],
             acked_features: 0,
             active: None,
             bounce: Vec::new(),
-        }
+        };
+        block.set_id(id);
+        block
+    }
+
+    fn writable_disk(&self) -> bool {
+        matches!(self.disk, Backing::Writable(_))
     }
 
     /// Replaces the serial the guest reads with GET_ID (at most 20 bytes;
@@ -138,7 +190,11 @@ impl Block {
         c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
         c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
         // 16..20: geometry, not offered.
-        c[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes());
+        let block_size = match self.writable_disk() {
+            true => super::overlay::BLOCK as u32,
+            false => SECTOR_SIZE as u32,
+        };
+        c[20..24].copy_from_slice(&block_size.to_le_bytes());
         c
     }
 
@@ -201,7 +257,7 @@ fn check_segments(chain: &Chain, data: u64) -> Result<(), BlockError> {
 
 /// Serves one request; returns the number of bytes written into the chain.
 fn handle_request(
-    disk: &Disk,
+    disk: &Backing,
     capacity: u64,
     id: &[u8],
     bounce: &mut Vec<u8>,
@@ -218,23 +274,27 @@ fn handle_request(
         }
     };
     let result = match chain.readable.read_at(mem, 0, &mut hdr) {
-        Ok(HEADER_LEN) => check_segments(chain, status_offset).and_then(|()| {
-            let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
-            let mut sector = [0u8; 8];
-            sector.copy_from_slice(&hdr[8..16]);
-            let sector = u64::from_le_bytes(sector);
-            serve(
-                disk,
-                capacity,
-                id,
-                bounce,
-                mem,
-                chain,
-                kind,
-                sector,
-                status_offset,
-            )
-        }),
+        Ok(HEADER_LEN) => {
+            // A read's data is writable, a write's readable after the header.
+            let data = status_offset.max(chain.readable.len().saturating_sub(HEADER_LEN as u64));
+            check_segments(chain, data).and_then(|()| {
+                let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+                let mut sector = [0u8; 8];
+                sector.copy_from_slice(&hdr[8..16]);
+                let sector = u64::from_le_bytes(sector);
+                serve(
+                    disk,
+                    capacity,
+                    id,
+                    bounce,
+                    mem,
+                    chain,
+                    kind,
+                    sector,
+                    status_offset,
+                )
+            })
+        }
         Ok(n) => Err(BlockError::ShortHeader(n)),
         Err(e) => Err(BlockError::Chain(e)),
     };
@@ -251,6 +311,12 @@ fn handle_request(
             (VIRTIO_BLK_S_IOERR, 0)
         }
         Err(BlockError::ReadOnly) => (VIRTIO_BLK_S_IOERR, 0),
+        Err(e @ BlockError::HostWrite(_)) => {
+            // A full host disk: the guest sees an I/O error, the VMM
+            // counts it (`overlay::HOST_WRITE_ERRORS`) as the host's.
+            irq.host_error(DEVICE, &e);
+            (VIRTIO_BLK_S_IOERR, 0)
+        }
         Err(e) => {
             irq.guest_error(DEVICE, &e);
             (VIRTIO_BLK_S_IOERR, 0)
@@ -265,10 +331,21 @@ fn handle_request(
     u32::try_from(data_len + 1).unwrap_or(u32::MAX)
 }
 
+/// The byte offset of `len` bytes at `sector`, if they lie on the disk.
+fn in_range(capacity: u64, sector: u64, len: u64) -> Result<u64, BlockError> {
+    let out_of_range = || BlockError::OutOfRange { sector, len };
+    let start = sector.checked_mul(SECTOR_SIZE).ok_or_else(out_of_range)?;
+    let end = start.checked_add(len).ok_or_else(out_of_range)?;
+    if end > capacity * SECTOR_SIZE {
+        return Err(out_of_range());
+    }
+    Ok(start)
+}
+
 /// Returns the number of data bytes written to the guest.
 #[allow(clippy::too_many_arguments)]
 fn serve(
-    disk: &Disk,
+    disk: &Backing,
     capacity: u64,
     id: &[u8],
     bounce: &mut Vec<u8>,
@@ -280,15 +357,7 @@ fn serve(
 ) -> Result<u64, BlockError> {
     match kind {
         VIRTIO_BLK_T_IN => {
-            let out_of_range = || BlockError::OutOfRange {
-                sector,
-                len: data_len,
-            };
-            let start = sector.checked_mul(SECTOR_SIZE).ok_or_else(out_of_range)?;
-            let end = start.checked_add(data_len).ok_or_else(out_of_range)?;
-            if end > capacity * SECTOR_SIZE {
-                return Err(out_of_range());
-            }
+            let start = in_range(capacity, sector, data_len)?;
             if bounce.is_empty() {
                 bounce.resize(BOUNCE_LEN, 0);
             }
@@ -306,7 +375,33 @@ fn serve(
             }
             Ok(data_len)
         }
-        VIRTIO_BLK_T_OUT => Err(BlockError::ReadOnly),
+        VIRTIO_BLK_T_OUT => {
+            let Backing::Writable(overlay) = disk else {
+                return Err(BlockError::ReadOnly);
+            };
+            // The data follows the header in the readable part.
+            let len = chain.readable.len().saturating_sub(HEADER_LEN as u64);
+            let start = in_range(capacity, sector, len)?;
+            if bounce.is_empty() {
+                bounce.resize(BOUNCE_LEN, 0);
+            }
+            let mut overlay = lock(overlay);
+            let mut done = 0u64;
+            while done < len {
+                let n = (len - done).min(BOUNCE_LEN as u64) as usize;
+                let buf = &mut bounce[..n];
+                chain
+                    .readable
+                    .read_at(mem, HEADER_LEN as u64 + done, buf)
+                    .map_err(BlockError::Chain)?;
+                overlay
+                    .write_all_at(buf, start + done)
+                    .map_err(BlockError::HostWrite)?;
+                done += n as u64;
+            }
+            // Nothing written into the chain but the status.
+            Ok(0)
+        }
         VIRTIO_BLK_T_FLUSH => Ok(0),
         VIRTIO_BLK_T_GET_ID => {
             let n = (id.len() as u64).min(data_len) as usize;
@@ -340,8 +435,12 @@ impl VirtioDevice for Block {
     }
 
     fn features(&self) -> u64 {
+        let access = match self.writable_disk() {
+            true => 1 << VIRTIO_BLK_F_FLUSH,
+            false => 1 << VIRTIO_BLK_F_RO,
+        };
         VIRTIO_F_VERSION_1
-            | 1 << VIRTIO_BLK_F_RO
+            | access
             | 1 << VIRTIO_BLK_F_SIZE_MAX
             | 1 << VIRTIO_BLK_F_SEG_MAX
             | 1 << VIRTIO_BLK_F_BLK_SIZE
@@ -413,6 +512,7 @@ mod tests {
     use vm_memory::{Bytes, GuestAddress};
     use vmm_sys_util::eventfd::EventFd;
 
+    use super::lock as block_lock;
     use super::*;
     use crate::virtio::testutil::{memory, ro, wo, Driver};
 
@@ -638,6 +738,98 @@ mod tests {
         assert_eq!(used.len(), 5, "{used:?}");
         assert!(used.iter().all(|&(_, len)| len <= 1), "{used:?}");
         assert_eq!(used[0].1, 0);
+    }
+
+    /// A writable disk over a base of `blocks` 4 KiB blocks of 0x5a.
+    fn writable(top: File, blocks: u64) -> (Block, Arc<Mutex<Overlay>>) {
+        let base = tempfile::tempfile().expect("base");
+        std::os::unix::fs::FileExt::write_all_at(&base, &vec![0x5a; (blocks * 4096) as usize], 0)
+            .expect("fill base");
+        let overlay = Arc::new(Mutex::new(Overlay::new(base, top).expect("overlay")));
+        (Block::writable(Arc::clone(&overlay), b"fbx-rw-0"), overlay)
+    }
+
+    #[test]
+    fn block_writable_takes_writes_and_reads_them_back() {
+        let (mut blk, overlay) = writable(tempfile::tempfile().expect("top"), 4);
+        assert_eq!(blk.features() & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_ne!(blk.features() & (1 << VIRTIO_BLK_F_FLUSH), 0);
+        let mut bs = [0u8; 4];
+        blk.read_config(20, &mut bs);
+        assert_eq!(u32::from_le_bytes(bs), 4096, "4 KiB logical blocks");
+        let mem = memory(0x40_0000);
+        let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"));
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        // Sector 9 (inside block 1), two data segments: 512 + 512 bytes.
+        mem.write_slice(&[0x11; 512], GuestAddress(DATA))
+            .expect("data");
+        mem.write_slice(&[0x22; 512], GuestAddress(DATA + 0x1000))
+            .expect("data");
+        header(&mem, VIRTIO_BLK_T_OUT, 9);
+        drv.add(&[
+            ro(HDR, 16),
+            ro(DATA, 512),
+            ro(DATA + 0x1000, 512),
+            wo(STATUS, 1),
+        ]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+        assert_eq!(drv.used()[0].1, 1, "only the status byte written");
+        header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+        drv.add(&[ro(HDR, 16), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
+        // Read sectors 8..11 back through the device.
+        header(&mem, VIRTIO_BLK_T_IN, 8);
+        drv.add(&[ro(HDR, 16), wo(DATA + 0x2000, 2048), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        let mut got = vec![0u8; 2048];
+        mem.read_slice(&mut got, GuestAddress(DATA + 0x2000))
+            .expect("read");
+        let mut want = vec![0x5a; 2048];
+        want[512..1024].fill(0x11);
+        want[1024..1536].fill(0x22);
+        assert_eq!(got, want);
+        assert_eq!(block_lock(&overlay).top_blocks(), 1);
+        // Past the end: refused, nothing written.
+        header(&mem, VIRTIO_BLK_T_OUT, 4 * 8);
+        drv.add(&[ro(HDR, 16), ro(DATA, 512), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        assert_eq!(block_lock(&overlay).top_blocks(), 1);
+    }
+
+    /// A top the host cannot write (here: opened read-only; in life, a
+    /// full disk) fails the guest's write with IOERR, changes nothing the
+    /// guest reads, and is counted as the host's.
+    #[test]
+    fn block_writable_host_write_failure_is_ioerr_and_counted() {
+        let top = tempfile::NamedTempFile::new().expect("top");
+        top.as_file().set_len(4 * 4096).expect("size");
+        let (mut blk, overlay) = writable(File::open(top.path()).expect("read-only"), 4);
+        let errors =
+            || crate::virtio::overlay::HOST_WRITE_ERRORS.load(std::sync::atomic::Ordering::Relaxed);
+        let before = errors();
+        let mem = memory(0x40_0000);
+        let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"));
+        let mut drv = Driver::new(&mem, 0, 16);
+        blk.activate(mem.clone(), vec![drv.queue()], Interrupt::new(irq))
+            .expect("activate");
+        mem.write_slice(&[0x77; 4096], GuestAddress(DATA))
+            .expect("data");
+        header(&mem, VIRTIO_BLK_T_OUT, 0);
+        drv.add(&[ro(HDR, 16), ro(DATA, 4096), wo(STATUS, 1)]);
+        blk.queue_notify(0);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
+        assert!(errors() > before, "counted as the host's");
+        let mut first = [0u8; 4];
+        block_lock(&overlay)
+            .read_exact_at(&mut first, 0)
+            .expect("read");
+        assert_eq!(first, [0x5a; 4], "the base still shows");
+        assert_eq!(block_lock(&overlay).top_blocks(), 0);
     }
 
     #[test]

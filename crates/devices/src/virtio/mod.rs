@@ -37,6 +37,7 @@ pub mod chain;
 pub mod disk;
 pub mod mmio;
 pub mod net;
+pub mod overlay;
 pub mod persist;
 #[cfg(test)]
 pub(crate) mod testutil;
