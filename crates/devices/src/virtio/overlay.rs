@@ -77,7 +77,7 @@ impl Overlay {
     /// to `top`, an empty file opened to read and write, sized here.
     pub fn new(base: File, top: File) -> Result<Overlay, OverlayError> {
         let len = base.metadata().map_err(OverlayError::Io)?.len();
-        if len == 0 || len % BLOCK != 0 {
+        if len == 0 || !len.is_multiple_of(BLOCK) {
             return Err(OverlayError::BadSize(len));
         }
         sized(&top, len)?;
@@ -202,8 +202,8 @@ impl Overlay {
         let (first, last) = (offset / BLOCK, (end - 1) / BLOCK);
         let top = self.top_index();
         // Partly covered edge blocks come up whole first.
-        let partial_head = offset % BLOCK != 0 || (first == last && end % BLOCK != 0);
-        let partial_tail = end % BLOCK != 0;
+        let partial_head = !offset.is_multiple_of(BLOCK);
+        let partial_tail = !end.is_multiple_of(BLOCK);
         for (block, partial) in [(first, partial_head), (last, partial_tail)] {
             if partial && self.map[block as usize] != top {
                 let mut whole = vec![0u8; BLOCK as usize];
