@@ -1,5 +1,6 @@
 //! PID 1 duties at boot: pseudo file systems, kernel modules, the root
-//! overlay, switching root, hostname, loopback, and (with `forkbox.net=1`)
+//! overlay, switching root, writable disks (`forkbox.disks=`), hostname,
+//! loopback, and (with `forkbox.net=1`)
 //! the guest network: `eth0` at 10.0.2.15/24, default route and DNS server
 //! 10.0.2.2 (the VMM's userspace gateway).
 
@@ -47,6 +48,8 @@ pub enum InitError {
     },
     #[error("root device {0} did not appear within {ROOT_WAIT:?}")]
     RootMissing(String),
+    #[error("writable disk {0} (serial fbx-rw-{0}) did not appear within {ROOT_WAIT:?}")]
+    DiskMissing(usize),
     #[error("switch root")]
     SwitchRoot(#[source] io::Error),
 }
@@ -62,7 +65,14 @@ pub struct Cmdline {
     pub layers: u32,
     /// `forkbox.net=1`: the VM has a virtio-net device to configure.
     pub net: bool,
+    /// `forkbox.disks=/a,/b`: where writable disk N (serial `fbx-rw-N`)
+    /// is mounted, in order (at most [`MAX_DISKS`]; the host checked the
+    /// paths).
+    pub disks: Vec<String>,
 }
+
+/// The most writable disks a VM has (`forkbox_vmm_api::MAX_WRITABLE_DISKS`).
+const MAX_DISKS: usize = 4;
 
 impl Cmdline {
     pub fn parse(text: &str) -> Self {
@@ -71,6 +81,7 @@ impl Cmdline {
             rootfstype: "ext4".into(),
             layers: 0,
             net: false,
+            disks: Vec::new(),
         };
         for word in text.split_whitespace() {
             if let Some(v) = word.strip_prefix("forkbox.root=") {
@@ -81,6 +92,13 @@ impl Cmdline {
                 c.layers = v.parse().unwrap_or(0).min(MAX_LAYERS);
             } else if let Some(v) = word.strip_prefix("forkbox.net=") {
                 c.net = v == "1";
+            } else if let Some(v) = word.strip_prefix("forkbox.disks=") {
+                c.disks = v
+                    .split(',')
+                    .filter(|p| p.starts_with('/') && p.len() > 1)
+                    .take(MAX_DISKS)
+                    .map(str::to_owned)
+                    .collect();
             }
         }
         c
@@ -249,6 +267,47 @@ fn switch_to_root(dev: &str, fstype: &str, layers: u32) -> Result<(), InitError>
     Ok(())
 }
 
+/// The block device whose serial is `serial` (`/sys/block/*/serial`),
+/// waiting for it as for the root.
+fn device_with_serial(serial: &str) -> Option<String> {
+    let start = Instant::now();
+    loop {
+        let found = fs::read_dir("/sys/block").ok().and_then(|entries| {
+            entries.flatten().find_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let theirs = fs::read_to_string(e.path().join("serial")).ok()?;
+                (theirs.trim_end_matches(['\0', '\n']) == serial).then(|| format!("/dev/{name}"))
+            })
+        });
+        if found.is_some() || start.elapsed() > ROOT_WAIT {
+            return found;
+        }
+        thread::sleep(ROOT_POLL);
+    }
+}
+
+/// Mounts writable disk `i` at `mounts[i]` (created in the root if
+/// missing). The kernel is told not to initialise its inode tables in the
+/// background: that would write all of them into the VM's own blocks.
+fn mount_disks(mounts: &[String]) -> Result<(), InitError> {
+    for (i, target) in mounts.iter().enumerate() {
+        let dev = device_with_serial(&format!("fbx-rw-{i}")).ok_or(InitError::DiskMissing(i))?;
+        fs::create_dir_all(target).map_err(|source| InitError::Mkdir {
+            path: target.clone(),
+            source,
+        })?;
+        mount(
+            &dev,
+            target,
+            "ext4",
+            MountFlags::empty(),
+            Some("noinit_itable"),
+        )?;
+        crate::log(&format!("writable disk {i}: {dev} at {target}"));
+    }
+    Ok(())
+}
+
 /// Deletes what the initramfs held once it is no longer needed (modules
 /// are loaded, the root is mounted), as switch_root(8) does: its pages
 /// would otherwise stay resident, hidden under the new root. Best effort.
@@ -280,6 +339,7 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
             cmdline.rootfstype, cmdline.layers
         ));
     }
+    mount_disks(&cmdline.disks)?;
     // Conveniences: failures are logged, not fatal.
     let extra = [
         (
@@ -383,6 +443,15 @@ mod tests {
         assert_eq!(c.root, None);
         assert_eq!(c.rootfstype, "ext4");
         assert!(!c.net);
+    }
+
+    #[test]
+    fn cmdline_disks_parsed_in_order_and_bounded() {
+        let c = Cmdline::parse("quiet forkbox.disks=/var/lib/docker,/workspace net");
+        assert_eq!(c.disks, ["/var/lib/docker", "/workspace"]);
+        let c = Cmdline::parse("forkbox.disks=/a,relative,/,/b,/c,/d,/e");
+        assert_eq!(c.disks, ["/a", "/b", "/c", "/d"], "absolute, at most 4");
+        assert!(Cmdline::parse("forkbox.net=1").disks.is_empty());
     }
 
     #[test]

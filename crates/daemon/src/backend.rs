@@ -187,6 +187,7 @@ impl Backend for VmBackend {
             network: Some(spec.network.clone()),
             orphan_grace: self.orphan_grace,
             require_jail: self.require_jail,
+            disks: Vec::new(),
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(ForkboxVm::boxed(vm))

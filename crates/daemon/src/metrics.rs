@@ -75,6 +75,8 @@ struct VmmGauges {
     vsock_connections: Gauge,
     net_frames: Family<DirectionLabel, Gauge>,
     net_bytes: Family<DirectionLabel, Gauge>,
+    disk_written_bytes: Gauge,
+    disk_host_write_errors: Gauge,
     reporting: Gauge,
     unanswered: Gauge,
     /// Every VMM that did not answer, over all scrapes.
@@ -91,6 +93,8 @@ impl VmmGauges {
             vsock_connections: Gauge::default(),
             net_frames: Family::default(),
             net_bytes: Family::default(),
+            disk_written_bytes: Gauge::default(),
+            disk_host_write_errors: Gauge::default(),
             reporting: Gauge::default(),
             unanswered: Gauge::default(),
             unanswered_total: Counter::default(),
@@ -124,6 +128,16 @@ impl VmmGauges {
             "net_bytes",
             "Bytes of those frames by direction, summed over live sandboxes",
             g.net_bytes.clone(),
+        );
+        r.register(
+            "disk_written_bytes",
+            "Bytes guests wrote to their writable disks, summed over live sandboxes",
+            g.disk_written_bytes.clone(),
+        );
+        r.register(
+            "disk_host_write_errors",
+            "Guest writes to writable disks the host failed (a full host disk: the guest saw an I/O error), summed over live sandboxes",
+            g.disk_host_write_errors.clone(),
         );
         r.register(
             "reporting",
@@ -165,6 +179,8 @@ impl VmmGauges {
             self.net_frames.get_or_create(&label).set(v(frames));
             self.net_bytes.get_or_create(&label).set(v(bytes));
         }
+        self.disk_written_bytes.set(v(c.disk_bytes_written));
+        self.disk_host_write_errors.set(v(c.disk_host_write_errors));
         self.reporting.set(v(t.reporting as u64));
         self.unanswered.set(v(t.unanswered as u64));
         self.unanswered_total.inc_by(t.unanswered as u64);
@@ -398,6 +414,8 @@ mod tests {
                 net_tx_bytes: 600,
                 net_rx_frames: 7,
                 net_rx_bytes: 700,
+                disk_bytes_written: 8192,
+                disk_host_write_errors: 3,
             },
             reporting: 2,
             unanswered: 1,
@@ -417,6 +435,8 @@ mod tests {
             "forkbox_vmm_net_frames{direction=\"rx\"} 7",
             "forkbox_vmm_net_bytes{direction=\"tx\"} 600",
             "forkbox_vmm_net_bytes{direction=\"rx\"} 700",
+            "forkbox_vmm_disk_written_bytes 8192",
+            "forkbox_vmm_disk_host_write_errors 3",
             "forkbox_vmm_reporting 2",
             "# TYPE forkbox_vmm_unanswered gauge",
             "forkbox_vmm_unanswered 1",

@@ -90,18 +90,24 @@ impl Control {
     }
 
     /// Forks the VM; one entry per requested child, in order. `carried`
-    /// are the children's descriptors ([`ChildSpec::carried`]), in their
-    /// order, sent with the request.
+    /// are the parent's new tops of its `disks` writable disks, then the
+    /// children's descriptors ([`ChildSpec::carried`]), in their order,
+    /// sent with the request.
     pub fn fork(
         &self,
         children: Vec<ChildSpec>,
         then: Then,
+        disks: u8,
         carried: &[OwnedFd],
     ) -> Result<Vec<ChildResult>, ControlError> {
         let asked = children.len();
         let fds: Vec<BorrowedFd<'_>> = carried.iter().map(AsFd::as_fd).collect();
-        let (_, forked): (_, Forked) =
-            self.exchange_with(&Request::Fork { children, then }, &fds, ANSWER_TIMEOUT)?;
+        let request = Request::Fork {
+            children,
+            then,
+            disks,
+        };
+        let (_, forked): (_, Forked) = self.exchange_with(&request, &fds, ANSWER_TIMEOUT)?;
         if forked.children.len() != asked {
             return Err(ControlError::Malformed {
                 op: "fork",
@@ -114,19 +120,26 @@ impl Control {
         Ok(forked.children)
     }
 
-    /// Writes a snapshot into `memory` and `state` (new, empty files);
-    /// returns the bytes written.
+    /// Writes a snapshot into `memory`, `state` and `disks`, one per
+    /// writable disk of the VM (new, empty files); returns the bytes
+    /// written.
     pub fn snapshot(
         &self,
         memory: &std::fs::File,
         state: &std::fs::File,
+        disks: &[std::fs::File],
         then: Then,
     ) -> Result<u64, ControlError> {
-        let (_, s): (_, Snapshotted) = self.exchange_with(
-            &Request::Snapshot { then },
-            &[memory.as_fd(), state.as_fd()],
-            ANSWER_TIMEOUT,
-        )?;
+        let fds: Vec<BorrowedFd<'_>> = [memory, state]
+            .into_iter()
+            .chain(disks)
+            .map(AsFd::as_fd)
+            .collect();
+        let request = Request::Snapshot {
+            then,
+            disks: u8::try_from(disks.len()).unwrap_or(u8::MAX),
+        };
+        let (_, s): (_, Snapshotted) = self.exchange_with(&request, &fds, ANSWER_TIMEOUT)?;
         Ok(s.bytes_written)
     }
 

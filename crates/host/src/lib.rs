@@ -3,6 +3,7 @@
 //!
 //! - [`vm`]: one microVM: its assets, its VMM process, its agent client;
 //!   pause, zygote, fork, snapshot and restore.
+//! - [`volume`]: golden volumes, the read-only bases of writable disks.
 //! - [`control`]: the client of a VMM's control socket (pause, fork, snapshot).
 //! - [`netbroker`]: a sandbox's network broker: resolves names and opens
 //!   allowed connections for its VMM, passing the sockets over.
@@ -46,3 +47,4 @@ pub mod poll;
 pub mod socket;
 pub mod testbed;
 pub mod vm;
+pub mod volume;

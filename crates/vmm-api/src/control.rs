@@ -81,6 +81,15 @@ pub struct ChildSpec {
     /// KVM's kernel thread for its VM) is charged there, not to its parent.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub joins_cgroup: bool,
+    /// One empty file per writable disk of the VM comes with the request,
+    /// opened to read and write and named by no path: the child's own
+    /// top of each disk, in the disks' order.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub disks: u8,
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 impl ChildSpec {
@@ -90,9 +99,10 @@ impl ChildSpec {
     /// listening; its vsock socket, bound and listening (with
     /// `vsock_uds`); its serial log opened to append (with `serial_log`);
     /// its [`crate::END_FILE`], opened to write; two links to its network
-    /// broker, the connector's and the resolver's (with `net_broker`). A
-    /// request's children's descriptors follow each other in the
-    /// children's order.
+    /// broker, the connector's and the resolver's (with `net_broker`); the
+    /// tops of its writable disks (`disks`). A request's children's
+    /// descriptors follow each other in the children's order, after the
+    /// parent's own new tops ([`Request::Fork`]'s `disks`).
     pub fn carried(&self) -> usize {
         usize::from(self.joins_cgroup)
             + 1
@@ -100,6 +110,7 @@ impl ChildSpec {
             + usize::from(self.serial_log.is_some())
             + 1
             + 2 * usize::from(self.net_broker.is_some())
+            + usize::from(self.disks)
     }
 }
 
@@ -113,11 +124,20 @@ pub enum Request {
     Fork {
         children: Vec<ChildSpec>,
         then: Then,
+        /// The VM's writable disks: as many empty files come first in the
+        /// request, the parent's new tops (its written top becomes a layer
+        /// its children share).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        disks: u8,
     },
     Zygote,
-    /// Its two files come with it: the memory's, the state's.
+    /// Its files come with it: the memory's, the state's, then one per
+    /// writable disk (`disks`, all of them), where the blocks it holds
+    /// beyond its base are written.
     Snapshot {
         then: Then,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        disks: u8,
     },
     Vcpus,
     Nmi,
@@ -212,6 +232,10 @@ pub struct Status {
     pub pid: u32,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// Its writable disks (a fork or snapshot request sends a file for
+    /// each).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub writable_disks: u8,
     /// What the VMM counted; absent from a VMM older than them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<VmmCounters>,
@@ -241,6 +265,11 @@ pub struct VmmCounters {
     /// Ethernet frames from the gateway to the guest, and bytes.
     pub net_rx_frames: u64,
     pub net_rx_bytes: u64,
+    /// Bytes the guest wrote to its writable disks.
+    pub disk_bytes_written: u64,
+    /// Writes to its writable disks the host failed (a full host disk):
+    /// the guest saw an I/O error for each.
+    pub disk_host_write_errors: u64,
 }
 
 impl VmmCounters {
@@ -257,6 +286,8 @@ impl VmmCounters {
             net_tx_bytes,
             net_rx_frames,
             net_rx_bytes,
+            disk_bytes_written,
+            disk_host_write_errors,
         } = other;
         self.exits_io = self.exits_io.saturating_add(*exits_io);
         self.exits_mmio = self.exits_mmio.saturating_add(*exits_mmio);
@@ -268,6 +299,10 @@ impl VmmCounters {
         self.net_tx_bytes = self.net_tx_bytes.saturating_add(*net_tx_bytes);
         self.net_rx_frames = self.net_rx_frames.saturating_add(*net_rx_frames);
         self.net_rx_bytes = self.net_rx_bytes.saturating_add(*net_rx_bytes);
+        self.disk_bytes_written = self.disk_bytes_written.saturating_add(*disk_bytes_written);
+        self.disk_host_write_errors = self
+            .disk_host_write_errors
+            .saturating_add(*disk_host_write_errors);
     }
 }
 
@@ -489,6 +524,7 @@ mod tests {
                         net_log: Some("/n".into()),
                         net_broker: Some("/b".into()),
                         joins_cgroup: false,
+                        disks: 0,
                     },
                     ChildSpec {
                         control: "/c2".into(),
@@ -497,9 +533,11 @@ mod tests {
                         net_log: None,
                         net_broker: None,
                         joins_cgroup: true,
+                        disks: 0,
                     }
                 ],
-                then: Then::Pause
+                then: Then::Pause,
+                disks: 0,
             }
         );
     }
@@ -508,7 +546,10 @@ mod tests {
     fn request_snapshot_and_broker_parse() {
         assert_eq!(
             parse(br#"{"op":"snapshot","then":"resume"}"#),
-            Ok(Request::Snapshot { then: Then::Resume })
+            Ok(Request::Snapshot {
+                then: Then::Resume,
+                disks: 0
+            })
         );
         // The VMM writes nowhere by path.
         assert!(parse(br#"{"op":"snapshot","dir":"/snap","then":"resume"}"#).is_err());
@@ -541,6 +582,7 @@ mod tests {
             net_log: None,
             net_broker: None,
             joins_cgroup: false,
+            disks: 0,
         }
     }
 
@@ -550,6 +592,7 @@ mod tests {
         let fork = |n| Request::Fork {
             children: vec![child.clone(); n],
             then: Then::Pause,
+            disks: 0,
         };
         assert_eq!(fork(0).check(), Err(RequestError::ChildCount(0)));
         assert_eq!(fork(1).check(), Ok(()));
@@ -573,9 +616,16 @@ mod tests {
         child.serial_log = Some("/s".into());
         child.net_broker = Some("/b".into());
         child.joins_cgroup = true;
+        child.disks = crate::MAX_WRITABLE_DISKS;
         assert_eq!(child.carried(), crate::MAX_FDS_PER_CHILD);
         // SCM_MAX_FD: the kernel's cap on one message's descriptors.
-        const _: () = assert!(crate::MAX_FDS_PER_REQUEST <= 253);
+        for disks in 0..=crate::MAX_WRITABLE_DISKS {
+            child.disks = disks;
+            let n = crate::children_per_request(disks);
+            assert!(n >= 16, "{disks} disks: {n} children per request");
+            assert!(n * child.carried() + usize::from(disks) <= crate::MAX_FDS_PER_REQUEST);
+        }
+        assert_eq!(crate::children_per_request(0), MAX_CHILDREN_PER_FORK);
     }
 
     #[test]
@@ -588,8 +638,10 @@ mod tests {
                 net_log: None,
                 net_broker: None,
                 joins_cgroup: false,
+                disks: 0,
             }],
             then: Then::Pause,
+            disks: 0,
         };
         assert_eq!(
             req.to_line(),
@@ -606,6 +658,7 @@ mod tests {
             pid: 7,
             vcpus: 2,
             memory_mib: 512,
+            writable_disks: 0,
             counters: None,
         });
         assert_eq!(
@@ -667,6 +720,7 @@ mod tests {
             pid: 9,
             vcpus: 8,
             memory_mib: 16384,
+            writable_disks: 2,
             counters: Some(VmmCounters {
                 exits_io: 1,
                 exits_mmio: 2,
@@ -678,6 +732,8 @@ mod tests {
                 net_tx_bytes: 8,
                 net_rx_frames: 9,
                 net_rx_bytes: 10,
+                disk_bytes_written: 11,
+                disk_host_write_errors: 12,
             }),
         };
         assert_eq!(
@@ -757,6 +813,8 @@ mod tests {
             net_tx_bytes: 1,
             net_rx_frames: 1,
             net_rx_bytes: 1,
+            disk_bytes_written: 1,
+            disk_host_write_errors: 1,
         };
         let mut sum = one;
         sum.add(&one);

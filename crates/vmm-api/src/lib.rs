@@ -35,11 +35,30 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// which the kernel caps at 253.
 pub const MAX_CHILDREN_PER_FORK: usize = 32;
 
-/// Most descriptors one fork child comes with ([`ChildSpec::carried`]).
-pub const MAX_FDS_PER_CHILD: usize = 7;
+/// Most writable disks one VM has.
+pub const MAX_WRITABLE_DISKS: u8 = 4;
 
-/// Most descriptors one control request may carry.
-pub const MAX_FDS_PER_REQUEST: usize = MAX_CHILDREN_PER_FORK * MAX_FDS_PER_CHILD;
+/// The file of a snapshot (beside its `state.json`) holding writable disk
+/// `index`'s blocks above its base.
+pub fn snapshot_disk_file(index: usize) -> String {
+    format!("disk-{index}")
+}
+
+/// Most descriptors one fork child comes with ([`ChildSpec::carried`]):
+/// 7, and one per writable disk.
+pub const MAX_FDS_PER_CHILD: usize = 7 + MAX_WRITABLE_DISKS as usize;
+
+/// Most descriptors one control request may carry: the kernel's cap on
+/// one `SCM_RIGHTS` message (`SCM_MAX_FD`).
+pub const MAX_FDS_PER_REQUEST: usize = 253;
+
+/// Most children one fork request of a VM with `disks` writable disks
+/// takes: [`MAX_CHILDREN_PER_FORK`], or fewer where their descriptors (and
+/// the parent's new tops) would not fit one message.
+pub fn children_per_request(disks: u8) -> usize {
+    let disks = usize::from(disks.min(MAX_WRITABLE_DISKS));
+    MAX_CHILDREN_PER_FORK.min((MAX_FDS_PER_REQUEST - disks) / (7 + disks))
+}
 
 /// Most a VM's serial log grows to; past it the guest's output is dropped
 /// after one line saying so (a caller sizes its log budget by it).

@@ -53,6 +53,18 @@ pub struct Args {
     /// if any; else the first is /dev/vda).
     #[arg(long = "disk")]
     pub disks: Vec<PathBuf>,
+    /// A writable disk's golden base (read-only; a whole number of 4 KiB
+    /// blocks); repeat for more (after the read-only disks, in order; the
+    /// guest finds disk N by its serial `fbx-rw-N`). Each needs a
+    /// `--writable-top`.
+    #[arg(long = "writable-disk", conflicts_with = "restore")]
+    pub writable: Vec<PathBuf>,
+    /// An empty file, one per writable disk (of the command line, or of the
+    /// restored snapshot), in order: where that disk's writes go. The VMM
+    /// opens it before it enters its own root and unlinks it, so that its
+    /// blocks are freed once no VMM holds it.
+    #[arg(long = "writable-top")]
+    pub writable_tops: Vec<PathBuf>,
     /// Enable virtio-vsock (guest CID 3) with its host side at this unix socket.
     #[arg(long)]
     pub vsock_uds: Option<PathBuf>,
@@ -138,6 +150,10 @@ pub enum CliError {
     },
     #[error("this VM cannot run")]
     Shape(#[source] ShapeError),
+    #[error("{disks} writable disks and {tops} writable tops: each disk needs one top")]
+    WritableTops { disks: usize, tops: usize },
+    #[error("{0} writable disks: at most {max}", max = forkbox_vmm_api::MAX_WRITABLE_DISKS)]
+    TooManyWritable(usize),
 }
 
 /// How this VMM process was asked to run: boot a kernel, or restore a
@@ -159,12 +175,17 @@ impl Invocation {
                 .into_iter()
                 .chain(c.layers.iter().cloned())
                 .chain(c.disks.iter().cloned())
+                .chain(c.writable.iter().cloned())
                 .collect(),
             Invocation::Restore { dir, .. } => {
                 let disks = std::fs::read(dir.join("state.json"))
                     .ok()
                     .and_then(|bytes| crate::state::MachineState::from_json(&bytes).ok())
-                    .map(|saved| [saved.hardware.layers, saved.hardware.disks].concat())
+                    .map(|saved| {
+                        let hw = saved.hardware;
+                        let bases = hw.writable.into_iter().map(|w| w.base);
+                        [hw.layers, hw.disks, bases.collect()].concat()
+                    })
                     .unwrap_or_default();
                 std::iter::once(dir.clone()).chain(disks).collect()
             }
@@ -181,6 +202,7 @@ impl Invocation {
                 serial_log: c.serial_log.clone(),
                 echo: c.echo,
                 net: c.net.clone(),
+                writable_tops: c.writable_tops.clone(),
             },
             Invocation::Restore { endpoints, .. } => endpoints.clone(),
         }
@@ -209,6 +231,15 @@ impl Args {
             }
             .validate()
             .map_err(CliError::Shape)?;
+            if self.writable.len() > usize::from(forkbox_vmm_api::MAX_WRITABLE_DISKS) {
+                return Err(CliError::TooManyWritable(self.writable.len()));
+            }
+            if self.writable.len() != self.writable_tops.len() {
+                return Err(CliError::WritableTops {
+                    disks: self.writable.len(),
+                    tops: self.writable_tops.len(),
+                });
+            }
         }
         let net = match &self.net_policy {
             Some(path) => Some(NetConfig {
@@ -239,6 +270,8 @@ impl Args {
                         memory_mib: self.memory_mib,
                         layers: self.layers,
                         disks: self.disks,
+                        writable: self.writable,
+                        writable_tops: self.writable_tops,
                         vsock_uds: self.vsock_uds,
                         serial_log: self.serial_log,
                         echo,
@@ -255,6 +288,7 @@ impl Args {
                         serial_log: self.serial_log,
                         echo,
                         net,
+                        writable_tops: self.writable_tops,
                     },
                 },
             },
@@ -386,6 +420,7 @@ mod tests {
                     serial_log: Some("/l".into()),
                     echo: Echo::Off,
                     net: None,
+                    writable_tops: Vec::new(),
                 }
             }
         );

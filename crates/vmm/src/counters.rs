@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use forkbox_devices::virtio::overlay::{BYTES_WRITTEN, HOST_WRITE_ERRORS};
 use forkbox_devices::virtio::vsock::HOST_CONNECTIONS;
 use forkbox_vmm_api::VmmCounters;
 
@@ -76,10 +77,12 @@ impl Counters {
             net_tx_bytes: get(&self.net_tx_bytes),
             net_rx_frames: get(&self.net_rx_frames),
             net_rx_bytes: get(&self.net_rx_bytes),
+            disk_bytes_written: get(&BYTES_WRITTEN),
+            disk_host_write_errors: get(&HOST_WRITE_ERRORS),
         }
     }
 
-    /// Back to zero, the vsock device's count included: a fork child is a
+    /// Back to zero, the vsock device's and the writable disks' counts included: a fork child is a
     /// new VM, and what its parent counted is the parent's.
     pub fn reset(&self) {
         let Counters {
@@ -104,6 +107,8 @@ impl Counters {
             net_rx_frames,
             net_rx_bytes,
             &HOST_CONNECTIONS,
+            &BYTES_WRITTEN,
+            &HOST_WRITE_ERRORS,
         ] {
             c.store(0, Relaxed);
         }
@@ -162,10 +167,12 @@ mod tests {
         }
         c.reset();
         let s = c.snapshot();
-        // The vsock count is the process's, shared with other tests.
+        // The devices' counts are the process's, shared with other tests.
         assert_eq!(
             VmmCounters {
                 vsock_connections: 0,
+                disk_bytes_written: 0,
+                disk_host_write_errors: 0,
                 ..s
             },
             VmmCounters::default()

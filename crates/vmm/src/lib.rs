@@ -139,6 +139,10 @@ pub struct VmConfig {
     /// partition per layer (`virtio::disk::Disk::layered`).
     pub layers: Vec<PathBuf>,
     pub disks: Vec<PathBuf>,
+    /// Writable disks' golden bases.
+    pub writable: Vec<PathBuf>,
+    /// Their tops, one each (opened and unlinked by [`Endpoints::open`]).
+    pub writable_tops: Vec<PathBuf>,
     pub vsock_uds: Option<PathBuf>,
     pub serial_log: Option<PathBuf>,
     pub echo: Echo,
@@ -157,6 +161,7 @@ impl VmConfig {
             .map(virtio::DeviceSpec::Layers)
             .into_iter()
             .chain(self.disks.iter().cloned().map(virtio::DeviceSpec::Block))
+            .chain((0..self.writable.len()).map(virtio::DeviceSpec::Writable))
             .chain(
                 self.vsock_uds
                     .clone()

@@ -73,12 +73,27 @@ pub struct Hardware {
     pub layers: Vec<PathBuf>,
     /// Disks in window order; re-opened from these paths on restore.
     pub disks: Vec<PathBuf>,
+    /// Writable disks, after the read-only ones (state files without the
+    /// field have none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writable: Vec<WritableDisk>,
     /// Whether a vsock device follows the disks.
     pub vsock: bool,
     /// Whether a virtio-net device follows (state files without the field
     /// have none).
     #[serde(default)]
     pub net: bool,
+}
+
+/// A writable disk ([`forkbox_devices::virtio::overlay`]): its golden base,
+/// re-opened by path on restore, and in a snapshot's state the runs of
+/// blocks its snapshot file ([`forkbox_vmm_api::snapshot_disk_file`])
+/// holds above the base.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WritableDisk {
+    pub base: PathBuf,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub saved: Vec<(u64, u64)>,
 }
 
 /// One vCPU, captured while parked outside `KVM_RUN` after an
@@ -560,6 +575,10 @@ mod tests {
                 memory_mib: 512,
                 layers: Vec::new(),
                 disks: vec!["/d".into()],
+                writable: vec![WritableDisk {
+                    base: "/w".into(),
+                    saved: vec![(0, 3), (9, 1)],
+                }],
                 vsock: true,
                 net: false,
             },

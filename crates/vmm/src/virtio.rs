@@ -10,6 +10,7 @@ use forkbox_devices::virtio::block::Block;
 use forkbox_devices::virtio::disk::Disk;
 use forkbox_devices::virtio::mmio::MmioTransport;
 use forkbox_devices::virtio::net::Net;
+use forkbox_devices::virtio::overlay::Overlay;
 use forkbox_devices::virtio::persist::{RestoreError, TransportState};
 use forkbox_devices::virtio::vsock::Vsock;
 use forkbox_devices::virtio::VirtioDevice;
@@ -46,6 +47,9 @@ pub struct HostSides {
     pub vsock: Option<UnixListener>,
     /// The network's links to its broker.
     pub broker: Option<BrokerLinks>,
+    /// The writable disks, in order (built by the VMM from their bases and
+    /// tops, or a fork child's from its parent's).
+    pub disks: Vec<Arc<Mutex<Overlay>>>,
 }
 
 /// A device the command line asked for.
@@ -56,6 +60,9 @@ pub enum DeviceSpec {
     /// Read-only virtio-blk with a partition per file (an image's layers,
     /// bottom first).
     Layers(Vec<PathBuf>),
+    /// Writable virtio-blk over the VM's writable disk `n` ([`HostSides`]),
+    /// its serial `fbx-rw-N`, by which the guest finds it.
+    Writable(usize),
     /// virtio-vsock whose host side is a unix socket (opened before the
     /// VMM entered its own root, and handed to [`create`] or [`restore`]).
     Vsock { uds: PathBuf },
@@ -71,6 +78,8 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    #[error("writable disk {0} was not set up beforehand")]
+    DiskNotOpened(usize),
     #[error("vsock at {0} was not opened beforehand")]
     VsockNotOpened(PathBuf),
     #[error("cannot set up vsock at {path}")]
@@ -172,6 +181,13 @@ fn new_device(
                 source,
             })?;
             Box::new(Block::from_disk(disk))
+        }
+        DeviceSpec::Writable(n) => {
+            let overlay = sides.disks.get(*n).ok_or(DeviceError::DiskNotOpened(*n))?;
+            Box::new(Block::writable(
+                Arc::clone(overlay),
+                format!("fbx-rw-{n}").as_bytes(),
+            ))
         }
         DeviceSpec::Vsock { uds } => {
             let listener = sides

@@ -99,6 +99,7 @@ impl Daemon {
                                 image: image.root.clone(),
                                 vcpus: t.spec.vcpus,
                                 memory_mib: t.spec.memory_mib,
+                                volumes: Vec::new(),
                             };
                             let restored = backend
                                 .restore(&dir, network.as_ref(), &expect)

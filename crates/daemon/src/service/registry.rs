@@ -447,6 +447,7 @@ impl Daemon {
             image: image.root.clone(),
             vcpus: spec.vcpus,
             memory_mib: spec.memory_mib,
+            volumes: Vec::new(),
         };
         // Registered now, as baking: the name is taken, creations wait.
         let (done, rx) = watch::channel(None);

@@ -255,10 +255,12 @@ impl Overlay {
         Ok(())
     }
 
-    /// The descriptors of the base and the frozen layers (a fork child
-    /// keeps them open).
-    pub fn shared_files(&self) -> impl Iterator<Item = &File> {
-        std::iter::once(&self.base).chain(&self.frozen)
+    /// Every file it reads or writes: the base, the frozen layers, the top
+    /// (a fork child keeps them open).
+    pub fn files(&self) -> impl Iterator<Item = &File> {
+        std::iter::once(&self.base)
+            .chain(&self.frozen)
+            .chain(std::iter::once(&self.top))
     }
 
     /// Writes every block not the base's into `out` (an empty file), at

@@ -81,7 +81,16 @@ impl Vm {
             // The VMM joins it first thing, before it opens anything.
             cmd.arg("--cgroup").arg(dir);
         }
-        let mut cmdline = GUEST_CMDLINE.to_owned() + root_cmdline;
+        let mut cmdline = GUEST_CMDLINE.to_owned() + root_cmdline + &disks_cmdline(&spec.disks);
+        for (i, disk) in spec.disks.iter().enumerate() {
+            // Opened and unlinked by the VMM before it enters its root.
+            let top = dir.path().join(format!("top-{i}"));
+            std::fs::File::create(&top).map_err(|e| VmError::Io(io_context(e, &top)))?;
+            cmd.arg("--writable-disk")
+                .arg(&disk.base)
+                .arg("--writable-top")
+                .arg(&top);
+        }
         let net = match &spec.network {
             Some(network) => {
                 let (net, args) = VmNet::start_for_vmm(dir.path(), network)?;
@@ -178,6 +187,7 @@ impl Vm {
             owner,
             user,
             cgroup: cgroup.take(),
+            disks: u8::try_from(spec.disks.len()).unwrap_or(u8::MAX),
         })
     }
 
@@ -243,6 +253,7 @@ impl Vm {
             owner: Some(owner),
             user,
             cgroup,
+            disks: status.writable_disks,
         })
     }
 
@@ -317,6 +328,13 @@ impl Vm {
             }
             None => None,
         };
+        let disks = read_hardware(snapshot)?.writable.len();
+        for i in 0..disks {
+            // Opened and unlinked by the VMM before it enters its root.
+            let top = dir.path().join(format!("top-{i}"));
+            std::fs::File::create(&top).map_err(|e| VmError::Io(io_context(e, &top)))?;
+            cmd.arg("--writable-top").arg(&top);
+        }
         let mut child = cmd
             .arg("--restore")
             .arg(snapshot)
@@ -352,6 +370,7 @@ impl Vm {
             owner: None,
             user,
             cgroup: None,
+            disks: u8::try_from(disks).unwrap_or(u8::MAX),
         };
         let status = poll::until(
             start + AFTER_FORK_TIMEOUT,
@@ -401,41 +420,64 @@ pub struct Expected {
     pub image: RootImage,
     pub vcpus: u8,
     pub memory_mib: u32,
+    /// Its writable disks' golden volumes, in order.
+    pub volumes: Vec<PathBuf>,
+}
+
+/// What a snapshot's `state.json` says its VM is made of (the parts the
+/// host checks).
+#[derive(serde::Deserialize)]
+struct Hardware {
+    vcpus: u8,
+    memory_mib: u64,
+    #[serde(default)]
+    layers: Vec<PathBuf>,
+    disks: Vec<PathBuf>,
+    #[serde(default)]
+    writable: Vec<Writable>,
+}
+
+#[derive(serde::Deserialize)]
+struct Writable {
+    base: PathBuf,
+}
+
+/// Reads the hardware of the snapshot in `snapshot` (its `state.json`, at
+/// most 64 MiB).
+fn read_hardware(snapshot: &Path) -> Result<Hardware, VmError> {
+    #[derive(serde::Deserialize)]
+    struct State {
+        hardware: Hardware,
+    }
+    let path = snapshot.join("state.json");
+    let mut text = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 << 20), &mut text))
+        .map_err(|e| VmError::Io(io_context(e, &path)))?;
+    let state: State = serde_json::from_slice(&text).map_err(|e| VmError::SnapshotMismatch {
+        dir: snapshot.to_owned(),
+        why: format!("state.json: {e}"),
+    })?;
+    Ok(state.hardware)
 }
 
 impl Expected {
-    /// Reads the snapshot's `state.json` (at most 64 MiB) and compares
-    /// its hardware with this.
+    /// Reads the snapshot's hardware and compares it with this.
     fn check(&self, snapshot: &Path) -> Result<(), VmError> {
-        #[derive(serde::Deserialize)]
-        struct State {
-            hardware: Hardware,
-        }
-        #[derive(serde::Deserialize)]
-        struct Hardware {
-            vcpus: u8,
-            memory_mib: u64,
-            #[serde(default)]
-            layers: Vec<PathBuf>,
-            disks: Vec<PathBuf>,
-        }
         let bad = |why: String| VmError::SnapshotMismatch {
             dir: snapshot.to_owned(),
             why,
         };
-        let path = snapshot.join("state.json");
-        let mut text = Vec::new();
-        std::fs::File::open(&path)
-            .and_then(|f| {
-                std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 << 20), &mut text)
-            })
-            .map_err(|e| VmError::Io(io_context(e, &path)))?;
-        let state: State =
-            serde_json::from_slice(&text).map_err(|e| bad(format!("state.json: {e}")))?;
-        let hw = state.hardware;
+        let hw = read_hardware(snapshot)?;
         let (layers, disks) = self.image.files()?;
         if (hw.layers, hw.disks) != (layers, disks) {
             return Err(bad("it names other disk files than the image's".into()));
+        }
+        let volumes: Vec<PathBuf> = hw.writable.into_iter().map(|w| w.base).collect();
+        if volumes != self.volumes {
+            return Err(bad(
+                "it names other golden volumes than its writable disks'".into(),
+            ));
         }
         if (hw.vcpus, hw.memory_mib) != (self.vcpus, u64::from(self.memory_mib)) {
             return Err(bad(format!(
@@ -477,6 +519,22 @@ impl Expected {
             }
             hardware.insert(key.into(), serde_json::json!(ours));
         }
+        let writable = hardware
+            .get_mut("writable")
+            .and_then(serde_json::Value::as_array_mut);
+        let count = writable.as_ref().map_or(0, |w| w.len());
+        if count != self.volumes.len() {
+            return Err(bad(format!(
+                "it has {count} writable disks, and the template here {}",
+                self.volumes.len()
+            )));
+        }
+        for (disk, ours) in writable.into_iter().flatten().zip(&self.volumes) {
+            let disk = disk
+                .as_object_mut()
+                .ok_or_else(|| bad("a writable disk that is not an object".into()))?;
+            disk.insert("base".into(), serde_json::json!(ours));
+        }
         Ok(serde_json::to_vec(&state).expect("JSON serializes"))
     }
 }
@@ -498,6 +556,7 @@ mod tests {
             image: RootImage::Layers(ours.clone()),
             vcpus: 1,
             memory_mib: 256,
+            volumes: Vec::new(),
         };
         let theirs = serde_json::json!({"format_version": 1, "vcpus": [{"x": 1}], "hardware": {
             "vcpus": 1, "memory_mib": 256, "layers": ["/there/a.erofs", "/there/b.erofs"],
@@ -529,6 +588,7 @@ mod tests {
             image: RootImage::Layers(layers.clone()),
             vcpus: 2,
             memory_mib: 512,
+            volumes: Vec::new(),
         };
         let write = |layers: &[PathBuf], disks: &[&str], vcpus: u8| {
             let state = serde_json::json!({"format_version": 1, "hardware": {
@@ -547,6 +607,18 @@ mod tests {
             let e = expect.check(dir.path()).expect_err("not its own");
             assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
         }
+        // A writable disk over a golden volume the template does not have.
+        let state = serde_json::json!({"format_version": 1, "hardware": {
+            "vcpus": 2, "memory_mib": 512, "layers": layers, "disks": [],
+            "writable": [{"base": "/etc/shadow"}], "vsock": true, "net": true}});
+        std::fs::write(dir.path().join("state.json"), state.to_string()).expect("write");
+        let e = expect.check(dir.path()).expect_err("not its volume");
+        assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
+        let with_volume = Expected {
+            volumes: vec!["/etc/shadow".into()],
+            ..expect.clone()
+        };
+        with_volume.check(dir.path()).expect("the volume it names");
         std::fs::write(dir.path().join("state.json"), "not json").expect("write");
         assert!(matches!(
             expect.check(dir.path()),

@@ -67,6 +67,15 @@ pub fn seeded_entropy(seed: u64) -> Vec<u8> {
 }
 
 impl Vm {
+    /// A new top for each of its writable disks, for a fork request: its
+    /// written top becomes a layer its children share ([`unnamed_file`]s
+    /// in its directory).
+    fn new_tops(&self) -> Result<Vec<OwnedFd>, VmError> {
+        (0..self.disks)
+            .map(|_| unnamed_file(self.dir.path()).map(OwnedFd::from))
+            .collect()
+    }
+
     /// Forks the VM into `n` children. A running VM goes on running, a
     /// paused one or a zygote stays paused. `Err` if the request as a whole
     /// failed (then no child is left running); otherwise one entry per
@@ -118,6 +127,7 @@ impl Vm {
             .map(|(d, net)| ChildPaths {
                 net_log: net.as_ref().map(|n| n.egress_log.clone()),
                 net_broker: net.as_ref().map(|n| n.broker.path().to_owned()),
+                disks: self.disks,
                 ..paths_in(d.path())
             })
             .collect();
@@ -145,14 +155,20 @@ impl Vm {
         // later request fail, the children of the earlier ones are killed.
         let mut answers = Vec::with_capacity(n);
         let mut procs = procs.into_iter();
-        for batch in paths.chunks(MAX_CHILDREN_PER_FORK) {
+        for batch in paths.chunks(forkbox_vmm_api::children_per_request(self.disks)) {
             let batch_procs: Vec<Option<OwnedFd>> = procs.by_ref().take(batch.len()).collect();
             let specs = batch
                 .iter()
                 .zip(&batch_procs)
                 .map(|(p, fd)| p.spec(fd.is_some()))
                 .collect();
-            let mut fds: Vec<OwnedFd> = Vec::new();
+            let mut fds: Vec<OwnedFd> = match self.new_tops() {
+                Ok(tops) => tops,
+                Err(e) => {
+                    kill_forked(&answers);
+                    return Err(e);
+                }
+            };
             for (paths, cgroup) in batch.iter().zip(batch_procs) {
                 fds.extend(cgroup);
                 match paths.open() {
@@ -163,7 +179,7 @@ impl Vm {
                     }
                 }
             }
-            match self.control.fork(specs, Then::Pause, &fds) {
+            match self.control.fork(specs, Then::Pause, self.disks, &fds) {
                 Ok(a) => answers.extend(a),
                 Err(e) => {
                     kill_forked(&answers);
@@ -217,7 +233,7 @@ impl Vm {
                         };
                         let why = format!("{lost:#}");
                         tracing::warn!(index, cause = %why, "fork child was lost; replacing it with a new child of the same state");
-                        (*child).replace(&self.control, deadline, why)
+                        (*child).replace(self, deadline, why)
                     })
                 })
                 .collect();
@@ -508,6 +524,7 @@ impl ForkedVm {
             user: self.user,
             // It joined its cgroup itself, first thing after the fork.
             cgroup: self.cgroup.take(),
+            disks: self.paths.disks,
         };
         let hooked = vm.control.own().map_err(VmError::from).and_then(|owner| {
             vm.owner = Some(owner);
@@ -551,7 +568,7 @@ impl ForkedVm {
     /// place, keeping the lost child's serial log as `serial.log.lost`.
     pub(super) fn replace(
         mut self,
-        parent: &Control,
+        parent: &Vm,
         deadline: Duration,
         why: String,
     ) -> Result<Vm, VmError> {
@@ -572,11 +589,14 @@ impl ForkedVm {
         // replacement's with it (they share the directory's name).
         drop(std::mem::replace(&mut self.cgroup, NewCgroup(None)));
         self.cgroup = child_cgroup(self.dir.path(), self.limits)?;
-        let mut fds: Vec<OwnedFd> = self.cgroup.procs_for_joining()?.into_iter().collect();
-        let spec = self.paths.spec(!fds.is_empty());
+        let mut fds = parent.new_tops()?;
+        let procs = self.cgroup.procs_for_joining()?;
+        let spec = self.paths.spec(procs.is_some());
+        fds.extend(procs);
         fds.extend(self.paths.open()?);
         let answer = parent
-            .fork(vec![spec], Then::Pause, &fds)
+            .control
+            .fork(vec![spec], Then::Pause, parent.disks, &fds)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let (pid, pidfd) = match answer.into_iter().next() {
             Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),

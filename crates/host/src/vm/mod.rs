@@ -257,6 +257,61 @@ pub struct VmSpec {
     /// jail cannot be set up ([`crate::jail`]), instead of running
     /// without it.
     pub require_jail: bool,
+    /// Writable disks, at most [`forkbox_vmm_api::MAX_WRITABLE_DISKS`].
+    pub disks: Vec<DiskSpec>,
+}
+
+/// A writable disk: a golden volume (read-only, an ext4 file system: see
+/// [`crate::volume`]) under the VM's own writes, mounted in the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskSpec {
+    pub base: PathBuf,
+    /// Where the guest mounts it: an absolute path of plain names (no
+    /// `,`, space or `..`; checked by [`check_mount_path`]).
+    pub mount: String,
+}
+
+/// Why a writable disk's mount path is refused: one the guest agent is
+/// told on the kernel's command line, so it must be one word of plain
+/// path names, and not where the guest's own file systems are.
+pub fn check_mount_path(path: &str) -> Result<(), String> {
+    let bad = |why: &str| Err(format!("mount path `{path}`: {why}"));
+    if !path.starts_with('/') || path.len() < 2 {
+        return bad("not an absolute path below /");
+    }
+    if path.len() > 200 {
+        return bad("longer than 200 bytes");
+    }
+    if path.ends_with('/') || path.contains("//") {
+        return bad("has an empty component");
+    }
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+@".contains(c);
+    if !path.chars().all(plain) {
+        return bad("only letters, digits and / . _ - + @ are allowed");
+    }
+    if path.split('/').any(|c| c == "." || c == "..") {
+        return bad("has a `.` or `..` component");
+    }
+    let reserved = ["/proc", "/sys", "/dev", "/run", "/tmp", "/forkbox"];
+    if reserved
+        .iter()
+        .any(|r| path == *r || path.starts_with(&format!("{r}/")))
+    {
+        return bad("inside a file system the guest mounts itself");
+    }
+    Ok(())
+}
+
+/// Added to [`GUEST_CMDLINE`] for a VM with writable disks: where the
+/// agent mounts each, in order (`fbx-rw-N` by its serial).
+fn disks_cmdline(disks: &[DiskSpec]) -> String {
+    match disks.is_empty() {
+        true => String::new(),
+        false => {
+            let mounts: Vec<&str> = disks.iter().map(|d| d.mount.as_str()).collect();
+            format!(" forkbox.disks={}", mounts.join(","))
+        }
+    }
 }
 
 /// [`VmSpec::orphan_grace`] unless asked otherwise (and of a restored VM).
@@ -284,6 +339,7 @@ impl Default for VmSpec {
             network: None,
             orphan_grace: ORPHAN_GRACE,
             require_jail: false,
+            disks: Vec::new(),
         }
     }
 }
@@ -317,6 +373,9 @@ pub struct Vm {
     /// The VMM's own cgroup, where this host gives it one
     /// ([`crate::cgroup`]); removed once the VMM is reaped.
     cgroup: Option<VmCgroup>,
+    /// Its writable disks: a fork sends it a new top for each, and each
+    /// child one of its own; a snapshot, a file for each.
+    disks: u8,
 }
 
 impl Vm {
@@ -406,8 +465,9 @@ impl Vm {
     }
 
     /// Writes a snapshot of the VM into `dir` (created if missing: its
-    /// `memory` and `state.json`); the VM keeps its run state. Returns the
-    /// bytes written.
+    /// `memory`, `state.json` and a file per writable disk,
+    /// [`forkbox_vmm_api::snapshot_disk_file`]); the VM keeps its run
+    /// state. Returns the bytes written.
     ///
     /// The VMM writes into files opened here, under temporary names, and
     /// they are renamed into place once it answered: it reaches no path
@@ -430,19 +490,36 @@ impl Vm {
                 .map_err(|e| VmError::Io(io_context(e, &path)))?;
             Ok((file, path))
         };
-        let (memory, memory_tmp) = new(".memory.tmp")?;
-        let (state, state_tmp) = new(".state.json.tmp")?;
-        let bytes = self.control.snapshot(&memory, &state, then);
+        let mut names = vec!["memory".to_owned(), "state.json".to_owned()];
+        names.extend((0..usize::from(self.disks)).map(forkbox_vmm_api::snapshot_disk_file));
+        let mut files = Vec::new();
+        let mut renames = Vec::new();
+        for name in names {
+            let (file, tmp) = match new(&format!(".{name}.tmp")) {
+                Ok(made) => made,
+                Err(e) => {
+                    renames
+                        .iter()
+                        .for_each(|(tmp, _)| drop(std::fs::remove_file(tmp)));
+                    return Err(e);
+                }
+            };
+            files.push(file);
+            renames.push((tmp, dir.join(name)));
+        }
+        let bytes = self
+            .control
+            .snapshot(&files[0], &files[1], &files[2..], then);
         let bytes = match bytes {
             Ok(bytes) => bytes,
             Err(e) => {
-                let _ = std::fs::remove_file(&memory_tmp);
-                let _ = std::fs::remove_file(&state_tmp);
+                renames
+                    .iter()
+                    .for_each(|(tmp, _)| drop(std::fs::remove_file(tmp)));
                 return Err(e.into());
             }
         };
-        for (tmp, name) in [(memory_tmp, "memory"), (state_tmp, "state.json")] {
-            let to = dir.join(name);
+        for (tmp, to) in renames {
             std::fs::rename(&tmp, &to).map_err(|e| VmError::Io(io_context(e, &to)))?;
         }
         Ok(bytes)

@@ -146,6 +146,8 @@ pub(super) struct ChildPaths {
     pub(super) net_log: Option<PathBuf>,
     /// The child's own network broker (a VM with a network only).
     pub(super) net_broker: Option<PathBuf>,
+    /// Its writable disks (its parent's count): a new top for each.
+    pub(super) disks: u8,
 }
 
 impl ChildPaths {
@@ -159,6 +161,7 @@ impl ChildPaths {
             serial_log: Some(self.serial_log.clone()),
             net_log: self.net_log.clone(),
             net_broker: self.net_broker.clone(),
+            disks: self.disks,
         }
     }
 
@@ -195,8 +198,33 @@ impl ChildPaths {
             let links = BrokerLinks::connect(broker).map_err(err(broker))?;
             fds.extend([links.connector, links.resolver]);
         }
+        let dir = self.control.parent().unwrap_or(Path::new("."));
+        for _ in 0..self.disks {
+            fds.push(OwnedFd::from(unnamed_file(dir)?));
+        }
         Ok(fds)
     }
+}
+
+/// An empty file in `dir`, opened to read and write, that no path names
+/// (made and unlinked at once): a writable disk's top, whose blocks are
+/// freed when the last VMM holding it ends. In the VM's own directory,
+/// so on the file system that holds its other files.
+pub(super) fn unnamed_file(dir: &Path) -> Result<std::fs::File, VmError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut name = [0u8; 8];
+    rustix::rand::getrandom(&mut name, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| VmError::Io(e.into()))?;
+    let path = dir.join(format!(".top-{:016x}", u64::from_le_bytes(name)));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| VmError::Io(io_context(e, &path)))?;
+    std::fs::remove_file(&path).map_err(|e| VmError::Io(io_context(e, &path)))?;
+    Ok(file)
 }
 
 pub(super) fn paths_in(dir: &Path) -> ChildPaths {
@@ -206,6 +234,7 @@ pub(super) fn paths_in(dir: &Path) -> ChildPaths {
         serial_log: dir.join("serial.log"),
         net_log: None,
         net_broker: None,
+        disks: 0,
     }
 }
 

@@ -196,6 +196,7 @@ impl Machine {
                 pid: std::process::id(),
                 vcpus: self.hw.vcpus,
                 memory_mib: self.hw.memory_mib,
+                writable_disks: u8::try_from(self.disks.len()).unwrap_or(u8::MAX),
                 counters: Some(COUNTERS.snapshot()),
             })),
             Request::Pause => Outcome::Reply(reply(self.pause().map(|_| ()))),
@@ -210,15 +211,28 @@ impl Machine {
                 }),
                 Err(e) => Response::error(chain(e)),
             }),
-            Request::Snapshot { then } => Outcome::Reply(match carried_pair(fds) {
-                Err(e) => Response::error(e),
-                Ok([memory, state]) => {
-                    match self.snapshot(File::from(memory), File::from(state), then) {
-                        Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
-                        Err(e) => Response::error(chain(e)),
+            Request::Snapshot { then, disks } => {
+                // The memory's and the state's files, then the disks'.
+                let disk_files = fds.split_off(2.min(fds.len()));
+                Outcome::Reply(match carried_pair(fds) {
+                    Err(e) => Response::error(e),
+                    Ok(_) if usize::from(disks) != self.disks.len() => Response::error(format!(
+                        "this VM has {} writable disks, the request sends files for {disks}",
+                        self.disks.len()
+                    )),
+                    Ok(_) if disk_files.len() != usize::from(disks) => Response::error(format!(
+                        "the request says {disks} disk files and carries {}",
+                        disk_files.len()
+                    )),
+                    Ok([memory, state]) => {
+                        let disks = disk_files.into_iter().map(File::from).collect();
+                        match self.snapshot(File::from(memory), File::from(state), disks, then) {
+                            Ok(n) => Response::Snapshotted(Snapshotted { bytes_written: n }),
+                            Err(e) => Response::error(chain(e)),
+                        }
                     }
-                }
-            }),
+                })
+            }
             Request::Broker => Outcome::Reply(match carried_pair(fds) {
                 Err(e) => Response::error(e),
                 Ok([connector, resolver]) => {
@@ -230,7 +244,11 @@ impl Machine {
                     Response::Done
                 }
             }),
-            Request::Fork { children, then } => match self.fork(&children, then, fds) {
+            Request::Fork {
+                children,
+                then,
+                disks,
+            } => match self.fork(&children, then, disks, fds) {
                 Ok(o) => o,
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
@@ -351,8 +369,11 @@ mod tests {
         // More than a fork request takes, however they come: refused.
         send(&client, b"x", MAX_FDS_PER_REQUEST - 2);
         assert!(recv_with_fds(&vmm, &mut buf, &mut fds).is_err());
+        // The most one message can carry (the kernel's SCM_MAX_FD) is taken.
+        let (client, vmm) = UnixStream::pair().expect("socketpair");
         let mut fresh = Vec::new();
-        send(&client, b"y", MAX_FDS_PER_REQUEST + 1);
-        assert!(recv_with_fds(&vmm, &mut buf, &mut fresh).is_err());
+        send(&client, b"y", MAX_FDS_PER_REQUEST);
+        recv_with_fds(&vmm, &mut buf, &mut fresh).expect("a whole message");
+        assert_eq!(fresh.len(), MAX_FDS_PER_REQUEST);
     }
 }

@@ -41,6 +41,8 @@ struct ChildFds {
     serial_log: Option<OwnedFd>,
     end_note: OwnedFd,
     broker: Option<BrokerLinks>,
+    /// Its writable disks' tops.
+    disks: Vec<File>,
 }
 
 impl ChildFds {
@@ -66,6 +68,9 @@ impl ChildFds {
             }),
             _ => None,
         };
+        let disks = (0..spec.disks)
+            .map(|_| fds.next().map(File::from))
+            .collect::<Option<Vec<File>>>()?;
         Some(ChildFds {
             cgroup,
             control,
@@ -73,10 +78,12 @@ impl ChildFds {
             serial_log,
             end_note,
             broker,
+            disks,
         })
     }
 
-    /// The descriptors the child keeps open (its cgroup's is spent).
+    /// The descriptors the child keeps open (its cgroup's is spent; its
+    /// disks' tops go to its disks, which say what they keep).
     fn kept(&self) -> Vec<RawFd> {
         let broker = self.broker.as_ref();
         [
@@ -95,21 +102,33 @@ impl ChildFds {
 }
 
 impl Machine {
-    /// Forks one child per spec; `fds` are the endpoints the request
-    /// carried for them ([`ChildSpec::carried`]), in their order.
+    /// Forks one child per spec; `fds` are the parent's new tops of its
+    /// `disks` writable disks, then the endpoints the request carried for
+    /// the children ([`ChildSpec::carried`]), in their order.
     pub(super) fn fork(
         &mut self,
         children: &[ChildSpec],
         then: Then,
+        disks: u8,
         fds: &mut Vec<OwnedFd>,
     ) -> Result<Outcome, VmError> {
-        let needed = children.iter().map(ChildSpec::carried).sum();
+        let needed = usize::from(disks) + children.iter().map(ChildSpec::carried).sum::<usize>();
         if needed != fds.len() {
             let carried = fds.len();
             fds.clear();
             return Err(VmError::ChildFds { needed, carried });
         }
+        let want = self.disks.len();
+        let wrong = std::iter::once(disks).chain(children.iter().map(|c| c.disks));
+        if let Some(got) = wrong.into_iter().find(|&d| usize::from(d) != want) {
+            fds.clear();
+            return Err(VmError::WritableCount {
+                got: usize::from(got),
+                want,
+            });
+        }
         let mut fds = std::mem::take(fds).into_iter();
+        let new_tops: Vec<File> = fds.by_ref().take(want).map(File::from).collect();
         let carried: Vec<ChildFds> = children
             .iter()
             .map_while(|c| ChildFds::take(c, &mut fds))
@@ -118,6 +137,18 @@ impl Machine {
         let vcpus = self.pause()?;
         let paused = started.elapsed();
         let saved = self.capture(vcpus)?;
+        // Memory and disks of one instant: the devices serve nothing while
+        // paused, and the children inherit the frozen layers.
+        for (i, (disk, top)) in self.disks.iter().zip(new_tops).enumerate() {
+            let base = self.hw.writable[i].base.clone();
+            forkbox_devices::virtio::block::lock(disk)
+                .freeze(top)
+                .map_err(|source| VmError::WritableDisk {
+                    index: i,
+                    base,
+                    source,
+                })?;
+        }
         tracing::debug!(?paused, captured = ?started.elapsed(), "fork: state captured");
         // Fork every child first, then wait for all: they restore in
         // parallel (KVM_CREATE_VM dominates a child's start).
@@ -215,9 +246,28 @@ impl Machine {
 /// In a fork child: forget the parent's objects (their descriptors are the
 /// parent's open files), close every inherited descriptor but guest RAM's,
 /// and rebuild the VM from the captured state over the inherited mapping.
-pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
+pub(super) fn become_child(parent: Machine, mut plan: Box<ChildPlan>) -> Machine {
     let ram = Arc::clone(&parent.ram);
     let echo = parent.endpoints.echo;
+    // Its disks: its parent's layers and map (this process's copy), its own
+    // tops. Done before the inherited descriptors are closed, so that the
+    // parent's new top (a descriptor number about to be closed, then
+    // reused) is dropped while it is still that file.
+    let disks = parent.disks.clone();
+    let tops = std::mem::take(&mut plan.fds.disks);
+    for (i, (disk, top)) in disks.iter().zip(tops).enumerate() {
+        if let Err(source) = forkbox_devices::virtio::block::lock(disk).with_top(top) {
+            let base = parent.hw.writable[i].base.clone();
+            let msg = chain(VmError::WritableDisk {
+                index: i,
+                base,
+                source,
+            });
+            tracing::error!("fork child: {msg}");
+            fork::report_failure(plan.ready, &msg);
+            std::process::exit(api::exit_code::VMM_ERROR);
+        }
+    }
     // Its own log (or none), its own broker (which sends the child's
     // policy) where its parent has one.
     let net = parent.endpoints.net.clone().map(|n| crate::net::NetConfig {
@@ -232,6 +282,10 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
     keep.extend([0, 1, 2, plan.ready.as_raw_fd()]);
     keep.extend(crate::opened::fds());
     keep.extend(plan.fds.kept());
+    for disk in &disks {
+        let disk = forkbox_devices::virtio::block::lock(disk);
+        keep.extend(disk.files().map(AsRawFd::as_raw_fd));
+    }
     fork::close_inherited(&keep);
     crate::net::forget_relinks();
     crate::counters::COUNTERS.reset();
@@ -249,15 +303,18 @@ pub(super) fn become_child(parent: Machine, plan: Box<ChildPlan>) -> Machine {
         sides: HostSides {
             vsock: vsock.map(UnixListener::from),
             broker,
+            disks,
         },
         serial_log: serial_log.map(File::from),
         end_note: Some(File::from(end_note)),
+        tops: Vec::new(),
         names: Endpoints {
             control: Some(plan.spec.control.clone()),
             vsock_uds: plan.spec.vsock_uds.clone(),
             serial_log: plan.spec.serial_log.clone(),
             echo,
             net,
+            writable_tops: Vec::new(),
         },
     };
     if test_child(FAIL_CHILD_ENV, plan.ordinal) {
@@ -328,6 +385,7 @@ mod tests {
             net_log: None,
             net_broker: full.then(|| "/b".into()),
             joins_cgroup: full,
+            disks: if full { 2 } else { 0 },
         }
     }
 
@@ -349,11 +407,14 @@ mod tests {
             Some(first.end_note.as_raw_fd()),
             Some(broker.connector.as_raw_fd()),
             Some(broker.resolver.as_raw_fd()),
+            Some(first.disks[0].as_raw_fd()),
+            Some(first.disks[1].as_raw_fd()),
             Some(second.control.as_raw_fd()),
             Some(second.end_note.as_raw_fd()),
         ];
         assert_eq!(got.map(Option::unwrap_or_default).to_vec(), raw);
         assert!(second.cgroup.is_none() && second.vsock.is_none() && second.broker.is_none());
+        assert!(second.disks.is_empty());
         // What the child keeps: all but its cgroup's, spent on joining it.
         assert_eq!(first.kept(), raw[1..7].to_vec());
         // Too few: no child is made of a part of its descriptors.

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use forkbox_devices::virtio::overlay::{Overlay, OverlayError, Run};
 use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
@@ -156,6 +157,27 @@ pub enum VmError {
     VcpuCount { saved: usize, hardware: u8 },
     #[error("guest memory is shared with another owner")]
     RamShared,
+    #[error("cannot open the writable disk's top {path}")]
+    WritableTop {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writable disk {index} ({base})")]
+    WritableDisk {
+        index: usize,
+        base: PathBuf,
+        #[source]
+        source: OverlayError,
+    },
+    #[error("{got} tops for {want} writable disks")]
+    WritableCount { got: usize, want: usize },
+    #[error("cannot read the snapshot's file of writable disk {index}")]
+    WritableSaved {
+        index: usize,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -176,6 +198,8 @@ pub struct Endpoints {
     pub echo: Echo,
     /// The network's policy, broker and log (a VM with a net device).
     pub net: Option<crate::net::NetConfig>,
+    /// Empty files, one per writable disk: where its writes go.
+    pub writable_tops: Vec<PathBuf>,
 }
 
 impl Endpoints {
@@ -216,6 +240,11 @@ impl Endpoints {
             }
             None => None,
         };
+        let tops = self
+            .writable_tops
+            .iter()
+            .map(|path| open_top(path))
+            .collect::<Result<Vec<File>, VmError>>()?;
         let broker = match self.net.as_ref().and_then(|n| n.broker.as_ref()) {
             Some(path) => Some(BrokerLinks::connect(path).map_err(|source| {
                 VmError::Devices(virtio::DeviceError::Net(crate::net::NetError::Broker {
@@ -227,12 +256,34 @@ impl Endpoints {
         };
         Ok(Opened {
             control,
-            sides: HostSides { vsock, broker },
+            sides: HostSides {
+                vsock,
+                broker,
+                disks: Vec::new(),
+            },
             serial_log,
             end_note,
+            tops,
             names: self,
         })
     }
+}
+
+/// A writable disk's top: the empty file at `path`, opened to read and
+/// write and unlinked, so that its blocks are freed when the last VMM
+/// holding it (this one, its fork children) ends.
+fn open_top(path: &Path) -> Result<File, VmError> {
+    let err = |source| VmError::WritableTop {
+        path: path.to_owned(),
+        source,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(err)?;
+    std::fs::remove_file(path).map_err(err)?;
+    Ok(file)
 }
 
 /// A VM's host-side endpoints, open: what [`Endpoints::open`] opened, or
@@ -246,19 +297,21 @@ pub struct Opened {
     pub serial_log: Option<File>,
     /// Where the VMM notes how its VM ended.
     pub end_note: Option<File>,
+    /// The writable disks' tops, in order (the disks are built of them).
+    pub tops: Vec<File>,
     pub names: Endpoints,
 }
 
 impl Opened {
-    /// What the machine keeps, the serial console's log, and the
-    /// devices' host sides.
-    fn split(self) -> (Kept, Option<File>, HostSides) {
+    /// What the machine keeps, the serial console's log, the devices'
+    /// host sides, and the writable disks' tops.
+    fn split(self) -> (Kept, Option<File>, HostSides, Vec<File>) {
         let kept = Kept {
             endpoints: self.names,
             control: self.control,
             end_note: self.end_note,
         };
-        (kept, self.serial_log, self.sides)
+        (kept, self.serial_log, self.sides, self.tops)
     }
 }
 
@@ -319,6 +372,9 @@ pub struct Machine {
     /// had none.
     owners: usize,
     unowned: orphan::Unowned,
+    /// The writable disks, shared with their devices: frozen at a fork,
+    /// saved in a snapshot, while the devices serve nothing.
+    disks: Vec<Arc<Mutex<Overlay>>>,
     /// The VM-wide state (irqchip, PIT, kvmclock) read in the same pause as
     /// the vCPUs' states, kept while the VM stays paused: a zygote forked
     /// minutes after its bake gives every child the clock and the TSC of
@@ -395,7 +451,8 @@ fn open_serial(
 fn device_specs(hw: &Hardware, endpoints: &Endpoints) -> Result<Vec<DeviceSpec>, VmError> {
     let layers = (!hw.layers.is_empty()).then(|| DeviceSpec::Layers(hw.layers.clone()));
     let disks = hw.disks.iter().cloned().map(DeviceSpec::Block);
-    let mut specs: Vec<DeviceSpec> = layers.into_iter().chain(disks).collect();
+    let writable = (0..hw.writable.len()).map(DeviceSpec::Writable);
+    let mut specs: Vec<DeviceSpec> = layers.into_iter().chain(disks).chain(writable).collect();
     if hw.vsock {
         let uds = endpoints
             .vsock_uds
@@ -428,8 +485,43 @@ struct Parts {
     pio: Arc<PortBus>,
     tail: Arc<Mutex<TailBuffer>>,
     slots: Vec<VirtioSlot>,
+    disks: Vec<Arc<Mutex<Overlay>>>,
     vcpus: Vec<(VcpuFd, Vec<kvm_bindings::kvm_cpuid_entry2>)>,
     msr_indices: Arc<Vec<u32>>,
+}
+
+/// Writable disk `index`: `base` (opened once for the process tree, as
+/// the read-only disks are) under `top`, with the blocks a snapshot's
+/// file holds (`saved`: the file and its runs) between them.
+fn writable_disk(
+    index: usize,
+    base: &Path,
+    top: File,
+    saved: Option<(File, &[Run])>,
+) -> Result<Arc<Mutex<Overlay>>, VmError> {
+    let err = |source| VmError::WritableDisk {
+        index,
+        base: base.to_owned(),
+        source,
+    };
+    let base_file = crate::opened::disk(base).map_err(|e| err(OverlayError::Io(e)))?;
+    let overlay = match saved {
+        Some((file, runs)) => Overlay::restored(base_file, file, runs, top),
+        None => Overlay::new(base_file, top),
+    }
+    .map_err(err)?;
+    Ok(Arc::new(Mutex::new(overlay)))
+}
+
+/// Checks that `tops` has one top per writable disk of `hw`.
+fn check_tops(hw: &Hardware, tops: &[File]) -> Result<(), VmError> {
+    if tops.len() != hw.writable.len() {
+        return Err(VmError::WritableCount {
+            got: tops.len(),
+            want: hw.writable.len(),
+        });
+    }
+    Ok(())
 }
 
 impl Machine {
@@ -439,15 +531,32 @@ impl Machine {
         let layout = MemoryLayout::new(cfg.memory_mib * MIB);
         let ram = GuestRam::new(&layout)?;
         let vm = create_vm(&kvm, &ram)?;
-        let (kept, serial_log, sides) = opened.split();
+        let (kept, serial_log, mut sides, tops) = opened.split();
         let hw = Hardware {
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
             layers: cfg.layers.clone(),
             disks: cfg.disks.clone(),
+            writable: cfg
+                .writable
+                .iter()
+                .map(|base| state::WritableDisk {
+                    base: base.clone(),
+                    saved: Vec::new(),
+                })
+                .collect(),
             vsock: cfg.vsock_uds.is_some(),
             net: cfg.net.is_some(),
         };
+        check_tops(&hw, &tops)?;
+        sides.disks = cfg
+            .writable
+            .iter()
+            .zip(tops)
+            .enumerate()
+            .map(|(i, (base, top))| writable_disk(i, base, top, None))
+            .collect::<Result<_, _>>()?;
+        let disks = sides.disks.clone();
         let (pio, tail) = open_serial(&vm, serial_log, kept.endpoints.echo, None)?;
         let slots = virtio::create(&device_specs(&hw, &kept.endpoints)?, ram.memory(), sides)?;
 
@@ -501,6 +610,7 @@ impl Machine {
             pio,
             tail,
             slots,
+            disks,
             vcpus,
             msr_indices,
         })
@@ -508,14 +618,27 @@ impl Machine {
 
     /// Rebuilds a VM from `state` over `ram`: the one code path of a fork
     /// child (`ram` is the inherited mapping, now copy-on-write) and of
-    /// `--restore` (`ram` maps the snapshot's memory file).
+    /// `--restore` (`ram` maps the snapshot's memory file). Its writable
+    /// disks come built in `opened.sides` (a fork child's from its
+    /// parent's, a snapshot's from its files: [`run_restore`]).
     pub fn restore(
         ram: Arc<GuestRam>,
         saved: &MachineState,
         opened: Opened,
     ) -> Result<Machine, VmError> {
-        let (kept, serial_log, sides) = opened.split();
-        let hw = saved.hardware.clone();
+        let (kept, serial_log, sides, _) = opened.split();
+        let mut hw = saved.hardware.clone();
+        if sides.disks.len() != hw.writable.len() {
+            return Err(VmError::WritableCount {
+                got: sides.disks.len(),
+                want: hw.writable.len(),
+            });
+        }
+        // The saved runs were the snapshot's; from here the disks know.
+        for w in &mut hw.writable {
+            w.saved.clear();
+        }
+        let disks = sides.disks.clone();
         if saved.vcpus.len() != usize::from(hw.vcpus) {
             return Err(VmError::VcpuCount {
                 saved: saved.vcpus.len(),
@@ -564,6 +687,7 @@ impl Machine {
             pio,
             tail,
             slots,
+            disks,
             vcpus,
             msr_indices,
         })
@@ -627,6 +751,7 @@ impl Machine {
             pio: p.pio,
             tail: p.tail,
             slots: p.slots,
+            disks: p.disks,
             dev_epoll,
             // Every device once at the start: a restored or forked device
             // may hold work whose kick went to the old process.
@@ -767,5 +892,21 @@ pub fn run_restore(dir: &Path, opened: Opened) -> Result<VmExit, VmError> {
     let saved = MachineState::from_json(&bytes)?;
     let layout = MemoryLayout::new(saved.hardware.memory_mib * MIB);
     let ram = GuestRam::from_file(&layout, &dir.join("memory"))?;
+    let mut opened = opened;
+    let tops = std::mem::take(&mut opened.tops);
+    check_tops(&saved.hardware, &tops)?;
+    opened.sides.disks = saved
+        .hardware
+        .writable
+        .iter()
+        .zip(tops)
+        .enumerate()
+        .map(|(i, (w, top))| {
+            let path = dir.join(api::snapshot_disk_file(i));
+            let file =
+                File::open(&path).map_err(|source| VmError::WritableSaved { index: i, source })?;
+            writable_disk(i, &w.base, top, Some((file, &w.saved)))
+        })
+        .collect::<Result<_, _>>()?;
     Machine::restore(Arc::new(ram), &saved, opened)?.run()
 }

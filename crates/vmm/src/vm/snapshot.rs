@@ -94,18 +94,19 @@ impl Machine {
         Ok(copied)
     }
 
-    /// Writes the snapshot into `memory` and `state` (empty files the
-    /// asker opened and will name).
+    /// Writes the snapshot into `memory`, `state` and `disks`, one per
+    /// writable disk (empty files the asker opened and will name).
     pub(super) fn snapshot(
         &mut self,
         memory: File,
         state: File,
+        disks: Vec<File>,
         then: Then,
     ) -> Result<u64, VmError> {
         let captured = self.pause()?;
         let result = match self.vcpus.pause() {
             // Paused already: the proof, at once.
-            Ok((_, paused)) => self.write_snapshot(memory, state, captured, &paused),
+            Ok((_, paused)) => self.write_snapshot(memory, state, disks, captured, &paused),
             Err(e) => Err(e.into()),
         };
         if then == Then::Resume {
@@ -114,24 +115,38 @@ impl Machine {
         result
     }
 
-    /// Writes guest memory into `memory` (sparse) and the state, as JSON,
-    /// into `state`. They are new files the asker renames into place once
-    /// answered: the snapshot may replace the one this VM was restored
-    /// from, whose `memory` file is mapped here (truncating it in place
-    /// would fault the guest).
+    /// Writes guest memory into `memory` (sparse), each writable disk's
+    /// blocks above its base into its file of `disks` (sparse; their runs go
+    /// into the state), and the state, as JSON, into `state`. They are new
+    /// files the asker renames into place once answered: the snapshot may
+    /// replace the one this VM was restored from, whose `memory` file is
+    /// mapped here (truncating it in place would fault the guest), and
+    /// whose disk files are layers of its disks.
     pub(super) fn write_snapshot(
         &self,
         memory: File,
         mut state: File,
+        disks: Vec<File>,
         captured: (Vec<VcpuState>, VmState),
         paused: &Paused<'_>,
     ) -> Result<u64, VmError> {
-        let saved = self.capture(captured)?;
+        let mut saved = self.capture(captured)?;
         let werr = |what: &'static str| move |source| VmError::SnapshotWrite { what, source };
         let total: u64 = self.ram.memory().iter().map(|r| r.len()).sum();
         memory.set_len(total).map_err(werr("memory"))?;
         let mut written = self.ram.write_sparse_to(&memory, paused)?;
         memory.sync_all().map_err(werr("memory"))?;
+        for ((disk, file), hw) in self
+            .disks
+            .iter()
+            .zip(&disks)
+            .zip(&mut saved.hardware.writable)
+        {
+            let disk = forkbox_devices::virtio::block::lock(disk);
+            hw.saved = disk.save(file).map_err(werr("disk"))?;
+            let blocks: u64 = hw.saved.iter().map(|(_, n)| n).sum();
+            written += blocks * forkbox_devices::virtio::overlay::BLOCK;
+        }
         let json = saved.to_json()?;
         state.write_all(&json).map_err(werr("state"))?;
         state.sync_all().map_err(werr("state"))?;
