@@ -46,7 +46,7 @@ fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
         return Err(VolumeError::Size(size_mib));
     }
     let dir = dir.to_owned();
-    let path = dir.join(format!("empty-ext4-{size_mib}m.img"));
+    let path = dir.join(format!("empty-ext4-4k-{size_mib}m.img"));
     if path.exists() {
         return Ok(path);
     }
@@ -56,7 +56,7 @@ fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
     };
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     // Another process making the same volume: wait for it.
-    let lock_path = dir.join(format!(".empty-ext4-{size_mib}m.lock"));
+    let lock_path = dir.join(format!(".empty-ext4-4k-{size_mib}m.lock"));
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -69,7 +69,18 @@ fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
     }
     let staging = cache::staging_path(&path);
     let out = Command::new("mke2fs")
-        .args(["-q", "-t", "ext4", "-m", "0", "-L", "forkbox-disk"])
+        // 4 KiB blocks whatever the size: the disk's logical block size.
+        .args([
+            "-q",
+            "-t",
+            "ext4",
+            "-b",
+            "4096",
+            "-m",
+            "0",
+            "-L",
+            "forkbox-disk",
+        ])
         .args([
             "-E",
             "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0",

@@ -24,12 +24,14 @@ use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, ExitStatus, FileKind, OutputStream, User};
 use libtest_mimic::{Arguments, Failed, Trial};
 
+mod disks;
 mod exec;
 mod fork;
 mod images;
 mod machine;
 mod net;
 
+use disks::*;
 use exec::*;
 use fork::*;
 use images::*;
@@ -394,6 +396,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         (
             "image_layered_root_boots_stacks_and_forks",
             image_layered_root_boots_stacks_and_forks,
+        ),
+        (
+            "disk_writable_forks_with_memory_and_holds_only_written_blocks",
+            disk_writable_forks_with_memory_and_holds_only_written_blocks,
         ),
     ];
     tests
