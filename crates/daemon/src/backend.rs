@@ -5,14 +5,16 @@
 //! Every method here blocks (boots take seconds); the service calls them on
 //! `tokio::task::spawn_blocking`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{RwLock, TryLockError};
 use std::time::Duration;
 
 use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::control::Control;
 use forkbox_host::image::ImageName;
-use forkbox_host::vm::{Assets, Expected, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec};
+use forkbox_host::vm::{
+    Assets, DiskSpec, Expected, RootImage, Vm, VmEnd, VmError, VmHandle, VmSpec,
+};
 pub use forkbox_host::vm::{ForkOptions, NetworkSpec};
 use forkbox_net::policy::Policy;
 use forkbox_proto::client::AgentClient;
@@ -28,6 +30,7 @@ pub struct BackendVmSpec {
     pub memory_mib: u32,
     pub boot_timeout: Duration,
     pub network: NetworkSpec,
+    pub disks: Vec<crate::template::TemplateDisk>,
 }
 
 /// Why the backend failed: always the infrastructure's fault, never the
@@ -58,6 +61,8 @@ pub enum BackendError {
     },
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
+    #[error("making a writable disk's volume")]
+    Volume(#[source] forkbox_host::volume::VolumeError),
 }
 
 /// Makes VMs.
@@ -92,6 +97,9 @@ pub trait Backend: Send + Sync + 'static {
     /// A snapshot's state from another host (a pulled template) made to
     /// name this host's files of `expect`'s image.
     fn rebase(&self, state: &[u8], expect: &Expected) -> Result<Vec<u8>, BackendError>;
+    /// The golden volume of a writable disk (made once per size, and the
+    /// same bytes wherever the same e2fsprogs makes it). Blocking.
+    fn volume(&self, disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError>;
 }
 
 /// One running VM as the daemon drives it (the VMM crate's `Machine` is
@@ -187,7 +195,16 @@ impl Backend for VmBackend {
             network: Some(spec.network.clone()),
             orphan_grace: self.orphan_grace,
             require_jail: self.require_jail,
-            disks: Vec::new(),
+            disks: spec
+                .disks
+                .iter()
+                .map(|d| {
+                    Ok(DiskSpec {
+                        base: self.volume(d)?,
+                        mount: d.path.clone(),
+                    })
+                })
+                .collect::<Result<_, BackendError>>()?,
         };
         let vm = Vm::boot(&self.assets, &vm_spec).map_err(BackendError::Boot)?;
         Ok(ForkboxVm::boxed(vm))
@@ -223,6 +240,10 @@ impl Backend for VmBackend {
 
     fn rebase(&self, state: &[u8], expect: &Expected) -> Result<Vec<u8>, BackendError> {
         expect.rebase(state).map_err(BackendError::Restore)
+    }
+
+    fn volume(&self, disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError> {
+        forkbox_host::volume::empty_ext4(disk.size_mib).map_err(BackendError::Volume)
     }
 }
 
@@ -646,6 +667,10 @@ pub(crate) mod fake {
 
         fn rebase(&self, state: &[u8], _expect: &Expected) -> Result<Vec<u8>, BackendError> {
             Ok(state.to_vec())
+        }
+
+        fn volume(&self, disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError> {
+            Ok(PathBuf::from(format!("/fake/volume-{}m", disk.size_mib)))
         }
     }
 

@@ -196,6 +196,28 @@ pub struct TemplateSpec {
     /// sandbox of the template has it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub run_image_cmd: bool,
+    /// Writable disks (at most 4), mounted before the setup commands run:
+    /// what the setup writes there is in every sandbox of the template.
+    /// Each sandbox's writes are its own, a fork's children start from
+    /// its disk at the instant of its memory, and unchanged blocks are
+    /// shared: only what a sandbox writes takes host disk, and it is
+    /// gone with the sandbox.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<TemplateDisk>,
+}
+
+/// A writable disk of a template's sandboxes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateDisk {
+    /// Where the guest mounts it: an absolute path of letters, digits and
+    /// `/ . _ - + @`, not under `/proc`, `/sys`, `/dev`, `/run` or `/tmp`
+    /// (made if missing; root's, mode 0755: a setup command may `chown`
+    /// it to the sandbox's user).
+    pub path: String,
+    /// Its size in MiB (16 to 1048576): an empty ext4 file system.
+    #[schema(minimum = 16, maximum = 1048576)]
+    pub size_mib: u32,
 }
 
 fn default_vcpus() -> u8 {
@@ -352,6 +374,8 @@ pub enum TemplateError {
     BadLimits(String),
     #[error("run_image_cmd: image {0:?} has no `Entrypoint` or `Cmd` to run")]
     NoImageCmd(String),
+    #[error("disks: {0}")]
+    BadDisk(String),
 }
 
 /// Most paths a template may protect.
@@ -375,6 +399,7 @@ impl TemplateSpec {
             protect: Vec::new(),
             limits: SandboxLimits::default(),
             run_image_cmd: false,
+            disks: Vec::new(),
         }
     }
 
@@ -459,6 +484,37 @@ impl TemplateSpec {
                 return Err(TemplateError::BadProtectedPath(p.clone()));
             }
         }
+        self.validate_disks()
+    }
+
+    fn validate_disks(&self) -> Result<(), TemplateError> {
+        use forkbox_host::volume::{MAX_MIB, MIN_MIB};
+        let max = usize::from(forkbox_host::vm::MAX_WRITABLE_DISKS);
+        if self.disks.len() > max {
+            return Err(TemplateError::BadDisk(format!(
+                "{} disks: at most {max}",
+                self.disks.len()
+            )));
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            forkbox_host::vm::check_mount_path(&d.path).map_err(TemplateError::BadDisk)?;
+            if !(MIN_MIB..=MAX_MIB).contains(&d.size_mib) {
+                return Err(TemplateError::BadDisk(format!(
+                    "{}: size_mib {}: expected {MIN_MIB} to {MAX_MIB}",
+                    d.path, d.size_mib
+                )));
+            }
+            let nested = |a: &str, b: &str| a == b || b.starts_with(&format!("{a}/"));
+            if let Some(other) = self.disks[..i]
+                .iter()
+                .find(|o| nested(&o.path, &d.path) || nested(&d.path, &o.path))
+            {
+                return Err(TemplateError::BadDisk(format!(
+                    "{} and {}: one disk's path may not be the other's or inside it",
+                    other.path, d.path
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -475,6 +531,7 @@ impl TemplateSpec {
                 // In the VM's own directory: the bake's log is nobody's.
                 egress_log: None,
             },
+            disks: self.disks.clone(),
         }
     }
 
@@ -522,6 +579,40 @@ mod tests {
             .expect("sh")
             .code()
             .unwrap_or(-1)
+    }
+
+    #[test]
+    fn template_disks_are_checked_paths_sizes_counts_and_nesting() {
+        let with = |disks: &[(&str, u32)]| TemplateSpec {
+            disks: disks
+                .iter()
+                .map(|&(path, size_mib)| TemplateDisk {
+                    path: path.into(),
+                    size_mib,
+                })
+                .collect(),
+            ..TemplateSpec::builtin(ImageName::Minimal)
+        };
+        with(&[("/var/lib/docker", 4096), ("/workspace", 16)])
+            .validate()
+            .expect("two plain disks");
+        for bad in [
+            &[("relative", 64)][..],
+            &[("/", 64)],
+            &[("/data/../etc", 64)],
+            &[("/proc/x", 64)],
+            &[("/tmp", 64)],
+            &[("/a b", 64)],
+            &[("/a,b", 64)],
+            &[("/data", 8)],
+            &[("/data", (1 << 20) + 1)],
+            &[("/data", 64), ("/data/sub", 64)],
+            &[("/data", 64), ("/data", 64)],
+            &[("/a", 64), ("/b", 64), ("/c", 64), ("/d", 64), ("/e", 64)],
+        ] {
+            let e = with(bad).validate().expect_err("refused");
+            assert!(matches!(e, TemplateError::BadDisk(_)), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -27,6 +27,9 @@ use serde::{Deserialize, Serialize};
 /// [network]                 # egress while it bakes only; default: none
 /// allow_out = ["deb.debian.org:80", "*.pythonhosted.org:443"]
 /// deny_out = []
+/// [[disks]]                 # writable disks (at most 4), mounted before setup
+/// path = "/var/lib/docker"
+/// size_mib = 8192           # an empty ext4; only written blocks take host disk
 /// ```
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,6 +64,18 @@ pub struct TemplateFile {
     /// after setup, before the readiness check.
     #[serde(default)]
     pub run_image_cmd: bool,
+    /// Writable disks, mounted before the setup commands run.
+    #[serde(default)]
+    pub disks: Vec<TemplateDisk>,
+}
+
+/// A writable disk (forkboxd's `TemplateDisk`): an empty ext4 file system
+/// of `size_mib` MiB mounted at `path`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateDisk {
+    pub path: String,
+    pub size_mib: u32,
 }
 
 /// The host resources one sandbox may take (forkboxd's `SandboxLimits`):
@@ -109,6 +124,8 @@ pub struct TemplateSpec {
     pub limits: Option<SandboxLimits>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub run_image_cmd: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<TemplateDisk>,
 }
 
 impl TemplateFile {
@@ -142,6 +159,7 @@ impl TemplateFile {
             protect: self.protect,
             limits: self.limits,
             run_image_cmd: self.run_image_cmd,
+            disks: self.disks,
         })
     }
 }
@@ -168,6 +186,9 @@ memory_mib = 768
 A = "1"
 [network]
 allow_out = ["deb.debian.org:80"]
+[[disks]]
+path = "/var/lib/docker"
+size_mib = 4096
 "#,
         )
         .expect("parse");
@@ -181,7 +202,8 @@ allow_out = ["deb.debian.org:80"]
                 "envs": {"A": "1"},
                 "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []},
                 "protect": ["/task/tests"],
-                "limits": {"cpus": 1.5, "memory_mib": 768}
+                "limits": {"cpus": 1.5, "memory_mib": 768},
+                "disks": [{"path": "/var/lib/docker", "size_mib": 4096}]
             })
         );
     }
@@ -229,6 +251,8 @@ allow_out = ["deb.debian.org:80"]
             "image = \"debian\"\nsetup = \"one\"\n",
             "image = \"debian\"\n[network]\nallow = [\"a.org\"]\n",
             "image = \"debian\"\n[network]\nallow_out = \"a.org\"\n",
+            "image = \"debian\"\n[[disks]]\npath = \"/d\"\n",
+            "image = \"debian\"\n[[disks]]\npath = \"/d\"\nsize = 16\n",
         ] {
             assert!(TemplateFile::parse(bad).is_err(), "{bad}");
         }

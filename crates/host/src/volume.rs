@@ -4,6 +4,11 @@
 //! disk); every VM whose disk starts empty shares that one file, and only
 //! the blocks a VM writes cost it host disk (`forkbox_devices`' overlay).
 //!
+//! It is made the same way every time by the same e2fsprogs (a fixed
+//! UUID, hash seed and time), and named by that version: a snapshot's
+//! disk holds only the blocks its VM changed, which must sit on the very
+//! bytes they were written over, after a cache is cleared too.
+//!
 //! Its inode tables are left for the kernel to initialise lazily
 //! (`lazy_itable_init`), which the guest is told not to do
 //! (`noinit_itable` when the agent mounts it): otherwise every sandbox
@@ -40,13 +45,35 @@ pub fn empty_ext4(size_mib: u32) -> Result<PathBuf, VolumeError> {
     empty_ext4_in(&cache::root().join("volumes"), size_mib)
 }
 
+/// The version of `mke2fs` (`1.47.0`), asked once.
+fn mke2fs_version() -> Result<String, VolumeError> {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(v) = VERSION.get() {
+        return Ok(v.clone());
+    }
+    let out = Command::new("mke2fs")
+        .arg("-V")
+        .output()
+        .map_err(VolumeError::Spawn)?;
+    // "mke2fs 1.47.0 (5-Feb-2023)" on stderr.
+    let text = String::from_utf8_lossy(&out.stderr).into_owned();
+    let version = text
+        .split_whitespace()
+        .nth(1)
+        .filter(|v| v.chars().all(|c| c.is_ascii_alphanumeric() || c == '.'))
+        .unwrap_or("unknown")
+        .to_owned();
+    Ok(VERSION.get_or_init(|| version).clone())
+}
+
 /// [`empty_ext4`] in `dir`.
 fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
     if !(MIN_MIB..=MAX_MIB).contains(&size_mib) {
         return Err(VolumeError::Size(size_mib));
     }
     let dir = dir.to_owned();
-    let path = dir.join(format!("empty-ext4-4k-{size_mib}m.img"));
+    let version = mke2fs_version()?;
+    let path = dir.join(format!("empty-ext4-{version}-{size_mib}m.img"));
     if path.exists() {
         return Ok(path);
     }
@@ -56,7 +83,7 @@ fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
     };
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     // Another process making the same volume: wait for it.
-    let lock_path = dir.join(format!(".empty-ext4-4k-{size_mib}m.lock"));
+    let lock_path = dir.join(format!(".empty-ext4-{version}-{size_mib}m.lock"));
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -83,8 +110,10 @@ fn empty_ext4_in(dir: &Path, size_mib: u32) -> Result<PathBuf, VolumeError> {
         ])
         .args([
             "-E",
-            "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0",
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0,\
+             hash_seed=6f726b62-6f78-4000-8000-686173680000",
         ])
+        .args(["-U", "6f726b62-6f78-4000-8000-766f6c756d65"])
         .arg(&staging)
         .arg(format!("{size_mib}M"))
         .env("E2FSPROGS_FAKE_TIME", "1")
@@ -112,16 +141,23 @@ mod tests {
     #[test]
     fn an_empty_volume_is_made_once_sparse_and_read_only() {
         let cache = tempfile::tempdir().expect("tempdir");
-        let path = empty_ext4_in(cache.path(), 1024).expect("made");
+        let path = empty_ext4_in(cache.path(), 64).expect("made");
         let meta = std::fs::metadata(&path).expect("metadata");
-        assert_eq!(meta.len(), 1024 << 20);
+        assert_eq!(meta.len(), 64 << 20);
         assert!(
             meta.blocks() * 512 < 32 << 20,
             "{} bytes held",
             meta.blocks() * 512
         );
         assert!(meta.permissions().readonly());
-        let again = empty_ext4_in(cache.path(), 1024).expect("cached");
+        // Made again elsewhere: the same bytes.
+        let other = tempfile::tempdir().expect("tempdir");
+        let twin = empty_ext4_in(other.path(), 64).expect("made");
+        assert!(
+            std::fs::read(&twin).expect("read") == std::fs::read(&path).expect("read"),
+            "two empty volumes of one size differ"
+        );
+        let again = empty_ext4_in(cache.path(), 64).expect("cached");
         assert_eq!(again, path);
         assert_eq!(std::fs::metadata(&again).expect("meta").ino(), meta.ino());
         assert!(matches!(

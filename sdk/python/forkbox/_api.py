@@ -26,6 +26,8 @@ Json = Dict[str, Any]
 Ready = Union[str, Mapping[str, Any], None]
 NetworkArg = Mapping[str, Sequence[str]]
 LimitsArg = Mapping[str, float]
+# Writable disks: `{path: size_mib}` or `[{"path": …, "size_mib": …}]`.
+DisksArg = Union[Mapping[str, int], Sequence[Mapping[str, Any]]]
 """A sandbox's host resources: `{"cpus": 0.5, "memory_mib": 256}`, either
 key optional (forkboxd's `SandboxLimits`)."""
 """An egress policy: `{"allow_out": [rule, …], "deny_out": [rule, …]}`."""
@@ -475,13 +477,16 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
                   envs: Optional[Mapping[str, str]],
                   network: Optional[NetworkArg] = None,
                   protect: Optional[Sequence[str]] = None,
-                  limits: Optional[LimitsArg] = None, run_image_cmd: bool = False) -> Json:
+                  limits: Optional[LimitsArg] = None, run_image_cmd: bool = False,
+                  disks: Optional[DisksArg] = None) -> Json:
     """A TemplateSpec body. `ready`: a shell command (exit 0 = ready), or
     one of `{"command": …}`, `{"file": path}`, `{"tcp_port": n}`,
     `{"http_url": url}`. `network`: the egress policy while it bakes.
     `protect`: paths the policy may not change. `limits`: each sandbox's
     host resources. `run_image_cmd`: start the stored image's
-    `Entrypoint`/`Cmd` in the background before the readiness check."""
+    `Entrypoint`/`Cmd` in the background before the readiness check.
+    `disks`: writable disks, `{path: size_mib}` or a list of
+    `{"path": …, "size_mib": …}`."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
     if isinstance(protect, str):
@@ -500,7 +505,22 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
         spec["limits"] = dict(limits)
     if run_image_cmd:
         spec["run_image_cmd"] = True
+    if disks:
+        spec["disks"] = template_disks(disks)
     return spec
+
+
+def template_disks(disks: DisksArg) -> List[Json]:
+    """`{"/var/lib/docker": 4096}` or `[{"path": …, "size_mib": …}]` as
+    the API's list."""
+    if isinstance(disks, Mapping):
+        return [{"path": str(p), "size_mib": int(s)} for p, s in disks.items()]
+    out = []
+    for d in disks:
+        if not isinstance(d, Mapping) or set(d) != {"path", "size_mib"}:
+            raise TypeError(f"a disk is {{'path': str, 'size_mib': int}}, not {d!r}")
+        out.append({"path": str(d["path"]), "size_mib": int(d["size_mib"])})
+    return out
 
 
 def integrity(sandbox_id: str) -> "Call[IntegrityReport]":

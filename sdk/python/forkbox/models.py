@@ -112,6 +112,8 @@ class TemplateInfo:
     saved_bytes: Optional[int] = None
     """Bytes of its zygote's snapshot in the daemon's state directory
     (`Template.save`); `None`: not saved, a restarted daemon bakes it."""
+    disks: List[Dict[str, Any]] = field(default_factory=list)
+    """Its writable disks: `{"path": …, "size_mib": …}` each."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The daemon's whole object, fields this SDK does not know included."""
 
@@ -127,6 +129,7 @@ class TemplateInfo:
                    limits=dict(d.get("limits") or {}),
                    bake_ms=d.get("bake_ms"), image_id=d.get("image_id"),
                    run_image_cmd=bool(d.get("run_image_cmd", False)),
+                   disks=list(d.get("disks") or []),
                    saved_bytes=d.get("saved_bytes"), raw=dict(d))
 
 

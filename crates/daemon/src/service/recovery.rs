@@ -95,14 +95,18 @@ impl Daemon {
                         // started again from its snapshot, not baked.
                         Some(_) => {
                             let dir = store.snapshot_dir(&name);
-                            let expect = Expected {
-                                image: image.root.clone(),
-                                vcpus: t.spec.vcpus,
-                                memory_mib: t.spec.memory_mib,
-                                volumes: Vec::new(),
-                            };
-                            let restored = backend
-                                .restore(&dir, network.as_ref(), &expect)
+                            let volumes = t.spec.disks.iter().map(|d| backend.volume(d));
+                            let restored = volumes
+                                .collect::<Result<Vec<_>, _>>()
+                                .and_then(|volumes| {
+                                    let expect = Expected {
+                                        image: image.root.clone(),
+                                        vcpus: t.spec.vcpus,
+                                        memory_mib: t.spec.memory_mib,
+                                        volumes,
+                                    };
+                                    backend.restore(&dir, network.as_ref(), &expect)
+                                })
                                 .and_then(|m| {
                                     m.make_zygote()?;
                                     Ok(m)

@@ -158,6 +158,12 @@ fn on_transfer(tx: &mpsc::Sender<RegistryEvent>) -> OnTransfer {
     })
 }
 
+/// Why a template with writable disks neither leaves nor arrives
+/// through a registry (yet).
+const NO_DISKS_YET: &str = "a template with writable disks cannot go through a registry yet: \
+     its disks' blocks would have to travel with its memory. Save it here \
+     (`forkbox template save`), or push one without disks";
+
 impl Daemon {
     /// The state directory, or why `what` needs one.
     fn state_for(&self, what: &str) -> Result<(), DaemonError> {
@@ -177,7 +183,9 @@ impl Daemon {
         req: RegistryRequest,
     ) -> Result<mpsc::Receiver<RegistryEvent>, DaemonError> {
         self.state_for("a template is pushed from its saved snapshot")?;
-        self.template(name)?;
+        if !self.template(name)?.spec.disks.is_empty() {
+            return Err(DaemonError::Invalid(NO_DISKS_YET.into()));
+        }
         let (tx, rx) = mpsc::channel(64);
         let (this, name, events) = (self.clone(), name.to_owned(), tx.clone());
         let reference = req.reference.clone();
@@ -418,6 +426,9 @@ impl Daemon {
         spec.name = name.to_owned();
         spec.validate()
             .map_err(|e| ("pull", DaemonError::BadTemplate(e)))?;
+        if !spec.disks.is_empty() {
+            return Err(bad(NO_DISKS_YET.into()));
+        }
         let name = spec.name.clone();
         match (&record.image_id, &pulled.image) {
             (Some(id), Some(image)) if *id == image.id => {}

@@ -25,9 +25,10 @@ pub enum TemplateCmd {
     Bake {
         name: String,
         /// A template file (TOML: image, vcpus, memory_mib, setup, ready,
-        /// ready_timeout_secs, envs, network); the template is created as
-        /// NAME. `[network]` (allow_out, deny_out: lists of rules as in
-        /// `sandbox create --allow-out`) holds only while it bakes.
+        /// ready_timeout_secs, envs, network, protect, limits, disks); the
+        /// template is created as NAME. `[network]` (allow_out, deny_out:
+        /// lists of rules as in `sandbox create --allow-out`) holds only
+        /// while it bakes; `[[disks]]` (path, size_mib) are writable disks.
         #[arg(long, short)]
         file: Option<PathBuf>,
     },
