@@ -1,0 +1,120 @@
+"""Writable disks against a real forkboxd: a template's disk is in every
+sandbox, each sandbox's writes are its own, a fork mid-episode carries the
+disk of its instant, a full disk is the guest's error, and a saved
+template keeps its disk across a daemon's restart."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import subprocess
+
+import pytest
+
+from forkbox import InvalidRequestError, Sandbox, Template
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# 1 MiB of random bytes written by the setup, its sum kept beside it.
+SETUP = ["head -c 1048576 /dev/urandom > /data/setup && md5sum /data/setup > /data/sum",
+         "chmod 1777 /data"]
+
+
+def _ls(sb: Sandbox) -> str:
+    return sb.commands.run("cd /data && ls | grep -v lost+found | tr '\\n' ' '").stdout
+
+
+def test_a_templates_disk_is_every_sandboxs_and_a_forks_children_start_from_its_instant(
+        daemon_url: str) -> None:
+    name = _name("disk")
+    info = Template.build(name, disks={"/data": 64}, setup=SETUP)
+    assert info.disks == [{"path": "/data", "size_mib": 64}], info
+    try:
+        with Sandbox.create(name) as a, Sandbox.create(name) as b:
+            for sb in (a, b):
+                mounts = sb.commands.run("grep ' /data ' /proc/mounts").stdout
+                assert "ext4 rw" in mounts, mounts
+                assert sb.commands.run("md5sum -c /data/sum").exit_code == 0, "setup's bytes"
+            a.commands.run("echo a > /data/a")
+            assert _ls(a) == "a setup sum "
+            assert _ls(b) == "setup sum ", "a's write is a's own"
+            # A write still in the guest's page cache at the fork: each
+            # child flushes it to its own disk and reads it back from there.
+            a.commands.run("head -c 524288 /dev/urandom > /data/unsynced && "
+                           "md5sum /data/unsynced > /data/unsynced.sum")
+            children = a.fork(2)
+            try:
+                for i, child in enumerate(children):
+                    got = child.commands.run(
+                        "sync && echo 3 > /proc/sys/vm/drop_caches && md5sum -c /data/unsynced.sum",
+                        user="root")
+                    assert got.exit_code == 0, (i, got.stdout, got.stderr)
+                    child.commands.run(f"echo {i} > /data/child{i}")
+                a.commands.run("rm /data/a")
+                assert _ls(a) == "setup sum unsynced unsynced.sum "
+                for i, child in enumerate(children):
+                    assert _ls(child) == f"a child{i} setup sum unsynced unsynced.sum ", i
+            finally:
+                for child in children:
+                    child.kill()
+            # A full disk is the guest's: its command fails, nothing else.
+            full = b.commands.run("dd if=/dev/zero of=/data/fill bs=1M", timeout=600)
+            assert full.exit_code != 0
+            assert "No space left on device" in full.stderr, full.stderr
+            b.commands.run("rm /data/fill && echo room > /data/after")
+            assert b.files.read("/data/after") == "room\n"
+    finally:
+        Template.delete(name)
+
+
+def test_a_template_with_disks_is_refused_by_push_saying_why(daemon_url: str) -> None:
+    name = _name("nopush")
+    Template.build(name, disks={"/data": 16})
+    try:
+        with pytest.raises(InvalidRequestError) as ei:
+            Template.push(name, "127.0.0.1:1/forkbox/nopush:1", plain_http=True)
+        assert "writable disks" in str(ei.value), ei.value
+    finally:
+        Template.delete(name)
+    with pytest.raises(InvalidRequestError) as bad:
+        Template.build(_name("baddisk"), disks={"/proc/x": 64})
+    assert "disks" in str(bad.value)
+
+
+def test_a_saved_template_keeps_its_disk_across_a_daemon_restart() -> None:
+    from test_daemon_lifecycle import _start
+    d = tempfile.mkdtemp(prefix="forkboxd-disk-", dir="/tmp")
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    first = _start(sock, state, log)
+    second: Optional[subprocess.Popen] = None
+    try:
+        Template.build("disk-saved", disks={"/data": 64}, setup=SETUP, url=url)
+        info = Template.save("disk-saved", url=url)
+        assert Path(f"{state}/snapshots/disk-saved/disk-0").is_file()
+        with Sandbox.create("disk-saved", timeout=600, url=url) as sb:
+            mark = sb.files.read("/data/sum")
+        first.terminate()
+        first.wait(60)
+        second = _start(sock, state, log)
+        again = Template.get("disk-saved", url=url)
+        assert (again.state, again.saved_bytes) == ("ready", info.saved_bytes), again
+        with Sandbox.create("disk-saved", timeout=600, url=url) as sb:
+            # From the disk, not the zygote's page cache.
+            sb.commands.run("echo 3 > /proc/sys/vm/drop_caches", user="root")
+            assert sb.files.read("/data/sum") == mark, "baked again, or the disk is lost"
+            assert sb.commands.run("md5sum -c /data/sum").exit_code == 0
+        Template.delete("disk-saved", url=url)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+        sys.stderr.write("--- disk test daemon log ---\n" + Path(log).read_text()[-3000:])
