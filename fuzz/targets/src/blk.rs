@@ -1,20 +1,24 @@
 //! The virtio-blk device serving a queue the input lays out.
 //!
-//! Input: a flags byte (bit 0: the device is reset and served again), then
+//! Input: a flags byte (bit 0: the device is reset and served again; bit
+//! 1: the device is writable, over an overlay of the disk), then
 //! guest memory from address 0 on: the descriptor table of a 16-entry
 //! queue at 0, its avail ring at 0x100 (index at 0x102), its used ring at
 //! 0x124, and headers and buffers wherever the descriptors point. The
 //! guest owns all of it, avail index included, as a real one does. The
-//! disk is 16 sectors of a known pattern.
+//! disk is 16 sectors of a known pattern: never written, as a golden
+//! volume under a writable disk is not; a writable disk's writes go to its
+//! top, which never grows past the disk.
 
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use forkbox_devices::virtio::block::Block;
+use forkbox_devices::virtio::overlay::Overlay;
 use forkbox_devices::virtio::VirtioDevice;
 use forkbox_devices::Work;
 use vm_memory::{Bytes, GuestAddress};
@@ -58,7 +62,16 @@ pub fn virtio_blk(data: &[u8]) {
         .expect("guest memory image");
     let ring = Ring::at(0, QUEUE);
 
-    let mut blk = Block::new(&disk().1).expect("open the fuzz disk");
+    let writable = flags & 2 != 0;
+    let top = tempfile::tempfile().expect("a top");
+    let mut blk = if writable {
+        let base = File::open(&disk().1).expect("open the fuzz disk");
+        let top = top.try_clone().expect("dup the top");
+        let overlay = Overlay::new(base, top).expect("an overlay of the fuzz disk");
+        Block::writable(Arc::new(Mutex::new(overlay)), b"fbx-rw-0")
+    } else {
+        Block::new(&disk().1).expect("open the fuzz disk")
+    };
     assert_eq!(blk.capacity_sectors(), SECTORS);
     blk.ack_features(blk.features());
     let rounds = if flags & 1 != 0 { 2 } else { 1 };
@@ -74,8 +87,12 @@ pub fn virtio_blk(data: &[u8]) {
         }
         blk.reset();
     }
-    // Nothing a guest sends writes the disk (OUT is refused, the file
-    // is opened read-only).
+    if writable {
+        let len = top.metadata().expect("the top's metadata").len();
+        assert_eq!(len, SECTORS * 512, "the top grew past the disk");
+    }
+    // Nothing a guest sends writes the disk (read-only: OUT is refused;
+    // writable: OUT goes to the top; the file is opened read-only).
     let mut now = vec![0u8; (SECTORS * 512) as usize];
     disk()
         .0

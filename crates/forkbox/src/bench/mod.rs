@@ -9,6 +9,7 @@
 //! line, the statistics and the calibration they share.
 
 pub mod churn;
+pub mod disk;
 pub mod fork;
 pub mod image;
 pub mod isolation;
@@ -32,6 +33,9 @@ pub enum BenchCmd {
     /// Fork: zygote forks at several memory sizes against restore and cold
     /// boot baselines, fan-out, memory per child, dirty fork, snapshot.
     Fork(fork::Options),
+    /// Writable disks: fork → first exec and reset of a zygote with a
+    /// disk, by volume size and what was written, beside one without.
+    Disk(disk::Options),
     /// Churn: fork → exec → kill cycles, concurrent, from a zygote and from
     /// running parents: percentiles per phase, lost children by cause, leaks.
     Churn(churn::Options),
@@ -111,6 +115,14 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
             let clean = report["clean"] == true;
             print_report(opts.json, report);
             Ok(if clean { 0 } else { 1 })
+        }
+        BenchCmd::Disk(opts) => {
+            if let Some(code) = crate::delegate(ImageName::Minimal)? {
+                return Ok(code);
+            }
+            let report = disk::run(&opts)?;
+            print_report(opts.json, report);
+            Ok(0)
         }
         BenchCmd::Churn(opts) => {
             if let Some(code) = crate::delegate(ImageName::Minimal)? {
