@@ -65,6 +65,9 @@ pub struct Cmdline {
     pub layers: u32,
     /// `forkbox.net=1`: the VM has a virtio-net device to configure.
     pub net: bool,
+    /// `forkbox.modules=/dev/vdb`: the kernel's module tree (erofs),
+    /// mounted at `/lib/modules/<release>` for the kernel to load from.
+    pub modules: Option<String>,
     /// `forkbox.disks=/a,/b`: where writable disk N (serial `fbx-rw-N`)
     /// is mounted, in order (at most [`MAX_DISKS`]; the host checked the
     /// paths).
@@ -81,6 +84,7 @@ impl Cmdline {
             rootfstype: "ext4".into(),
             layers: 0,
             net: false,
+            modules: None,
             disks: Vec::new(),
         };
         for word in text.split_whitespace() {
@@ -92,6 +96,8 @@ impl Cmdline {
                 c.layers = v.parse().unwrap_or(0).min(MAX_LAYERS);
             } else if let Some(v) = word.strip_prefix("forkbox.net=") {
                 c.net = v == "1";
+            } else if let Some(v) = word.strip_prefix("forkbox.modules=") {
+                c.modules = Some(v.to_string()).filter(|v| v.starts_with("/dev/"));
             } else if let Some(v) = word.strip_prefix("forkbox.disks=") {
                 c.disks = v
                     .split(',')
@@ -159,9 +165,10 @@ fn module_name(path: &str) -> &str {
 }
 
 /// Loads the modules listed in `/forkbox/modules.list` (the network's only
-/// with `net`, erofs only for a layered root); returns the ones that
-/// failed (already loaded is not a failure).
-fn load_modules(net: bool, layers: bool) -> Vec<String> {
+/// with `net`, erofs only with an erofs disk: a layered root or the
+/// module tree); returns the ones that failed (already loaded is not a
+/// failure).
+fn load_modules(net: bool, erofs: bool) -> Vec<String> {
     let list = match fs::read_to_string(MODULES_LIST) {
         Ok(l) => l,
         Err(e) => {
@@ -172,7 +179,7 @@ fn load_modules(net: bool, layers: bool) -> Vec<String> {
     let mut failed = Vec::new();
     let wanted = |p: &&str| {
         let name = module_name(p);
-        (net || !NET_MODULES.contains(&name)) && (layers || name != LAYER_MODULE)
+        (net || !NET_MODULES.contains(&name)) && (erofs || name != LAYER_MODULE)
     };
     for path in list
         .lines()
@@ -286,6 +293,25 @@ fn device_with_serial(serial: &str) -> Option<String> {
     }
 }
 
+/// Mounts the kernel's module tree (`dev`, erofs) read-only at
+/// `/lib/modules/<release>`, so that `modprobe` and the kernel's own
+/// requests find every module. A failure is logged: the guest runs on
+/// without modules it did not load at boot.
+fn mount_module_tree(dev: &str) {
+    let target = format!("/lib/modules/{}", kernel_release());
+    let mounted = wait_for(dev)
+        .and_then(|()| {
+            fs::create_dir_all(&target).map_err(|source| InitError::Mkdir {
+                path: target.clone(),
+                source,
+            })
+        })
+        .and_then(|()| mount(dev, &target, "erofs", MountFlags::RDONLY, None));
+    if let Err(e) = mounted {
+        crate::log(&format!("the kernel's modules: {}", crate::chain(&e)));
+    }
+}
+
 /// Mounts writable disk `i` at `mounts[i]` (created in the root if
 /// missing). The kernel is told not to initialise its inode tables in the
 /// background: that would write all of them into the VM's own blocks.
@@ -331,13 +357,17 @@ pub fn boot(start: Instant) -> Result<BootInfo, InitError> {
     mount_early("proc", "/proc", "proc")?;
     mount_early("sysfs", "/sys", "sysfs")?;
     let cmdline = Cmdline::parse(&fs::read_to_string("/proc/cmdline").unwrap_or_default());
-    let module_failures = load_modules(cmdline.net, cmdline.layers > 0);
+    let module_failures =
+        load_modules(cmdline.net, cmdline.layers > 0 || cmdline.modules.is_some());
     if let Some(dev) = &cmdline.root {
         switch_to_root(dev, &cmdline.rootfstype, cmdline.layers)?;
         crate::log(&format!(
             "root: {dev} ({}, {} layers, read-only) under a tmpfs overlay",
             cmdline.rootfstype, cmdline.layers
         ));
+    }
+    if let Some(dev) = &cmdline.modules {
+        mount_module_tree(dev);
     }
     mount_disks(&cmdline.disks)?;
     // Conveniences: failures are logged, not fatal.
@@ -443,6 +473,13 @@ mod tests {
         assert_eq!(c.root, None);
         assert_eq!(c.rootfstype, "ext4");
         assert!(!c.net);
+    }
+
+    #[test]
+    fn cmdline_modules_device_parsed() {
+        let c = Cmdline::parse("forkbox.root=/dev/vda forkbox.modules=/dev/vdb");
+        assert_eq!(c.modules.as_deref(), Some("/dev/vdb"));
+        assert_eq!(Cmdline::parse("forkbox.modules=/etc/x").modules, None);
     }
 
     #[test]

@@ -239,7 +239,9 @@ impl Backend for VmBackend {
     }
 
     fn rebase(&self, state: &[u8], expect: &Expected) -> Result<Vec<u8>, BackendError> {
-        expect.rebase(state).map_err(BackendError::Restore)
+        expect
+            .rebase(state, &self.assets.modules)
+            .map_err(BackendError::Restore)
     }
 
     fn volume(&self, disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError> {

@@ -114,6 +114,49 @@ pub fn digest(name: ImageName) -> Result<String, ImageError> {
     Ok(digest)
 }
 
+/// The guest kernel's whole module tree (`lib/modules/<version>`) as a
+/// read-only erofs disk every VM is given beside its root, mounted at
+/// `/lib/modules/<version>`: the kernel loads what a guest asks for
+/// (overlay, bridge, veth, netfilter, ...) on demand, and no image is
+/// made bigger by it. Made the same way every time (a fixed time, UUID
+/// and owner; erofs sorts its directories), so every host with the same
+/// kernel package and erofs-utils has the same bytes, which a snapshot's
+/// guest may have read.
+pub fn modules_disk(kernel: &crate::kernel::Kernel) -> Result<PathBuf, ImageError> {
+    let mut key = Key::new("modules-erofs-v1");
+    key.add(kernel.package.as_bytes())
+        .add(kernel.version.as_bytes());
+    let dep = kernel.modules_dir.join("modules.dep");
+    key.add_file(&dep).map_err(io_err(&dep))?;
+    let out = cache::root().join("images").join(format!(
+        "modules-{}-{}.erofs",
+        kernel.version,
+        key.finish()
+    ));
+    if out.exists() {
+        return Ok(out);
+    }
+    let _lock =
+        cache::lock(&format!("modules-{}", kernel.version)).map_err(io_err(&cache::root()))?;
+    if out.exists() {
+        return Ok(out);
+    }
+    let parent = out.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let staging = cache::staging_path(&out);
+    run_tool(
+        Command::new("mkfs.erofs")
+            .args(["--quiet", "-zlz4hc", "-T0", "--all-root"])
+            .args(["-U", "6f726b62-6f78-4000-8000-6d6f64756c65"])
+            .arg(&staging)
+            .arg(&kernel.modules_dir),
+        "mkfs.erofs",
+        "erofs-utils",
+    )?;
+    std::fs::rename(&staging, &out).map_err(io_err(&out))?;
+    Ok(out)
+}
+
 /// The busybox image.
 fn minimal() -> Result<PathBuf, ImageError> {
     let busybox_dir = debs::unpacked("busybox-static")?;

@@ -122,6 +122,30 @@ pub(crate) fn vm_guest_has_no_nested_virtualization() -> TestResult {
     )
 }
 
+/// The kernel's whole module tree is in every guest, from a disk of its
+/// own (no image carries it): a module the boot did not load loads on
+/// demand, by `modprobe` and by the kernel's own request (a bridge asked
+/// of `ip`), in a built-in image with busybox only.
+pub(crate) fn vm_kernel_modules_load_on_demand() -> TestResult {
+    let vm = boot(VmSpec::default());
+    let out = sh(
+        vm.agent(),
+        "d=/lib/modules/$(uname -r); grep \" $d \" /proc/mounts | cut -d' ' -f3,4; \
+         test -f $d/modules.dep && echo has-dep; \
+         grep -c -w '^veth' /proc/modules; modprobe veth && grep -c -w '^veth' /proc/modules; \
+         ip link add fbx0 type bridge && grep -c -w '^bridge' /proc/modules",
+    )?;
+    let lines: Vec<&str> = out.lines().collect();
+    check(
+        lines.first().is_some_and(|l| l.starts_with("erofs ro")),
+        format!("the module tree is not a read-only erofs mount: {out:?}"),
+    )?;
+    check(
+        lines[1..] == ["has-dep", "0", "1", "1"],
+        format!("veth and bridge did not load on demand: {out:?}"),
+    )
+}
+
 /// A VMM sees none of its caller's environment but what it needs (no
 /// token, no `PATH`), writes no core dump (the guest's memory) when it
 /// crashes, and has its other resource limits; its fork children inherit

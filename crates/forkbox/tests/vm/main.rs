@@ -398,6 +398,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             image_layered_root_boots_stacks_and_forks,
         ),
         (
+            "vm_kernel_modules_load_on_demand",
+            vm_kernel_modules_load_on_demand,
+        ),
+        (
             "disk_writable_forks_with_memory_and_holds_only_written_blocks",
             disk_writable_forks_with_memory_and_holds_only_written_blocks,
         ),

@@ -13,6 +13,8 @@ use super::*;
 pub struct Assets {
     pub kernel: Kernel,
     pub initramfs: PathBuf,
+    /// The kernel's module tree as a disk ([`crate::image::modules_disk`]).
+    pub modules: PathBuf,
     pub vmm: PathBuf,
 }
 
@@ -23,10 +25,12 @@ impl Assets {
         let kernel = Kernel::guest()?;
         let agent = find_binary("forkbox-agent", "FORKBOX_AGENT")?;
         let initramfs = initramfs::guest(&kernel, &agent)?;
+        let modules = crate::image::modules_disk(&kernel)?;
         let vmm = find_binary("forkbox-vmm", "FORKBOX_VMM")?;
         Ok(Self {
             kernel,
             initramfs,
+            modules,
             vmm,
         })
     }

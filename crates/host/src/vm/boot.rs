@@ -81,7 +81,8 @@ impl Vm {
             // The VMM joins it first thing, before it opens anything.
             cmd.arg("--cgroup").arg(dir);
         }
-        let mut cmdline = GUEST_CMDLINE.to_owned() + root_cmdline + &disks_cmdline(&spec.disks);
+        let mut cmdline =
+            GUEST_CMDLINE.to_owned() + root_cmdline + MODULES_CMDLINE + &disks_cmdline(&spec.disks);
         for (i, disk) in spec.disks.iter().enumerate() {
             // Opened and unlinked by the VMM before it enters its root.
             let top = dir.path().join(format!("top-{i}"));
@@ -108,6 +109,9 @@ impl Vm {
             .args(["--vcpus", &spec.vcpus.to_string()])
             .args(["--memory-mib", &spec.memory_mib.to_string()])
             .args(image_args)
+            // The module tree: vdb, after the root (`MODULES_CMDLINE`).
+            .arg("--disk")
+            .arg(&assets.modules)
             .arg("--vsock-uds")
             .arg(&vsock)
             .arg("--serial-log")
@@ -312,7 +316,7 @@ impl Vm {
         expect: Option<&Expected>,
     ) -> Result<Vm, VmError> {
         if let Some(expect) = expect {
-            expect.check(snapshot)?;
+            expect.check(snapshot, &assets.modules)?;
         }
         become_subreaper()?;
         let start = Instant::now();
@@ -462,14 +466,22 @@ fn read_hardware(snapshot: &Path) -> Result<Hardware, VmError> {
 }
 
 impl Expected {
+    /// The files its VMM is given: the image's layers, then its disks and
+    /// the kernel's `modules` disk, as a snapshot's state records them.
+    fn files(&self, modules: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), VmError> {
+        let (layers, mut disks) = self.image.files()?;
+        disks.push(modules.to_owned());
+        Ok((layers, disks))
+    }
+
     /// Reads the snapshot's hardware and compares it with this.
-    fn check(&self, snapshot: &Path) -> Result<(), VmError> {
+    fn check(&self, snapshot: &Path, modules: &Path) -> Result<(), VmError> {
         let bad = |why: String| VmError::SnapshotMismatch {
             dir: snapshot.to_owned(),
             why,
         };
         let hw = read_hardware(snapshot)?;
-        let (layers, disks) = self.image.files()?;
+        let (layers, disks) = self.files(modules)?;
         if (hw.layers, hw.disks) != (layers, disks) {
             return Err(bad("it names other disk files than the image's".into()));
         }
@@ -496,14 +508,14 @@ impl Expected {
     /// Only the file names change: their count must be the image's, and
     /// the caller has checked that they are the same files (the same
     /// layers by digest, the same built-in disk by digest).
-    pub fn rebase(&self, state: &[u8]) -> Result<Vec<u8>, VmError> {
+    pub fn rebase(&self, state: &[u8], modules: &Path) -> Result<Vec<u8>, VmError> {
         let bad = |why: String| VmError::SnapshotMismatch {
             dir: PathBuf::from("(pulled)"),
             why,
         };
         let mut state: serde_json::Value =
             serde_json::from_slice(state).map_err(|e| bad(format!("state.json: {e}")))?;
-        let (layers, disks) = self.image.files()?;
+        let (layers, disks) = self.files(modules)?;
         let hardware = state
             .get_mut("hardware")
             .and_then(serde_json::Value::as_object_mut)
@@ -543,6 +555,9 @@ impl Expected {
 mod tests {
     use super::*;
 
+    /// This host's modules disk, in the tests' states.
+    const MODULES: &str = "/cache/modules.erofs";
+
     /// A pulled snapshot names the pusher's files: rebased, it names
     /// ours and passes the check; another count of layers is refused.
     #[test]
@@ -560,12 +575,14 @@ mod tests {
         };
         let theirs = serde_json::json!({"format_version": 1, "vcpus": [{"x": 1}], "hardware": {
             "vcpus": 1, "memory_mib": 256, "layers": ["/there/a.erofs", "/there/b.erofs"],
-            "disks": [], "vsock": true, "net": true}});
+            "disks": ["/there/modules.erofs"], "vsock": true, "net": true}});
         let rebased = expect
-            .rebase(theirs.to_string().as_bytes())
+            .rebase(theirs.to_string().as_bytes(), Path::new(MODULES))
             .expect("rebase");
         std::fs::write(dir.path().join("state.json"), &rebased).expect("write");
-        expect.check(dir.path()).expect("names our files now");
+        expect
+            .check(dir.path(), Path::new(MODULES))
+            .expect("names our files now");
         let v: serde_json::Value = serde_json::from_slice(&rebased).expect("json");
         assert_eq!(v["vcpus"], theirs["vcpus"], "the rest unchanged");
         let one = Expected {
@@ -573,7 +590,7 @@ mod tests {
             ..expect
         };
         let e = one
-            .rebase(theirs.to_string().as_bytes())
+            .rebase(theirs.to_string().as_bytes(), Path::new(MODULES))
             .expect_err("2 layers, not 1");
         assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
     }
@@ -596,32 +613,41 @@ mod tests {
                 "vsock": true, "net": true}});
             std::fs::write(dir.path().join("state.json"), state.to_string()).expect("write");
         };
-        write(&layers, &[], 2);
-        expect.check(dir.path()).expect("its own");
+        write(&layers, &[MODULES], 2);
+        expect
+            .check(dir.path(), Path::new(MODULES))
+            .expect("its own");
         for (layers, disks, vcpus) in [
             (&layers[..], &["/etc/shadow"][..], 2),
             (&[PathBuf::from("/dev/sda")][..], &[][..], 2),
-            (&layers[..], &[][..], 8),
+            (&layers[..], &[MODULES][..], 8),
+            (&layers[..], &[][..], 2),
         ] {
             write(layers, disks, vcpus);
-            let e = expect.check(dir.path()).expect_err("not its own");
+            let e = expect
+                .check(dir.path(), Path::new(MODULES))
+                .expect_err("not its own");
             assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
         }
         // A writable disk over a golden volume the template does not have.
         let state = serde_json::json!({"format_version": 1, "hardware": {
-            "vcpus": 2, "memory_mib": 512, "layers": layers, "disks": [],
+            "vcpus": 2, "memory_mib": 512, "layers": layers, "disks": [MODULES],
             "writable": [{"base": "/etc/shadow"}], "vsock": true, "net": true}});
         std::fs::write(dir.path().join("state.json"), state.to_string()).expect("write");
-        let e = expect.check(dir.path()).expect_err("not its volume");
+        let e = expect
+            .check(dir.path(), Path::new(MODULES))
+            .expect_err("not its volume");
         assert!(matches!(e, VmError::SnapshotMismatch { .. }), "{e:?}");
         let with_volume = Expected {
             volumes: vec!["/etc/shadow".into()],
             ..expect.clone()
         };
-        with_volume.check(dir.path()).expect("the volume it names");
+        with_volume
+            .check(dir.path(), Path::new(MODULES))
+            .expect("the volume it names");
         std::fs::write(dir.path().join("state.json"), "not json").expect("write");
         assert!(matches!(
-            expect.check(dir.path()),
+            expect.check(dir.path(), Path::new(MODULES)),
             Err(VmError::SnapshotMismatch { .. })
         ));
     }

@@ -174,6 +174,11 @@ impl VmHandle {
     }
 }
 
+/// Added to [`GUEST_CMDLINE`]: the kernel's module tree is the second
+/// disk ([`Assets::modules`], after the root's), which the agent mounts at
+/// `/lib/modules/<release>`.
+pub const MODULES_CMDLINE: &str = " forkbox.modules=/dev/vdb";
+
 /// Added to [`GUEST_CMDLINE`] for a VM with a network: the agent loads
 /// `virtio_net` and configures `eth0`.
 pub const NET_CMDLINE: &str = " forkbox.net=1";
