@@ -16,15 +16,20 @@ use crate::debs::{self, DebError};
 pub enum ImageName {
     Minimal,
     Debian,
+    /// Debian with Docker from Debian's packages (`docker.io`,
+    /// `docker-compose`): a sandbox runs its own `dockerd` on a writable
+    /// disk (docs: README, "Docker in a sandbox").
+    Docker,
 }
 
 impl ImageName {
-    pub const ALL: [ImageName; 2] = [ImageName::Minimal, ImageName::Debian];
+    pub const ALL: [ImageName; 3] = [ImageName::Minimal, ImageName::Debian, ImageName::Docker];
 
     pub fn as_str(self) -> &'static str {
         match self {
             ImageName::Minimal => "minimal",
             ImageName::Debian => "debian",
+            ImageName::Docker => "docker",
         }
     }
 }
@@ -42,12 +47,25 @@ impl std::str::FromStr for ImageName {
         Self::ALL
             .into_iter()
             .find(|i| i.as_str() == s)
-            .ok_or_else(|| format!("no image `{s}`: the images are `minimal` and `debian`"))
+            .ok_or_else(|| {
+                format!("no image `{s}`: the images are `minimal`, `debian` and `docker`")
+            })
     }
 }
 
 /// Packages added to the bookworm minbase of the `debian` image.
 pub const DEBIAN_PACKAGES: &[&str] = &["python3", "git", "procps", "ca-certificates"];
+/// Packages added to the bookworm minbase of the `docker` image: Docker
+/// 20.10 and Compose 1.29 as Debian packages them, and what they call
+/// (`iptables` for its networks, `kmod` for the kernel's modules).
+pub const DOCKER_PACKAGES: &[&str] = &[
+    "docker.io",
+    "docker-compose",
+    "iptables",
+    "kmod",
+    "procps",
+    "ca-certificates",
+];
 const DEBIAN_SUITE: &str = "bookworm";
 
 /// The unprivileged user every image has (uid/gid 1000).
@@ -87,7 +105,8 @@ pub fn ensure(name: ImageName) -> Result<PathBuf, ImageError> {
     let _lock = cache::lock(&format!("image-{}", name.as_str())).map_err(io_err(&cache::root()))?;
     match name {
         ImageName::Minimal => minimal(),
-        ImageName::Debian => debian(),
+        ImageName::Debian => bookworm("debian", "image-debian-v1", DEBIAN_PACKAGES),
+        ImageName::Docker => bookworm("docker", "image-docker-v1", DOCKER_PACKAGES),
     }
 }
 
@@ -221,26 +240,27 @@ fn minimal() -> Result<PathBuf, ImageError> {
 }
 
 /// The Debian minbase image.
-fn debian() -> Result<PathBuf, ImageError> {
-    let mut key = Key::new("image-debian-v1");
+/// A built-in image `name`: the bookworm minbase with `packages`.
+fn bookworm(name: &str, kind: &str, packages: &[&str]) -> Result<PathBuf, ImageError> {
+    let mut key = Key::new(kind);
     key.add(DEBIAN_SUITE.as_bytes());
-    for p in DEBIAN_PACKAGES {
+    for p in packages {
         key.add(p.as_bytes());
     }
-    let out = image_path("debian", key);
+    let out = image_path(name, key);
     if out.exists() {
         return Ok(out);
     }
     let start = Instant::now();
     eprintln!(
-        "forkbox: building image `debian` ({DEBIAN_SUITE} minbase + {}) with mmdebstrap; this takes a few minutes once",
-        DEBIAN_PACKAGES.join(", ")
+        "forkbox: building image `{name}` ({DEBIAN_SUITE} minbase + {}) with mmdebstrap; this takes a few minutes once",
+        packages.join(", ")
     );
     let root = tempfile::tempdir().map_err(io_err(Path::new("/tmp")))?;
     let r = root.path();
     let status = Command::new("mmdebstrap")
         .args(["--variant=minbase", "--format=directory"])
-        .arg(format!("--include={}", DEBIAN_PACKAGES.join(",")))
+        .arg(format!("--include={}", packages.join(",")))
         .arg("--customize-hook=chroot \"$1\" useradd --uid 1000 --create-home --shell /bin/sh user")
         .arg("--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*")
         .arg(DEBIAN_SUITE)
@@ -260,7 +280,7 @@ fn debian() -> Result<PathBuf, ImageError> {
     std::fs::write(r.join("etc/hostname"), "forkbox\n").map_err(io_err(r))?;
     make_ext4(r, &out)?;
     eprintln!(
-        "forkbox: image `debian` built in {:.1} s: {}",
+        "forkbox: image `{name}` built in {:.1} s: {}",
         start.elapsed().as_secs_f64(),
         out.display()
     );

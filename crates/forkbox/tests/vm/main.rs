@@ -25,6 +25,7 @@ use forkbox_proto::{ExecRequest, ExitStatus, FileKind, OutputStream, User};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 mod disks;
+mod docker;
 mod exec;
 mod fork;
 mod images;
@@ -32,6 +33,7 @@ mod machine;
 mod net;
 
 use disks::*;
+use docker::*;
 use exec::*;
 use fork::*;
 use images::*;
@@ -60,6 +62,7 @@ fn main() {
             forkbox_host::image::ensure(ImageName::Minimal)?;
             // The network flood trial's guest runs python3.
             forkbox_host::image::ensure(ImageName::Debian)?;
+            forkbox_host::image::ensure(ImageName::Docker)?;
             Ok(())
         }) {
             eprintln!("vm tests: cannot prepare guest assets: {e:#?}");
@@ -404,6 +407,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
         (
             "disk_writable_forks_with_memory_and_holds_only_written_blocks",
             disk_writable_forks_with_memory_and_holds_only_written_blocks,
+        ),
+        (
+            "docker_in_a_sandbox_runs_builds_and_forks_with_containers",
+            docker_in_a_sandbox_runs_builds_and_forks_with_containers,
         ),
     ];
     tests
