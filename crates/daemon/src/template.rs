@@ -385,7 +385,29 @@ pub const MAX_PROTECTED: usize = 64;
 pub const MAX_READY_TIMEOUT_SECS: u64 = 86400;
 
 impl TemplateSpec {
+    /// The built-in template of a built-in image: the image as it is,
+    /// but for `docker`, whose template starts `dockerd` on a writable disk
+    /// before its zygote is made, so that a sandbox of it runs `docker run`
+    /// at once.
     pub fn builtin(image: ImageName) -> Self {
+        let plain = Self::plain(image);
+        match image {
+            ImageName::Docker => Self {
+                memory_mib: 2048,
+                setup: vec![forkbox_host::image::DOCKERD_START.into()],
+                ready: Some(Readiness::Command("docker info >/dev/null 2>&1".into())),
+                ready_timeout_secs: 300,
+                disks: vec![TemplateDisk {
+                    path: "/var/lib/docker".into(),
+                    size_mib: 16384,
+                }],
+                ..plain
+            },
+            ImageName::Minimal | ImageName::Debian => plain,
+        }
+    }
+
+    fn plain(image: ImageName) -> Self {
         Self {
             name: image.as_str().into(),
             image: image.as_str().into(),

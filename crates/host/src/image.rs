@@ -68,6 +68,12 @@ pub const DOCKER_PACKAGES: &[&str] = &[
 ];
 const DEBIAN_SUITE: &str = "bookworm";
 
+/// How the `docker` image's `dockerd` is started (the built-in `docker`
+/// template's setup): in a session of its own, so that it outlives the
+/// command that starts it, with its log in `/var/log/dockerd.log`.
+pub const DOCKERD_START: &str =
+    "setsid dockerd --log-level=warn >/var/log/dockerd.log 2>&1 </dev/null &";
+
 /// The unprivileged user every image has (uid/gid 1000).
 pub const USER: &str = "user";
 
@@ -105,8 +111,15 @@ pub fn ensure(name: ImageName) -> Result<PathBuf, ImageError> {
     let _lock = cache::lock(&format!("image-{}", name.as_str())).map_err(io_err(&cache::root()))?;
     match name {
         ImageName::Minimal => minimal(),
-        ImageName::Debian => bookworm("debian", "image-debian-v1", DEBIAN_PACKAGES),
-        ImageName::Docker => bookworm("docker", "image-docker-v1", DOCKER_PACKAGES),
+        ImageName::Debian => bookworm("debian", "image-debian-v1", DEBIAN_PACKAGES, &[]),
+        // `user` in the `docker` group: the policy runs Docker, which
+        // makes it root in its own guest (docs/SECURITY.md).
+        ImageName::Docker => bookworm(
+            "docker",
+            "image-docker-v1",
+            DOCKER_PACKAGES,
+            &["chroot \"$1\" usermod -aG docker user"],
+        ),
     }
 }
 
@@ -240,12 +253,21 @@ fn minimal() -> Result<PathBuf, ImageError> {
 }
 
 /// The Debian minbase image.
-/// A built-in image `name`: the bookworm minbase with `packages`.
-fn bookworm(name: &str, kind: &str, packages: &[&str]) -> Result<PathBuf, ImageError> {
+/// A built-in image `name`: the bookworm minbase with `packages`, then
+/// `hooks` (mmdebstrap customize hooks, `$1` the root).
+fn bookworm(
+    name: &str,
+    kind: &str,
+    packages: &[&str],
+    hooks: &[&str],
+) -> Result<PathBuf, ImageError> {
     let mut key = Key::new(kind);
     key.add(DEBIAN_SUITE.as_bytes());
     for p in packages {
         key.add(p.as_bytes());
+    }
+    for h in hooks {
+        key.add(h.as_bytes());
     }
     let out = image_path(name, key);
     if out.exists() {
@@ -262,6 +284,7 @@ fn bookworm(name: &str, kind: &str, packages: &[&str]) -> Result<PathBuf, ImageE
         .args(["--variant=minbase", "--format=directory"])
         .arg(format!("--include={}", packages.join(",")))
         .arg("--customize-hook=chroot \"$1\" useradd --uid 1000 --create-home --shell /bin/sh user")
+        .args(hooks.iter().map(|h| format!("--customize-hook={h}")))
         .arg("--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*")
         .arg(DEBIAN_SUITE)
         .arg(r)

@@ -380,6 +380,9 @@ fn common_rules() -> Rules {
             libc::SYS_fcntl,
             libc::SYS_fsync,
             libc::SYS_fdatasync,
+            // A writable disk's top: written-back pages let go of
+            // (`forkbox_devices::virtio::overlay`).
+            libc::SYS_fadvise64,
         ],
     );
     // KVM's ioctls (type 0xAE) and FIONBIO (non-blocking sockets).

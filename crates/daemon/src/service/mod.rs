@@ -287,6 +287,7 @@ impl Daemon {
         let templates = [
             forkbox_host::image::ImageName::Minimal,
             forkbox_host::image::ImageName::Debian,
+            forkbox_host::image::ImageName::Docker,
         ]
         .into_iter()
         .map(|i| {

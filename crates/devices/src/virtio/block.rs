@@ -402,7 +402,14 @@ fn serve(
             // Nothing written into the chain but the status.
             Ok(0)
         }
-        VIRTIO_BLK_T_FLUSH => Ok(0),
+        VIRTIO_BLK_T_FLUSH => {
+            // Durable for the VM's life already; the host's disk gets the
+            // pages now, and the VMM's cgroup lets them go.
+            if let Backing::Writable(overlay) = disk {
+                lock(overlay).write_back();
+            }
+            Ok(0)
+        }
         VIRTIO_BLK_T_GET_ID => {
             let n = (id.len() as u64).min(data_len) as usize;
             chain

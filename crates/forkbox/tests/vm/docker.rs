@@ -6,11 +6,6 @@ use forkbox_host::vm::{DiskSpec, Vm, VmSpec};
 
 use super::*;
 
-/// How `dockerd` is started in the guest: in a session of its own, so
-/// that it outlives the command that starts it, its log in a file.
-pub(crate) const START_DOCKERD: &str =
-    "setsid dockerd --log-level=warn >/var/log/dockerd.log 2>&1 </dev/null &";
-
 /// Waits (at most `secs`) for `dockerd` to answer `docker info`.
 fn wait_for_dockerd(vm: &Vm, secs: u32) -> TestResult {
     let script = format!(
@@ -58,7 +53,7 @@ pub(crate) fn docker_in_a_sandbox_runs_builds_and_forks_with_containers() -> Tes
         }],
         ..VmSpec::default()
     });
-    sh(vm.agent(), START_DOCKERD)?;
+    sh(vm.agent(), forkbox_host::image::DOCKERD_START)?;
     wait_for_dockerd(&vm, 300)?;
     import_busybox(&vm)?;
     let hi = sh(vm.agent(), "docker run --rm bb:1 echo hi from a container")?;

@@ -20,6 +20,15 @@ mkdir -p /upper/data /upper/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /host || fail "cannot mount the overlay root"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
+# /tmp on the scratch disk this machine made for this host (ext4, sparse):
+# what VMs write to files there (their writable disks' tops) can be
+# written back and dropped, as on a real host, instead of filling RAM.
+if [ -b /dev/vda ]; then
+    mount -t ext4 -o noatime,noinit_itable /dev/vda /host/tmp || fail "cannot mount the scratch disk at /tmp"
+    chmod 1777 /host/tmp
+else
+    echo "testbed: warning: no scratch disk: /tmp is in RAM"
+fi
 # cgroup v2, as on a systemd host: each VMM gets a cgroup of its own.
 # favordynmods: moving a fork child into its cgroup costs no RCU grace
 # period (docs/SPEC.md, "A cgroup per VMM").

@@ -26,7 +26,55 @@ use crate::kernel::{Kernel, KernelError};
 
 /// Modules the emulated host loads: KVM for AMD, 9p over virtio-pci for the
 /// shared root, and overlayfs to make it writable.
-const MODULES: &[&str] = &["kvm_amd", "9p", "9pnet_virtio", "virtio_pci", "overlay"];
+const MODULES: &[&str] = &[
+    "kvm_amd",
+    "9p",
+    "9pnet_virtio",
+    "virtio_pci",
+    "overlay",
+    // The scratch disk at /tmp ([`scratch_disk`]).
+    "crc32c_generic",
+    "virtio_blk",
+    "ext4",
+];
+
+/// Size of an emulated host's scratch disk (sparse: only what is written
+/// takes this machine's disk, and it is deleted with the host).
+const SCRATCH_GIB: u64 = 64;
+
+/// An emulated host's `/tmp`: an ext4 disk of its own, made here, so that
+/// what its VMs write to files (their writable disks' tops, logs) is on a
+/// disk whose page cache the kernel can write back and drop, as on a real
+/// host, not in its RAM (a tmpfs's pages count as the writer's memory:
+/// a VMM writing its disk would be killed at its cgroup's memory limit).
+fn scratch_disk() -> Result<tempfile::NamedTempFile, TestbedError> {
+    let file = tempfile::Builder::new()
+        .prefix("forkbox-testbed-disk-")
+        .tempfile()
+        .map_err(|source| TestbedError::Io {
+            path: std::env::temp_dir(),
+            source,
+        })?;
+    let path = file.path().to_owned();
+    let io = |source| TestbedError::Io {
+        path: path.clone(),
+        source,
+    };
+    file.as_file().set_len(SCRATCH_GIB << 30).map_err(io)?;
+    let out = Command::new("mke2fs")
+        .args(["-q", "-F", "-t", "ext4", "-m", "0"])
+        .args(["-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(&path)
+        .output()
+        .map_err(io)?;
+    if !out.status.success() {
+        return Err(io(std::io::Error::other(format!(
+            "mke2fs: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))));
+    }
+    Ok(file)
+}
 
 /// The CPU QEMU emulates: everything TCG implements, SVM and nested paging
 /// included, which is what `kvm_amd` needs (not `qemu64`: it lacks XSAVE;
@@ -335,8 +383,10 @@ impl Testbed {
         }
         let serial = run.join("serial.log");
         let qemu_err = run.join("qemu.stderr");
+        // Deleted when this returns, after QEMU has ended.
+        let scratch = scratch_disk()?;
         let mut qemu = self
-            .qemu_command(run, &serial, opts)
+            .qemu_command(run, &serial, scratch.path(), opts)
             .stderr(File::create(&qemu_err).map_err(io(&qemu_err))?)
             .spawn()
             .map_err(TestbedError::Qemu)?;
@@ -398,7 +448,13 @@ impl Testbed {
         })
     }
 
-    fn qemu_command(&self, run: &Path, serial: &Path, opts: &RunOptions) -> Command {
+    fn qemu_command(
+        &self,
+        run: &Path,
+        serial: &Path,
+        scratch: &Path,
+        opts: &RunOptions,
+    ) -> Command {
         let mut cmd = Command::new("qemu-system-x86_64");
         // no_timer_check: a loaded machine can emulate so slowly that the
         // kernel's IO-APIC timer check fails and it panics at boot.
@@ -430,6 +486,11 @@ impl Testbed {
             .arg("-initrd")
             .arg(&self.initramfs)
             .args(["-append", &cmdline])
+            .arg("-drive")
+            .arg(format!(
+                "file={},if=virtio,format=raw,cache=unsafe",
+                scratch.display()
+            ))
             .arg("-virtfs")
             .arg("local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap")
             .arg("-virtfs")
