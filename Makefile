@@ -80,6 +80,7 @@ test: build lint
 sdk-test: build python-deps
 	$(FORKBOX) image build minimal >/dev/null
 	$(FORKBOX) image build debian >/dev/null
+	$(FORKBOX) image build docker >/dev/null
 	$(FORKBOX) testbed run --if-needed --shards 2 --label sdk --timeout 1800 --host-crash-retries 4 -- \
 		env PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -p no:cacheprovider -q --timeout 600 \
 		--durations 10 sdk/python/tests

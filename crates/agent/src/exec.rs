@@ -128,7 +128,7 @@ fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<Prepared, AgentError>
     sys::prepare_child(
         &mut cmd,
         cgroup.as_ref().map(ExecCgroup::procs_fd),
-        account.as_ref().map(|a| (a.uid, a.gid)),
+        account.as_ref().map(|a| (a.uid, a.gid, a.groups.clone())),
         cwd_c,
     );
     Ok(Prepared {
@@ -555,13 +555,45 @@ fn internal(what: &str, e: &io::Error) -> AgentError {
     AgentError::new(ErrorKind::Internal, format!("{what}: {e}"))
 }
 
-/// A user from `/etc/passwd`.
+/// A user from `/etc/passwd`, with the groups `/etc/group` names it a
+/// member of (its supplementary groups, as a login would give it).
 #[derive(Debug, Clone)]
 pub(crate) struct Account {
     pub(crate) name: String,
     pub(crate) uid: u32,
     pub(crate) gid: u32,
+    pub(crate) groups: Vec<u32>,
     home: String,
+}
+
+/// Most supplementary groups a command is given.
+const MAX_GROUPS: usize = 64;
+
+/// The groups `/etc/group` lists `name` as a member of (not its primary
+/// group), at most [`MAX_GROUPS`].
+fn member_of(name: &str, primary: u32) -> Vec<u32> {
+    groups_in(
+        &fs::read_to_string("/etc/group").unwrap_or_default(),
+        name,
+        primary,
+    )
+}
+
+/// [`member_of`] in the text of an `/etc/group`.
+fn groups_in(text: &str, name: &str, primary: u32) -> Vec<u32> {
+    let mut groups: Vec<u32> = text
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split(':').collect();
+            let gid: u32 = f.get(2)?.parse().ok()?;
+            let member = f.get(3)?.split(',').any(|m| m == name);
+            (member && gid != primary).then_some(gid)
+        })
+        .take(MAX_GROUPS)
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
 }
 
 fn passwd_entries() -> Vec<Account> {
@@ -573,6 +605,7 @@ fn passwd_entries() -> Vec<Account> {
                 name: (*f.first()?).to_string(),
                 uid: f.get(2)?.parse().ok()?,
                 gid: f.get(3)?.parse().ok()?,
+                groups: Vec::new(),
                 home: (*f.get(5)?).to_string(),
             })
         })
@@ -581,23 +614,26 @@ fn passwd_entries() -> Vec<Account> {
 
 pub(crate) fn lookup_user(user: &User) -> Result<Account, AgentError> {
     let entries = passwd_entries();
-    match user {
+    let mut account = match user {
         User::Name(name) => entries
             .into_iter()
             .find(|a| &a.name == name)
             .ok_or_else(|| {
                 AgentError::new(ErrorKind::InvalidRequest, format!("unknown user {name}"))
-            }),
-        User::Uid(uid) => Ok(entries
+            })?,
+        User::Uid(uid) => entries
             .into_iter()
             .find(|a| a.uid == *uid)
             .unwrap_or_else(|| Account {
                 name: uid.to_string(),
                 uid: *uid,
                 gid: *uid,
+                groups: Vec::new(),
                 home: "/".into(),
-            })),
-    }
+            }),
+    };
+    account.groups = member_of(&account.name, account.gid);
+    Ok(account)
 }
 
 fn current_home() -> String {
@@ -620,4 +656,19 @@ fn default_env(home: &str, account: Option<&Account>) -> BTreeMap<String, String
         env.insert("LOGNAME".to_string(), a.name.clone());
     }
     env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_users_supplementary_groups_are_those_etc_group_lists_it_in() {
+        let group = "root:x:0:\nuser:x:1000:\ndocker:x:101:user\nadm:x:4:syslog,user\n\
+                     video:x:44:other\nbad:x:notanumber:user\n";
+        assert_eq!(groups_in(group, "user", 1000), vec![4, 101]);
+        assert!(groups_in(group, "nobody", 65534).is_empty());
+        // Its primary group is not repeated.
+        assert!(groups_in("docker:x:101:user\n", "user", 101).is_empty());
+    }
 }

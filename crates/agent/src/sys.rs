@@ -171,18 +171,24 @@ pub fn set_pipe_size(pipe: &impl AsFd, size: usize) -> io::Result<()> {
 /// What a command's child does between fork and exec, in this order:
 /// lead a new session (and so a new process group whose id is its pid,
 /// which `kill_group` reaches); join a cgroup (`cgroup_procs`: its open
-/// `cgroup.procs`); become `user` (uid, gid: real, effective and saved,
-/// no supplementary groups, no capabilities); change to `cwd`. Joining
+/// `cgroup.procs`); become `user` (uid, gid: real, effective and saved;
+/// the supplementary groups given, those `/etc/group` lists the user in;
+/// no capabilities); change to `cwd`. Joining
 /// comes before the change of user, which could not write the cgroup's
 /// file, and the change of directory after it, so that the kernel checks
 /// the directory as the user's.
 pub fn prepare_child(
     cmd: &mut Command,
     cgroup_procs: Option<RawFd>,
-    user: Option<(u32, u32)>,
+    user: Option<(u32, u32, Vec<u32>)>,
     cwd: CString,
 ) {
     use rustix::process::{Gid, Uid};
+    // Made here, before the fork: the child only passes it to the kernel.
+    let user = user.map(|(uid, gid, groups)| {
+        let groups: Vec<Gid> = groups.into_iter().map(Gid::from_raw).collect();
+        (Uid::from_raw(uid), Gid::from_raw(gid), groups)
+    });
     // SAFETY: the closure runs between fork and exec in the child, where
     // only async-signal-safe calls are allowed: each rustix call is the
     // bare system call, and the closure neither allocates nor takes locks
@@ -195,9 +201,9 @@ pub fn prepare_child(
             if let Some(fd) = cgroup_procs {
                 rustix::io::write(BorrowedFd::borrow_raw(fd), b"0")?;
             }
-            if let Some((uid, gid)) = user {
-                let (uid, gid) = (Uid::from_raw(uid), Gid::from_raw(gid));
-                rustix::thread::set_thread_groups(&[])?;
+            if let Some((uid, gid, groups)) = &user {
+                let (uid, gid) = (*uid, *gid);
+                rustix::thread::set_thread_groups(groups)?;
                 rustix::thread::set_thread_res_gid(gid, gid, gid)?;
                 rustix::thread::set_thread_res_uid(uid, uid, uid)?;
             }

@@ -30,6 +30,8 @@ LEDGER_ENV = "FORKBOX_TESTBED_LEDGER"
 # over the shards; a module not listed counts DEFAULT_SECONDS.
 MODULE_SECONDS: Dict[str, int] = {
     "tests/test_reward_hacks.py": 420,
+    "tests/test_docker.py": 300,
+    "tests/test_disks.py": 75,
     "tests/test_faults.py": 240,
     "tests/test_daemon_lifecycle.py": 148,
     "tests/test_cli.py": 121,
