@@ -7,8 +7,6 @@ children."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Iterator, List
@@ -16,6 +14,7 @@ from typing import Iterator, List
 import pytest
 
 from forkbox import Sandbox
+from test_network import LineEcho
 
 HOST = "host.forkbox.internal"
 GATEWAY = "10.0.2.2"
@@ -40,35 +39,11 @@ def _busybox() -> bytes:
     return (cache / "debs" / "busybox-static" / "bin" / "busybox").read_bytes()
 
 
-class Counter:
-    """A TCP server on 127.0.0.1 that answers each connection with `ok`
-    and counts them."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self.port: int = self._sock.getsockname()[1]
-        self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            with conn:
-                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[List[Counter]]:
-    both = [Counter(), Counter()]
+def servers() -> Iterator[List[LineEcho]]:
+    """Two line-echo servers on this host's loopback: the policy opens the
+    first only."""
+    both = [LineEcho(), LineEcho()]
     yield both
     for s in both:
         s.close()
@@ -86,7 +61,7 @@ def _wait(sb: Sandbox, cmd: str, within: float = 300) -> str:
 
 
 def test_docker_template_composes_keeps_egress_policy_and_forks_with_containers(
-        daemon_url: str, servers: List[Counter]) -> None:
+        daemon_url: str, servers: List[LineEcho]) -> None:
     allowed, denied = servers
     with Sandbox.create("docker", timeout=1800,
                         network={"allow_out": [f"{HOST}:{allowed.port}"]}) as sb:
@@ -109,11 +84,11 @@ def test_docker_template_composes_keeps_egress_policy_and_forks_with_containers(
         # The sandbox's policy holds for its containers: allowed, denied.
         # By the gateway's address, which host.forkbox.internal names, with
         # nc (busybox-static's wget segfaulted on Docker's default bridge).
-        ask = "docker run --rm bb:1 sh -c 'echo GET / | nc -w 20 {} {}'"
+        ask = "docker run --rm bb:1 sh -c 'echo from-a-container | nc -w 20 {} {}'"
         ok = sb.commands.run(ask.format(GATEWAY, allowed.port), timeout=300)
-        assert ok.exit_code == 0 and ok.stdout.endswith("\r\n\r\nok\n"), (ok.stdout, ok.stderr)
+        assert (ok.exit_code, ok.stdout) == (0, "from-a-container\n"), (ok.stdout, ok.stderr)
         no = sb.commands.run(ask.format(GATEWAY, denied.port), timeout=300)
-        assert no.exit_code != 0 and "ok" not in no.stdout, (no.stdout, no.stderr)
+        assert no.exit_code != 0 and not no.stdout, (no.stdout, no.stderr)
         assert denied.accepted == 0, "a container reached a port the policy does not open"
         assert allowed.accepted >= 1
         verdicts = {(r.get("port"), r.get("verdict")) for r in sb.network.egress_log()}

@@ -1,7 +1,7 @@
 #!/bin/busybox sh
 # /init of forkbox's emulated KVM host: load KVM and 9p, mount this
-# machine's root read-only under a tmpfs overlay (every host path visible,
-# writes stay in the emulated host's RAM), chroot into it, run the command,
+# machine's root read-only under an overlay (every host path visible,
+# writes on the host's own scratch disk), chroot into it, run the command,
 # power off.
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -15,20 +15,20 @@ run=$(sed -n 's/.*forkbox\.run=\([^ ]*\).*/\1/p' /proc/cmdline)
 fail() { echo "testbed: $*"; poweroff -f; }
 mkdir -p /lower /upper /host
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro,cache=loose hostroot /lower || fail "cannot mount the host root"
-mount -t tmpfs tmpfs /upper
+# The overlay's writes go to the scratch disk this machine made for this
+# host (ext4, sparse, deleted with it): what VMs write to files (their
+# writable disks' tops) is written back and dropped, as on a real host,
+# instead of filling RAM.
+if [ -b /dev/vda ]; then
+    mount -t ext4 -o noatime,noinit_itable /dev/vda /upper || fail "cannot mount the scratch disk"
+else
+    echo "testbed: warning: no scratch disk: writes stay in RAM"
+    mount -t tmpfs tmpfs /upper
+fi
 mkdir -p /upper/data /upper/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work /host || fail "cannot mount the overlay root"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
-# /tmp on the scratch disk this machine made for this host (ext4, sparse):
-# what VMs write to files there (their writable disks' tops) can be
-# written back and dropped, as on a real host, instead of filling RAM.
-if [ -b /dev/vda ]; then
-    mount -t ext4 -o noatime,noinit_itable /dev/vda /host/tmp || fail "cannot mount the scratch disk at /tmp"
-    chmod 1777 /host/tmp
-else
-    echo "testbed: warning: no scratch disk: /tmp is in RAM"
-fi
 # cgroup v2, as on a systemd host: each VMM gets a cgroup of its own.
 # favordynmods: moving a fork child into its cgroup costs no RCU grace
 # period (docs/SPEC.md, "A cgroup per VMM").

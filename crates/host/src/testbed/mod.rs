@@ -32,7 +32,7 @@ const MODULES: &[&str] = &[
     "9pnet_virtio",
     "virtio_pci",
     "overlay",
-    // The scratch disk at /tmp ([`scratch_disk`]).
+    // The scratch disk under the overlay ([`scratch_disk`]).
     "crc32c_generic",
     "virtio_blk",
     "ext4",
@@ -42,7 +42,8 @@ const MODULES: &[&str] = &[
 /// takes this machine's disk, and it is deleted with the host).
 const SCRATCH_GIB: u64 = 64;
 
-/// An emulated host's `/tmp`: an ext4 disk of its own, made here, so that
+/// Where an emulated host's writes go (the upper layer of the overlay
+/// over this machine's root): an ext4 disk of its own, made here, so that
 /// what its VMs write to files (their writable disks' tops, logs) is on a
 /// disk whose page cache the kernel can write back and drop, as on a real
 /// host, not in its RAM (a tmpfs's pages count as the writer's memory:
