@@ -176,17 +176,21 @@ impl Interrupt {
     /// Logs a guest-caused error of `device`, rate-limited
     /// ([`warnings::Warnings`]).
     pub fn guest_error(&self, device: &str, what: &dyn Display) {
+        self.limited(device, "guest", what);
+    }
+
+    fn limited(&self, device: &str, whose: &str, what: &dyn Display) {
         let mut w = match self.health.warnings.lock() {
             Ok(w) => w,
             Err(p) => p.into_inner(),
         };
-        w.warn(device, what);
+        w.warn(device, whose, what);
     }
 
     /// Logs a host failure the guest can repeat at will (a write to a full
     /// host disk), under the same rate limit as its own errors.
     pub fn host_error(&self, device: &str, what: &dyn Display) {
-        self.guest_error(device, &format_args!("host: {what}"));
+        self.limited(device, "host", what);
     }
 
     /// Guest-caused errors seen so far, logged or not.

@@ -63,13 +63,13 @@ impl Warnings {
 
     /// Logs `what` at warn level for `device`, if [`Warnings::admit`]
     /// lets it through now.
-    pub fn warn(&mut self, device: &str, what: &dyn Display) {
+    pub fn warn(&mut self, device: &str, whose: &str, what: &dyn Display) {
         match self.admit(Instant::now()) {
             Verdict::Log { suppressed: 0 } => {
-                tracing::warn!("{device}: guest error: {what}");
+                tracing::warn!("{device}: {whose} error: {what}");
             }
             Verdict::Log { suppressed } => tracing::warn!(
-                "{device}: guest error: {what} ({suppressed} more not logged before this one)"
+                "{device}: {whose} error: {what} ({suppressed} more not logged before this one)"
             ),
             Verdict::Quiet => {}
         }
