@@ -84,9 +84,7 @@ impl Vm {
         let mut cmdline =
             GUEST_CMDLINE.to_owned() + root_cmdline + MODULES_CMDLINE + &disks_cmdline(&spec.disks);
         for (i, disk) in spec.disks.iter().enumerate() {
-            // Opened and unlinked by the VMM before it enters its root.
-            let top = dir.path().join(format!("top-{i}"));
-            std::fs::File::create(&top).map_err(|e| VmError::Io(io_context(e, &top)))?;
+            let top = new_top(dir.path(), i)?;
             cmd.arg("--writable-disk")
                 .arg(&disk.base)
                 .arg("--writable-top")
@@ -334,10 +332,7 @@ impl Vm {
         };
         let disks = read_hardware(snapshot)?.writable.len();
         for i in 0..disks {
-            // Opened and unlinked by the VMM before it enters its root.
-            let top = dir.path().join(format!("top-{i}"));
-            std::fs::File::create(&top).map_err(|e| VmError::Io(io_context(e, &top)))?;
-            cmd.arg("--writable-top").arg(&top);
+            cmd.arg("--writable-top").arg(new_top(dir.path(), i)?);
         }
         let mut child = cmd
             .arg("--restore")
@@ -405,6 +400,14 @@ impl Vm {
         vm.boot_time = start.elapsed();
         Ok(vm)
     }
+}
+
+/// Writable disk `i`'s top for a VMM started in `dir`: an empty file the
+/// VMM opens and unlinks before it enters its root.
+fn new_top(dir: &Path, i: usize) -> Result<PathBuf, VmError> {
+    let top = dir.join(format!("top-{i}"));
+    std::fs::File::create(&top).map_err(|e| VmError::Io(io_context(e, &top)))?;
+    Ok(top)
 }
 
 /// The VMM's jail arguments: `--root`, an empty directory made in its VM
