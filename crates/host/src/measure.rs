@@ -147,10 +147,10 @@ pub fn cpu_has_flag(flags: &[&str]) -> bool {
 }
 
 /// Guest RAM a VMM process holds privately, in KiB: the pages of its
-/// guest-RAM mappings that are present and not backed by the memory
-/// file (`/proc/PID/pagemap`). For a booted VM, every guest page ever
-/// written; for a fork child of a zygote, the pages the guest wrote since
-/// the fork (copy-on-write copies of the zygote's memory file).
+/// guest-RAM memfd mappings that are present and not backed by the memory
+/// file (`/proc/PID/pagemap`). For a fork child of a zygote, the pages
+/// the guest wrote since the fork (copy-on-write copies of the zygote's
+/// memory file); a booted VM's RAM is anonymous and not counted here.
 pub fn guest_pages_written_kib(pid: u32) -> std::io::Result<u64> {
     Ok(guest_pages_written(pid)?.len() as u64 * 4)
 }
@@ -214,31 +214,39 @@ pub fn guest_pages(pid: u32) -> std::io::Result<GuestPages> {
     Ok(pages)
 }
 
-/// The memfds a VMM maps guest RAM from: a booted VM's, and a zygote's
-/// (which its fork children inherit).
-const GUEST_RAM_MEMFDS: [&str; 2] = ["memfd:forkbox-guest-ram", "memfd:forkbox-zygote-ram"];
+/// The memfd a VMM maps a zygote's guest RAM from (which its fork
+/// children inherit). A booted VM's RAM is anonymous memory advised
+/// `MADV_DONTDUMP` (`dd` in smaps' `VmFlags`), which the VMM advises
+/// nothing else.
+const GUEST_RAM_MEMFDS: [&str; 1] = ["memfd:forkbox-zygote-ram"];
 
 /// `/proc/PID/pagemap` entry bits (Documentation/admin-guide/mm/pagemap.rst).
 const PM_PRESENT: u64 = 1 << 63;
 const PM_FILE: u64 = 1 << 61;
 
 /// VMM process memory that is not guest RAM, in KiB: the sum of `Rss` over
-/// every mapping in `/proc/PID/smaps` except the guest-RAM memfds.
+/// every mapping in `/proc/PID/smaps` except the guest-RAM memfds and the
+/// anonymous guest RAM (advised `MADV_DONTDUMP`).
 pub fn vmm_overhead_kib(pid: u32) -> std::io::Result<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
     Ok(overhead_from_smaps(&smaps))
 }
 
 fn overhead_from_smaps(smaps: &str) -> u64 {
+    // One mapping at a time: its `VmFlags` line comes after its `Rss`.
     let mut total = 0;
+    let mut rss = 0;
     let mut guest_ram = false;
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
             guest_ram = GUEST_RAM_MEMFDS.iter().any(|m| line.contains(m));
+            rss = 0;
         } else if let Some(rest) = line.strip_prefix("Rss:") {
-            if !guest_ram {
-                total += kib(rest).unwrap_or(0);
+            rss = kib(rest).unwrap_or(0);
+        } else if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if !guest_ram && !flags.split_whitespace().any(|f| f == "dd") {
+                total += rss;
             }
         }
     }
@@ -288,13 +296,18 @@ mod tests {
         assert!(!cpuinfo_has_flag(text, &["vmx"]));
     }
 
-    /// Guest RAM as the VMM maps it (a private mapping of a memfd): the
-    /// pages written count, pages only read (backed by the file) do not.
+    /// Guest RAM as a zygote's fork child maps it (a private mapping of a
+    /// memfd): the pages written count, pages only read (backed by the
+    /// file) do not.
     #[test]
     fn guest_pages_written_counts_private_copies_only() {
         use vm_memory::{Bytes, GuestAddress};
         let layout = forkbox_vmm::layout::MemoryLayout::new(16 << 20);
-        let ram = forkbox_vmm::memory::GuestRam::new(&layout).expect("guest RAM");
+        let mut ram = forkbox_vmm::memory::GuestRam::new(&layout).expect("guest RAM");
+        let vcpus = forkbox_vmm::vcpu::Vcpus::start(Vec::new()).expect("no vCPUs");
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        ram.rebase_to_sealed_memfd(&paused)
+            .expect("a zygote's memfd");
         for page in [0u64, 5, 9] {
             ram.memory()
                 .write_obj(1u8, GuestAddress(page * 4096))
@@ -313,22 +326,49 @@ mod tests {
         assert_eq!(pages.into_iter().collect::<Vec<_>>(), [0, 5, 9]);
     }
 
+    /// A booted VM's guest RAM (anonymous) is not the VMM's overhead.
+    #[test]
+    fn vmm_overhead_leaves_out_booted_guest_ram() {
+        use vm_memory::{Bytes, GuestAddress};
+        let layout = forkbox_vmm::layout::MemoryLayout::new(64 << 20);
+        let ram = forkbox_vmm::memory::GuestRam::new(&layout).expect("guest RAM");
+        let before = vmm_overhead_kib(std::process::id()).expect("smaps");
+        for page in 0..8192u64 {
+            ram.memory()
+                .write_obj(page, GuestAddress(page * 4096))
+                .expect("write");
+        }
+        let after = vmm_overhead_kib(std::process::id()).expect("smaps");
+        assert!(
+            after < before + 8 * 1024,
+            "32 MiB of guest RAM written, overhead {before} -> {after} KiB"
+        );
+    }
+
     #[test]
     fn overhead_from_smaps_skips_guest_ram() {
         let smaps = "\
 55d0c0000000-55d0c0100000 r-xp 00000000 08:01 123 /usr/bin/forkbox-vmm
 Size:               1024 kB
 Rss:                 800 kB
-7f0000000000-7f0020000000 rw-s 00000000 00:01 5 /memfd:forkbox-guest-ram (deleted)
+VmFlags: rd ex mr mw me
+7f0000000000-7f0020000000 rw-p 00000000 00:00 0
 Size:             524288 kB
 Rss:              131072 kB
+VmFlags: rd wr mr mw me nr dd
 7f1000000000-7f1020000000 rw-p 00000000 00:01 6 /memfd:forkbox-zygote-ram (deleted)
 Size:             524288 kB
 Rss:               20480 kB
+VmFlags: rd wr mr mw me nr
+7f2000000000-7f2000200000 rw-p 00000000 00:00 0
+Size:               2048 kB
+Rss:                1024 kB
+VmFlags: rd wr mr mw me ac
 7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
 Size:                132 kB
 Rss:                  24 kB
+VmFlags: rd wr mr mw me gd ac
 ";
-        assert_eq!(overhead_from_smaps(smaps), 824);
+        assert_eq!(overhead_from_smaps(smaps), 800 + 1024 + 24);
     }
 }

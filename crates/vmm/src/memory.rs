@@ -1,10 +1,12 @@
-//! Guest RAM: a memory file mapped `MAP_PRIVATE` once per RAM range,
-//! registered with KVM.
+//! Guest RAM: anonymous memory or a memory file, mapped `MAP_PRIVATE` once
+//! per RAM range, registered with KVM.
 //!
 //! All of the VMM's memory-mapping `unsafe` lives here. RAM is never
 //! `MAP_SHARED` (DESIGN.md, "Fork: the core"): a `fork()` of the VMM makes
 //! it copy-on-write in both directions. Three backings:
-//! - boot: an empty memfd (every guest write becomes a private page);
+//! - boot: anonymous memory (a page the guest touches is one private page;
+//!   a private view of an empty memfd would allocate each page twice, once
+//!   in the memfd when it is first read and again when it is written);
 //! - zygote ([`GuestRam::rebase_to_sealed_memfd`]): the guest's pages copied
 //!   into a new memfd, sealed, mapped over the same addresses, so the
 //!   process has no private pages and `fork()` copies no page tables;
@@ -53,6 +55,8 @@ pub enum MemoryError {
     Seal(#[source] std::io::Error),
     #[error("cannot map the sealed memory file over guest RAM")]
     Remap(#[source] std::io::Error),
+    #[error("cannot advise guest RAM")]
+    Advise(#[source] std::io::Error),
     #[error("cannot open memory file {0}")]
     Open(std::path::PathBuf, #[source] std::io::Error),
     #[error("memory file {path} has {found} bytes, the VM needs {want}")]
@@ -66,31 +70,44 @@ pub enum MemoryError {
 /// What the mapping is a private view of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backing {
+    /// Anonymous memory: a page this process does not map is a zero page.
+    Anonymous,
     /// A memfd: a page absent from memory is a zero page.
     Memfd,
     /// A file on disk: absent pages may hold data.
     File,
 }
 
-/// Guest RAM and the file behind it.
+/// Guest RAM and the file behind it, if any.
 pub struct GuestRam {
     mem: GuestMemory,
-    file: File,
+    file: Option<File>,
     backing: Backing,
 }
 
 impl GuestRam {
-    /// Creates a memfd of `layout.total()` bytes and maps each RAM range of
-    /// `layout` from consecutive offsets of it, `MAP_PRIVATE`.
+    /// Maps each RAM range of `layout` as anonymous `MAP_PRIVATE` memory,
+    /// advised `MADV_DONTDUMP`: a core dump of the VMM leaves the guest's
+    /// memory out, and host tools tell guest RAM from the VMM's own
+    /// memory by it (`forkbox_host::measure`; nothing else of the VMM is
+    /// so advised).
     pub fn new(layout: &MemoryLayout) -> Result<Self, MemoryError> {
-        let file = memfd(c"forkbox-guest-ram")?;
-        file.set_len(layout.total())
-            .map_err(|e| MemoryError::Resize(layout.total(), e))?;
-        let mem = map(layout, &file)?;
+        let mem = map(layout, None)?;
+        for region in mem.iter() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|_| MemoryError::Region(region.start_addr().0))?;
+            // SAFETY: the range is exactly a mapping `mem` owns; the advice
+            // changes what a core dump holds, not the memory.
+            if unsafe { libc::madvise(host.cast(), region.len() as usize, libc::MADV_DONTDUMP) } < 0
+            {
+                return Err(MemoryError::Advise(io::Error::last_os_error()));
+            }
+        }
         Ok(Self {
             mem,
-            file,
-            backing: Backing::Memfd,
+            file: None,
+            backing: Backing::Anonymous,
         })
     }
 
@@ -109,10 +126,10 @@ impl GuestRam {
                 want: layout.total(),
             });
         }
-        let mem = map(layout, &file)?;
+        let mem = map(layout, Some(&file))?;
         Ok(Self {
             mem,
-            file,
+            file: Some(file),
             backing: Backing::File,
         })
     }
@@ -124,7 +141,7 @@ impl GuestRam {
 
     /// Every file descriptor this object owns (a fork child keeps these).
     pub fn fds(&self) -> Vec<RawFd> {
-        let mut v = vec![self.file.as_raw_fd()];
+        let mut v: Vec<RawFd> = self.file.iter().map(|f| f.as_raw_fd()).collect();
         v.extend(
             self.mem
                 .iter()
@@ -237,7 +254,7 @@ impl GuestRam {
             }
             offset += region.len();
         }
-        self.file = file;
+        self.file = Some(file);
         self.backing = Backing::Memfd;
         Ok(copied)
     }
@@ -245,9 +262,10 @@ impl GuestRam {
     /// Which pages of the range `bytes` (at `offset` in the memory file)
     /// may hold data; `None`: any of them may (a file on disk).
     fn may_hold_data(&self, bytes: &[u8], offset: u64) -> Option<Vec<bool>> {
-        match self.backing {
-            Backing::Memfd => Some(possibly_written(bytes, &self.file, offset)),
-            Backing::File => None,
+        match (self.backing, &self.file) {
+            (Backing::Anonymous, _) => Some(possibly_written(bytes, None, offset)),
+            (Backing::Memfd, Some(file)) => Some(possibly_written(bytes, Some(file), offset)),
+            (Backing::Memfd | Backing::File, _) => None,
         }
     }
 
@@ -407,17 +425,25 @@ impl Drop for SharedMap {
     }
 }
 
-/// Maps each range of `layout` from consecutive offsets of `file`.
-fn map(layout: &MemoryLayout, file: &File) -> Result<GuestMemory, MemoryError> {
+/// Maps each range of `layout` from consecutive offsets of `file`, or as
+/// anonymous memory without one.
+fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, MemoryError> {
     let mut regions = Vec::new();
     let mut offset = 0u64;
     for range in layout.ranges() {
         let size = usize::try_from(range.size).map_err(|_| MemoryError::Region(range.start))?;
-        let fd = file.try_clone().map_err(MemoryError::Memfd)?;
-        let mapping = MmapRegionBuilder::new(size)
-            .with_file_offset(FileOffset::new(fd, offset))
+        let builder = MmapRegionBuilder::new(size)
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE);
+        let builder = match file {
+            Some(file) => {
+                let fd = file.try_clone().map_err(MemoryError::Memfd)?;
+                builder.with_file_offset(FileOffset::new(fd, offset))
+            }
+            None => builder
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_ANONYMOUS),
+        };
+        let mapping = builder
             .build()
             .map_err(|e| MemoryError::Map(range.start, e))?;
         let region = GuestRegionMmap::new(mapping, GuestAddress(range.start))
@@ -429,16 +455,17 @@ fn map(layout: &MemoryLayout, file: &File) -> Result<GuestMemory, MemoryError> {
 }
 
 /// Which pages of `bytes` (page aligned, mapped `MAP_PRIVATE` from the
-/// memfd `file` at `offset`) may hold data; the others have never been
-/// written and read as zero. A page may hold data if the memfd has data
-/// there (`SEEK_DATA` counts pages swapped out as data) or the mapping has
-/// a page of its own there, present or swapped out (`/proc/self/pagemap`).
-/// `mincore` is not enough: it reports swapped-out pages as absent. When
-/// either source cannot be read, every page is taken to hold data.
-fn possibly_written(bytes: &[u8], file: &File, offset: u64) -> Vec<bool> {
+/// memfd `file` at `offset`, or anonymous without one) may hold data; the
+/// others have never been written and read as zero. A page may hold data
+/// if the memfd has data there (`SEEK_DATA` counts pages swapped out as
+/// data) or the mapping has a page of its own there, present or swapped
+/// out (`/proc/self/pagemap`). `mincore` is not enough: it reports
+/// swapped-out pages as absent. When either source cannot be read, every
+/// page is taken to hold data.
+fn possibly_written(bytes: &[u8], file: Option<&File>, offset: u64) -> Vec<bool> {
     let pages = bytes.len().div_ceil(PAGE);
     let mut out = vec![false; pages];
-    if file_data_pages(file, offset, &mut out).is_err()
+    if file.is_some_and(|f| file_data_pages(f, offset, &mut out).is_err())
         || mapped_pages(bytes.as_ptr() as usize, &mut out).is_err()
     {
         out.fill(true);
@@ -577,7 +604,7 @@ mod tests {
 
     #[test]
     fn new_16gib_maps_low_and_high_ranges() {
-        let ram = GuestRam::new(&MemoryLayout::new(16 * GIB)).expect("sparse memfd");
+        let ram = GuestRam::new(&MemoryLayout::new(16 * GIB)).expect("anonymous RAM");
         let regions: Vec<(u64, u64)> = ram
             .memory()
             .iter()
@@ -673,7 +700,7 @@ mod tests {
     #[test]
     fn ram_snapshot_then_from_file_round_trips_private() {
         let layout = MemoryLayout::new(128 * MIB);
-        let ram = GuestRam::new(&layout).expect("memfd");
+        let ram = GuestRam::new(&layout).expect("anonymous RAM");
         ram.memory()
             .write_obj(0xabcd_u64, GuestAddress(0x10_0000))
             .expect("write");
@@ -701,7 +728,7 @@ mod tests {
     #[test]
     fn zygote_rebase_keeps_contents_and_seals() {
         let layout = MemoryLayout::new(128 * MIB);
-        let mut ram = GuestRam::new(&layout).expect("memfd");
+        let mut ram = GuestRam::new(&layout).expect("anonymous RAM");
         ram.memory()
             .write_obj(0x1234_u64, GuestAddress(0x30_0000))
             .expect("write");
@@ -716,11 +743,11 @@ mod tests {
         );
         mem.write_obj(5u64, GuestAddress(0x30_0000))
             .expect("private write");
-        let seals = rustix::fs::fcntl_get_seals(&ram.file).expect("F_GET_SEALS");
+        let file = ram.file.as_ref().expect("a memfd");
+        let seals = rustix::fs::fcntl_get_seals(file).expect("F_GET_SEALS");
         assert!(seals.contains(SealFlags::WRITE), "{seals:?}");
         let mut probe = [0u8; 8];
-        ram.file
-            .read_exact_at(&mut probe, 0x30_0000)
+        file.read_exact_at(&mut probe, 0x30_0000)
             .expect("read memfd");
         assert_eq!(u64::from_le_bytes(probe), 0x1234, "sealed file unchanged");
     }
@@ -728,7 +755,7 @@ mod tests {
     #[test]
     fn possibly_written_counts_the_memfds_data_and_the_mappings_own_pages() {
         let layout = MemoryLayout::new(128 * MIB);
-        let mut ram = GuestRam::new(&layout).expect("memfd");
+        let mut ram = GuestRam::new(&layout).expect("anonymous RAM");
         ram.memory()
             .write_obj(0x1234_u64, GuestAddress(0x30_0000))
             .expect("write");
@@ -741,7 +768,7 @@ mod tests {
             .write_obj(9u64, GuestAddress(0x50_0000))
             .expect("private write");
         let (bytes, offset) = ram.ranges(&paused).expect("ranges")[0];
-        let marked: Vec<usize> = possibly_written(bytes, &ram.file, offset)
+        let marked: Vec<usize> = possibly_written(bytes, ram.file.as_ref(), offset)
             .iter()
             .enumerate()
             .filter_map(|(i, &m)| m.then_some(i))
@@ -798,7 +825,7 @@ mod tests {
     #[test]
     fn zygote_rebase_keeps_dense_and_sparse_regions_byte_for_byte() {
         let layout = MemoryLayout::new(8 * MIB);
-        let mut ram = GuestRam::new(&layout).expect("memfd");
+        let mut ram = GuestRam::new(&layout).expect("anonymous RAM");
         // Region 0: every page written (dense); region 1: 3 pages (sparse);
         // regions 2 and 3: untouched.
         let pattern = |page: u64| page.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -832,7 +859,64 @@ mod tests {
 
     #[test]
     fn new_128mib_single_range() {
-        let ram = GuestRam::new(&MemoryLayout::new(128 * MIB)).expect("memfd");
+        let ram = GuestRam::new(&MemoryLayout::new(128 * MIB)).expect("anonymous RAM");
         assert_eq!(ram.memory().num_regions(), 1);
+    }
+
+    /// Resident bytes of the mapping that holds `addr`, from `/proc/self/smaps`.
+    fn rss_of_mapping(addr: u64) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-') {
+                if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                    inside = (a..b).contains(&addr);
+                    continue;
+                }
+            }
+            if inside && first == "Rss:" {
+                let kib: u64 = line
+                    .split_whitespace()
+                    .nth(1)
+                    .expect("kB")
+                    .parse()
+                    .expect("number");
+                return kib * 1024;
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    #[test]
+    fn booted_ram_costs_only_the_pages_written() {
+        // A guest reads much of its RAM before it writes it (the kernel's
+        // memory scan, a page cache filled and read). Read pages must cost
+        // nothing, and a written page one page, not two.
+        let layout = MemoryLayout::new(128 * MIB);
+        let ram = GuestRam::new(&layout).expect("anonymous RAM");
+        assert!(ram.fds().is_empty(), "no memory file behind booted RAM");
+        let mem = ram.memory();
+        for page in 0..4096u64 {
+            mem.read_obj::<u64>(GuestAddress(page * PAGE as u64))
+                .expect("read");
+        }
+        for page in 0..16u64 {
+            mem.write_obj(page + 1, GuestAddress(page * PAGE as u64))
+                .expect("write");
+        }
+        let host = mem.get_host_address(GuestAddress(0)).expect("mapped") as u64;
+        let rss = rss_of_mapping(host);
+        assert!(
+            rss <= 64 * PAGE as u64,
+            "{rss} bytes resident for 16 pages written"
+        );
+        let vcpus = no_vcpus();
+        let (_, paused) = vcpus.pause().expect("nothing to park");
+        let (file, path) = temp_file("booted");
+        file.set_len(layout.total()).expect("size");
+        let n = ram.write_sparse_to(&file, &paused).expect("snapshot");
+        assert_eq!(n, 16 * PAGE as u64, "the written pages, not the read ones");
+        let _ = std::fs::remove_file(path);
     }
 }
