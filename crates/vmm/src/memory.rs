@@ -440,8 +440,21 @@ fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, Memory
                 let fd = file.try_clone().map_err(MemoryError::Memfd)?;
                 builder.with_file_offset(FileOffset::new(fd, offset))
             }
-            None => builder
-                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_ANONYMOUS),
+            None => {
+                let addr = anonymous_at_huge_boundary(size)
+                    .map_err(|e| MemoryError::Map(range.start, MmapRegionError::Mmap(e)))?;
+                // SAFETY: `addr..addr + size` is a fresh private anonymous
+                // mapping, readable and writable, that only this region will
+                // refer to; it is never unmapped (guest RAM lives as long as
+                // the VMM's process).
+                unsafe {
+                    builder
+                        .with_mmap_flags(
+                            libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_ANONYMOUS,
+                        )
+                        .with_raw_mmap_pointer(addr)
+                }
+            }
         };
         let mapping = builder
             .build()
@@ -452,6 +465,37 @@ fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, Memory
         offset += range.size;
     }
     GuestMemory::from_regions(regions).map_err(MemoryError::Assemble)
+}
+
+/// Maps `size` bytes of private anonymous memory at a 2 MiB boundary, so
+/// that a zygote's memfd mapped over the same range later ([`HUGE`]) can be
+/// mapped in whole huge pages. The kernel places an anonymous mapping at
+/// any page; this one reserves 2 MiB more and gives back what lies outside.
+/// The mapping is never unmapped: a VMM's guest RAM lives as long as it.
+fn anonymous_at_huge_boundary(size: usize) -> io::Result<*mut u8> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let reserved = size + HUGE;
+    // SAFETY: a fresh mapping at an address the kernel picks; nothing else
+    // refers to it.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), reserved, prot, flags, -1, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let start = p as usize;
+    let aligned = start.next_multiple_of(HUGE);
+    let (head, tail) = (aligned - start, start + reserved - (aligned + size));
+    // SAFETY: both ranges lie inside the mapping just made, outside the
+    // part kept, and nothing refers to them.
+    unsafe {
+        if head > 0 {
+            libc::munmap(p, head);
+        }
+        if tail > 0 {
+            libc::munmap((aligned + size) as *mut libc::c_void, tail);
+        }
+    }
+    Ok(aligned as *mut u8)
 }
 
 /// Which pages of `bytes` (page aligned, mapped `MAP_PRIVATE` from the
@@ -623,6 +667,13 @@ mod tests {
             0xfeed
         );
         assert!(mem.read_obj::<u8>(GuestAddress(MMIO_HOLE_START)).is_err());
+        // At 2 MiB boundaries, where a zygote's huge pages can map whole.
+        for region in mem.iter() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .expect("mapped");
+            assert_eq!(host as usize % HUGE, 0, "{host:?}");
+        }
     }
 
     fn data_ranges(file: &File, len: u64) -> Vec<(u64, u64)> {
