@@ -91,6 +91,12 @@ pub mod exit_code {
 /// killed (a signal, the host's OOM killer) before it could write one.
 pub const END_FILE: &str = "vmm-end";
 
+/// Bytes of disk reserved for [`END_FILE`] when it is made (allocated past
+/// its end, its size still 0), so that a VMM says how its VM ended even on
+/// a disk that has filled up since (a VM that ends *because* the host's
+/// disk is full); [`End::file_text`] fits in them.
+pub const END_FILE_RESERVE: u64 = 4096;
+
 /// How a VM ended, as its VMM saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum End {
@@ -140,9 +146,19 @@ impl End {
         matches!(self, End::PowerOff | End::Reboot | End::Panic)
     }
 
-    /// The file's whole text for this end and its sentence.
+    /// The file's whole text for this end and its sentence, the sentence
+    /// cut to fit [`END_FILE_RESERVE`].
     pub fn file_text(self, how: &str) -> String {
-        format!("{}\n{}\n", self.word(), how.trim())
+        let room = END_FILE_RESERVE as usize - self.word().len() - 2;
+        let mut how = how.trim();
+        if how.len() > room {
+            let mut cut = room;
+            while !how.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            how = &how[..cut];
+        }
+        format!("{}\n{}\n", self.word(), how)
     }
 
     /// The end and its sentence from the file's text; `None` for a text
@@ -173,5 +189,15 @@ mod tests {
         assert!(!End::TripleFault.by_guest() && !End::Error.by_guest());
         assert_eq!(End::parse_file("crashed\n"), None);
         assert_eq!(End::parse_file(""), None);
+    }
+
+    #[test]
+    fn an_end_file_fits_its_reserve_whatever_the_sentence() {
+        let long = "é".repeat(3000);
+        let text = End::Error.file_text(&long);
+        assert!(text.len() <= END_FILE_RESERVE as usize, "{}", text.len());
+        let (end, how) = End::parse_file(&text).expect("parses");
+        assert_eq!(end, End::Error);
+        assert!(how.len() > 4000 && long.starts_with(&how));
     }
 }

@@ -1,10 +1,11 @@
 """Writable disks against a real forkboxd: a template's disk is in every
 sandbox, each sandbox's writes are its own, a fork mid-episode carries the
-disk of its instant, a full disk is the guest's error, and a saved
-template keeps its disk across a daemon's restart."""
+disk of its instant, a full disk is the guest's error, a full host disk
+the host's, and a saved template keeps its disk across a daemon's restart."""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import uuid
@@ -15,7 +16,7 @@ import subprocess
 
 import pytest
 
-from forkbox import InvalidRequestError, Sandbox, Template
+from forkbox import ForkboxError, GuestEndedError, InvalidRequestError, Sandbox, Template
 
 
 def _name(prefix: str) -> str:
@@ -119,3 +120,60 @@ def test_a_saved_template_keeps_its_disk_across_a_daemon_restart() -> None:
                 proc.wait(60)
         sys.stderr.write("--- disk test daemon log ---\n" + Path(log).read_text()[-3000:])
 
+
+def _metric(url: str, name: str) -> float:
+    """The value of `name` in the daemon's /metrics."""
+    import httpx
+    sock = url.removeprefix("unix://")
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
+        text = c.get("http://forkboxd/metrics").text
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(name + " ")]
+    assert values, f"no {name} in /metrics"
+    return values[0]
+
+
+def test_a_full_host_disk_ends_the_sandbox_as_the_hosts_failure_and_loses_no_other_sandboxs_data(
+        ) -> None:
+    """The daemon's VMs live in a 48 MiB tmpfs: a guest that writes more
+    than the host has loses a write to the host, and its VM ends at once as
+    the host's failure (a guest file system that lost a write, its journal
+    aborted, would otherwise throttle the writer forever); another
+    sandbox's written data reads back whole, and it writes again in the
+    space the ended sandbox gave back."""
+    from test_daemon_lifecycle import _start
+    d = tempfile.mkdtemp(prefix="forkboxd-hostfull-", dir="/tmp")
+    small = f"{d}/small"
+    os.makedirs(small)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=1777", "tmpfs", small],
+                   check=True)
+    sock, state, log = f"{d}/forkbox.sock", f"{d}/state", f"{d}/forkboxd.log"
+    url = f"unix://{sock}"
+    proc = _start(sock, state, log, env={**os.environ, "TMPDIR": small})
+    try:
+        Template.build("hostfull", disks={"/data": 256}, setup=["chmod 1777 /data"], url=url)
+        with Sandbox.create("hostfull", timeout=600, url=url) as b, \
+                Sandbox.create("hostfull", timeout=600, url=url) as a:
+            kept = b.commands.run("head -c 4194304 /dev/urandom > /data/kept && sync && "
+                                  "md5sum /data/kept > /data/kept.sum && sync")
+            assert kept.exit_code == 0, kept.stderr
+            assert _metric(url, "forkbox_vmm_disk_host_write_errors") == 0
+            with pytest.raises(ForkboxError) as caught:
+                a.commands.run("dd if=/dev/zero of=/data/flood bs=1M count=200 conv=fsync",
+                               timeout=600)
+            e = caught.value
+            assert e.infrastructure and not isinstance(e, GuestEndedError), e
+            assert "the host failed a write to the guest's writable disk" in str(e), e
+            death = a.get_info().get("death")
+            assert isinstance(death, dict) and "vm_lost" in death, death
+            assert "No space left on device" in death["vm_lost"]["reason"], death
+            check = b.commands.run("echo 3 > /proc/sys/vm/drop_caches && md5sum -c /data/kept.sum",
+                                   user="root")
+            assert check.exit_code == 0, (check.stdout, check.stderr)
+            again = b.commands.run("head -c 4194304 /dev/urandom > /data/more && sync")
+            assert again.exit_code == 0, again.stderr
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        subprocess.run(["umount", small], check=False)
+        sys.stderr.write("--- host-full test daemon log ---\n" + Path(log).read_text()[-3000:])

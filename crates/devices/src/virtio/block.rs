@@ -831,6 +831,8 @@ mod tests {
         blk.queue_notify(0);
         assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
         assert!(errors() > before, "counted as the host's");
+        let failure = crate::virtio::overlay::host_write_failure().expect("noted for the VMM");
+        assert!(failure.contains("Bad file descriptor"), "{failure}");
         let mut first = [0u8; 4];
         block_lock(&overlay)
             .read_exact_at(&mut first, 0)

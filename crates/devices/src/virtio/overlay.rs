@@ -35,6 +35,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 /// The unit the map tracks: a guest's write smaller than this copies the
 /// rest of its block up from below first.
@@ -48,6 +49,16 @@ pub const WRITEBACK_EVERY: u64 = 8 << 20;
 /// Host write failures (a full host disk) of this process's writable
 /// disks, for the VMM's counters: the guest saw an I/O error for each.
 pub static HOST_WRITE_ERRORS: AtomicU64 = AtomicU64::new(0);
+/// The first host write failure of this process's writable disks.
+static HOST_WRITE_FAILURE: OnceLock<String> = OnceLock::new();
+
+/// The first host write failure of this process's writable disks, if one
+/// failed: the guest's file system lost a write it was told of as an I/O
+/// error, through no fault of its own, and the VMM ends the VM for it.
+pub fn host_write_failure() -> Option<&'static str> {
+    HOST_WRITE_FAILURE.get().map(String::as_str)
+}
+
 /// Bytes this process's writable disks took into their tops.
 pub static BYTES_WRITTEN: AtomicU64 = AtomicU64::new(0);
 
@@ -204,8 +215,9 @@ impl Overlay {
             }
             // Past the end is the guest's request, refused before any write.
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {}
-            Err(_) => {
+            Err(e) => {
                 HOST_WRITE_ERRORS.fetch_add(1, Relaxed);
+                let _ = HOST_WRITE_FAILURE.set(e.to_string());
             }
         }
         result

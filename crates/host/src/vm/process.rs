@@ -191,6 +191,7 @@ impl ChildPaths {
                 .map(OwnedFd::from)
                 .map_err(err(&self.serial_log))?,
             std::fs::File::create(&end)
+                .inspect(reserve_end_note)
                 .map(OwnedFd::from)
                 .map_err(err(&end))?,
         ];
@@ -565,6 +566,22 @@ impl Vm {
     }
 }
 
+/// Reserves [`forkbox_vmm_api::END_FILE_RESERVE`] bytes of disk for a VMM's
+/// end note, so it can be written on a disk that fills up later. Where the
+/// file system cannot (it has no `fallocate`), the note is written as
+/// before, if there is room.
+pub(crate) fn reserve_end_note(file: &std::fs::File) {
+    use rustix::fs::{fallocate, FallocateFlags};
+    if let Err(e) = fallocate(
+        file,
+        FallocateFlags::KEEP_SIZE,
+        0,
+        forkbox_vmm_api::END_FILE_RESERVE,
+    ) {
+        tracing::debug!("cannot reserve room for a VMM's end note: {e}");
+    }
+}
+
 /// "powered off", "kernel panic", "exit code 1", "killed by signal 9".
 pub fn describe_exit(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
@@ -600,6 +617,10 @@ mod tests {
         let is_socket = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_socket());
         assert!(is_socket(&paths.control) && is_socket(&paths.vsock_uds));
         assert_eq!(std::fs::read(dir.path().join(END_FILE)).ok(), Some(vec![]));
+        // Empty, with its room on the disk taken already.
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(dir.path().join(END_FILE)).expect("the end note");
+        assert!(meta.blocks() * 512 >= forkbox_vmm_api::END_FILE_RESERVE, "{meta:?}");
         // The control socket listens: a connection is taken by its first
         // descriptor.
         let _client = std::os::unix::net::UnixStream::connect(&paths.control).expect("connect");

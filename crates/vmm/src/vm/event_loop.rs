@@ -166,6 +166,9 @@ impl Machine {
             // Devices last: exits and control requests of this turn first.
             if devices {
                 self.device_events()?;
+                if let Some(failure) = forkbox_devices::virtio::overlay::host_write_failure() {
+                    return Err(VmError::HostDisk(failure.to_owned()));
+                }
             }
         }
     }

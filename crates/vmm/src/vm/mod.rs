@@ -73,6 +73,12 @@ pub enum VmError {
     Lockdown(#[source] crate::lockdown::LockdownError),
     #[error("no process has owned this VM for {} s (its daemon ended and none adopted it): the VM ends", .0.as_secs())]
     Orphaned(std::time::Duration),
+    #[error(
+        "the host failed a write to the guest's writable disk ({0}): the guest's file system \
+         lost it, through no fault of the guest's, so the VM ends; the host's disk is likely \
+         full: free space where the VMs' directories are (the daemon's TMPDIR)"
+    )]
+    HostDisk(String),
     #[error("KVM: cannot {0}")]
     Kvm(&'static str, #[source] kvm_ioctls::Error),
     #[error("guest memory")]
@@ -236,7 +242,18 @@ impl Endpoints {
         let end_note = match &self.control {
             Some(control) => {
                 let path = control.with_file_name(api::END_FILE);
-                Some(File::create(&path).map_err(|source| VmError::EndNote { path, source })?)
+                let file =
+                    File::create(&path).map_err(|source| VmError::EndNote { path, source })?;
+                // Room for the note on a disk that fills up later.
+                if let Err(e) = rustix::fs::fallocate(
+                    &file,
+                    rustix::fs::FallocateFlags::KEEP_SIZE,
+                    0,
+                    api::END_FILE_RESERVE,
+                ) {
+                    tracing::debug!("cannot reserve room for the end note: {e}");
+                }
+                Some(file)
             }
             None => None,
         };
