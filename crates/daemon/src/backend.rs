@@ -165,6 +165,8 @@ pub type ChildVm = Result<Box<dyn BackendVm>, BackendError>;
 /// The real thing: `forkbox_host::vm::Vm`.
 pub struct VmBackend {
     assets: Assets,
+    /// The image store, for disks that start with an image's files.
+    images: Option<forkbox_image::Store>,
     orphan_grace: Duration,
     require_jail: bool,
 }
@@ -177,9 +179,16 @@ impl VmBackend {
     pub fn new(orphan_grace: Duration, require_jail: bool) -> Result<Self, BackendError> {
         Ok(Self {
             assets: Assets::prepare().map_err(BackendError::Assets)?,
+            images: None,
             orphan_grace,
             require_jail,
         })
+    }
+
+    /// Gives it the image store that disks' images come from.
+    pub fn with_images(mut self, images: Option<forkbox_image::Store>) -> Self {
+        self.images = images;
+        self
     }
 }
 
@@ -245,7 +254,32 @@ impl Backend for VmBackend {
     }
 
     fn volume(&self, disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError> {
-        forkbox_host::volume::empty_ext4(disk.size_mib).map_err(BackendError::Volume)
+        let Some(id) = &disk.image_id else {
+            return forkbox_host::volume::empty_ext4(disk.size_mib).map_err(BackendError::Volume);
+        };
+        // Laid out once per image and size: the image is read only then.
+        let fill = |root: &Path, work: &Path| -> Result<(), String> {
+            let store = self
+                .images
+                .as_ref()
+                .ok_or("this daemon has no image store")?;
+            let image = id
+                .parse::<forkbox_image::Digest>()
+                .map_err(|e| e.to_string())
+                .and_then(|id| store.image(&id).map_err(|e| e.to_string()))?;
+            let layers: Vec<_> = image
+                .layers
+                .iter()
+                .map(|l| (store.blob_path(&l.blob), l.diff_id.clone()))
+                .collect();
+            forkbox_image::layer::unpack_merged(&layers, work, root)
+                .map(|_| ())
+                .map_err(|e| format!("image {id}: {e}"))
+        };
+        let key = id.strip_prefix("sha256:").unwrap_or(id);
+        let key = &key[..key.len().min(16)];
+        forkbox_host::volume::ext4_with_files(disk.size_mib, key, &fill)
+            .map_err(BackendError::Volume)
     }
 }
 

@@ -266,6 +266,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("making a temporary egress log directory")?,
     }
     .with_max_bytes(egress_max);
+    let backend = backend.with_images(config.images.as_ref().map(|(s, _)| s.clone()));
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();

@@ -215,9 +215,21 @@ pub struct TemplateDisk {
     /// (made if missing; root's, mode 0755: a setup command may `chown`
     /// it to the sandbox's user).
     pub path: String,
-    /// Its size in MiB (16 to 1048576): an empty ext4 file system.
+    /// Its size in MiB (16 to 1048576): an ext4 file system, empty unless
+    /// `image` is given.
     #[schema(minimum = 16, maximum = 1048576)]
     pub size_mib: u32,
+    /// A stored image (a name or an id, as `forkbox image ls` shows) whose
+    /// files the disk starts with: its layers merged as a guest sees them,
+    /// owners, modes and times kept, laid out once per image and size and
+    /// shared by every sandbox (a sandbox's writes are its own). Without
+    /// it the disk starts empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The id `image` named when the template was made (set by the daemon):
+    /// its sandboxes keep that image's files after the name moves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_id: Option<String>,
 }
 
 fn default_vcpus() -> u8 {
@@ -350,7 +362,7 @@ impl ResolvedImage {
 /// Why a template is not acceptable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
-    #[error("no image {0:?}: the built-in images are `minimal` and `debian`; any other must be in the image store (`forkbox image import`, `forkbox image ls`)")]
+    #[error("no image {0:?}: the built-in images are `minimal`, `debian` and `docker`; any other must be in the image store (`forkbox image import`, `forkbox image pull`, `forkbox image ls`)")]
     UnknownImage(String),
     #[error(
         "image name {0:?}: a built-in image (`minimal`, `debian`) or a stored image's name or id"
@@ -400,6 +412,8 @@ impl TemplateSpec {
                 disks: vec![TemplateDisk {
                     path: "/var/lib/docker".into(),
                     size_mib: 16384,
+                    image: None,
+                    image_id: None,
                 }],
                 ..plain
             },
@@ -526,6 +540,14 @@ impl TemplateSpec {
                     d.path, d.size_mib
                 )));
             }
+            if let Some(image) = &d.image {
+                if image.is_empty() || image.len() > 512 || image.chars().any(char::is_control) {
+                    return Err(TemplateError::BadDisk(format!(
+                        "{}: image {image:?}: expected an image's name or id",
+                        d.path
+                    )));
+                }
+            }
             let nested = |a: &str, b: &str| a == b || b.starts_with(&format!("{a}/"));
             if let Some(other) = self.disks[..i]
                 .iter()
@@ -538,6 +560,29 @@ impl TemplateSpec {
             }
         }
         Ok(())
+    }
+
+    /// Its disks' images found in `images` (by name or id), each disk's
+    /// `image_id` set to what its `image` names now; a disk that has an
+    /// `image_id` keeps it.
+    pub fn resolve_disk_images(
+        mut self,
+        images: Option<&forkbox_image::Store>,
+    ) -> Result<Self, TemplateError> {
+        for d in &mut self.disks {
+            let Some(name) = d.image.as_deref().filter(|_| d.image_id.is_none()) else {
+                continue;
+            };
+            let store = images.ok_or_else(|| TemplateError::UnknownImage(name.to_owned()))?;
+            let image = store.resolve(name).map_err(|e| match e {
+                forkbox_image::StoreError::NoImage(_) => {
+                    TemplateError::UnknownImage(name.to_owned())
+                }
+                other => TemplateError::ImageStore(other.to_string()),
+            })?;
+            d.image_id = Some(image.id.to_string());
+        }
+        Ok(self)
     }
 
     /// What its bake boots, `image` being its image found
@@ -611,6 +656,8 @@ mod tests {
                 .map(|&(path, size_mib)| TemplateDisk {
                     path: path.into(),
                     size_mib,
+                    image: None,
+                    image_id: None,
                 })
                 .collect(),
             ..TemplateSpec::builtin(ImageName::Minimal)
@@ -721,6 +768,61 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = l.local_addr().expect("addr").port();
         assert_eq!(sh(&Readiness::TcpPort(port).script()), 0);
+    }
+
+    #[test]
+    fn a_disks_image_is_found_once_and_kept_by_id() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = forkbox_image::Store::open(dir.path()).expect("store");
+        let image = |config: &[u8]| forkbox_image::Image {
+            id: forkbox_image::Digest::of(config),
+            layers: Vec::new(),
+            config: forkbox_image::RunConfig::default(),
+            manifest: None,
+            created: None,
+        };
+        let (first, second) = (image(b"first"), image(b"second"));
+        store.put_image(&first).expect("first");
+        store.put_image(&second).expect("second");
+        store.tag("data/repo:1", &first.id).expect("tag");
+        let mut t = TemplateSpec::builtin(ImageName::Minimal);
+        t.disks = vec![
+            TemplateDisk {
+                path: "/workspace".into(),
+                size_mib: 64,
+                image: Some("data/repo:1".into()),
+                image_id: None,
+            },
+            TemplateDisk {
+                path: "/scratch".into(),
+                size_mib: 64,
+                image: None,
+                image_id: None,
+            },
+        ];
+        t.validate().expect("valid");
+        let found = t.clone().resolve_disk_images(Some(&store)).expect("found");
+        assert_eq!(found.disks[0].image_id, Some(first.id.to_string()));
+        assert_eq!(found.disks[1].image_id, None, "an empty disk names none");
+        // Found once: the name moving later changes nothing.
+        store.tag("data/repo:1", &second.id).expect("moved");
+        let again = found
+            .clone()
+            .resolve_disk_images(Some(&store))
+            .expect("kept");
+        assert_eq!(again.disks[0].image_id, Some(first.id.to_string()));
+        let mut missing = t.clone();
+        missing.disks[0].image = Some("data/none:1".into());
+        assert!(matches!(
+            missing.clone().resolve_disk_images(Some(&store)),
+            Err(TemplateError::UnknownImage(n)) if n == "data/none:1"
+        ));
+        assert!(matches!(
+            t.clone().resolve_disk_images(None),
+            Err(TemplateError::UnknownImage(_))
+        ));
+        missing.disks[0].image = Some(String::new());
+        assert!(matches!(missing.validate(), Err(TemplateError::BadDisk(_))));
     }
 
     #[test]

@@ -30,6 +30,10 @@ use serde::{Deserialize, Serialize};
 /// [[disks]]                 # writable disks (at most 4), mounted before setup
 /// path = "/var/lib/docker"
 /// size_mib = 8192           # an empty ext4; only written blocks take host disk
+/// [[disks]]
+/// path = "/workspace"
+/// size_mib = 1024
+/// image = "task/repo:1"     # starts with a stored image's files
 /// ```
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -69,13 +73,15 @@ pub struct TemplateFile {
     pub disks: Vec<TemplateDisk>,
 }
 
-/// A writable disk (forkboxd's `TemplateDisk`): an empty ext4 file system
-/// of `size_mib` MiB mounted at `path`.
+/// A writable disk (forkboxd's `TemplateDisk`): an ext4 file system of
+/// `size_mib` MiB mounted at `path`, empty or holding a stored image's files.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TemplateDisk {
     pub path: String,
     pub size_mib: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 /// The host resources one sandbox may take (forkboxd's `SandboxLimits`):
@@ -189,6 +195,10 @@ allow_out = ["deb.debian.org:80"]
 [[disks]]
 path = "/var/lib/docker"
 size_mib = 4096
+[[disks]]
+path = "/workspace"
+size_mib = 64
+image = "task/repo:1"
 "#,
         )
         .expect("parse");
@@ -203,7 +213,8 @@ size_mib = 4096
                 "network": {"allow_out": ["deb.debian.org:80"], "deny_out": []},
                 "protect": ["/task/tests"],
                 "limits": {"cpus": 1.5, "memory_mib": 768},
-                "disks": [{"path": "/var/lib/docker", "size_mib": 4096}]
+                "disks": [{"path": "/var/lib/docker", "size_mib": 4096},
+                          {"path": "/workspace", "size_mib": 64, "image": "task/repo:1"}]
             })
         );
     }

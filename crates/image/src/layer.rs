@@ -114,8 +114,136 @@ pub fn convert(
     Ok(stats)
 }
 
+/// Unpacks an image's layers (their blobs, bottom first) into the empty
+/// directory `root` as one tree, the files a guest sees through overlayfs:
+/// a whiteout removes what lower layers put at its path, an opaque
+/// directory what they put in it, and an upper layer's entry replaces a
+/// lower one's. Each layer is unpacked (checked against its `diff_id`)
+/// under `work`, on the same file system as `root`, and moved into place.
+/// For a writable disk that starts with an image's files. Needs root.
+pub fn unpack_merged(
+    layers: &[(PathBuf, Digest)],
+    work: &Path,
+    root: &Path,
+) -> Result<u64, LayerError> {
+    if !rustix::process::geteuid().is_root() {
+        return Err(LayerError::NotRoot);
+    }
+    let mut entries = 0;
+    for (i, (blob, diff_id)) in layers.iter().enumerate() {
+        let dir = work.join(format!("layer-{i}"));
+        fs::create_dir(&dir).map_err(write_err(&dir))?;
+        let (unpacked, hides) = unpack_with(blob, diff_id, &dir, Whiteouts::Listed)?;
+        entries += unpacked.entries;
+        // What the layer hides of the layers below goes first; then its
+        // own entries go over what is left.
+        for rel in &hides {
+            if let Some(lower) = inside(root, rel) {
+                let meta = fs::symlink_metadata(&lower).ok();
+                remove_any(&lower, meta.as_ref())?;
+            }
+        }
+        merge_into(&dir, root)?;
+        fs::remove_dir(&dir).map_err(write_err(&dir))?;
+    }
+    Ok(entries)
+}
+
+/// `rel` under `root` if every directory on the way is one (not a
+/// symbolic link a lower layer made: a whiteout behind one hides nothing
+/// there, and nothing outside `root` is ever touched).
+fn inside(root: &Path, rel: &Path) -> Option<PathBuf> {
+    let mut at = root.to_path_buf();
+    let mut names = rel.components().peekable();
+    while let Some(name) = names.next() {
+        at.push(name);
+        if names.peek().is_some() && !fs::symlink_metadata(&at).ok()?.is_dir() {
+            return None;
+        }
+    }
+    Some(at)
+}
+
+/// Moves the unpacked layer `from` over the tree `to` (see
+/// [`unpack_merged`]), leaving `from` empty.
+fn merge_into(from: &Path, to: &Path) -> Result<(), LayerError> {
+    for entry in fs::read_dir(from).map_err(LayerError::Read)? {
+        let entry = entry.map_err(LayerError::Read)?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        let meta = fs::symlink_metadata(&src).map_err(LayerError::Read)?;
+        let lower = fs::symlink_metadata(&dst).ok();
+        if meta.is_dir() && lower.as_ref().is_some_and(|m| m.is_dir()) {
+            // Both layers have the directory: the upper one's entries go
+            // in, and its attributes win.
+            merge_into(&src, &dst)?;
+            copy_attributes(&meta, &dst)?;
+            fs::remove_dir(&src).map_err(write_err(&src))?;
+        } else {
+            remove_any(&dst, lower.as_ref())?;
+            fs::rename(&src, &dst).map_err(write_err(&dst))?;
+        }
+    }
+    // Moving entries in and out touched the directory's time.
+    let meta = fs::symlink_metadata(from).map_err(LayerError::Read)?;
+    copy_attributes(&meta, to)
+}
+
+/// Removes `path` whatever it is (`meta`: what is there, if anything).
+fn remove_any(path: &Path, meta: Option<&fs::Metadata>) -> Result<(), LayerError> {
+    match meta {
+        None => Ok(()),
+        Some(m) if m.is_dir() => fs::remove_dir_all(path).map_err(write_err(path)),
+        Some(_) => fs::remove_file(path).map_err(write_err(path)),
+    }
+}
+
+/// Gives the directory `to` the owner, mode and modification time `meta`
+/// (another directory's) has.
+fn copy_attributes(meta: &fs::Metadata, to: &Path) -> Result<(), LayerError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let owner = (
+        Some(Uid::from_raw(meta.uid())),
+        Some(Gid::from_raw(meta.gid())),
+    );
+    rustix::fs::chownat(CWD, to, owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| write_err(to)(e.into()))?;
+    fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))
+        .map_err(write_err(to))?;
+    set_mtime(to, meta.mtime().max(0) as u64).map_err(|e| match e {
+        Placed::Io(e) => e,
+        Placed::Bad(why) => LayerError::BadEntry {
+            path: to.display().to_string(),
+            why,
+        },
+    })
+}
+
 /// Unpacks the blob into `root` (an empty directory), checking its digest.
 fn unpack(blob: &Path, diff_id: &Digest, root: &Path) -> Result<Unpacked, LayerError> {
+    unpack_with(blob, diff_id, root, Whiteouts::Overlayfs).map(|(u, _)| u)
+}
+
+/// What becomes of a layer's whiteouts and opaque directories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Whiteouts {
+    /// Written as overlayfs reads them: a `0:0` character device, the
+    /// `trusted.overlay.opaque` attribute.
+    Overlayfs,
+    /// Listed (the paths of the layers below they hide), nothing written
+    /// for them: for [`unpack_merged`], which needs neither device nodes
+    /// nor `trusted.*` attributes, so it also works where the host's own
+    /// file system is an overlayfs (which refuses both).
+    Listed,
+}
+
+/// [`unpack`], whiteouts done as `how` says; with [`Whiteouts::Listed`],
+/// the paths they hide.
+fn unpack_with(
+    blob: &Path,
+    diff_id: &Digest,
+    root: &Path,
+    how: Whiteouts,
+) -> Result<(Unpacked, Vec<PathBuf>), LayerError> {
     let mut file = BufReader::new(File::open(blob).map_err(LayerError::Read)?);
     let head = io::BufRead::fill_buf(&mut file).map_err(LayerError::Read)?;
     let stream: Box<dyn Read> = match Compression::sniff(head) {
@@ -127,6 +255,7 @@ fn unpack(blob: &Path, diff_id: &Digest, root: &Path) -> Result<Unpacked, LayerE
     };
     let mut hashing = HashingReader::new(stream);
     let mut unpacker = Unpacker::new(root);
+    unpacker.whiteouts = how;
     {
         let mut archive = tar::Archive::new(&mut hashing);
         for entry in archive.entries().map_err(LayerError::Read)? {
@@ -141,11 +270,14 @@ fn unpack(blob: &Path, diff_id: &Digest, root: &Path) -> Result<Unpacked, LayerE
         });
     }
     unpacker.finish()?;
-    Ok(Unpacked {
-        entries: unpacker.entries,
-        tar_bytes,
-        erofs_bytes: 0,
-    })
+    Ok((
+        Unpacked {
+            entries: unpacker.entries,
+            tar_bytes,
+            erofs_bytes: 0,
+        },
+        unpacker.hides,
+    ))
 }
 
 /// Where a tar entry goes.
@@ -202,6 +334,9 @@ struct Unpacker {
     /// Directories and their times, set last: writing inside a directory
     /// changes its modification time.
     dirs: Vec<(PathBuf, u64)>,
+    whiteouts: Whiteouts,
+    /// With [`Whiteouts::Listed`]: the paths of lower layers this one hides.
+    hides: Vec<PathBuf>,
 }
 
 impl Unpacker {
@@ -210,6 +345,8 @@ impl Unpacker {
             root: root.to_owned(),
             entries: 0,
             dirs: Vec::new(),
+            whiteouts: Whiteouts::Overlayfs,
+            hides: Vec::new(),
         }
     }
 
@@ -222,6 +359,18 @@ impl Unpacker {
         self.entries += 1;
         match classify(&raw).map_err(bad)? {
             Target::Root => Ok(()),
+            Target::Opaque(rel) if self.whiteouts == Whiteouts::Listed => {
+                // The directory hides everything below it; it is this
+                // layer's own (made, if the layer names it nowhere else).
+                self.dir(&rel).map_err(&bad)?;
+                self.hides.push(rel);
+                Ok(())
+            }
+            Target::Whiteout(rel) if self.whiteouts == Whiteouts::Listed => {
+                self.place(&rel).map_err(&bad)?;
+                self.hides.push(rel);
+                Ok(())
+            }
             Target::Opaque(dir) => {
                 let dir = self.dir(&dir).map_err(&bad)?;
                 rustix::fs::lsetxattr(&dir, "trusted.overlay.opaque", b"y", XattrFlags::empty())

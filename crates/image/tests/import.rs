@@ -221,6 +221,69 @@ fn import_oci_layout_unpacks_layers_that_overlayfs_stacks_as_the_image() {
         fs::read_to_string(m.join("home/user/notes")).expect("notes"),
         "mine\n"
     );
+
+    // The same layers merged into one tree (a writable disk's files) are
+    // what overlayfs shows, entry for entry.
+    let (work, tree) = (tmp.path().join("work"), tmp.path().join("tree"));
+    fs::create_dir(&work).expect("work");
+    fs::create_dir(&tree).expect("tree");
+    let layers: Vec<(PathBuf, Digest)> = image
+        .layers
+        .iter()
+        .map(|l| (store.blob_path(&l.blob), l.diff_id.clone()))
+        .collect();
+    forkbox_image::layer::unpack_merged(&layers, &work, &tree).expect("merged");
+    assert_eq!(listing(&tree), listing(m));
+    assert!(!tree.join("etc/passwd").exists() && !tree.join("tmp/old").exists());
+    assert_eq!(xattr(&tree.join("tmp"), "trusted.overlay.opaque"), None);
+    assert_eq!(
+        fs::metadata(tree.join("usr/bin/tool")).expect("tool").ino(),
+        fs::metadata(tree.join("usr/bin/tool2"))
+            .expect("tool2")
+            .ino(),
+        "hard links kept"
+    );
+    assert_eq!(
+        fs::read_dir(&work).expect("work").count(),
+        0,
+        "nothing left"
+    );
+}
+
+/// Every entry under `root`: its path, kind, owner, mode, size, and its
+/// bytes or link target.
+fn listing(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in fs::read_dir(&dir).expect("read_dir") {
+            let path = entry.expect("entry").path();
+            let meta = fs::symlink_metadata(&path).expect("meta");
+            let rel = path
+                .strip_prefix(root)
+                .expect("inside")
+                .display()
+                .to_string();
+            let what = if meta.is_dir() {
+                stack.push(path.clone());
+                "dir".to_owned()
+            } else if meta.file_type().is_symlink() {
+                format!("-> {}", fs::read_link(&path).expect("link").display())
+            } else if meta.is_file() {
+                format!("{:?}", fs::read(&path).expect("file"))
+            } else {
+                format!("special {:x}", meta.rdev())
+            };
+            out.push(format!(
+                "{rel} {}:{} {:o} {what}",
+                meta.uid(),
+                meta.gid(),
+                meta.mode()
+            ));
+        }
+    }
+    out.sort();
+    out
 }
 
 #[test]
@@ -368,4 +431,62 @@ fn import_layer_tmp_is_world_unreadable_and_layers_readable() {
     assert_eq!(layers.permissions().mode() & 0o777, 0o711);
     // Without a name, an OCI layout's bare tag names nothing.
     assert!(store.names().expect("names").is_empty());
+}
+
+/// Layers merged into one tree never reach outside it: a whiteout or an
+/// opaque directory behind a symbolic link a lower layer made hides
+/// nothing there, and an upper entry replaces the link, never writes
+/// through it.
+#[test]
+fn merged_layers_never_follow_a_lower_layers_links_out() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let outside = tmp.path().join("outside");
+    fs::create_dir(&outside).expect("outside");
+    fs::write(outside.join("victim"), b"keep me\n").expect("victim");
+    let target = outside.to_str().expect("utf-8");
+    let lower = layer(&[E::Symlink("repo", target), E::Symlink("cache", target)]);
+    let upper = layer(&[
+        E::File("repo/.wh.victim", 0o644, 0, b""),
+        E::Dir("cache", 0o755, 0),
+        E::File("cache/.wh..wh..opq", 0o644, 0, b""),
+        E::File("cache/new", 0o644, 0, b"new\n"),
+    ]);
+    let blobs = tmp.path().join("blobs");
+    fs::create_dir(&blobs).expect("blobs");
+    let layers: Vec<(PathBuf, Digest)> = [lower, upper]
+        .iter()
+        .enumerate()
+        .map(|(i, tar)| {
+            let path = blobs.join(i.to_string());
+            fs::write(&path, gzip(tar)).expect("blob");
+            (path, Digest::of(tar))
+        })
+        .collect();
+    let (work, tree) = (tmp.path().join("work"), tmp.path().join("tree"));
+    fs::create_dir(&work).expect("work");
+    fs::create_dir(&tree).expect("tree");
+    forkbox_image::layer::unpack_merged(&layers, &work, &tree).expect("merged");
+    assert_eq!(
+        fs::read(outside.join("victim")).expect("kept"),
+        b"keep me\n"
+    );
+    assert_eq!(fs::read_dir(&outside).expect("outside").count(), 1);
+    // The upper layer's `repo` (a directory: its whiteout is in one) is
+    // what overlayfs shows too: empty, over the link.
+    assert!(fs::symlink_metadata(tree.join("repo"))
+        .expect("repo")
+        .is_dir());
+    assert_eq!(fs::read_dir(tree.join("repo")).expect("repo").count(), 0);
+    assert!(fs::symlink_metadata(tree.join("cache"))
+        .expect("cache")
+        .is_dir());
+    assert_eq!(fs::read(tree.join("cache/new")).expect("new"), b"new\n");
+    // A bad digest: nothing merged past the check.
+    let wrong = vec![(layers[1].0.clone(), Digest::of(b"other"))];
+    let (w2, t2) = (tmp.path().join("w2"), tmp.path().join("t2"));
+    fs::create_dir(&w2).expect("w2");
+    fs::create_dir(&t2).expect("t2");
+    let e = forkbox_image::layer::unpack_merged(&wrong, &w2, &t2).expect_err("refused");
+    assert!(e.to_string().contains("not the"), "{e}");
+    assert_eq!(fs::read_dir(&t2).expect("t2").count(), 0);
 }

@@ -26,7 +26,8 @@ Json = Dict[str, Any]
 Ready = Union[str, Mapping[str, Any], None]
 NetworkArg = Mapping[str, Sequence[str]]
 LimitsArg = Mapping[str, float]
-# Writable disks: `{path: size_mib}` or `[{"path": …, "size_mib": …}]`.
+# Writable disks: `{path: size_mib}`, `{path: {"size_mib": …, "image": …}}`
+# or `[{"path": …, "size_mib": …, "image": …}]` (`image` optional).
 DisksArg = Union[Mapping[str, int], Sequence[Mapping[str, Any]]]
 """A sandbox's host resources: `{"cpus": 0.5, "memory_mib": 256}`, either
 key optional (forkboxd's `SandboxLimits`)."""
@@ -485,8 +486,9 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
     `protect`: paths the policy may not change. `limits`: each sandbox's
     host resources. `run_image_cmd`: start the stored image's
     `Entrypoint`/`Cmd` in the background before the readiness check.
-    `disks`: writable disks, `{path: size_mib}` or a list of
-    `{"path": …, "size_mib": …}`."""
+    `disks`: writable disks, `{path: size_mib}`, `{path: {"size_mib": …,
+    "image": …}}` or a list of `{"path": …, "size_mib": …, "image": …}`
+    (`image`: a stored image whose files the disk starts with)."""
     if isinstance(setup, str):
         raise TypeError("setup is a list of shell commands, not one string")
     if isinstance(protect, str):
@@ -511,15 +513,22 @@ def template_spec(name: str, image: str, vcpus: int, memory_mib: int,
 
 
 def template_disks(disks: DisksArg) -> List[Json]:
-    """`{"/var/lib/docker": 4096}` or `[{"path": …, "size_mib": …}]` as
-    the API's list."""
+    """`{"/var/lib/docker": 4096}`, `{"/workspace": {"size_mib": 1024,
+    "image": "task/repo:1"}}` or `[{"path": …, "size_mib": …}]` as the
+    API's list."""
     if isinstance(disks, Mapping):
-        return [{"path": str(p), "size_mib": int(s)} for p, s in disks.items()]
+        disks = [dict(v, path=p) if isinstance(v, Mapping) else {"path": p, "size_mib": v}
+                 for p, v in disks.items()]
     out = []
     for d in disks:
-        if not isinstance(d, Mapping) or set(d) != {"path", "size_mib"}:
-            raise TypeError(f"a disk is {{'path': str, 'size_mib': int}}, not {d!r}")
-        out.append({"path": str(d["path"]), "size_mib": int(d["size_mib"])})
+        if not isinstance(d, Mapping) or not {"path", "size_mib"} <= set(d) \
+                or not set(d) <= {"path", "size_mib", "image"}:
+            raise TypeError("a disk is {'path': str, 'size_mib': int} and optionally "
+                            f"'image': str, not {d!r}")
+        disk: Json = {"path": str(d["path"]), "size_mib": int(d["size_mib"])}
+        if d.get("image") is not None:
+            disk["image"] = str(d["image"])
+        out.append(disk)
     return out
 
 

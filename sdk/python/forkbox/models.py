@@ -113,7 +113,8 @@ class TemplateInfo:
     """Bytes of its zygote's snapshot in the daemon's state directory
     (`Template.save`); `None`: not saved, a restarted daemon bakes it."""
     disks: List[Dict[str, Any]] = field(default_factory=list)
-    """Its writable disks: `{"path": …, "size_mib": …}` each."""
+    """Its writable disks: `{"path": …, "size_mib": …}` each, with `image`
+    and the `image_id` it named when the disk starts with an image's files."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The daemon's whole object, fields this SDK does not know included."""
 

@@ -63,7 +63,10 @@ class Template:
 
         `disks`: writable disks, `{"/var/lib/docker": 4096}` (path: size in
         MiB, at most 4), each an empty ext4 file system mounted before
-        `setup` runs. What the setup writes there is in every sandbox;
+        `setup` runs; `{"/workspace": {"size_mib": 1024, "image":
+        "task/repo:1"}}` starts it with a stored image's files instead
+        (laid out once per image and size, shared, never copied per
+        sandbox). What the setup writes there is in every sandbox;
         each sandbox's writes are its own, a fork's children start from
         its disk at the instant of its memory, and only written blocks
         take host disk (gone with the sandbox). A template with disks can

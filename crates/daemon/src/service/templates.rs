@@ -382,6 +382,9 @@ impl Daemon {
     /// unregistered again).
     pub fn bake(&self, spec: TemplateSpec) -> Result<mpsc::Receiver<BakeEvent>, DaemonError> {
         spec.validate().map_err(DaemonError::BadTemplate)?;
+        let spec = spec
+            .resolve_disk_images(self.images())
+            .map_err(DaemonError::BadTemplate)?;
         let image = spec
             .root_image(self.images(), None)
             .map_err(DaemonError::BadTemplate)?;
@@ -459,7 +462,21 @@ impl Daemon {
             Some(id) => store.pin(&holder, id),
             None => store.unpin(&holder),
         }
-        .map_err(|e| DaemonError::infra("pinning the template's image in the store", e))
+        .map_err(|e| DaemonError::infra("pinning the template's image in the store", e))?;
+        // Its disks' images: read again only if their volumes must be.
+        for (i, d) in t.spec.disks.iter().enumerate() {
+            let holder = format!("{holder} disk {i}");
+            match d
+                .image_id
+                .as_deref()
+                .map(str::parse::<forkbox_image::Digest>)
+            {
+                Some(Ok(id)) => store.pin(&holder, &id),
+                _ => store.unpin(&holder),
+            }
+            .map_err(|e| DaemonError::infra("pinning a template disk's image in the store", e))?;
+        }
+        Ok(())
     }
 
     /// Lets the store remove the image of the template `name` (gone).
@@ -467,6 +484,11 @@ impl Daemon {
         if let Some((store, holder)) = &self.inner.config.images {
             if let Err(e) = store.unpin(&format!("{holder}: template {name}")) {
                 tracing::warn!(template = name, "unpinning its image: {e}");
+            }
+            for i in 0..forkbox_host::vm::MAX_WRITABLE_DISKS {
+                if let Err(e) = store.unpin(&format!("{holder}: template {name} disk {i}")) {
+                    tracing::warn!(template = name, "unpinning its disk's image: {e}");
+                }
             }
         }
     }

@@ -620,7 +620,10 @@ mod tests {
         // Empty, with its room on the disk taken already.
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::metadata(dir.path().join(END_FILE)).expect("the end note");
-        assert!(meta.blocks() * 512 >= forkbox_vmm_api::END_FILE_RESERVE, "{meta:?}");
+        assert!(
+            meta.blocks() * 512 >= forkbox_vmm_api::END_FILE_RESERVE,
+            "{meta:?}"
+        );
         // The control socket listens: a connection is taken by its first
         // descriptor.
         let _client = std::os::unix::net::UnixStream::connect(&paths.control).expect("connect");
