@@ -20,15 +20,17 @@ use super::{cell, print_json, print_table, Format};
 #[derive(Subcommand)]
 pub enum TemplateCmd {
     /// Bake a template: boot it, run its setup, wait until it is ready.
-    /// Without --file, NAME is a built-in (`minimal`, `debian`) or an
-    /// existing template.
+    /// Without --file, NAME is a built-in (`minimal`, `debian`, `docker`)
+    /// or an existing template.
     Bake {
         name: String,
         /// A template file (TOML: image, vcpus, memory_mib, setup, ready,
         /// ready_timeout_secs, envs, network, protect, limits, disks); the
         /// template is created as NAME. `[network]` (allow_out, deny_out:
         /// lists of rules as in `sandbox create --allow-out`) holds only
-        /// while it bakes; `[[disks]]` (path, size_mib) are writable disks.
+        /// while it bakes; `[[disks]]` (path, size_mib, and optionally image:
+        /// a stored image whose files the disk starts with) are writable
+        /// disks.
         #[arg(long, short)]
         file: Option<PathBuf>,
     },
@@ -135,6 +137,7 @@ pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<
                         t["saved_bytes"]
                             .as_u64()
                             .map_or("-".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
+                        disks_text(&t["disks"]),
                     ]
                 })
                 .collect();
@@ -148,6 +151,7 @@ pub fn run(client: &Client, cmd: TemplateCmd, format: Format) -> anyhow::Result<
                     "READY",
                     "STATE",
                     "SAVED",
+                    "DISKS",
                 ],
                 &rows,
             );
@@ -535,6 +539,25 @@ impl Progress {
     }
 }
 
+/// A template's disks as `/data:64M`, `/workspace:1024M(task/repo:1)`,
+/// comma-separated; `-` for none.
+fn disks_text(disks: &serde_json::Value) -> String {
+    let Some(disks) = disks.as_array().filter(|d| !d.is_empty()) else {
+        return "-".into();
+    };
+    disks
+        .iter()
+        .map(|d| {
+            let image = d["image"]
+                .as_str()
+                .map(|i| format!("({i})"))
+                .unwrap_or_default();
+            format!("{}:{}M{image}", cell(&d["path"]), cell(&d["size_mib"]))
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -563,5 +586,19 @@ mod tests {
         ] {
             assert_eq!(default_name(reference), name, "{reference}");
         }
+    }
+
+    #[test]
+    fn disks_text_shows_each_disk_and_its_image() {
+        assert_eq!(disks_text(&serde_json::json!([])), "-");
+        assert_eq!(disks_text(&serde_json::Value::Null), "-");
+        let disks = serde_json::json!([
+            {"path": "/data", "size_mib": 64},
+            {"path": "/workspace", "size_mib": 1024, "image": "task/repo:1", "image_id": "sha256:ab"}
+        ]);
+        assert_eq!(
+            disks_text(&disks),
+            "/data:64M,/workspace:1024M(task/repo:1)"
+        );
     }
 }
