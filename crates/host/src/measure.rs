@@ -220,6 +220,42 @@ pub fn guest_pages(pid: u32) -> std::io::Result<GuestPages> {
 /// nothing else.
 const GUEST_RAM_MEMFDS: [&str; 1] = ["memfd:forkbox-zygote-ram"];
 
+/// Where KVM keeps its counters per VM (debugfs).
+const KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
+
+/// KVM's counters of the VMs the process `pid` made (`PID-FD` directories
+/// of KVM's debugfs), summed: `pf_fixed` (nested-page faults KVM fixed),
+/// `exits`. `None` where debugfs is not mounted (as root:
+/// `mount -t debugfs debugfs /sys/kernel/debug`) or KVM has no such
+/// directory for it. A fork child's VM is made at the fork: its counts
+/// start there.
+pub fn kvm_vm_counters(pid: u32) -> Option<std::collections::BTreeMap<String, u64>> {
+    kvm_vm_counters_in(std::path::Path::new(KVM_DEBUGFS), pid)
+}
+
+fn kvm_vm_counters_in(
+    root: &std::path::Path,
+    pid: u32,
+) -> Option<std::collections::BTreeMap<String, u64>> {
+    let prefix = format!("{pid}-");
+    let mut out = std::collections::BTreeMap::new();
+    let mut found = false;
+    for entry in std::fs::read_dir(root).ok()?.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        found = true;
+        for name in ["pf_fixed", "exits"] {
+            let value = std::fs::read_to_string(entry.path().join(name))
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            *out.entry(name.to_owned()).or_insert(0) += value;
+        }
+    }
+    found.then_some(out)
+}
+
 /// `/proc/PID/pagemap` entry bits (Documentation/admin-guide/mm/pagemap.rst).
 const PM_PRESENT: u64 = 1 << 63;
 const PM_FILE: u64 = 1 << 61;
@@ -343,6 +379,21 @@ mod tests {
             after < before + 8 * 1024,
             "32 MiB of guest RAM written, overhead {before} -> {after} KiB"
         );
+    }
+
+    #[test]
+    fn kvm_counters_sum_a_process_s_vms_and_only_its() {
+        let root = tempfile::tempdir().expect("tempdir");
+        for (dir, fixed, exits) in [("42-11", 100, 7), ("42-12", 5, 1), ("420-11", 999, 999)] {
+            let d = root.path().join(dir);
+            std::fs::create_dir(&d).expect("dir");
+            std::fs::write(d.join("pf_fixed"), format!("{fixed}\n")).expect("pf_fixed");
+            std::fs::write(d.join("exits"), format!("{exits}\n")).expect("exits");
+        }
+        let c = kvm_vm_counters_in(root.path(), 42).expect("found");
+        assert_eq!((c["pf_fixed"], c["exits"]), (105, 8));
+        assert_eq!(kvm_vm_counters_in(root.path(), 7), None);
+        assert_eq!(kvm_vm_counters_in(&root.path().join("none"), 42), None);
     }
 
     #[test]

@@ -330,6 +330,23 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             .iter()
             .filter_map(|c| guest_pages_written_kib(c.pid()).ok())
             .collect();
+        // KVM's own count of each child's nested-page faults and exits,
+        // fork to now (its first exec and 2 s idle), where debugfs shows them.
+        let kvm: Vec<_> = children
+            .iter()
+            .filter_map(|c| forkbox_host::measure::kvm_vm_counters(c.pid()))
+            .collect();
+        let per_child_kvm = if kvm.is_empty() {
+            json!({"unread": "no KVM counters: debugfs is not mounted at /sys/kernel/debug"})
+        } else {
+            let mean = |k: &str| {
+                kvm.iter()
+                    .map(|c| c.get(k).copied().unwrap_or(0))
+                    .sum::<u64>() as f64
+                    / kvm.len() as f64
+            };
+            json!({"children": kvm.len(), "pf_fixed": mean("pf_fixed"), "exits": mean("exits")})
+        };
         let mut where_kib = serde_json::Map::new();
         where_kib.insert(
             "guest_pages_written".into(),
@@ -363,6 +380,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 "vmm_answer_ms": children.first().and_then(|c| c.vmm_answered).map(|d| d.as_secs_f64() * 1000.0),
                 "host_mem_per_idle_child_mib": per_child_kib / 1024.0,
                 "per_idle_child_kib": where_kib,
+                "per_child_kvm": per_child_kvm,
             }),
         );
         drop(children);

@@ -33,6 +33,9 @@ mount -t sysfs sysfs /host/sys
 # favordynmods: moving a fork child into its cgroup costs no RCU grace
 # period (docs/SPEC.md, "A cgroup per VMM").
 mount -t cgroup2 -o favordynmods cgroup2 /host/sys/fs/cgroup || echo "testbed: warning: no cgroup v2"
+# KVM's counters per VM (nested-page faults, exits), which `forkbox bench
+# fork` reads for each child.
+mount -t debugfs debugfs /host/sys/kernel/debug || echo "testbed: warning: no debugfs (KVM's counters unread)"
 mount -t devtmpfs devtmpfs /host/dev
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
