@@ -146,7 +146,7 @@ impl SandboxLimits {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TemplateSpec {
     pub name: String,
-    /// A built-in image (`minimal` or `debian`), or an image of the store
+    /// A built-in image (`minimal`, `debian` or `docker`), or an image of the store
     /// (`forkbox image import`) by name or id.
     pub image: String,
     /// vCPUs, 1-8 (the VMM's limits, `forkbox_vmm_api::shape`).
@@ -365,7 +365,7 @@ pub enum TemplateError {
     #[error("no image {0:?}: the built-in images are `minimal`, `debian` and `docker`; any other must be in the image store (`forkbox image import`, `forkbox image pull`, `forkbox image ls`)")]
     UnknownImage(String),
     #[error(
-        "image name {0:?}: a built-in image (`minimal`, `debian`) or a stored image's name or id"
+        "image name {0:?}: a built-in image (`minimal`, `debian`, `docker`) or a stored image's name or id"
     )]
     BadImageName(String),
     #[error("the image store: {0}")]

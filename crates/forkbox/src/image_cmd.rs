@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, Subcommand)]
 pub enum ImageCmd {
-    /// Build a built-in image (`minimal` or `debian`; cached, so a second
+    /// Build a built-in image (`minimal`, `debian` or `docker`; cached, so a second
     /// build is instant) and print its path.
     Build { name: ImageName },
     /// Import an image from an OCI image layout (a directory, or a tar of

@@ -22,7 +22,7 @@ pub struct Options {
     /// Create → first command round trips.
     #[arg(long, default_value_t = 20)]
     pub runs: usize,
-    /// The template (baked first; `minimal` or `debian`).
+    /// The template (baked first; a built-in one, `minimal`, `debian` or `docker`, or another).
     #[arg(long, default_value = "minimal")]
     pub template: String,
     /// Group widths to fan out, comma-separated.
