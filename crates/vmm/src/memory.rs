@@ -55,8 +55,6 @@ pub enum MemoryError {
     Seal(#[source] std::io::Error),
     #[error("cannot map the sealed memory file over guest RAM")]
     Remap(#[source] std::io::Error),
-    #[error("cannot advise guest RAM")]
-    Advise(#[source] std::io::Error),
     #[error("cannot open memory file {0}")]
     Open(std::path::PathBuf, #[source] std::io::Error),
     #[error("memory file {path} has {found} bytes, the VM needs {want}")]
@@ -68,45 +66,36 @@ pub enum MemoryError {
 }
 
 /// What the mapping is a private view of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backing {
     /// Anonymous memory: a page this process does not map is a zero page.
     Anonymous,
     /// A memfd: a page absent from memory is a zero page.
-    Memfd,
+    Memfd(File),
     /// A file on disk: absent pages may hold data.
-    File,
+    File(File),
 }
 
-/// Guest RAM and the file behind it, if any.
+impl Backing {
+    fn file(&self) -> Option<&File> {
+        match self {
+            Backing::Anonymous => None,
+            Backing::Memfd(f) | Backing::File(f) => Some(f),
+        }
+    }
+}
+
+/// Guest RAM and what is behind it.
 pub struct GuestRam {
     mem: GuestMemory,
-    file: Option<File>,
     backing: Backing,
 }
 
 impl GuestRam {
-    /// Maps each RAM range of `layout` as anonymous `MAP_PRIVATE` memory,
-    /// advised `MADV_DONTDUMP`: a core dump of the VMM leaves the guest's
-    /// memory out, and host tools tell guest RAM from the VMM's own
-    /// memory by it (`forkbox_host::measure`; nothing else of the VMM is
-    /// so advised).
+    /// Maps each RAM range of `layout` as anonymous `MAP_PRIVATE` memory
+    /// ([`anonymous_at_huge_boundary`]).
     pub fn new(layout: &MemoryLayout) -> Result<Self, MemoryError> {
-        let mem = map(layout, None)?;
-        for region in mem.iter() {
-            let host = region
-                .get_host_address(MemoryRegionAddress(0))
-                .map_err(|_| MemoryError::Region(region.start_addr().0))?;
-            // SAFETY: the range is exactly a mapping `mem` owns; the advice
-            // changes what a core dump holds, not the memory.
-            if unsafe { libc::madvise(host.cast(), region.len() as usize, libc::MADV_DONTDUMP) } < 0
-            {
-                return Err(MemoryError::Advise(io::Error::last_os_error()));
-            }
-        }
         Ok(Self {
-            mem,
-            file: None,
+            mem: map(layout, None)?,
             backing: Backing::Anonymous,
         })
     }
@@ -129,8 +118,7 @@ impl GuestRam {
         let mem = map(layout, Some(&file))?;
         Ok(Self {
             mem,
-            file: Some(file),
-            backing: Backing::File,
+            backing: Backing::File(file),
         })
     }
 
@@ -141,7 +129,7 @@ impl GuestRam {
 
     /// Every file descriptor this object owns (a fork child keeps these).
     pub fn fds(&self) -> Vec<RawFd> {
-        let mut v: Vec<RawFd> = self.file.iter().map(|f| f.as_raw_fd()).collect();
+        let mut v: Vec<RawFd> = self.backing.file().iter().map(|f| f.as_raw_fd()).collect();
         v.extend(
             self.mem
                 .iter()
@@ -254,18 +242,17 @@ impl GuestRam {
             }
             offset += region.len();
         }
-        self.file = Some(file);
-        self.backing = Backing::Memfd;
+        self.backing = Backing::Memfd(file);
         Ok(copied)
     }
 
     /// Which pages of the range `bytes` (at `offset` in the memory file)
     /// may hold data; `None`: any of them may (a file on disk).
     fn may_hold_data(&self, bytes: &[u8], offset: u64) -> Option<Vec<bool>> {
-        match (self.backing, &self.file) {
-            (Backing::Anonymous, _) => Some(possibly_written(bytes, None, offset)),
-            (Backing::Memfd, Some(file)) => Some(possibly_written(bytes, Some(file), offset)),
-            (Backing::Memfd | Backing::File, _) => None,
+        match &self.backing {
+            Backing::Anonymous => Some(possibly_written(bytes, None, offset)),
+            Backing::Memfd(file) => Some(possibly_written(bytes, Some(file), offset)),
+            Backing::File(_) => None,
         }
     }
 
@@ -432,13 +419,14 @@ fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, Memory
     let mut offset = 0u64;
     for range in layout.ranges() {
         let size = usize::try_from(range.size).map_err(|_| MemoryError::Region(range.start))?;
-        let builder = MmapRegionBuilder::new(size)
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE);
+        let builder =
+            MmapRegionBuilder::new(size).with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE);
         let builder = match file {
             Some(file) => {
                 let fd = file.try_clone().map_err(MemoryError::Memfd)?;
-                builder.with_file_offset(FileOffset::new(fd, offset))
+                builder
+                    .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                    .with_file_offset(FileOffset::new(fd, offset))
             }
             None => {
                 let addr = anonymous_at_huge_boundary(size)
@@ -449,9 +437,7 @@ fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, Memory
                 // the VMM's process).
                 unsafe {
                     builder
-                        .with_mmap_flags(
-                            libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_ANONYMOUS,
-                        )
+                        .with_mmap_flags(ANONYMOUS_FLAGS)
                         .with_raw_mmap_pointer(addr)
                 }
             }
@@ -467,18 +453,23 @@ fn map(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMemory, Memory
     GuestMemory::from_regions(regions).map_err(MemoryError::Assemble)
 }
 
+/// How booted guest RAM is mapped.
+const ANONYMOUS_FLAGS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+
 /// Maps `size` bytes of private anonymous memory at a 2 MiB boundary, so
 /// that a zygote's memfd mapped over the same range later ([`HUGE`]) can be
-/// mapped in whole huge pages. The kernel places an anonymous mapping at
-/// any page; this one reserves 2 MiB more and gives back what lies outside.
-/// The mapping is never unmapped: a VMM's guest RAM lives as long as it.
+/// mapped in whole huge pages, advised `MADV_DONTDUMP`: a core dump of the
+/// VMM leaves the guest's memory out, and host tools tell guest RAM from
+/// the VMM's own memory by it (`forkbox_host::measure`; nothing else of the
+/// VMM is so advised). The kernel places an anonymous mapping at any page;
+/// this one reserves 2 MiB more and gives back what lies outside. The
+/// mapping is never unmapped: a VMM's guest RAM lives as long as it.
 fn anonymous_at_huge_boundary(size: usize) -> io::Result<*mut u8> {
-    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     let reserved = size + HUGE;
     // SAFETY: a fresh mapping at an address the kernel picks; nothing else
     // refers to it.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), reserved, prot, flags, -1, 0) };
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), reserved, prot, ANONYMOUS_FLAGS, -1, 0) };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
@@ -494,6 +485,11 @@ fn anonymous_at_huge_boundary(size: usize) -> io::Result<*mut u8> {
         if tail > 0 {
             libc::munmap((aligned + size) as *mut libc::c_void, tail);
         }
+    }
+    // SAFETY: the range is exactly the mapping kept; the advice changes
+    // what a core dump holds, not the memory.
+    if unsafe { libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_DONTDUMP) } < 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(aligned as *mut u8)
 }
@@ -794,7 +790,7 @@ mod tests {
         );
         mem.write_obj(5u64, GuestAddress(0x30_0000))
             .expect("private write");
-        let file = ram.file.as_ref().expect("a memfd");
+        let file = ram.backing.file().expect("a memfd");
         let seals = rustix::fs::fcntl_get_seals(file).expect("F_GET_SEALS");
         assert!(seals.contains(SealFlags::WRITE), "{seals:?}");
         let mut probe = [0u8; 8];
@@ -819,7 +815,7 @@ mod tests {
             .write_obj(9u64, GuestAddress(0x50_0000))
             .expect("private write");
         let (bytes, offset) = ram.ranges(&paused).expect("ranges")[0];
-        let marked: Vec<usize> = possibly_written(bytes, ram.file.as_ref(), offset)
+        let marked: Vec<usize> = possibly_written(bytes, ram.backing.file(), offset)
             .iter()
             .enumerate()
             .filter_map(|(i, &m)| m.then_some(i))
