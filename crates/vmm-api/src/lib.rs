@@ -97,6 +97,16 @@ pub const END_FILE: &str = "vmm-end";
 /// disk is full); [`End::file_text`] fits in them.
 pub const END_FILE_RESERVE: u64 = 4096;
 
+/// Reserves [`END_FILE_RESERVE`] bytes of disk for the end note `file`,
+/// just made (allocated past its end: it stays empty). Made by the VMM
+/// for itself or by the asker of a fork for the child; where the file
+/// system cannot (no `fallocate`), the note is written as before, if
+/// there is room.
+pub fn reserve_end_file(file: &std::fs::File) -> std::io::Result<()> {
+    use rustix::fs::{fallocate, FallocateFlags};
+    fallocate(file, FallocateFlags::KEEP_SIZE, 0, END_FILE_RESERVE).map_err(Into::into)
+}
+
 /// How a VM ended, as its VMM saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum End {

@@ -566,18 +566,9 @@ impl Vm {
     }
 }
 
-/// Reserves [`forkbox_vmm_api::END_FILE_RESERVE`] bytes of disk for a VMM's
-/// end note, so it can be written on a disk that fills up later. Where the
-/// file system cannot (it has no `fallocate`), the note is written as
-/// before, if there is room.
-pub(crate) fn reserve_end_note(file: &std::fs::File) {
-    use rustix::fs::{fallocate, FallocateFlags};
-    if let Err(e) = fallocate(
-        file,
-        FallocateFlags::KEEP_SIZE,
-        0,
-        forkbox_vmm_api::END_FILE_RESERVE,
-    ) {
+/// Reserves room for a VMM's end note ([`forkbox_vmm_api::reserve_end_file`]).
+fn reserve_end_note(file: &std::fs::File) {
+    if let Err(e) = forkbox_vmm_api::reserve_end_file(file) {
         tracing::debug!("cannot reserve room for a VMM's end note: {e}");
     }
 }

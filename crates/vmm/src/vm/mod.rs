@@ -245,12 +245,7 @@ impl Endpoints {
                 let file =
                     File::create(&path).map_err(|source| VmError::EndNote { path, source })?;
                 // Room for the note on a disk that fills up later.
-                if let Err(e) = rustix::fs::fallocate(
-                    &file,
-                    rustix::fs::FallocateFlags::KEEP_SIZE,
-                    0,
-                    api::END_FILE_RESERVE,
-                ) {
+                if let Err(e) = api::reserve_end_file(&file) {
                     tracing::debug!("cannot reserve room for the end note: {e}");
                 }
                 Some(file)
