@@ -457,22 +457,20 @@ impl Daemon {
         let Some((store, holder)) = &self.inner.config.images else {
             return Ok(());
         };
-        let holder = format!("{holder}: template {}", t.spec.name);
+        let name = &t.spec.name;
+        let root = pin_holder(holder, name, None);
         match &t.image.id {
-            Some(id) => store.pin(&holder, id),
-            None => store.unpin(&holder),
+            Some(id) => store.pin(&root, id),
+            None => store.unpin(&root),
         }
         .map_err(|e| DaemonError::infra("pinning the template's image in the store", e))?;
         // Its disks' images: read again only if their volumes must be.
-        for (i, d) in t.spec.disks.iter().enumerate() {
-            let holder = format!("{holder} disk {i}");
-            match d
-                .image_id
-                .as_deref()
-                .map(str::parse::<forkbox_image::Digest>)
-            {
-                Some(Ok(id)) => store.pin(&holder, &id),
-                _ => store.unpin(&holder),
+        for i in 0..usize::from(forkbox_host::vm::MAX_WRITABLE_DISKS) {
+            let disk = pin_holder(holder, name, Some(i));
+            let image = t.spec.disks.get(i).and_then(|d| d.image_id.as_deref());
+            match image.map(str::parse::<forkbox_image::Digest>) {
+                Some(Ok(id)) => store.pin(&disk, &id),
+                _ => store.unpin(&disk),
             }
             .map_err(|e| DaemonError::infra("pinning a template disk's image in the store", e))?;
         }
@@ -482,12 +480,10 @@ impl Daemon {
     /// Lets the store remove the image of the template `name` (gone).
     pub(super) fn unpin_image(&self, name: &str) {
         if let Some((store, holder)) = &self.inner.config.images {
-            if let Err(e) = store.unpin(&format!("{holder}: template {name}")) {
-                tracing::warn!(template = name, "unpinning its image: {e}");
-            }
-            for i in 0..forkbox_host::vm::MAX_WRITABLE_DISKS {
-                if let Err(e) = store.unpin(&format!("{holder}: template {name} disk {i}")) {
-                    tracing::warn!(template = name, "unpinning its disk's image: {e}");
+            let disks = (0..usize::from(forkbox_host::vm::MAX_WRITABLE_DISKS)).map(Some);
+            for which in std::iter::once(None).chain(disks) {
+                if let Err(e) = store.unpin(&pin_holder(holder, name, which)) {
+                    tracing::warn!(template = name, "unpinning its images: {e}");
                 }
             }
         }
@@ -867,6 +863,15 @@ pub(super) fn stream_name(s: OutputStream) -> &'static str {
 /// The last 4 KiB of a command's output, for error reports.
 pub(super) fn tail(out: &[u8]) -> String {
     String::from_utf8_lossy(&out[out.len().saturating_sub(4096)..]).into_owned()
+}
+
+/// The name under which this daemon (`holder`) pins template `name`'s
+/// image in the store, or its disk `disk`'s image.
+fn pin_holder(holder: &str, name: &str, disk: Option<usize>) -> String {
+    match disk {
+        None => format!("{holder}: template {name}"),
+        Some(i) => format!("{holder}: template {name} disk {i}"),
+    }
 }
 
 #[cfg(test)]
