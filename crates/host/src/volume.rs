@@ -107,22 +107,23 @@ fn make_in(
         let path = path.to_path_buf();
         move |source| VolumeError::Io { path, source }
     };
-    let made = || -> Result<Option<PathBuf>, VolumeError> {
+    let made = || -> Option<PathBuf> {
         if fill.is_none() {
             let path = dir.join(format!("{name}.img"));
-            return Ok(path.exists().then_some(path));
+            return path.exists().then_some(path);
         }
         let prefix = format!("{name}-");
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return Ok(None);
-        };
-        Ok(entries.flatten().map(|e| e.path()).find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".img"))
-        }))
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".img"))
+            })
     };
-    if let Some(path) = made()? {
+    if let Some(path) = made() {
         return Ok(path);
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
@@ -135,7 +136,7 @@ fn make_in(
         .open(&lock_path)
         .map_err(io(&lock_path))?;
     lock.lock().map_err(io(&lock_path))?;
-    if let Some(path) = made()? {
+    if let Some(path) = made() {
         return Ok(path);
     }
     let staging = cache::staging_path(&dir.join(format!("{name}.img")));
