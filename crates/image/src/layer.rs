@@ -209,13 +209,7 @@ fn copy_attributes(meta: &fs::Metadata, to: &Path) -> Result<(), LayerError> {
         .map_err(|e| write_err(to)(e.into()))?;
     fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))
         .map_err(write_err(to))?;
-    set_mtime(to, meta.mtime().max(0) as u64).map_err(|e| match e {
-        Placed::Io(e) => e,
-        Placed::Bad(why) => LayerError::BadEntry {
-            path: to.display().to_string(),
-            why,
-        },
-    })
+    set_mtime(to, meta.mtime().max(0) as u64).map_err(|e| e.at(to))
 }
 
 /// Unpacks the blob into `root` (an empty directory), checking its digest.
@@ -545,13 +539,7 @@ impl Unpacker {
     /// Directories' times, deepest first, now that nothing more is written.
     fn finish(&mut self) -> Result<(), LayerError> {
         for (dir, mtime) in self.dirs.drain(..).rev() {
-            set_mtime(&dir, mtime).map_err(|e| match e {
-                Placed::Io(e) => e,
-                Placed::Bad(why) => LayerError::BadEntry {
-                    path: dir.display().to_string(),
-                    why,
-                },
-            })?;
+            set_mtime(&dir, mtime).map_err(|e| e.at(&dir))?;
         }
         Ok(())
     }
@@ -561,6 +549,19 @@ impl Unpacker {
 enum Placed {
     Bad(&'static str),
     Io(LayerError),
+}
+
+impl Placed {
+    /// The failure as the layer's error at `path`.
+    fn at(self, path: &Path) -> LayerError {
+        match self {
+            Placed::Io(e) => e,
+            Placed::Bad(why) => LayerError::BadEntry {
+                path: path.display().to_string(),
+                why,
+            },
+        }
+    }
 }
 
 impl From<&'static str> for Placed {
