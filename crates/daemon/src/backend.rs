@@ -59,6 +59,8 @@ pub enum BackendError {
         #[source]
         source: VmError,
     },
+    #[error("fork child {index}: the backend never said how it ended")]
+    ForkChildMissing { index: usize },
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
     #[error("making a writable disk's volume")]
@@ -139,7 +141,33 @@ pub trait BackendVm: Send + Sync {
     /// the request as a whole failed; otherwise one entry per child.
     /// Children get `opts.policy` (default: the parent's current one) and
     /// log their egress to `opts.egress_logs[i]` when given.
-    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError>;
+    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
+        let slots: Vec<std::sync::Mutex<Option<ChildVm>>> =
+            (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+        self.fork_each(n, opts, &|index, child| {
+            *slots[index].lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        })?;
+        Ok(slots
+            .into_iter()
+            .enumerate()
+            .map(|(index, slot)| {
+                slot.into_inner()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .unwrap_or(Err(BackendError::ForkChildMissing { index }))
+            })
+            .collect())
+    }
+    /// [`fork_with`](Self::fork_with), giving each child to `on_child`
+    /// (from any thread) with its index as soon as it is up, in the order
+    /// they come up: the first children of a wide group are served before
+    /// its last ones exist. `Err` (and no call) when the request as a
+    /// whole failed; otherwise one call per index.
+    fn fork_each(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+        on_child: &(dyn Fn(usize, ChildVm) + Sync),
+    ) -> Result<(), BackendError>;
     /// Replaces the egress policy: new connections and DNS lookups follow
     /// it, open connections stay.
     fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError>;
@@ -427,17 +455,22 @@ impl BackendVm for ForkboxVm {
             .network_policy()
     }
 
-    fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
+    fn fork_each(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+        on_child: &(dyn Fn(usize, ChildVm) + Sync),
+    ) -> Result<(), BackendError> {
         let vm = self.vm.read().unwrap_or_else(|p| p.into_inner());
-        let children = vm.fork_with(n, opts).map_err(BackendError::Fork)?;
-        Ok(children
-            .into_iter()
-            .enumerate()
-            .map(|(index, c)| {
-                c.map(ForkboxVm::boxed)
-                    .map_err(|source| BackendError::ForkChild { index, source })
-            })
-            .collect())
+        vm.fork_each(n, opts, &|index, child| {
+            on_child(
+                index,
+                child
+                    .map(ForkboxVm::boxed)
+                    .map_err(|source| BackendError::ForkChild { index, source }),
+            )
+        })
+        .map_err(BackendError::Fork)
     }
 }
 
@@ -822,7 +855,12 @@ pub(crate) mod fake {
         fn network_policy(&self) -> Option<Policy> {
             self.policy().clone()
         }
-        fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
+        fn fork_each(
+            &self,
+            n: usize,
+            opts: &ForkOptions,
+            on_child: &(dyn Fn(usize, ChildVm) + Sync),
+        ) -> Result<(), BackendError> {
             self.world.forks.fetch_add(1, ORD);
             self.world
                 .fork_limits
@@ -843,15 +881,18 @@ pub(crate) mod fake {
                 .fail_children
                 .load(ORD)
                 .then(|| self.world.fail_child.load(ORD));
-            Ok((0..n)
-                .map(|i| {
+            // The last child first: callers must not count on the order.
+            for i in (0..n).rev() {
+                on_child(
+                    i,
                     if failing == Some(i) {
                         Err(BackendError::Unsupported("this fork child in this test"))
                     } else {
                         Ok(FakeVm::boxed(&self.world, policy.clone()))
-                    }
-                })
-                .collect())
+                    },
+                );
+            }
+            Ok(())
         }
     }
 }

@@ -143,6 +143,7 @@ pub const MAX_COMMAND_BODY: usize = 16 << 20;
         RegistryRequest,
         RegistryEvent,
         ForkChild,
+        ForkEvent,
         SnapshotBody,
         CreateBody,
         TimeoutBody,
@@ -424,5 +425,75 @@ mod tests {
             text.contains("forkbox_errors_total{kind=\"capacity\"} 1"),
             "{text}"
         );
+    }
+
+    /// `POST /sandboxes/{id}/fork` with `Accept: application/x-ndjson`.
+    async fn fork_streamed(
+        app: &Router,
+        id: &str,
+        body: &str,
+    ) -> (StatusCode, Vec<serde_json::Value>) {
+        let req = axum::http::Request::builder()
+            .method("POST")
+            .uri(format!("/sandboxes/{id}/fork"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "application/x-ndjson")
+            .body(Body::from(body.to_owned()))
+            .expect("request");
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        if status != StatusCode::OK {
+            let error = serde_json::from_slice(&body).expect("an error body");
+            return (status, vec![error]);
+        }
+        let lines = body
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).expect("a JSON line"))
+            .collect();
+        (status, lines)
+    }
+
+    #[tokio::test]
+    async fn a_streamed_fork_gives_each_child_once_with_its_place_and_its_own_failures() {
+        let app = app(None);
+        let (_, info) = call(&app, "POST", "/sandboxes", r#"{"template":"minimal"}"#).await;
+        let id = info["id"].as_str().expect("id").to_owned();
+        // The live cap is 4 and the parent is one: three children, then
+        // two refusals, which come last.
+        let (status, lines) = fork_streamed(&app, &id, r#"{"count":5}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        let mut places: Vec<u64> = lines
+            .iter()
+            .map(|l| l["index"].as_u64().expect("index"))
+            .collect();
+        let sandboxes = lines
+            .iter()
+            .filter(|l| l["sandbox"]["id"].is_string())
+            .count();
+        assert_eq!(sandboxes, 3, "{lines:?}");
+        assert!(
+            lines[3..].iter().all(|l| l["error"]["kind"] == "capacity"),
+            "{lines:?}"
+        );
+        places.sort_unstable();
+        assert_eq!(places, [0, 1, 2, 3, 4]);
+        // The children are live sandboxes, listed as any other.
+        let child = lines[0]["sandbox"]["id"].as_str().expect("a child");
+        let (status, _) = call(&app, "GET", &format!("/sandboxes/{child}"), "").await;
+        assert_eq!(status, StatusCode::OK);
+        // The request's own failures are still error statuses.
+        let (status, body) = fork_streamed(&app, &id, r#"{"count":1025}"#).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(
+            body[0]["error"]["message"]
+                .as_str()
+                .expect("message")
+                .contains("1-1024"),
+            "{body:?}"
+        );
+        let (status, _) = fork_streamed(&app, "sb-nothere", r#"{"count":2}"#).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use axum::extract::{RawQuery, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -13,11 +13,15 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::error::{one, report, unexpected, ApiError, ApiErrorBody, ApiResult, ErrorDetail};
 use super::extract::{policy, query, secs, JsonBody, OnSandbox};
+use super::stream::{streamed, Event, Framing};
 use super::AppState;
 use crate::core::{ExpiryAction, Labels, SandboxId};
 use crate::network::NetworkPolicy;
-use crate::service::{CreateSandbox, IntegrityReport, Lifecycle, Reply, SandboxInfo};
+use crate::service::{
+    CreateSandbox, Daemon, DaemonError, IntegrityReport, Lifecycle, Reply, SandboxInfo,
+};
 use crate::template::{SandboxLimits, TemplateInfo};
+use tokio::sync::mpsc;
 
 /// `POST /sandboxes`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -225,7 +229,7 @@ pub(super) async fn sandbox_resume(
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForkBody {
-    /// 1-256 children.
+    /// 1-1024 children.
     pub count: u32,
     /// Child `i`'s guest randomness seed derives from (`seed`, `i`): the
     /// entropy forkbox gives its kernel RNG after the fork and its
@@ -244,6 +248,31 @@ pub enum ForkChild {
     Error(ErrorDetail),
 }
 
+/// One line of a streamed fork: child `index` of the request (0-based),
+/// the sandbox or why it failed alone.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForkEvent {
+    pub index: u32,
+    #[serde(flatten)]
+    pub child: ForkChild,
+}
+
+impl Event for ForkEvent {
+    fn name(&self) -> &'static str {
+        match self.child {
+            ForkChild::Sandbox(_) => "sandbox",
+            ForkChild::Error(_) => "error",
+        }
+    }
+}
+
+fn fork_child(daemon: &Daemon, child: Result<SandboxInfo, DaemonError>) -> ForkChild {
+    match child {
+        Ok(info) => ForkChild::Sandbox(Box::new(info)),
+        Err(e) => ForkChild::Error(report(daemon, &e.into())),
+    }
+}
+
 /// Forks a running or paused sandbox into `count` copy-on-write children,
 /// which inherit its labels, time-to-live, environment and current egress
 /// policy (each logs its egress on its own) and run at once; the parent
@@ -251,13 +280,45 @@ pub enum ForkChild {
 /// not admit is its own entry's error (200 even when that is every child).
 /// The request as a whole fails (an error status) when the parent is not
 /// there or cannot fork (its VMM refused or is gone).
+///
+/// With `Accept: application/x-ndjson` the children stream instead, one
+/// [`ForkEvent`] line each as soon as it is up (in the order they come
+/// up, each with its `index`; the children the caps refused last): a
+/// caller of a wide group starts on its first children before the last
+/// exist. The request's own failure is still an error status.
 #[utoipa::path(post, path = "/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = ForkBody,
-    responses((status = 200, body = [ForkChild]), (status = 404, body = ApiErrorBody),
+    responses((status = 200, body = [ForkChild]),
+              (status = 200, description = "with Accept: application/x-ndjson, one line per child as it comes up", body = ForkEvent, content_type = "application/x-ndjson"),
+              (status = 400, body = ApiErrorBody), (status = 404, body = ApiErrorBody),
               (status = 409, body = ApiErrorBody), (status = 502, body = ApiErrorBody)))]
 pub(super) async fn sandbox_fork(
     OnSandbox { daemon, id }: OnSandbox,
+    headers: HeaderMap,
     JsonBody(b): JsonBody<ForkBody>,
-) -> ApiResult<Json<Vec<ForkChild>>> {
+) -> ApiResult<Response> {
+    if Framing::accepted(&headers, &[Framing::Ndjson]).is_some() {
+        let (first, mut rest) = daemon.fork_streamed(id, b.count, b.seed).await?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut next = Some(first);
+            while let Some((index, child)) = next {
+                let event = ForkEvent {
+                    index: index as u32,
+                    child: fork_child(&daemon, child),
+                };
+                if tx.send(event).await.is_err() {
+                    // The client left; the children are recorded all
+                    // the same (and reported as they come).
+                    while let Some((_, child)) = rest.recv().await {
+                        fork_child(&daemon, child);
+                    }
+                    return;
+                }
+                next = rest.recv().await;
+            }
+        });
+        return Ok(streamed(rx, Framing::Ndjson));
+    }
     match daemon
         .execute(Lifecycle::Fork {
             id,
@@ -269,12 +330,10 @@ pub(super) async fn sandbox_fork(
         Reply::Forked(children) => Ok(Json(
             children
                 .into_iter()
-                .map(|c| match c {
-                    Ok(info) => ForkChild::Sandbox(Box::new(info)),
-                    Err(e) => ForkChild::Error(report(&daemon, &e.into())),
-                })
-                .collect(),
-        )),
+                .map(|c| fork_child(&daemon, c))
+                .collect::<Vec<_>>(),
+        )
+        .into_response()),
         other => Err(unexpected(other)),
     }
 }

@@ -7,16 +7,34 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use forkbox_net::policy::Policy;
+use tokio::sync::mpsc;
 
 use super::view::info;
 use super::{blocking, chain, reap, Baseline, Daemon, DaemonError, Live, NetworkInfo, SandboxInfo};
-use crate::backend::{BackendError, BackendVm, ForkOptions};
+use crate::backend::{BackendVm, ForkOptions};
 use crate::core::{
     fitting, predicted_memory, Admission, CoreError, DeathCause, ExpiryAction, Labels, SandboxId,
 };
 use crate::template::{SandboxLimits, TemplateSpec};
 use forkbox_host::cgroup::VmCgroup;
 use forkbox_host::vm::child_seed;
+
+/// Most children one fork request asks for.
+pub const MAX_FORK_CHILDREN: u32 = 1024;
+
+/// A fork's `count`, checked: 1 to [`MAX_FORK_CHILDREN`].
+fn check_fork_count(count: u32) -> Result<(), DaemonError> {
+    if count == 0 || count > MAX_FORK_CHILDREN {
+        return Err(DaemonError::Invalid(format!(
+            "count must be 1-{MAX_FORK_CHILDREN}, not {count}"
+        )));
+    }
+    Ok(())
+}
+
+/// One child of a fork as it comes up: its place in the request, and the
+/// sandbox or why it failed.
+pub type ForkedChild = (usize, Result<SandboxInfo, DaemonError>);
 
 /// A sandbox creation.
 #[derive(Debug, Clone, Default)]
@@ -222,9 +240,7 @@ impl Daemon {
                 Ok(Reply::Sandbox(Box::new(info(r, s.machines.get(&id)))))
             }
             Lifecycle::Fork { id, count, seed } => {
-                if count == 0 || count > 256 {
-                    return Err(DaemonError::Invalid("count must be 1-256".into()));
-                }
+                check_fork_count(count)?;
                 // Its own task, as for creations.
                 let this = self.clone();
                 let task = tokio::spawn(async move { this.fork(id, count as usize, seed).await });
@@ -423,14 +439,46 @@ impl Daemon {
 
     /// Forks a running (or paused) sandbox into `count` children that
     /// inherit its labels, time-to-live, environment and current egress
-    /// policy. Children past the live cap, or that fail to come up, fail
-    /// alone.
+    /// policy. Children past the caps, or that fail to come up, fail
+    /// alone. One entry per child, in the request's order.
     pub(super) async fn fork(
         &self,
         parent: SandboxId,
         count: usize,
         seed: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, DaemonError>>, DaemonError> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        self.fork_each(parent, count, seed, tx).await?;
+        let mut out: Vec<Option<Result<SandboxInfo, DaemonError>>> =
+            (0..count).map(|_| None).collect();
+        while let Ok((index, child)) = rx.try_recv() {
+            out[index] = Some(child);
+        }
+        Ok(out
+            .into_iter()
+            .map(|c| {
+                c.unwrap_or_else(|| {
+                    Err(DaemonError::infra(
+                        "forking",
+                        std::io::Error::other("a fork child was never answered"),
+                    ))
+                })
+            })
+            .collect())
+    }
+
+    /// [`fork`](Self::fork), sending each child to `each` with its place
+    /// in the request as soon as it is up and recorded, in the order they
+    /// come up; the children the caps refused last. `Err` (and nothing
+    /// sent) when the request as a whole failed; once it returns `Ok`,
+    /// every place was sent exactly once.
+    pub(super) async fn fork_each(
+        &self,
+        parent: SandboxId,
+        count: usize,
+        seed: Option<u64>,
+        each: mpsc::UnboundedSender<ForkedChild>,
+    ) -> Result<(), DaemonError> {
         let (machine, inherited, adm) = {
             let s = self.lock();
             let (r, live) = s.forkable(&parent, "fork")?;
@@ -456,7 +504,7 @@ impl Daemon {
         // The children the host's memory has room for; the rest fail alone.
         let room = self.memory_room(&adm.template);
         let fit = room.as_ref().map_or(count, |r| r.fitting(count));
-        let mut slots: Vec<Result<SandboxId, DaemonError>> = {
+        let slots: Vec<Result<SandboxId, DaemonError>> = {
             let mut s = self.lock();
             (0..count)
                 .map(|i| {
@@ -476,57 +524,58 @@ impl Daemon {
                 })
                 .collect()
         };
-        let admitted: Vec<SandboxId> = slots
+        // The admitted children: their places in the request and ids.
+        let admitted: Vec<(usize, SandboxId)> = slots
             .iter()
-            .filter_map(|r| r.as_ref().ok().cloned())
+            .enumerate()
+            .filter_map(|(i, r)| Some((i, r.as_ref().ok()?.clone())))
             .collect();
         self.inner.metrics.forks.inc();
         let n = admitted.len();
         // The parent's current policy (`None`); each child its own log.
         // A child's seed follows its place in the request, whichever
         // children the caps admitted.
-        let seeds = match seed {
-            Some(seed) => slots
-                .iter()
-                .enumerate()
-                .filter(|(_, slot)| slot.is_ok())
-                .map(|(i, _)| child_seed(seed, i))
-                .collect(),
-            None => Vec::new(),
-        };
         let opts = ForkOptions {
             policy: None,
             egress_logs: admitted
                 .iter()
-                .map(|id| self.inner.egress.path(id))
+                .map(|(_, id)| self.inner.egress.path(id))
                 .collect(),
-            seeds,
+            seeds: match seed {
+                Some(seed) => admitted.iter().map(|(i, _)| child_seed(seed, *i)).collect(),
+                None => Vec::new(),
+            },
             // Its parent's.
             limits: None,
         };
-        let children = if n == 0 {
-            Ok((Vec::new(), None))
-        } else {
-            blocking(move || {
-                let children = machine.fork_with(n, &opts)?;
-                Ok((children, machine.network_policy()))
+        if n > 0 {
+            let this = self.clone();
+            let places = admitted.clone();
+            let each = each.clone();
+            let forked = blocking(move || {
+                // What the children get: the parent's policy in force now.
+                let inherited = Inherited {
+                    policy: machine.network_policy().unwrap_or(inherited.policy.clone()),
+                    ..inherited
+                };
+                machine.fork_each(n, &opts, &|i, child| {
+                    let (place, id) = &places[i];
+                    let child = child.map_err(DaemonError::from);
+                    let recorded = this.record_fork_child(id, child, &inherited, Instant::now());
+                    if recorded.is_ok() {
+                        this.inner.metrics.fork_children.inc();
+                    }
+                    // A client that left still has its children recorded.
+                    let _ = each.send((*place, recorded));
+                })
             })
             .await
-            .and_then(|r| r.map_err(|e: BackendError| DaemonError::from(e)))
-        };
-        let now = Instant::now();
-        let (mut made, inherited) = match children {
-            Ok((c, in_force)) => (
-                c.into_iter(),
-                Inherited {
-                    policy: in_force.unwrap_or(inherited.policy),
-                    ..inherited
-                },
-            ),
-            Err(e) => {
+            .and_then(|r| r.map_err(DaemonError::from));
+            if let Err(e) = forked {
                 // The request as a whole failed: no child exists.
+                let now = Instant::now();
                 let mut s = self.lock();
-                for id in &admitted {
+                for (_, id) in &admitted {
                     let _ = s.registry.creation_failed(id, now, chain(&e));
                     self.inner.egress.retire(id, now);
                 }
@@ -534,29 +583,50 @@ impl Daemon {
                 self.inner.room.notify_waiters();
                 return Err(e);
             }
-        };
-        let mut out = Vec::with_capacity(count);
-        for slot in slots.drain(..) {
-            let id = match slot {
-                Ok(id) => id,
-                Err(e) => {
-                    out.push(Err(e));
-                    continue;
-                }
-            };
-            let child = made.next().unwrap_or_else(|| {
-                Err(crate::backend::BackendError::Unsupported(
-                    "a fork that answered with fewer children",
-                ))
-            });
-            let child = child.map_err(DaemonError::from);
-            out.push(self.record_fork_child(&id, child, &inherited, now));
         }
-        let ok = out.iter().filter(|r| r.is_ok()).count();
-        self.inner.metrics.fork_children.inc_by(ok as u64);
+        for (place, slot) in slots.into_iter().enumerate() {
+            if let Err(e) = slot {
+                let _ = each.send((place, Err(e)));
+            }
+        }
         self.inner.metrics.fork_latency.observe(started.elapsed());
         self.inner.room.notify_waiters();
-        Ok(out)
+        Ok(())
+    }
+
+    /// Forks sandbox `id` into `count` children as [`Lifecycle::Fork`]
+    /// does, streaming them: the first child to come up, then a receiver
+    /// of the others as they come (each with its place in the request,
+    /// the sandbox or why it failed). `Err` is the request's as a whole (a
+    /// bad count, the parent not there or not forkable, its VMM refused),
+    /// answered before any child.
+    pub async fn fork_streamed(
+        &self,
+        id: SandboxId,
+        count: u32,
+        seed: Option<u64>,
+    ) -> Result<(ForkedChild, mpsc::UnboundedReceiver<ForkedChild>), DaemonError> {
+        check_fork_count(count)?;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let this = self.clone();
+        // Its own task, as for creations: a client that leaves does not
+        // stop the fork; its children are recorded all the same.
+        let mut task =
+            tokio::spawn(async move { this.fork_each(id, count as usize, seed, tx).await });
+        let first = tokio::select! {
+            first = rx.recv() => first,
+            ended = &mut task => {
+                ended.map_err(|e| DaemonError::infra("the fork task failed", e))??;
+                rx.recv().await
+            }
+        };
+        let first = first.ok_or_else(|| {
+            DaemonError::infra(
+                "forking",
+                std::io::Error::other("the fork ended without a child"),
+            )
+        })?;
+        Ok((first, rx))
     }
 
     /// Counts and logs a fork child that replaced a lost one.

@@ -6,6 +6,8 @@
 use std::ops::ControlFlow;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use forkbox_net::policy::Policy;
@@ -101,6 +103,36 @@ impl Vm {
         n: usize,
         opts: &ForkOptions,
     ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
+        let slots: Vec<Mutex<Option<Result<Vm, VmError>>>> =
+            (0..n).map(|_| Mutex::new(None)).collect();
+        self.fork_each(n, opts, &|index, child| {
+            *slots[index].lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        })?;
+        Ok(slots
+            .into_iter()
+            .map(|slot| {
+                let child = slot.into_inner().unwrap_or_else(|p| p.into_inner());
+                // `fork_each` gives every index exactly once.
+                child.unwrap_or_else(|| {
+                    Err(VmError::Io(std::io::Error::other(
+                        "a fork child was never given",
+                    )))
+                })
+            })
+            .collect())
+    }
+
+    /// [`fork_with`](Self::fork_with), giving each child to `on_child`
+    /// with its index as soon as its after-fork hook has answered (or it
+    /// was lost and replaced), in the order they come up, on at most
+    /// [`HOOK_WORKERS`] threads whatever `n` is. `Err` (and no call) when
+    /// the request as a whole failed; otherwise one call per index.
+    pub fn fork_each(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+        on_child: &(dyn Fn(usize, Result<Vm, VmError>) + Sync),
+    ) -> Result<(), VmError> {
         let start = Instant::now();
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-", self.user))
@@ -201,49 +233,58 @@ impl Vm {
             })
             .collect();
         let deadline = after_fork_deadline(n);
-        let mut out = Vec::with_capacity(n);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = held
-                .into_iter()
-                .zip(dirs)
-                .zip(paths)
-                .zip(nets)
-                .zip(cgroups)
-                .enumerate()
-                .map(|(index, ((((held, dir), paths), net), cgroup))| {
-                    scope.spawn(move || {
-                        let child = ForkedVm {
-                            dir,
-                            paths,
-                            net,
-                            start,
-                            answered,
-                            seed: opts.seeds.get(index).copied(),
-                            user: self.user,
-                            cgroup,
-                            limits,
-                        };
-                        let first = match held {
-                            Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
-                            Err(e) => Err((e, Box::new(child))),
-                        };
-                        let (lost, child) = match first {
-                            Ok(vm) => return Ok(vm),
-                            Err(lost) => lost,
-                        };
-                        let why = format!("{lost:#}");
-                        tracing::warn!(index, cause = %why, "fork child was lost; replacing it with a new child of the same state");
-                        (*child).replace(self, deadline, why)
-                    })
-                })
-                .collect();
-            for h in handles {
-                out.push(h.join().unwrap_or_else(|_| {
-                    Err(VmError::Io(std::io::Error::other("fork thread panicked")))
-                }));
-            }
+        // Each child's place, taken once by the worker that hooks it.
+        let places: Vec<Mutex<Option<_>>> = held
+            .into_iter()
+            .zip(dirs)
+            .zip(paths)
+            .zip(nets)
+            .zip(cgroups)
+            .map(|place| Mutex::new(Some(place)))
+            .collect();
+        let hook = |index: usize| {
+            let taken = places[index]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            let Some(((((held, dir), paths), net), cgroup)) = taken else {
+                return Err(VmError::Io(std::io::Error::other(
+                    "a fork child's place was taken twice",
+                )));
+            };
+            let child = ForkedVm {
+                dir,
+                paths,
+                net,
+                start,
+                answered,
+                seed: opts.seeds.get(index).copied(),
+                user: self.user,
+                cgroup,
+                limits,
+            };
+            let first = match held {
+                Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
+                Err(e) => Err((e, Box::new(child))),
+            };
+            let (lost, child) = match first {
+                Ok(vm) => return Ok(vm),
+                Err(lost) => lost,
+            };
+            let why = format!("{lost:#}");
+            tracing::warn!(index, cause = %why, "fork child was lost; replacing it with a new child of the same state");
+            (*child).replace(self, deadline, why)
+        };
+        on_workers(n, HOOK_WORKERS, |index| {
+            let child = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(index)))
+                .unwrap_or_else(|_| {
+                    Err(VmError::Io(std::io::Error::other(
+                        "a fork child's after-fork hook panicked",
+                    )))
+                });
+            on_child(index, child);
         });
-        Ok(out)
+        Ok(())
     }
 
     /// Sends `AfterFork` (host time, fresh host entropy or, with `seed`,
@@ -401,6 +442,30 @@ pub(super) fn where_threads_are(pid: u32) -> String {
         ));
     }
     out
+}
+
+/// Most fork children whose after-fork hooks run at once, however many
+/// one request forks: a hook mostly waits on its guest, and a group of
+/// 1,024 must not take 1,024 threads. Every child runs from its fork on;
+/// only the host's side of its hook waits for a worker, and its time to
+/// answer counts from when one takes it.
+pub const HOOK_WORKERS: usize = 32;
+
+/// Runs `f(i)` for each `i` in `0..n` on at most `workers` threads, each
+/// taking the next index as it is free; returns when every call has.
+pub(crate) fn on_workers(n: usize, workers: usize, f: impl Fn(usize) + Sync) {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..workers.min(n) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                f(i);
+            });
+        }
+    });
 }
 
 /// How long the children of one fork request may take to answer
@@ -686,6 +751,29 @@ mod tests {
         assert_ne!(e, seeded_entropy(child_seed(7, 4)));
         // Its two 32-byte halves are different hashes, not one repeated.
         assert_ne!(e[..32], e[32..]);
+    }
+
+    #[test]
+    fn workers_call_every_index_once_on_at_most_their_number_of_threads() {
+        let calls: Vec<AtomicUsize> = (0..1024).map(|_| AtomicUsize::new(0)).collect();
+        let threads = Mutex::new(std::collections::HashSet::new());
+        on_workers(1024, 8, |i| {
+            calls[i].fetch_add(1, Ordering::Relaxed);
+            threads
+                .lock()
+                .expect("threads")
+                .insert(std::thread::current().id());
+        });
+        assert!(calls.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        let used = threads.lock().expect("threads").len();
+        assert!((1..=8).contains(&used), "{used} threads");
+        // Fewer items than workers: one thread each at most, none idle.
+        let seen = AtomicUsize::new(0);
+        on_workers(3, 32, |_| {
+            seen.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(seen.load(Ordering::Relaxed), 3);
+        on_workers(0, 32, |_| unreachable!("no items"));
     }
 
     #[test]
