@@ -1,7 +1,7 @@
 //! `forkboxd`: parse flags, check this host can run microVMs, listen.
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,9 +31,12 @@ struct Args {
     /// $FORKBOX_TOKEN); mandatory with tcp://.
     #[arg(long)]
     token: Option<String>,
-    /// Most sandboxes creating, running or paused at once.
-    #[arg(long, default_value_t = 64)]
-    max_live: usize,
+    /// Most sandboxes creating, running or paused at once (a fork's
+    /// children count one each). Default: as many as the host's memory
+    /// holds less the reserve, at 8 MiB each, 16 to 4096 (what each
+    /// template's sandboxes really take is checked at every admission too).
+    #[arg(long)]
+    max_live: Option<usize>,
     /// Most sandboxes being created from templates at once (the children
     /// of one fork request count once, against --max-live only).
     #[arg(long, default_value_t = 16)]
@@ -68,8 +71,9 @@ struct Args {
     /// caps its serial log at 8 MiB and its egress log at 64 MiB, and
     /// --max-live of them must fit; the rest is for dead sandboxes'
     /// egress logs, the oldest deleted before their TTL when it is full.
-    #[arg(long, default_value_t = 8192)]
-    log_max_total_mib: u64,
+    /// Default: --max-live sandboxes' logs at their caps and 8192 more.
+    #[arg(long)]
+    log_max_total_mib: Option<u64>,
     /// Seconds any agent call but a command's (files, processes, ports)
     /// may take; past it the client gets a 504 `guest_timeout`.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86400))]
@@ -188,9 +192,32 @@ fn run(args: Args) -> anyhow::Result<()> {
         args.require_jail,
     )
     .context("preparing the guest assets (run `make build`)")?;
+    let memory_total = forkbox_host::measure::meminfo()
+        .ok()
+        .and_then(|m| m.get("MemTotal").copied())
+        .map_or(0, |kib| kib << 10);
+    let memory_reserve = match args.memory_reserve_mib {
+        Some(mib) => mib << 20,
+        None => forkboxd::service::default_memory_reserve(memory_total),
+    };
+    let max_live = args
+        .max_live
+        .unwrap_or_else(|| forkboxd::service::default_max_live(memory_total, memory_reserve));
+    let log_max_total_mib = args
+        .log_max_total_mib
+        .unwrap_or_else(|| default_log_total_mib(max_live));
+    let open_files = raise_open_files(max_live);
+    tracing::info!(
+        max_live,
+        memory_total_mib = memory_total >> 20,
+        memory_reserve_mib = memory_reserve >> 20,
+        log_max_total_mib,
+        open_files,
+        "admission caps"
+    );
     let mut config = Config {
         limits: Limits {
-            max_live: args.max_live,
+            max_live,
             max_creating: args.max_creating.max(1),
             ..Limits::default()
         },
@@ -205,19 +232,11 @@ fn run(args: Args) -> anyhow::Result<()> {
             upload_max: args.max_upload_bytes,
             ..Bounds::default()
         },
-        memory_reserve: match args.memory_reserve_mib {
-            Some(mib) => mib << 20,
-            None => forkboxd::service::default_memory_reserve(
-                forkbox_host::measure::meminfo()
-                    .ok()
-                    .and_then(|m| m.get("MemTotal").copied())
-                    .map_or(0, |kib| kib << 10),
-            ),
-        },
+        memory_reserve,
         host_memory: forkboxd::service::host_memory_available,
         images: None,
     };
-    let egress_max = egress_max_bytes(args.max_live, args.log_max_total_mib)?;
+    let egress_max = egress_max_bytes(max_live, log_max_total_mib)?;
     if let Listen::Unix(path) = &listen {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("{} is in use: another forkboxd is running", path.display());
@@ -266,6 +285,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("making a temporary egress log directory")?,
     }
     .with_max_bytes(egress_max);
+    warn_if_logs_outgrow_the_disk(egress.dir(), log_max_total_mib);
     let backend = backend.with_images(config.images.as_ref().map(|(s, _)| s.clone()));
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
@@ -307,6 +327,76 @@ fn state_dir_for(
             ))
         }
     })
+}
+
+/// The default `--log-max-total-mib`: `max_live` sandboxes' serial and
+/// egress logs at their caps, and 8 GiB for dead sandboxes' egress logs.
+fn default_log_total_mib(max_live: usize) -> u64 {
+    use forkbox_vmm_api::{EGRESS_LOG_MAX_BYTES, SERIAL_LOG_MAX_BYTES};
+    let each = (SERIAL_LOG_MAX_BYTES + EGRESS_LOG_MAX_BYTES) >> 20;
+    (max_live as u64).saturating_mul(each).saturating_add(8192)
+}
+
+/// Says so when the logs' budget is more than the disk under `dir` has
+/// free: sandboxes that all flood their logs would fill it first.
+fn warn_if_logs_outgrow_the_disk(dir: &Path, log_max_total_mib: u64) {
+    let Ok(fs) = rustix::fs::statvfs(dir) else {
+        return;
+    };
+    let free_mib = fs.f_bavail.saturating_mul(fs.f_frsize) >> 20;
+    if log_max_total_mib > free_mib {
+        tracing::warn!(
+            "sandboxes' logs may hold {log_max_total_mib} MiB at their caps, more than the              {free_mib} MiB free under {}: lower --max-live or --log-max-total-mib if the disk              must not fill",
+            dir.display()
+        );
+    }
+}
+
+/// Open files each live sandbox may hold in the daemon (its VMM's pidfd,
+/// control and agent connections, its network broker's sockets), with
+/// room to spare.
+const OPEN_FILES_PER_SANDBOX: u64 = 16;
+
+/// Raises the daemon's open-file limit to what `max_live` sandboxes need
+/// (the soft limit to the hard one, and the hard one too where allowed,
+/// as root); returns the soft limit in force. Short of that, says so:
+/// past it, calls fail with EMFILE.
+fn raise_open_files(max_live: usize) -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let need = (max_live as u64)
+        .saturating_mul(OPEN_FILES_PER_SANDBOX)
+        .saturating_add(1024);
+    let now = getrlimit(Resource::Nofile);
+    let soft = now.current.unwrap_or(u64::MAX);
+    let hard = now.maximum.unwrap_or(u64::MAX);
+    if soft >= need {
+        return soft;
+    }
+    let to = |current: u64, maximum: u64| {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(current),
+                maximum: Some(maximum),
+            },
+        )
+        .is_ok()
+    };
+    // As root the hard limit may rise too; otherwise up to it.
+    let raised = if to(need, hard.max(need)) {
+        need
+    } else if to(hard, hard) {
+        hard
+    } else {
+        soft
+    };
+    if raised < need {
+        tracing::warn!(
+            "the open-file limit is {raised}: {max_live} live sandboxes need about {need}; raise \
+             it (`ulimit -Hn`) or lower --max-live"
+        );
+    }
+    raised
 }
 
 /// What the egress log directory may hold: the total less the live
@@ -395,6 +485,34 @@ async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn caps_sized_from_the_host_hold_their_logs_and_files() {
+        use forkboxd::service::{default_max_live, default_memory_reserve, MAX_LIVE_DEFAULT_CAP};
+        let gib = |g: u64| g << 30;
+        // 24 GiB less a 1.5 GiB reserve, at 8 MiB each.
+        assert_eq!(
+            default_max_live(gib(24), default_memory_reserve(gib(24))),
+            2880
+        );
+        assert_eq!(default_max_live(gib(1), gib(2)), 16, "never below 16");
+        assert_eq!(default_max_live(gib(1024), gib(2)), MAX_LIVE_DEFAULT_CAP);
+        // The default log budget always holds the live sandboxes' logs.
+        for live in [16, 64, 1025, MAX_LIVE_DEFAULT_CAP] {
+            let total = default_log_total_mib(live);
+            let egress = egress_max_bytes(live, total).expect("fits");
+            assert_eq!(egress >> 20, total - live as u64 * 8, "{live}");
+        }
+        // The soft limit ends at least what was there, and this process
+        // can open that many.
+        let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let soft = raise_open_files(16);
+        assert!(soft >= before.current.unwrap_or(0).min(16 * 16 + 1024));
+        assert_eq!(
+            rustix::process::getrlimit(rustix::process::Resource::Nofile).current,
+            Some(soft)
+        );
+    }
 
     #[test]
     fn egress_max_bytes_leaves_room_for_live_logs_or_says_what_to_change() {

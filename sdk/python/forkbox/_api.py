@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import (Any, Callable, Dict, Generic, List, Mapping, Optional, Sequence, TypeVar,
-                    Union)
+                    Union, cast)
 
 import httpx
 
@@ -125,19 +125,49 @@ def resume(sandbox_id: str) -> "Call[Json]":
 ForkEntry = Union[Json, ForkboxError]
 
 
+def _fork_entry(e: Any) -> ForkEntry:
+    if isinstance(e, dict) and isinstance(e.get("sandbox"), dict):
+        return cast(Json, e["sandbox"])
+    if isinstance(e, dict) and "error" in e:
+        return from_response(0, e)
+    if isinstance(e, dict) and "id" in e:
+        return e  # a bare SandboxInfo
+    return InfrastructureError(f"unreadable fork entry {e!r}", "infrastructure")
+
+
 def _fork_entries(r: httpx.Response) -> List[ForkEntry]:
-    out: List[ForkEntry] = []
-    for e in r.json():
-        if isinstance(e, dict) and isinstance(e.get("sandbox"), dict):
-            out.append(e["sandbox"])
-        elif isinstance(e, dict) and "error" in e:
-            err = from_response(0, e)
-            out.append(err)
-        elif isinstance(e, dict) and "id" in e:
-            out.append(e)  # a bare SandboxInfo
-        else:
-            out.append(InfrastructureError(f"unreadable fork entry {e!r}", "infrastructure"))
-    return out
+    return [_fork_entry(e) for e in r.json()]
+
+
+class ForkStream:
+    """Reads a streamed fork's lines (`{"index": i, "sandbox"|"error": …}`,
+    in the order the children come up): each entry goes to `on_child(i,
+    entry)` as it comes; `feed` answers them all, in the request's order,
+    once every child has been given."""
+
+    def __init__(self, count: int, on_child: Callable[[int, ForkEntry], None]) -> None:
+        self._entries: List[Optional[ForkEntry]] = [None] * count
+        self._given = 0
+        self._on_child = on_child
+
+    def feed(self, ev: Json) -> Optional[List[ForkEntry]]:
+        index = ev.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(self._entries) \
+                or self._entries[index] is not None:
+            raise InfrastructureError(f"a fork stream line with a bad index: {ev!r}",
+                                      "infrastructure")
+        entry = _fork_entry(ev)
+        self._entries[index] = entry
+        self._given += 1
+        self._on_child(index, entry)
+        if self._given < len(self._entries):
+            return None
+        return [cast(ForkEntry, e) for e in self._entries]
+
+    def ended(self) -> InfrastructureError:
+        return InfrastructureError(
+            f"the fork's stream ended after {self._given} of {len(self._entries)} children "
+            "(those given to on_child exist; kill them)", "infrastructure")
 
 
 def _seed(seed: int) -> int:
@@ -147,10 +177,16 @@ def _seed(seed: int) -> int:
     return seed
 
 
+MAX_FORK_CHILDREN = 1024
+"""Most children one fork request asks for (the daemon's limit)."""
+
+
 def fork(sandbox_id: str, count: int, seed: Optional[int] = None) -> "Call[List[ForkEntry]]":
-    """Children in order: each a SandboxInfo, or the error that child met."""
-    if not 1 <= count <= 256:
-        raise ValueError(f"fork count {count}: expected 1-256")
+    """Children in order: each a SandboxInfo, or the error that child met.
+    Its `path` and `kwargs` also serve the streamed form (`ForkStream`)."""
+    if isinstance(count, bool) or not isinstance(count, int) \
+            or not 1 <= count <= MAX_FORK_CHILDREN:
+        raise ValueError(f"fork count {count!r}: expected 1-{MAX_FORK_CHILDREN}")
     body: Json = {"count": count}
     if seed is not None:
         body["seed"] = _seed(seed)

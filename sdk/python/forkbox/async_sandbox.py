@@ -279,12 +279,29 @@ class AsyncSandbox(SandboxBase):
     async def resume(self) -> None:
         self._info = await _do(self._client, _api.resume(self.sandbox_id))
 
-    async def fork(self, count: int = 1,
-                   seed: Optional[int] = None) -> List[Union["AsyncSandbox", ForkboxError]]:
-        """As `Sandbox.fork`: children or per-child errors, in order."""
-        entries = await _do(self._client, _api.fork(self.sandbox_id, count, seed))
-        return [e if isinstance(e, ForkboxError) else AsyncSandbox(e, self._client)
-                for e in entries]
+    async def fork(self, count: int = 1, seed: Optional[int] = None, *,
+                   on_child: Optional[Callable[[int, Union["AsyncSandbox", ForkboxError]],
+                                               None]] = None
+                   ) -> List[Union["AsyncSandbox", ForkboxError]]:
+        """As `Sandbox.fork`: children or per-child errors, in order;
+        `on_child(i, child)` (a plain function, called on the event loop:
+        it may start tasks) gets each child as soon as it is up."""
+        call = _api.fork(self.sandbox_id, count, seed)
+        if on_child is None:
+            entries = await _do(self._client, call)
+            return [self._child(e) for e in entries]
+        children: Dict[int, Union[AsyncSandbox, ForkboxError]] = {}
+
+        def given(i: int, entry: _api.ForkEntry) -> None:
+            children[i] = self._child(entry)
+            on_child(i, children[i])
+
+        entries = await self._client.follow_ndjson(call.method, call.path,
+                                                   _api.ForkStream(count, given), **call.kwargs)
+        return [children[i] for i in range(len(entries))]
+
+    def _child(self, entry: _api.ForkEntry) -> Union["AsyncSandbox", ForkboxError]:
+        return entry if isinstance(entry, ForkboxError) else AsyncSandbox(entry, self._client)
 
     async def create_snapshot(self, name: str) -> TemplateInfo:
         return await _do(self._client, _api.snapshot(self.sandbox_id, name))

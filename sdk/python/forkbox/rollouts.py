@@ -43,13 +43,15 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
           timeout: Optional[float] = None, metadata: Optional[Mapping[str, str]] = None,
           sandbox_timeout: Optional[float] = 3600, network: Optional[Mapping[str, Any]] = None,
           check_integrity: bool = True, url: Optional[str] = None) -> List[Outcome[T]]:
-    """Forks `n` sandboxes from one state and runs `fn(child)` in each,
-    each in its own thread.
+    """Forks `n` (at most 1024) sandboxes from one state and runs
+    `fn(child)` in each, each in its own thread, started as soon as that
+    child is up (the fork streams its children: the first rollouts of a
+    wide group run while the last children are still coming).
 
     `source`: a template name (one sandbox is created from it and forked
     `n` ways; it is killed at the end too) or a running `Sandbox` (forked
     as it is now; left running). `timeout`: seconds for all the `fn`s
-    together, counted once the children exist; `None` waits for all.
+    together, counted once every child exists; `None` waits for all.
     `metadata`, `sandbox_timeout` (a time-to-live, the safety net if
     this process dies) and `network` (its egress policy, which every child
     inherits; default: nothing reachable) apply to the sandbox created from
@@ -66,52 +68,69 @@ def group(source: Union[str, Sandbox], n: int, fn: Callable[[Sandbox], T], *,
         owned = True
     else:
         parent, owned = source, False
-    children: List[Union[Sandbox, ForkboxError]] = []
+    runs = _Threads(fn, check_integrity)
     try:
-        children = parent.fork(count=n)
-        return _run_threads(children, fn, timeout, check_integrity)
+        # Each child's `fn` starts as soon as that child is up.
+        children = parent.fork(count=n, on_child=runs.start)
+        return runs.results(children, timeout)
     finally:
-        _kill_all([c for c in children if isinstance(c, Sandbox)] + ([parent] if owned else []))
+        _kill_all(runs.sandboxes() + ([parent] if owned else []))
 
 
-def _run_threads(children: List[Union[Sandbox, ForkboxError]], fn: Callable[[Sandbox], T],
-                 timeout: Optional[float], check_integrity: bool) -> List[Outcome[T]]:
-    results: Dict[int, Outcome[T]] = {}
-    cond = threading.Condition()
+class _Threads:
+    """One thread per child running `fn`, each started as its child comes
+    up, and their results."""
 
-    def work(i: int, sb: Sandbox) -> None:
+    def __init__(self, fn: Callable[[Sandbox], T], check_integrity: bool) -> None:
+        self._fn = fn
+        self._check = check_integrity
+        self._cond = threading.Condition()
+        self._results: Dict[int, Outcome[T]] = {}
+        self._started: Dict[int, Sandbox] = {}
+
+    def start(self, i: int, child: Union[Sandbox, ForkboxError]) -> None:
+        if not isinstance(child, Sandbox):
+            return
+        self._started[i] = child
+        # Daemon threads: a `fn` that ignores its killed sandbox must not
+        # keep the process alive.
+        threading.Thread(target=self._work, args=(i, child), daemon=True,
+                         name=f"forkbox-rollout-{i}").start()
+
+    def sandboxes(self) -> List[Sandbox]:
+        return list(self._started.values())
+
+    def _work(self, i: int, sb: Sandbox) -> None:
         try:
-            r: Outcome[T] = fn(sb)
-            if check_integrity:
+            r: Outcome[T] = self._fn(sb)
+            if self._check:
                 report = sb.integrity.check()
                 if not report:
                     r = TamperedError(report)
         except Exception as e:  # noqa: BLE001 - every failure is a result here
             r = e
-        with cond:
-            results[i] = r
-            cond.notify_all()
+        with self._cond:
+            self._results[i] = r
+            self._cond.notify_all()
 
-    running = [i for i, c in enumerate(children) if isinstance(c, Sandbox)]
-    for i in running:
-        # Daemon threads: a `fn` that ignores its killed sandbox must not
-        # keep the process alive.
-        threading.Thread(target=work, args=(i, children[i]), daemon=True,
-                         name=f"forkbox-rollout-{i}").start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with cond:
-        while len(results) < len(running):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            cond.wait(left)
-        out: List[Outcome[T]] = []
-        for i, c in enumerate(children):
-            if isinstance(c, ForkboxError):
-                out.append(c)
-            else:
-                out.append(results.get(i, _timed_out(timeout)))
-    return out
+    def results(self, children: List[Union[Sandbox, ForkboxError]],
+                timeout: Optional[float]) -> List[Outcome[T]]:
+        """Waits up to `timeout` (from now: every child exists) for every
+        started `fn`; one entry per child, in order."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._results) < len(self._started):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            out: List[Outcome[T]] = []
+            for i, c in enumerate(children):
+                if isinstance(c, ForkboxError):
+                    out.append(c)
+                else:
+                    out.append(self._results.get(i, _timed_out(timeout)))
+        return out
 
 
 def _kill_all(sandboxes: List[Sandbox]) -> None:
@@ -155,10 +174,16 @@ async def agroup(source: Union[str, AsyncSandbox], n: int,
         parent, owned = source, False
     children: List[Union[AsyncSandbox, ForkboxError]] = []
     tasks: Dict[int, "asyncio.Future[T]"] = {}
+    started: List[AsyncSandbox] = []
+
+    def start(i: int, child: Union[AsyncSandbox, ForkboxError]) -> None:
+        # Each child's `fn` starts as soon as that child is up.
+        if isinstance(child, AsyncSandbox):
+            started.append(child)
+            tasks[i] = asyncio.ensure_future(checked(child))
+
     try:
-        children = await parent.fork(count=n)
-        tasks = {i: asyncio.ensure_future(checked(c)) for i, c in enumerate(children)
-                 if isinstance(c, AsyncSandbox)}
+        children = await parent.fork(count=n, on_child=start)
         if tasks:
             await asyncio.wait(list(tasks.values()), timeout=timeout)
         out: List[Outcome[T]] = []
@@ -178,7 +203,7 @@ async def agroup(source: Union[str, AsyncSandbox], n: int,
     finally:
         for t in tasks.values():
             t.cancel()
-        doomed: List[Any] = [c for c in children if isinstance(c, AsyncSandbox)]
+        doomed: List[Any] = list(started)
         if owned:
             doomed.append(parent)
         await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)

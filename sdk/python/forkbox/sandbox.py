@@ -390,12 +390,19 @@ class Sandbox(SandboxBase):
     def resume(self) -> None:
         self._info = _do(self._client, _api.resume(self.sandbox_id))
 
-    def fork(self, count: int = 1,
-             seed: Optional[int] = None) -> List[Union["Sandbox", ForkboxError]]:
-        """Forks into `count` (1-256) children that start from this
+    def fork(self, count: int = 1, seed: Optional[int] = None, *,
+             on_child: Optional[Callable[[int, Union["Sandbox", ForkboxError]], None]] = None
+             ) -> List[Union["Sandbox", ForkboxError]]:
+        """Forks into `count` (1-1024) children that start from this
         sandbox's current memory and files. One entry per child, in order:
         the child, or the error that child met (an exception instance,
         not raised: the others are fine). The caller kills the children.
+
+        `on_child(i, child)`: called (on this thread) with each child as
+        soon as it is up, in the order they come up, before this returns:
+        start work on the first children of a wide group while the last
+        are still coming. Should the stream break, this raises an
+        `InfrastructureError`; the children already given exist.
 
         `seed` (0 to 2**64 - 1): child `i`'s randomness derives from
         (`seed`, `i`): the entropy its kernel RNG is given after the fork,
@@ -404,8 +411,22 @@ class Sandbox(SandboxBase):
         interrupts' randomness, so `/dev/urandom` does not repeat; code
         that wants to repeat seeds its own generator from `FORKBOX_SEED`.
         Without a seed: fresh host entropy, no `FORKBOX_SEED`."""
-        entries = _do(self._client, _api.fork(self.sandbox_id, count, seed))
-        return [e if isinstance(e, ForkboxError) else Sandbox(e, self._client) for e in entries]
+        call = _api.fork(self.sandbox_id, count, seed)
+        if on_child is None:
+            entries = _do(self._client, call)
+            return [self._child(e) for e in entries]
+        children: Dict[int, Union[Sandbox, ForkboxError]] = {}
+
+        def given(i: int, entry: _api.ForkEntry) -> None:
+            children[i] = self._child(entry)
+            on_child(i, children[i])
+
+        entries = self._client.follow_ndjson(call.method, call.path,
+                                             _api.ForkStream(count, given), **call.kwargs)
+        return [children[i] for i in range(len(entries))]
+
+    def _child(self, entry: _api.ForkEntry) -> Union["Sandbox", ForkboxError]:
+        return entry if isinstance(entry, ForkboxError) else Sandbox(entry, self._client)
 
     def create_snapshot(self, name: str) -> TemplateInfo:
         """Makes a template `name` from this sandbox's current state:

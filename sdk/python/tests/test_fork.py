@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import pytest
 
@@ -44,9 +44,36 @@ def test_fork_16_children_start_from_the_parents_state_in_order(daemon_url: str)
 
 def test_fork_count_out_of_range_is_refused_before_sending() -> None:
     sb = Sandbox({"id": "sb-0000000000000000"}, None)  # type: ignore[arg-type]
-    for bad in (0, 257):
+    for bad in (0, 1025):
         with pytest.raises(ValueError):
             sb.fork(count=bad)
+        with pytest.raises(ValueError):
+            sb.fork(count=bad, on_child=lambda i, c: None)
+
+
+def test_a_streamed_fork_gives_each_child_as_it_comes_up_and_the_same_list(daemon_url: str) -> None:
+    given: Dict[int, object] = {}
+    answers: Dict[int, str] = {}
+
+    def on_child(i: int, child: object) -> None:
+        assert i not in given, f"child {i} given twice"
+        given[i] = child
+        # A child given is up: it answers at once, before the others are.
+        if isinstance(child, Sandbox):
+            answers[i] = child.commands.run("cat /tmp/state").stdout
+
+    with Sandbox.create("minimal", timeout=600) as parent:
+        parent.files.write("/tmp/state", "streamed")
+        children = parent.fork(count=8, on_child=on_child)
+        try:
+            assert sorted(given) == list(range(8))
+            assert all(given[i] is c for i, c in enumerate(children)), "the list is what was given"
+            assert [c for c in children if not isinstance(c, Sandbox)] == []
+            assert answers == {i: "streamed" for i in range(8)}
+            assert len({c.sandbox_id for c in _alive(children)}) == 8
+        finally:
+            for k in _alive(children):
+                k.kill()
 
 
 def test_pause_then_resume_keeps_state(daemon_url: str) -> None:

@@ -121,6 +121,22 @@ pub fn default_memory_reserve(total: u64) -> u64 {
     (total / 16).clamp(256 << 20, 2 << 30)
 }
 
+/// The default cap on live sandboxes for a host of `total` bytes of
+/// memory of which `reserve` stay free: as many as fit at
+/// [`PREDICTED_FLOOR`](crate::core::PREDICTED_FLOOR) each (a fork child's
+/// own memory with room to spare), 16 to [`MAX_LIVE_DEFAULT_CAP`]. What
+/// each template's sandboxes really take is checked at every admission
+/// as well (`core::predicted_memory`).
+pub fn default_max_live(total: u64, reserve: u64) -> usize {
+    let fit = total.saturating_sub(reserve) / crate::core::PREDICTED_FLOOR;
+    usize::try_from(fit)
+        .unwrap_or(usize::MAX)
+        .clamp(16, MAX_LIVE_DEFAULT_CAP)
+}
+
+/// The most [`default_max_live`] gives, however large the host.
+pub const MAX_LIVE_DEFAULT_CAP: usize = 4096;
+
 /// What bounds the daemon's work for a guest or a client: no agent call
 /// holds a thread past its deadline, and no transfer past its size.
 #[derive(Debug, Clone, Copy)]
