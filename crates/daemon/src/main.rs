@@ -357,43 +357,17 @@ fn warn_if_logs_outgrow_the_disk(dir: &Path, log_max_total_mib: u64) {
 /// room to spare.
 const OPEN_FILES_PER_SANDBOX: u64 = 16;
 
-/// Raises the daemon's open-file limit to what `max_live` sandboxes need
-/// (the soft limit to the hard one, and the hard one too where allowed,
-/// as root); returns the soft limit in force. Short of that, says so:
-/// past it, calls fail with EMFILE.
+/// Raises the daemon's open-file limit to what `max_live` sandboxes need;
+/// returns the soft limit in force, having said so when it is short.
 fn raise_open_files(max_live: usize) -> u64 {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let need = (max_live as u64)
         .saturating_mul(OPEN_FILES_PER_SANDBOX)
         .saturating_add(1024);
-    let now = getrlimit(Resource::Nofile);
-    let soft = now.current.unwrap_or(u64::MAX);
-    let hard = now.maximum.unwrap_or(u64::MAX);
-    if soft >= need {
-        return soft;
-    }
-    let to = |current: u64, maximum: u64| {
-        setrlimit(
-            Resource::Nofile,
-            Rlimit {
-                current: Some(current),
-                maximum: Some(maximum),
-            },
-        )
-        .is_ok()
-    };
-    // As root the hard limit may rise too; otherwise up to it.
-    let raised = if to(need, hard.max(need)) {
-        need
-    } else if to(hard, hard) {
-        hard
-    } else {
-        soft
-    };
+    let raised = forkbox_host::open_files::raise_to(need);
     if raised < need {
         tracing::warn!(
             "the open-file limit is {raised}: {max_live} live sandboxes need about {need}; raise \
-             it (`ulimit -Hn`) or lower --max-live"
+             it (`ulimit -Hn`, or LimitNOFILE= for a service) or lower --max-live"
         );
     }
     raised
@@ -503,15 +477,11 @@ mod tests {
             let egress = egress_max_bytes(live, total).expect("fits");
             assert_eq!(egress >> 20, total - live as u64 * 8, "{live}");
         }
-        // The soft limit ends at least what was there, and this process
-        // can open that many.
-        let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        // The soft limit ends at least what was there.
+        let before = forkbox_host::open_files::limit();
         let soft = raise_open_files(16);
-        assert!(soft >= before.current.unwrap_or(0).min(16 * 16 + 1024));
-        assert_eq!(
-            rustix::process::getrlimit(rustix::process::Resource::Nofile).current,
-            Some(soft)
-        );
+        assert!(soft >= before.min(16 * 16 + 1024));
+        assert_eq!(forkbox_host::open_files::limit(), soft);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //! - [`socket`]: where forkboxd listens by default; [`owned`]: the checks
 //!   that a directory or socket path is one this user made.
 //! - [`poll`]: waiting, until a deadline, for what cannot be waited on.
+//! - [`open_files`]: the open-file limit against what a wide fork holds.
 //! - [`jail`]: which parts of the VMM's jail this host cannot give
 //!   (said once by the daemon; `--require-jail` refuses instead);
 //!   [`cgroup`]: each VMM's cgroup, with its memory, pids and CPU limits.
@@ -42,6 +43,7 @@ pub mod jail;
 pub mod kernel;
 pub mod measure;
 pub mod netbroker;
+pub mod open_files;
 pub mod owned;
 pub mod poll;
 pub mod socket;

@@ -2,13 +2,15 @@
 //! replaces, measured in one run in one environment.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{calibrate, progress, Stats};
 use anyhow::Context;
 use forkbox_host::measure::{guest_clock, guest_pages_written_kib};
 use forkbox_host::testbed::Environment;
-use forkbox_host::vm::{Assets, Vm, VmSpec};
+use forkbox_host::vm::{Assets, ForkOptions, Vm, VmSpec};
 use forkbox_proto::{AgentClient, ExecRequest};
 use serde_json::{json, Value};
 
@@ -47,6 +49,10 @@ pub struct Options {
     #[arg(long, default_value_t = 60)]
     pub snapshot_age: u64,
 }
+
+/// A fan-out child that answered its first exec (or why not), and when,
+/// from the fork request.
+type Answered = (anyhow::Result<Vm>, Duration);
 
 fn first_exec(agent: &AgentClient) -> anyhow::Result<()> {
     let r = agent.exec(&ExecRequest::argv(["true"]), None, &mut |_, _| {})?;
@@ -283,35 +289,36 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         let before = meminfo()?;
         let t = Instant::now();
         // A child that fails (to come up or to answer) is counted and named,
-        // not fatal: the report says how many of the N answered.
-        let forked = zygote.fork(o.children)?;
-        let results: Vec<anyhow::Result<Vm>> = std::thread::scope(|scope| {
-            let hs: Vec<_> = forked
-                .into_iter()
-                .map(|c| {
-                    scope.spawn(|| {
-                        let c = c?;
-                        first_exec(c.agent())?;
-                        Ok(c)
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")))
-                })
-                .collect()
-        });
+        // not fatal: the report says how many of the N answered. Each runs
+        // its first exec as soon as it is up, on the fork's own workers
+        // (a bounded few, however wide the group), timed from the request.
+        let slots: Vec<Mutex<Option<Answered>>> =
+            (0..o.children).map(|_| Mutex::new(None)).collect();
+        let done = AtomicUsize::new(0);
+        zygote.fork_each(o.children, &ForkOptions::default(), &|i, child| {
+            let r = child.map_err(anyhow::Error::from).and_then(|c| {
+                first_exec(c.agent())?;
+                Ok(c)
+            });
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((r, t.elapsed()));
+            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+            progress("fork", "fan-out children up and answered", n, o.children);
+        })?;
         let wall = t.elapsed();
         let mut children = Vec::new();
         let mut failures = Vec::new();
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(c) => children.push(c),
-                Err(e) => failures.push(format!("child {i}: {e:#}")),
+        let mut to_first_exec = Vec::new();
+        for (i, slot) in slots.into_iter().enumerate() {
+            match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                Some((Ok(c), took)) => {
+                    children.push(c);
+                    to_first_exec.push(took);
+                }
+                Some((Err(e), _)) => failures.push(format!("child {i}: {e:#}")),
+                None => failures.push(format!("child {i}: never given")),
             }
         }
+        let first_exec_ms = Stats::from_durations(&to_first_exec);
         for f in &failures {
             eprintln!("forkbox bench fork: fan-out {f}");
         }
@@ -377,6 +384,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
                 "children": o.children, "answered": children.len(), "failures": failures,
                 "memory_mib": mib, "zygote_file": file,
                 "wall_ms": wall.as_secs_f64() * 1000.0,
+                "fork_to_first_exec_ms": {"p50": first_exec_ms.p50_ms, "p99": first_exec_ms.p99_ms, "max": first_exec_ms.max_ms},
                 "vmm_answer_ms": children.first().and_then(|c| c.vmm_answered).map(|d| d.as_secs_f64() * 1000.0),
                 "host_mem_per_idle_child_mib": per_child_kib / 1024.0,
                 "per_idle_child_kib": where_kib,

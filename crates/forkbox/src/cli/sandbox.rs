@@ -39,10 +39,10 @@ pub enum SandboxCmd {
         #[arg(long, value_name = "MIB")]
         memory_limit: Option<u32>,
     },
-    /// Fork a sandbox into COUNT children.
+    /// Fork a sandbox into COUNT (1-1024) children.
     Fork {
         sandbox: SandboxId,
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
         count: u32,
     },
     /// List the live sandboxes (--all: the dead ones still remembered too).

@@ -17,6 +17,7 @@ use rustix::process::Signal;
 use sha2::{Digest, Sha256};
 
 use crate::control::Control;
+use crate::open_files;
 use crate::poll::{self, TimedOut};
 use crate::testbed;
 use forkbox_vmm_api::{ChildResult, Then};
@@ -134,6 +135,17 @@ impl Vm {
         on_child: &(dyn Fn(usize, Result<Vm, VmError>) + Sync),
     ) -> Result<(), VmError> {
         let start = Instant::now();
+        // Raised as far as it may be, or a clear error before anything
+        // is made (an EMFILE halfway would lose the children made).
+        let need = open_files::open_now() + n as u64 * open_files::PER_CHILD;
+        let limit = open_files::raise_to(need);
+        if limit < need {
+            return Err(VmError::OpenFiles {
+                children: n,
+                need,
+                limit,
+            });
+        }
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-", self.user))
             .collect::<Result<Vec<_>, _>>()?;

@@ -65,6 +65,16 @@ pub use forkbox_vmm_api::{RunState, ZygoteMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
+    #[error(
+        "forking {children} children needs about {need} open files and this process may open \
+         {limit} (the hard limit): raise it (`ulimit -Hn`, or LimitNOFILE= for a service) or \
+         fork fewer at once"
+    )]
+    OpenFiles {
+        children: usize,
+        need: u64,
+        limit: u64,
+    },
     #[error("preparing the guest kernel")]
     Kernel(#[from] KernelError),
     #[error("building the guest initramfs")]
