@@ -33,6 +33,11 @@ pub struct Options {
     /// Children forked at once from one zygote (fan-out, memory per child).
     #[arg(long, default_value_t = 100)]
     pub children: usize,
+    /// Whom the fan-out children's first exec runs as: `user` (the
+    /// unprivileged user forkboxd runs sandboxes' commands as, in the
+    /// bounded policy cgroup) or `root` (the agent's default).
+    #[arg(long, default_value = forkbox_host::image::USER)]
+    pub fanout_user: String,
     /// Dirty guest memory of the running sandbox that is forked (MiB).
     #[arg(long, default_value_t = 256)]
     pub dirty_mib: u32,
@@ -55,7 +60,16 @@ pub struct Options {
 type Answered = (anyhow::Result<Vm>, Duration);
 
 fn first_exec(agent: &AgentClient) -> anyhow::Result<()> {
-    let r = agent.exec(&ExecRequest::argv(["true"]), None, &mut |_, _| {})?;
+    first_exec_as(agent, None)
+}
+
+/// `true` as `user` (`None`: the agent's default, root).
+fn first_exec_as(agent: &AgentClient, user: Option<&str>) -> anyhow::Result<()> {
+    let mut req = ExecRequest::argv(["true"]);
+    if let Some(user) = user {
+        req = req.user(forkbox_proto::User::Name(user.into()));
+    }
+    let r = agent.exec(&req, None, &mut |_, _| {})?;
     anyhow::ensure!(r.success(), "`true` failed in the guest: {r:?}");
     Ok(())
 }
@@ -297,7 +311,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         let done = AtomicUsize::new(0);
         zygote.fork_each(o.children, &ForkOptions::default(), &|i, child| {
             let r = child.map_err(anyhow::Error::from).and_then(|c| {
-                first_exec(c.agent())?;
+                first_exec_as(c.agent(), Some(&o.fanout_user))?;
                 Ok(c)
             });
             *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((r, t.elapsed()));
@@ -382,6 +396,7 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
             "fanout",
             json!({
                 "children": o.children, "answered": children.len(), "failures": failures,
+                "first_exec_user": o.fanout_user,
                 "memory_mib": mib, "zygote_file": file,
                 "wall_ms": wall.as_secs_f64() * 1000.0,
                 "fork_to_first_exec_ms": {"p50": first_exec_ms.p50_ms, "p99": first_exec_ms.p99_ms, "max": first_exec_ms.max_ms},

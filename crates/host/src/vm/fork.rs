@@ -197,7 +197,11 @@ impl Vm {
             .collect::<Result<Vec<_>, _>>()?;
         // The VMM takes at most this many children per request. Should a
         // later request fail, the children of the earlier ones are killed.
+        // Each child is taken hold of as soon as its request is answered:
+        // a wide fork's last request may come minutes after its first
+        // (in the emulated host), longer than a child lives unowned.
         let mut answers = Vec::with_capacity(n);
+        let mut held: Vec<Result<Held, VmError>> = Vec::with_capacity(n);
         let mut procs = procs.into_iter();
         for batch in paths.chunks(forkbox_vmm_api::children_per_request(self.disks)) {
             let batch_procs: Vec<Option<OwnedFd>> = procs.by_ref().take(batch.len()).collect();
@@ -224,7 +228,19 @@ impl Vm {
                 }
             }
             match self.control.fork(specs, Then::Pause, self.disks, &fds) {
-                Ok(a) => answers.extend(a),
+                Ok(a) => {
+                    for answer in a {
+                        let index = held.len();
+                        let control = &paths.get(index).map(|p| p.control.clone());
+                        held.push(match control {
+                            Some(control) => take_hold(index, &answer, control),
+                            None => Err(VmError::Io(std::io::Error::other(
+                                "the VMM answered more children than asked",
+                            ))),
+                        });
+                        answers.push(answer);
+                    }
+                }
                 Err(e) => {
                     kill_forked(&answers);
                     return Err(e.into());
@@ -232,18 +248,6 @@ impl Vm {
             }
         }
         let answered = start.elapsed();
-        // Take hold of every child process first: a pidfd pins its pid.
-        let held: Vec<Result<(u32, OwnedFd), VmError>> = answers
-            .into_iter()
-            .enumerate()
-            .map(|(index, a)| match a {
-                ChildResult::Started { pid } => Ok((pid, pidfd_of(pid)?)),
-                ChildResult::Failed { error, unready_pid } => {
-                    end_unready(unready_pid);
-                    Err(VmError::ForkChild { index, error })
-                }
-            })
-            .collect();
         let deadline = after_fork_deadline(n);
         // Each child's place, taken once by the worker that hooks it.
         let places: Vec<Mutex<Option<_>>> = held
@@ -276,7 +280,7 @@ impl Vm {
                 limits,
             };
             let first = match held {
-                Ok((pid, pidfd)) => child.hook(pid, pidfd, deadline),
+                Ok(held) => child.hook(held, deadline),
                 Err(e) => Err((e, Box::new(child))),
             };
             let (lost, child) = match first {
@@ -540,6 +544,44 @@ fn end_unready(pid: Option<u32>) {
     }
 }
 
+/// A fork child taken hold of as soon as its VMM answered: its pid,
+/// pinned by a pidfd, and its owner connection.
+pub(super) struct Held {
+    pid: u32,
+    pidfd: OwnedFd,
+    owner: std::os::unix::net::UnixStream,
+}
+
+/// Takes hold of fork child `index` as its VMM answered: a pidfd, then
+/// ownership through its control socket at `control` (a child no
+/// process owns ends after its orphan grace). A child that started but
+/// cannot be owned is ended.
+fn take_hold(index: usize, answer: &ChildResult, control: &Path) -> Result<Held, VmError> {
+    match answer {
+        ChildResult::Started { pid } => {
+            let pidfd = pidfd_of(*pid)?;
+            match Control::new(control.to_owned()).own() {
+                Ok(owner) => Ok(Held {
+                    pid: *pid,
+                    pidfd,
+                    owner,
+                }),
+                Err(e) => {
+                    end_unready(Some(*pid));
+                    Err(e.into())
+                }
+            }
+        }
+        ChildResult::Failed { error, unready_pid } => {
+            end_unready(*unready_pid);
+            Err(VmError::ForkChild {
+                index,
+                error: error.clone(),
+            })
+        }
+    }
+}
+
 /// Kills the children a fork request started (when a later request of the
 /// same fork failed); reaped in the background.
 pub(super) fn kill_forked(answers: &[ChildResult]) {
@@ -582,10 +624,10 @@ impl ForkedVm {
     /// with why the child was lost (the child killed) if it failed.
     pub(super) fn hook(
         self,
-        pid: u32,
-        pidfd: OwnedFd,
+        held: Held,
         deadline: Duration,
     ) -> Result<Vm, (VmError, Box<ForkedVm>)> {
+        let Held { pid, pidfd, owner } = held;
         let mut vm = Vm {
             vmm: Some(Vmm::Forked { pid, pidfd }),
             agent: agent_client(&self.paths.vsock_uds),
@@ -597,16 +639,13 @@ impl ForkedVm {
             vmm_answered: Some(self.answered),
             replaced: None,
             net: self.net,
-            owner: None,
+            owner: Some(owner),
             user: self.user,
             // It joined its cgroup itself, first thing after the fork.
             cgroup: self.cgroup.take(),
             disks: self.paths.disks,
         };
-        let hooked = vm.control.own().map_err(VmError::from).and_then(|owner| {
-            vm.owner = Some(owner);
-            vm.after_fork_hook(deadline, self.seed)
-        });
+        let hooked = vm.after_fork_hook(deadline, self.seed);
         match hooked {
             Ok(()) => {
                 vm.boot_time = self.start.elapsed();
@@ -675,15 +714,12 @@ impl ForkedVm {
             .control
             .fork(vec![spec], Then::Pause, parent.disks, &fds)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
-        let (pid, pidfd) = match answer.into_iter().next() {
-            Some(ChildResult::Started { pid }) => (pid, pidfd_of(pid)?),
-            Some(ChildResult::Failed { error, unready_pid }) => {
-                end_unready(unready_pid);
-                return Err(lost(error));
-            }
+        let held = match answer.into_iter().next() {
+            Some(answer) => take_hold(0, &answer, &self.paths.control)
+                .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?,
             None => return Err(lost("the VMM answered no child".into())),
         };
-        match self.hook(pid, pidfd, deadline) {
+        match self.hook(held, deadline) {
             Ok(mut vm) => {
                 vm.replaced = Some(why);
                 Ok(vm)
