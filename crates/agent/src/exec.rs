@@ -127,7 +127,7 @@ fn prepare(req: &ExecRequest, stdin_piped: bool) -> Result<Prepared, AgentError>
     let cgroup = ExecCgroup::new(unprivileged);
     sys::prepare_child(
         &mut cmd,
-        cgroup.as_ref().map(ExecCgroup::procs_fd),
+        cgroup.as_ref().and_then(ExecCgroup::procs_fd),
         account.as_ref().map(|a| (a.uid, a.gid, a.groups.clone())),
         cwd_c,
     );

@@ -58,6 +58,44 @@ def test_guest_disk_full_is_the_commands_own(bystander: Sandbox) -> None:
         _unaffected(bystander)
 
 
+def _cgroup(sb: Sandbox) -> str:
+    """The cgroup a command of the policy user's runs in."""
+    r = sb.commands.run("cat /proc/self/cgroup", timeout=120)
+    assert r.exit_code == 0, r
+    return r.stdout.strip()
+
+
+def test_a_commands_cgroup_is_reused_only_once_it_is_empty(bystander: Sandbox) -> None:
+    """The agent keeps an emptied command cgroup for the next command (a
+    fork child then makes none); one a command left a process in is never
+    handed to another, and a reused one still ends all of its command."""
+    with Sandbox.create("minimal", timeout=600) as sb:
+        first = _cgroup(sb)
+        assert first.startswith("0::/forkbox-policy/exec-"), first
+        assert _cgroup(sb) == first, "an empty cgroup is the next command's"
+        kids = sb.fork(count=1)
+        try:
+            child = kids[0]
+            assert isinstance(child, Sandbox), child
+            assert _cgroup(child) == first, "a fork child reuses its parent's spare"
+        finally:
+            for k in kids:
+                if isinstance(k, Sandbox):
+                    k.kill()
+        # A command that leaves a process behind keeps its cgroup to it.
+        r = sb.commands.run("sleep 300 >/dev/null 2>&1 & cat /proc/self/cgroup", timeout=120)
+        assert r.stdout.strip() == first, r
+        after = _cgroup(sb)
+        assert after != first, "a cgroup with a leftover process is no one else's"
+        # The reused cgroup of a timed-out command is ended whole.
+        r = sb.commands.run("sleep 600 & sleep 600 & wait", timeout=2)
+        assert r.timed_out, r
+        left = sb.commands.run(f"cat /sys/fs/cgroup{after[3:]}/cgroup.procs 2>/dev/null | wc -l",
+                               user="root", timeout=120)
+        assert left.stdout.strip() == "0", left
+    _unaffected(bystander)
+
+
 def _policy_tasks(sb: Sandbox) -> int:
     """The policy's tasks now, asked by a command of root's."""
     r = sb.commands.run(f"cat {POLICY_CGROUP}/pids.current", user="root", timeout=120)
