@@ -390,22 +390,9 @@ mod tests {
             call(&app, "POST", &uri, r#"{"cmd":"true"}"#).await.0,
             StatusCode::BAD_GATEWAY
         );
-        let req = axum::http::Request::builder()
-            .method("POST")
-            .uri(&uri)
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(header::ACCEPT, "application/x-ndjson")
-            .body(Body::from(r#"{"cmd":"true"}"#))
-            .expect("request");
-        let resp = app.clone().oneshot(req).await.expect("infallible");
-        assert_eq!(resp.status(), StatusCode::OK);
-        let body = resp.into_body().collect().await.expect("body").to_bytes();
-        let last: serde_json::Value = serde_json::from_slice(
-            body.split(|b| *b == b'\n')
-                .rfind(|l| !l.is_empty())
-                .expect("an event"),
-        )
-        .expect("json");
+        let (status, events) = call_ndjson(&app, &uri, r#"{"cmd":"true"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        let last = events.last().expect("an event");
         assert_eq!(last["type"], "error", "{last}");
         // Past the live cap of 4: the fourth child fails alone.
         let (_, kids) = call(
@@ -427,34 +414,6 @@ mod tests {
         );
     }
 
-    /// `POST /sandboxes/{id}/fork` with `Accept: application/x-ndjson`.
-    async fn fork_streamed(
-        app: &Router,
-        id: &str,
-        body: &str,
-    ) -> (StatusCode, Vec<serde_json::Value>) {
-        let req = axum::http::Request::builder()
-            .method("POST")
-            .uri(format!("/sandboxes/{id}/fork"))
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(header::ACCEPT, "application/x-ndjson")
-            .body(Body::from(body.to_owned()))
-            .expect("request");
-        let resp = app.clone().oneshot(req).await.expect("infallible");
-        let status = resp.status();
-        let body = resp.into_body().collect().await.expect("body").to_bytes();
-        if status != StatusCode::OK {
-            let error = serde_json::from_slice(&body).expect("an error body");
-            return (status, vec![error]);
-        }
-        let lines = body
-            .split(|b| *b == b'\n')
-            .filter(|l| !l.is_empty())
-            .map(|l| serde_json::from_slice(l).expect("a JSON line"))
-            .collect();
-        (status, lines)
-    }
-
     #[tokio::test]
     async fn a_streamed_fork_gives_each_child_once_with_its_place_and_its_own_failures() {
         let app = app(None);
@@ -462,7 +421,8 @@ mod tests {
         let id = info["id"].as_str().expect("id").to_owned();
         // The live cap is 4 and the parent is one: three children, then
         // two refusals, which come last.
-        let (status, lines) = fork_streamed(&app, &id, r#"{"count":5}"#).await;
+        let (status, lines) =
+            call_ndjson(&app, &format!("/sandboxes/{id}/fork"), r#"{"count":5}"#).await;
         assert_eq!(status, StatusCode::OK);
         let mut places: Vec<u64> = lines
             .iter()
@@ -484,7 +444,8 @@ mod tests {
         let (status, _) = call(&app, "GET", &format!("/sandboxes/{child}"), "").await;
         assert_eq!(status, StatusCode::OK);
         // The request's own failures are still error statuses.
-        let (status, body) = fork_streamed(&app, &id, r#"{"count":1025}"#).await;
+        let (status, body) =
+            call_ndjson(&app, &format!("/sandboxes/{id}/fork"), r#"{"count":1025}"#).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert!(
             body[0]["error"]["message"]
@@ -493,7 +454,7 @@ mod tests {
                 .contains("1-1024"),
             "{body:?}"
         );
-        let (status, _) = fork_streamed(&app, "sb-nothere", r#"{"count":2}"#).await;
+        let (status, _) = call_ndjson(&app, "/sandboxes/sb-nothere/fork", r#"{"count":2}"#).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
     }
 }

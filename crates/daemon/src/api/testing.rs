@@ -1,5 +1,5 @@
 //! What the API's tests share: a router on the fake backend and one
-//! call through it.
+//! call through it, answered whole or streamed.
 
 pub(super) use axum::body::Body;
 pub(super) use axum::http::{header, StatusCode};
@@ -36,6 +36,35 @@ pub(super) async fn call(
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
     let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     (status, json)
+}
+
+/// A POST asking for NDJSON: its status and its lines (an error status:
+/// its one body).
+pub(super) async fn call_ndjson(
+    app: &Router,
+    uri: &str,
+    body: &str,
+) -> (StatusCode, Vec<serde_json::Value>) {
+    let req = axum::http::Request::builder()
+        .method("POST")
+        .uri(uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::ACCEPT, "application/x-ndjson")
+        .body(Body::from(body.to_owned()))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    if status != StatusCode::OK {
+        let error = serde_json::from_slice(&bytes).expect("an error body");
+        return (status, vec![error]);
+    }
+    let lines = bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("a JSON line"))
+        .collect();
+    (status, lines)
 }
 
 /// A router on the fake backend whose VMs' agent listens on `sock`, with
