@@ -25,15 +25,7 @@ pub(super) async fn call(
     uri: &str,
     body: &str,
 ) -> (StatusCode, serde_json::Value) {
-    let req = axum::http::Request::builder()
-        .method(method)
-        .uri(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_owned()))
-        .expect("request");
-    let resp = app.clone().oneshot(req).await.expect("infallible");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    let (status, bytes) = send(app, method, uri, body, None).await;
     let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     (status, json)
 }
@@ -45,16 +37,7 @@ pub(super) async fn call_ndjson(
     uri: &str,
     body: &str,
 ) -> (StatusCode, Vec<serde_json::Value>) {
-    let req = axum::http::Request::builder()
-        .method("POST")
-        .uri(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(header::ACCEPT, "application/x-ndjson")
-        .body(Body::from(body.to_owned()))
-        .expect("request");
-    let resp = app.clone().oneshot(req).await.expect("infallible");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    let (status, bytes) = send(app, "POST", uri, body, Some("application/x-ndjson")).await;
     if status != StatusCode::OK {
         let error = serde_json::from_slice(&bytes).expect("an error body");
         return (status, vec![error]);
@@ -65,6 +48,29 @@ pub(super) async fn call_ndjson(
         .map(|l| serde_json::from_slice(l).expect("a JSON line"))
         .collect();
     (status, lines)
+}
+
+/// One JSON request through the router, `Accept: accept` if given; the
+/// status and the whole body.
+async fn send(
+    app: &Router,
+    method: &str,
+    uri: &str,
+    body: &str,
+    accept: Option<&str>,
+) -> (StatusCode, axum::body::Bytes) {
+    let mut req = axum::http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(accept) = accept {
+        req = req.header(header::ACCEPT, accept);
+    }
+    let req = req.body(Body::from(body.to_owned())).expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, bytes)
 }
 
 /// A router on the fake backend whose VMs' agent listens on `sock`, with
