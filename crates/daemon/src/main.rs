@@ -285,7 +285,9 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("making a temporary egress log directory")?,
     }
     .with_max_bytes(egress_max);
-    warn_if_logs_outgrow_the_disk(egress.dir(), log_max_total_mib);
+    if let Some(warning) = logs_outgrow_the_disk(egress.dir(), log_max_total_mib) {
+        tracing::warn!("{warning}");
+    }
     let backend = backend.with_images(config.images.as_ref().map(|(s, _)| s.clone()));
     let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
     if let Some(store) = &store {
@@ -337,19 +339,19 @@ fn default_log_total_mib(max_live: usize) -> u64 {
     (max_live as u64).saturating_mul(each).saturating_add(8192)
 }
 
-/// Says so when the logs' budget is more than the disk under `dir` has
-/// free: sandboxes that all flood their logs would fill it first.
-fn warn_if_logs_outgrow_the_disk(dir: &Path, log_max_total_mib: u64) {
-    let Ok(fs) = rustix::fs::statvfs(dir) else {
-        return;
-    };
+/// What to say when the logs' budget is more than the disk under `dir`
+/// has free: sandboxes that all flood their logs would fill it first.
+fn logs_outgrow_the_disk(dir: &Path, log_max_total_mib: u64) -> Option<String> {
+    let fs = rustix::fs::statvfs(dir).ok()?;
     let free_mib = fs.f_bavail.saturating_mul(fs.f_frsize) >> 20;
-    if log_max_total_mib > free_mib {
-        tracing::warn!(
-            "sandboxes' logs may hold {log_max_total_mib} MiB at their caps, more than the              {free_mib} MiB free under {}: lower --max-live or --log-max-total-mib if the disk              must not fill",
+    (log_max_total_mib > free_mib).then(|| {
+        format!(
+            "sandboxes' logs may hold {log_max_total_mib} MiB at their caps, more than the \
+             {free_mib} MiB free under {}: lower --max-live or --log-max-total-mib if the disk \
+             must not fill",
             dir.display()
-        );
-    }
+        )
+    })
 }
 
 /// Open files each live sandbox may hold in the daemon (its VMM's pidfd,
@@ -477,6 +479,14 @@ mod tests {
             let egress = egress_max_bytes(live, total).expect("fits");
             assert_eq!(egress >> 20, total - live as u64 * 8, "{live}");
         }
+        // A budget past the disk's free space is said, in one sentence.
+        let dir = std::env::temp_dir();
+        let said = logs_outgrow_the_disk(&dir, u64::MAX).expect("more than any disk");
+        assert!(
+            said.contains("--max-live") && !said.contains("  "),
+            "{said}"
+        );
+        assert_eq!(logs_outgrow_the_disk(&dir, 0), None);
         // The soft limit ends at least what was there.
         let before = forkbox_host::open_files::limit();
         let soft = raise_open_files(16);
