@@ -29,7 +29,8 @@ pub fn guest_clock(agent: &forkbox_proto::AgentClient) -> anyhow::Result<f64> {
 }
 
 /// A `Key:   N kB` field (`key` with its colon) of `/proc/meminfo`,
-/// `/proc/PID/status` or a `smaps_rollup`, in KiB.
+/// `/proc/PID/status` or a `smaps_rollup`, in KiB; a field without a
+/// unit (`FDSize:`) reads as its number.
 pub fn kib_field(text: &str, key: &str) -> Option<u64> {
     text.lines().find_map(|l| kib(l.strip_prefix(key)?))
 }

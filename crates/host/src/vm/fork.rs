@@ -137,15 +137,13 @@ impl Vm {
         let start = Instant::now();
         // Raised as far as it may be, or a clear error before anything
         // is made (an EMFILE halfway would lose the children made).
-        let need = open_files::open_now() + n as u64 * open_files::PER_CHILD;
-        let limit = open_files::raise_to(need);
-        if limit < need {
-            return Err(VmError::OpenFiles {
+        open_files::make_room(n as u64 * open_files::PER_CHILD).map_err(|(need, limit)| {
+            VmError::OpenFiles {
                 children: n,
                 need,
                 limit,
-            });
-        }
+            }
+        })?;
         let dirs = (0..n)
             .map(|_| vm_dir("forkbox-fork-", self.user))
             .collect::<Result<Vec<_>, _>>()?;
