@@ -142,20 +142,11 @@ pub trait BackendVm: Send + Sync {
     /// Children get `opts.policy` (default: the parent's current one) and
     /// log their egress to `opts.egress_logs[i]` when given.
     fn fork_with(&self, n: usize, opts: &ForkOptions) -> Result<Vec<ChildVm>, BackendError> {
-        let slots: Vec<std::sync::Mutex<Option<ChildVm>>> =
-            (0..n).map(|_| std::sync::Mutex::new(None)).collect();
-        self.fork_each(n, opts, &|index, child| {
-            *slots[index].lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
-        })?;
-        Ok(slots
-            .into_iter()
-            .enumerate()
-            .map(|(index, slot)| {
-                slot.into_inner()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .unwrap_or(Err(BackendError::ForkChildMissing { index }))
-            })
-            .collect())
+        forkbox_host::vm::in_order(
+            n,
+            |index| Err(BackendError::ForkChildMissing { index }),
+            |on_child| self.fork_each(n, opts, on_child),
+        )
     }
     /// [`fork_with`](Self::fork_with), giving each child to `on_child`
     /// (from any thread) with its index as soon as it is up, in the order

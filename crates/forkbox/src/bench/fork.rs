@@ -3,14 +3,13 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{calibrate, progress, Stats};
 use anyhow::Context;
 use forkbox_host::measure::{guest_clock, guest_pages_written_kib};
 use forkbox_host::testbed::Environment;
-use forkbox_host::vm::{Assets, ForkOptions, Vm, VmSpec};
+use forkbox_host::vm::{in_order, Assets, ForkOptions, Vm, VmSpec};
 use forkbox_proto::{AgentClient, ExecRequest};
 use serde_json::{json, Value};
 
@@ -306,30 +305,33 @@ pub fn run(o: &Options) -> anyhow::Result<Value> {
         // not fatal: the report says how many of the N answered. Each runs
         // its first exec as soon as it is up, on the fork's own workers
         // (a bounded few, however wide the group), timed from the request.
-        let slots: Vec<Mutex<Option<Answered>>> =
-            (0..o.children).map(|_| Mutex::new(None)).collect();
         let done = AtomicUsize::new(0);
-        zygote.fork_each(o.children, &ForkOptions::default(), &|i, child| {
-            let r = child.map_err(anyhow::Error::from).and_then(|c| {
-                first_exec_as(c.agent(), Some(&o.fanout_user))?;
-                Ok(c)
-            });
-            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((r, t.elapsed()));
-            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-            progress("fork", "fan-out children up and answered", n, o.children);
-        })?;
+        let answered: Vec<Answered> = in_order(
+            o.children,
+            |_| (Err(anyhow::anyhow!("never given")), Duration::ZERO),
+            |give| {
+                zygote.fork_each(o.children, &ForkOptions::default(), &|i, child| {
+                    let r = child.map_err(anyhow::Error::from).and_then(|c| {
+                        first_exec_as(c.agent(), Some(&o.fanout_user))?;
+                        Ok(c)
+                    });
+                    give(i, (r, t.elapsed()));
+                    let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    progress("fork", "fan-out children up and answered", n, o.children);
+                })
+            },
+        )?;
         let wall = t.elapsed();
         let mut children = Vec::new();
         let mut failures = Vec::new();
         let mut to_first_exec = Vec::new();
-        for (i, slot) in slots.into_iter().enumerate() {
-            match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
-                Some((Ok(c), took)) => {
+        for (i, (r, took)) in answered.into_iter().enumerate() {
+            match r {
+                Ok(c) => {
                     children.push(c);
                     to_first_exec.push(took);
                 }
-                Some((Err(e), _)) => failures.push(format!("child {i}: {e:#}")),
-                None => failures.push(format!("child {i}: never given")),
+                Err(e) => failures.push(format!("child {i}: {e:#}")),
             }
         }
         let first_exec_ms = Stats::from_durations(&to_first_exec);

@@ -104,23 +104,15 @@ impl Vm {
         n: usize,
         opts: &ForkOptions,
     ) -> Result<Vec<Result<Vm, VmError>>, VmError> {
-        let slots: Vec<Mutex<Option<Result<Vm, VmError>>>> =
-            (0..n).map(|_| Mutex::new(None)).collect();
-        self.fork_each(n, opts, &|index, child| {
-            *slots[index].lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
-        })?;
-        Ok(slots
-            .into_iter()
-            .map(|slot| {
-                let child = slot.into_inner().unwrap_or_else(|p| p.into_inner());
-                // `fork_each` gives every index exactly once.
-                child.unwrap_or_else(|| {
-                    Err(VmError::Io(std::io::Error::other(
-                        "a fork child was never given",
-                    )))
-                })
-            })
-            .collect())
+        in_order(
+            n,
+            |_| {
+                Err(VmError::Io(std::io::Error::other(
+                    "a fork child was never given",
+                )))
+            },
+            |on_child| self.fork_each(n, opts, on_child),
+        )
     }
 
     /// [`fork_with`](Self::fork_with), giving each child to `on_child`
@@ -198,7 +190,6 @@ impl Vm {
         // Each child is taken hold of as soon as its request is answered:
         // a wide fork's last request may come minutes after its first
         // (in the emulated host), longer than a child lives unowned.
-        let mut answers = Vec::with_capacity(n);
         let mut held: Vec<Result<Held, VmError>> = Vec::with_capacity(n);
         let mut procs = procs.into_iter();
         for batch in paths.chunks(forkbox_vmm_api::children_per_request(self.disks)) {
@@ -211,7 +202,7 @@ impl Vm {
             let mut fds: Vec<OwnedFd> = match self.new_tops() {
                 Ok(tops) => tops,
                 Err(e) => {
-                    kill_forked(&answers);
+                    kill_forked(held);
                     return Err(e);
                 }
             };
@@ -220,7 +211,7 @@ impl Vm {
                 match paths.open() {
                     Ok(opened) => fds.extend(opened),
                     Err(e) => {
-                        kill_forked(&answers);
+                        kill_forked(held);
                         return Err(e);
                     }
                 }
@@ -229,18 +220,21 @@ impl Vm {
                 Ok(a) => {
                     for answer in a {
                         let index = held.len();
-                        let control = &paths.get(index).map(|p| p.control.clone());
-                        held.push(match control {
-                            Some(control) => take_hold(index, &answer, control),
-                            None => Err(VmError::Io(std::io::Error::other(
-                                "the VMM answered more children than asked",
-                            ))),
+                        held.push(match paths.get(index) {
+                            Some(p) => take_hold(index, answer, &p.control),
+                            None => {
+                                if let ChildResult::Started { pid } = answer {
+                                    end_unready(Some(pid));
+                                }
+                                Err(VmError::Io(std::io::Error::other(
+                                    "the VMM answered more children than asked",
+                                )))
+                            }
                         });
-                        answers.push(answer);
                     }
                 }
                 Err(e) => {
-                    kill_forked(&answers);
+                    kill_forked(held);
                     return Err(e.into());
                 }
             }
@@ -458,6 +452,29 @@ pub(super) fn where_threads_are(pid: u32) -> String {
     out
 }
 
+/// The `n` children a [`Vm::fork_each`]-shaped call gives, in their
+/// order: `run` gets the callback to give each `(index, child)` to, from
+/// any thread; an index it never gave is `missing(index)`.
+pub fn in_order<T: Send, E>(
+    n: usize,
+    missing: impl Fn(usize) -> T,
+    run: impl FnOnce(&(dyn Fn(usize, T) + Sync)) -> Result<(), E>,
+) -> Result<Vec<T>, E> {
+    let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    run(&|index, child| {
+        *slots[index].lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+    })?;
+    Ok(slots
+        .into_iter()
+        .enumerate()
+        .map(|(index, slot)| {
+            slot.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .unwrap_or_else(|| missing(index))
+        })
+        .collect())
+}
+
 /// Most fork children whose after-fork hooks run at once, however many
 /// one request forks: a hook mostly waits on its guest, and a group of
 /// 1,024 must not take 1,024 threads. Every child runs from its fork on;
@@ -554,47 +571,35 @@ pub(super) struct Held {
 /// ownership through its control socket at `control` (a child no
 /// process owns ends after its orphan grace). A child that started but
 /// cannot be owned is ended.
-fn take_hold(index: usize, answer: &ChildResult, control: &Path) -> Result<Held, VmError> {
+fn take_hold(index: usize, answer: ChildResult, control: &Path) -> Result<Held, VmError> {
     match answer {
         ChildResult::Started { pid } => {
-            let pidfd = pidfd_of(*pid)?;
+            let pidfd = pidfd_of(pid)?;
             match Control::new(control.to_owned()).own() {
-                Ok(owner) => Ok(Held {
-                    pid: *pid,
-                    pidfd,
-                    owner,
-                }),
+                Ok(owner) => Ok(Held { pid, pidfd, owner }),
                 Err(e) => {
-                    end_unready(Some(*pid));
+                    end_unready(Some(pid));
                     Err(e.into())
                 }
             }
         }
         ChildResult::Failed { error, unready_pid } => {
-            end_unready(*unready_pid);
-            Err(VmError::ForkChild {
-                index,
-                error: error.clone(),
-            })
+            end_unready(unready_pid);
+            Err(VmError::ForkChild { index, error })
         }
     }
 }
 
-/// Kills the children a fork request started (when a later request of the
-/// same fork failed); reaped in the background.
-pub(super) fn kill_forked(answers: &[ChildResult]) {
-    for a in answers {
-        if let ChildResult::Started { pid } = a {
-            match kill_child(*pid) {
-                Ok(pidfd) => {
-                    let vmm = Vmm::Forked { pid: *pid, pidfd };
-                    let _ = std::thread::Builder::new()
-                        .name("vm-reap".into())
-                        .spawn(move || reap_vmm(vmm, None));
-                }
-                Err(e) => tracing::warn!(pid, error = %e, "cannot kill a fork child"),
-            }
-        }
+/// Kills the children of a fork's earlier requests that it took hold of
+/// (when a later request of the same fork failed), through their pidfds;
+/// reaped in the background.
+pub(super) fn kill_forked(held: Vec<Result<Held, VmError>>) {
+    for Held { pid, pidfd, .. } in held.into_iter().flatten() {
+        let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::KILL);
+        let vmm = Vmm::Forked { pid, pidfd };
+        let _ = std::thread::Builder::new()
+            .name("vm-reap".into())
+            .spawn(move || reap_vmm(vmm, None));
     }
 }
 
@@ -713,7 +718,7 @@ impl ForkedVm {
             .fork(vec![spec], Then::Pause, parent.disks, &fds)
             .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?;
         let held = match answer.into_iter().next() {
-            Some(answer) => take_hold(0, &answer, &self.paths.control)
+            Some(answer) => take_hold(0, answer, &self.paths.control)
                 .map_err(|e| lost(format!("{:#}", anyhow::Error::new(e))))?,
             None => return Err(lost("the VMM answered no child".into())),
         };
@@ -797,6 +802,31 @@ mod tests {
         assert_ne!(e, seeded_entropy(child_seed(7, 4)));
         // Its two 32-byte halves are different hashes, not one repeated.
         assert_ne!(e[..32], e[32..]);
+    }
+
+    #[test]
+    fn in_order_puts_each_child_at_its_index_and_names_the_missing() {
+        let got = in_order(
+            4,
+            |i| format!("missing {i}"),
+            |give| {
+                on_workers(3, 2, |i| give(2 - i, format!("child {}", 2 - i)));
+                Ok::<_, ()>(())
+            },
+        );
+        assert_eq!(
+            got,
+            Ok(vec![
+                "child 0".to_owned(),
+                "child 1".to_owned(),
+                "child 2".to_owned(),
+                "missing 3".to_owned(),
+            ])
+        );
+        assert_eq!(
+            in_order(2, |_| 0, |_| Err("the request")),
+            Err("the request")
+        );
     }
 
     #[test]

@@ -40,7 +40,10 @@ mod user;
 
 pub use assets::Assets;
 pub use boot::Expected;
-pub use fork::{after_fork_deadline, child_seed, loss_signature, seeded_entropy, ForkOptions};
+pub use fork::{
+    after_fork_deadline, child_seed, in_order, loss_signature, seeded_entropy, ForkOptions,
+    HOOK_WORKERS,
+};
 pub use forkbox_vmm_api::{snapshot_disk_file, MAX_CHILDREN_PER_FORK, MAX_WRITABLE_DISKS};
 pub use net::NetworkSpec;
 pub use process::{become_subreaper, describe_exit, VmEnd};
