@@ -139,34 +139,40 @@ def _fork_entries(r: httpx.Response) -> List[ForkEntry]:
     return [_fork_entry(e) for e in r.json()]
 
 
-class ForkStream:
-    """Reads a streamed fork's lines (`{"index": i, "sandbox"|"error": …}`,
-    in the order the children come up): each entry goes to `on_child(i,
-    entry)` as it comes; `feed` answers them all, in the request's order,
-    once every child has been given."""
+C = TypeVar("C")
 
-    def __init__(self, count: int, on_child: Callable[[int, ForkEntry], None]) -> None:
-        self._entries: List[Optional[ForkEntry]] = [None] * count
+
+class ForkStream(Generic[C]):
+    """Reads a streamed fork's lines (`{"index": i, "sandbox"|"error": …}`,
+    in the order the children come up): each entry, made a child by
+    `child(entry)`, goes to `on_child(i, child)` as it comes; `feed`
+    answers the children, in the request's order, once every one has been
+    given."""
+
+    def __init__(self, count: int, child: Callable[[ForkEntry], C],
+                 on_child: Callable[[int, C], None]) -> None:
+        self._children: List[Optional[C]] = [None] * count
         self._given = 0
+        self._child = child
         self._on_child = on_child
 
-    def feed(self, ev: Json) -> Optional[List[ForkEntry]]:
+    def feed(self, ev: Json) -> Optional[List[C]]:
         index = ev.get("index")
-        if not isinstance(index, int) or not 0 <= index < len(self._entries) \
-                or self._entries[index] is not None:
+        if not isinstance(index, int) or not 0 <= index < len(self._children) \
+                or self._children[index] is not None:
             raise InfrastructureError(f"a fork stream line with a bad index: {ev!r}",
                                       "infrastructure")
-        entry = _fork_entry(ev)
-        self._entries[index] = entry
+        child = self._child(_fork_entry(ev))
+        self._children[index] = child
         self._given += 1
-        self._on_child(index, entry)
-        if self._given < len(self._entries):
+        self._on_child(index, child)
+        if self._given < len(self._children):
             return None
-        return [cast(ForkEntry, e) for e in self._entries]
+        return [cast(C, c) for c in self._children]
 
     def ended(self) -> InfrastructureError:
         return InfrastructureError(
-            f"the fork's stream ended after {self._given} of {len(self._entries)} children "
+            f"the fork's stream ended after {self._given} of {len(self._children)} children "
             "(those given to on_child exist; kill them)", "infrastructure")
 
 

@@ -290,15 +290,9 @@ class AsyncSandbox(SandboxBase):
         if on_child is None:
             entries = await _do(self._client, call)
             return [self._child(e) for e in entries]
-        children: Dict[int, Union[AsyncSandbox, ForkboxError]] = {}
-
-        def given(i: int, entry: _api.ForkEntry) -> None:
-            children[i] = self._child(entry)
-            on_child(i, children[i])
-
-        entries = await self._client.follow_ndjson(call.method, call.path,
-                                                   _api.ForkStream(count, given), **call.kwargs)
-        return [children[i] for i in range(len(entries))]
+        return await self._client.follow_ndjson(call.method, call.path,
+                                                _api.ForkStream(count, self._child, on_child),
+                                                **call.kwargs)
 
     def _child(self, entry: _api.ForkEntry) -> Union["AsyncSandbox", ForkboxError]:
         return entry if isinstance(entry, ForkboxError) else AsyncSandbox(entry, self._client)
