@@ -555,7 +555,7 @@ impl Daemon {
             let forked = blocking(move || {
                 // What the children get: the parent's policy in force now.
                 let inherited = Inherited {
-                    policy: machine.network_policy().unwrap_or(inherited.policy.clone()),
+                    policy: machine.network_policy().unwrap_or(inherited.policy),
                     ..inherited
                 };
                 machine.fork_each(n, &opts, &|i, child| {
