@@ -11,8 +11,14 @@ use crate::debs::{self, DebError};
 /// The microVM guest kernel: Debian bookworm's cloud flavour (virtio, vsock
 /// and overlayfs as modules, ext4 built in).
 pub const GUEST_PACKAGE: &str = "linux-image-6.1.0-57-cloud-amd64";
-/// The emulated host's kernel: the generic flavour, which has kvm-amd and 9p.
-pub const TESTBED_PACKAGE: &str = "linux-image-6.1.0-57-amd64";
+/// The emulated host's kernel: the generic flavour, which has kvm-amd and
+/// 9p, of bookworm's newer line (in bookworm-security), whose KVM has
+/// `KVM_PRE_FAULT_MEMORY` (Linux 6.10 and later), so that a fork child's
+/// working set is mapped ahead there as on a current host.
+pub const TESTBED_PACKAGE: &str = "linux-image-6.12.118+deb12-amd64";
+/// bookworm's own line, the emulated host's kernel until 2026-12-07
+/// (`FORKBOX_TESTBED_KERNEL=6.1`).
+pub const TESTBED_PACKAGE_6_1: &str = "linux-image-6.1.0-57-amd64";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -53,9 +59,13 @@ impl Kernel {
         Self::fetch(&package, "linux-image-cloud-amd64")
     }
 
-    /// The emulated host's kernel.
+    /// The emulated host's kernel; `$FORKBOX_TESTBED_KERNEL=6.1` takes
+    /// bookworm's 6.1 line instead of its 6.12.
     pub fn testbed() -> Result<Self, KernelError> {
-        Self::fetch(TESTBED_PACKAGE, "linux-image-amd64")
+        match std::env::var("FORKBOX_TESTBED_KERNEL").as_deref() {
+            Ok("6.1") => Self::fetch(TESTBED_PACKAGE_6_1, "linux-image-amd64"),
+            _ => Self::fetch(TESTBED_PACKAGE, "linux-image-6.12-amd64"),
+        }
     }
 
     /// Fetches `package`; if the archive no longer carries that exact
@@ -141,7 +151,8 @@ impl Kernel {
     }
 
     /// The modules to load, dependencies first, so that every module named
-    /// in `names` loads. Paths are relative to `modules_dir`.
+    /// in `names` loads; one this kernel has built in (`modules.builtin`)
+    /// needs no loading. Paths are relative to `modules_dir`.
     pub fn resolve_modules(&self, names: &[&str]) -> Result<Vec<String>, KernelError> {
         let path = self.modules_dir.join("modules.dep");
         let text = std::fs::read_to_string(&path).map_err(|source| KernelError::Io {
@@ -149,10 +160,13 @@ impl Kernel {
             source,
         })?;
         let deps = ModulesDep::parse(&text);
-        deps.resolve(names).map_err(|name| KernelError::NoModule {
-            version: self.version.clone(),
-            name,
-        })
+        let builtin =
+            std::fs::read_to_string(self.modules_dir.join("modules.builtin")).unwrap_or_default();
+        deps.resolve(&not_built_in(names, &builtin))
+            .map_err(|name| KernelError::NoModule {
+                version: self.version.clone(),
+                name,
+            })
     }
 }
 
@@ -161,6 +175,16 @@ impl Kernel {
 pub struct ModulesDep {
     by_name: BTreeMap<String, String>,
     deps: BTreeMap<String, Vec<String>>,
+}
+
+/// The `names` that `modules.builtin` (its text) does not list.
+fn not_built_in<'a>(names: &[&'a str], builtin: &str) -> Vec<&'a str> {
+    let builtin: HashSet<String> = builtin.lines().map(module_name).collect();
+    names
+        .iter()
+        .copied()
+        .filter(|n| !builtin.contains(&module_name(n)))
+        .collect()
 }
 
 /// `kernel/fs/9p/9p.ko` → `9p`; `kvm-amd.ko` → `kvm_amd` (modprobe treats
@@ -226,6 +250,17 @@ kernel/drivers/virtio/virtio_ring.ko:
 kernel/drivers/block/virtio_blk.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
 kernel/drivers/virtio/virtio_mmio.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
 ";
+
+    #[test]
+    fn a_built_in_module_needs_no_loading() {
+        // Debian's 6.12 builds virtio_pci in; its modules are `.ko.xz`.
+        let builtin = "kernel/drivers/virtio/virtio.ko\nkernel/drivers/virtio/virtio_pci.ko\n";
+        assert_eq!(
+            not_built_in(&["kvm_amd", "virtio_pci", "9p"], builtin),
+            vec!["kvm_amd", "9p"]
+        );
+        assert_eq!(not_built_in(&["virtio_pci"], ""), vec!["virtio_pci"]);
+    }
 
     #[test]
     fn resolve_kvm_amd_dependencies_first() {
