@@ -28,6 +28,13 @@
 //!   answers: forkbox's guests boot with `unknown_nmi_panic`, so the guest
 //!   kernel prints where it was (its panic and stack) to the serial log and
 //!   ends. Only for a VM that is being given up.
+//! - `{"op":"prefault","written":[[FIRST,COUNT],...],"read":[...]}`, to a
+//!   zygote: the children it forks from now on map these pages of its
+//!   memory file before their guest runs, `written` ones as their own
+//!   copies, `read` ones shared with it; what one child's first command
+//!   touched (read by the asker from that child's `/proc/PID/pagemap`),
+//!   so that the next children take no nested-page fault for it. At most
+//!   [`crate::MAX_PREFAULT_RANGES`] ranges; an empty request forgets them.
 //! - `{"op":"own"}`: this connection owns the VM for as long as it stays
 //!   open. A VMM started with `--orphan-grace-secs N` ends when no
 //!   connection has owned it for N seconds (from its start, or from its
@@ -42,7 +49,11 @@ use std::path::PathBuf;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::MAX_CHILDREN_PER_FORK;
+use crate::{MAX_CHILDREN_PER_FORK, MAX_PREFAULT_RANGES};
+
+/// Pages `[first, count]` of a VM's memory file (4 KiB pages; below 3 GiB
+/// the file's page numbers are the guest-physical ones).
+pub type PageRange = [u64; 2];
 
 /// What the VMM does after a fork or snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,6 +155,12 @@ pub enum Request {
     Own,
     /// Its two links come with it: the connector's, the resolver's.
     Broker,
+    Prefault {
+        #[serde(default)]
+        written: Vec<PageRange>,
+        #[serde(default)]
+        read: Vec<PageRange>,
+    },
 }
 
 /// Why a request line is not a request.
@@ -153,6 +170,9 @@ pub enum RequestError {
     Malformed(String),
     /// A fork asking for no children or more than [`MAX_CHILDREN_PER_FORK`].
     ChildCount(usize),
+    /// A prefault naming more than [`MAX_PREFAULT_RANGES`] ranges, or an
+    /// empty or overflowing one.
+    PrefaultRanges(String),
 }
 
 impl fmt::Display for RequestError {
@@ -163,6 +183,7 @@ impl fmt::Display for RequestError {
                 f,
                 "bad request: fork wants 1 to {MAX_CHILDREN_PER_FORK} children, got {n}"
             ),
+            RequestError::PrefaultRanges(e) => write!(f, "bad request: prefault {e}"),
         }
     }
 }
@@ -183,6 +204,7 @@ impl Request {
             Request::Nmi => "nmi",
             Request::Own => "own",
             Request::Broker => "broker",
+            Request::Prefault { .. } => "prefault",
         }
     }
 
@@ -193,6 +215,24 @@ impl Request {
                 if children.is_empty() || children.len() > MAX_CHILDREN_PER_FORK =>
             {
                 Err(RequestError::ChildCount(children.len()))
+            }
+            Request::Prefault { written, read } => {
+                let n = written.len() + read.len();
+                if n > MAX_PREFAULT_RANGES {
+                    return Err(RequestError::PrefaultRanges(format!(
+                        "names {n} ranges, at most {MAX_PREFAULT_RANGES}"
+                    )));
+                }
+                match written
+                    .iter()
+                    .chain(read)
+                    .find(|[first, count]| *count == 0 || first.checked_add(*count).is_none())
+                {
+                    Some([first, count]) => Err(RequestError::PrefaultRanges(format!(
+                        "range [{first}, {count}] is empty or overflows"
+                    ))),
+                    None => Ok(()),
+                }
             }
             _ => Ok(()),
         }
@@ -554,6 +594,51 @@ mod tests {
         // The VMM writes nowhere by path.
         assert!(parse(br#"{"op":"snapshot","dir":"/snap","then":"resume"}"#).is_err());
         assert_eq!(parse(br#"{"op":"broker"}"#), Ok(Request::Broker));
+    }
+
+    #[test]
+    fn request_prefault_parses_and_is_bounded() {
+        assert_eq!(
+            parse(br#"{"op":"prefault","written":[[10,2]],"read":[[0,1],[64,512]]}"#),
+            Ok(Request::Prefault {
+                written: vec![[10, 2]],
+                read: vec![[0, 1], [64, 512]],
+            })
+        );
+        assert_eq!(
+            parse(br#"{"op":"prefault"}"#),
+            Ok(Request::Prefault {
+                written: vec![],
+                read: vec![],
+            })
+        );
+        for bad in [
+            r#"{"op":"prefault","read":[[5,0]]}"#.to_owned(),
+            format!(r#"{{"op":"prefault","written":[[{},2]]}}"#, u64::MAX),
+        ] {
+            assert!(
+                matches!(parse(bad.as_bytes()), Err(RequestError::PrefaultRanges(_))),
+                "{bad}"
+            );
+        }
+        let many = vec![[0u64, 1]; MAX_PREFAULT_RANGES + 1];
+        let line = Request::Prefault {
+            written: many.clone(),
+            read: vec![],
+        }
+        .to_line();
+        assert!(matches!(
+            Request::from_line(line.trim_ascii_end()),
+            Err(RequestError::PrefaultRanges(_))
+        ));
+        // The most it may name, at the widest numbers, fits in one line.
+        let widest = vec![[u64::from(u32::MAX), 512]; MAX_PREFAULT_RANGES];
+        let line = Request::Prefault {
+            written: widest,
+            read: vec![],
+        }
+        .to_line();
+        assert!(line.len() <= crate::MAX_LINE, "{} bytes", line.len());
     }
 
     #[test]

@@ -22,8 +22,9 @@ pub mod control;
 pub mod shape;
 
 pub use control::{
-    decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, Request, RequestError,
-    Response, RunState, Snapshotted, Status, Then, VcpuReport, Vcpus, VmmCounters, ZygoteMemory,
+    decode_answer, AnswerError, ChildResult, ChildSpec, Done, Forked, PageRange, Request,
+    RequestError, Response, RunState, Snapshotted, Status, Then, VcpuReport, Vcpus, VmmCounters,
+    ZygoteMemory,
 };
 pub use shape::{ShapeError, VmShape};
 
@@ -34,6 +35,10 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// at most [`MAX_FDS_PER_CHILD`] each) go in one `SCM_RIGHTS` message,
 /// which the kernel caps at 253.
 pub const MAX_CHILDREN_PER_FORK: usize = 32;
+
+/// Most page ranges one `prefault` request names (written and read
+/// together); with this many the request still fits in [`MAX_LINE`].
+pub const MAX_PREFAULT_RANGES: usize = 2048;
 
 /// Most writable disks one VM has.
 pub const MAX_WRITABLE_DISKS: u8 = 4;

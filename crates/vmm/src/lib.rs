@@ -68,6 +68,7 @@ pub mod namespaces;
 pub mod net;
 pub mod opened;
 pub mod pio;
+pub mod prefault;
 pub mod serial;
 pub mod state;
 pub mod vcpu;

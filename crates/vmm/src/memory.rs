@@ -138,6 +138,55 @@ impl GuestRam {
         v
     }
 
+    /// RAM's size in pages of its memory file (every range, one after the
+    /// other, as [`map`] lays them out).
+    pub fn pages(&self) -> u64 {
+        self.mem.iter().map(|r| r.len() / PAGE as u64).sum()
+    }
+
+    /// The part of each RAM range that `pages` (pages of the memory file)
+    /// covers: (guest-physical address, host address, bytes).
+    pub fn spans_of(&self, pages: &std::ops::Range<u64>) -> Vec<(u64, usize, usize)> {
+        let mut out = Vec::new();
+        let mut first = 0u64;
+        for region in self.mem.iter() {
+            let len = region.len() / PAGE as u64;
+            let (from, to) = (pages.start.max(first), pages.end.min(first + len));
+            if from < to {
+                if let Ok(host) = region.get_host_address(MemoryRegionAddress(0)) {
+                    let skip = (from - first) * PAGE as u64;
+                    out.push((
+                        region.start_addr().0 + skip,
+                        host as usize + skip as usize,
+                        ((to - from) * PAGE as u64) as usize,
+                    ));
+                }
+            }
+            first += len;
+        }
+        out
+    }
+
+    /// Maps `pages` (pages of the memory file) into this process's page
+    /// tables now rather than at the guest's first touch: `write`, as this
+    /// process's own copies (`MADV_POPULATE_WRITE`, what a guest write
+    /// does); otherwise shared with the file (`MADV_POPULATE_READ`).
+    pub fn populate(&self, pages: &std::ops::Range<u64>, write: bool) -> io::Result<()> {
+        let advice = match write {
+            true => libc::MADV_POPULATE_WRITE,
+            false => libc::MADV_POPULATE_READ,
+        };
+        for (_, host, len) in self.spans_of(pages) {
+            // SAFETY: `host..host + len` lies inside a RAM range this object
+            // keeps mapped (`spans_of` clips to them); populating changes
+            // which pages are mapped, never what guest memory holds.
+            if unsafe { libc::madvise(host as *mut libc::c_void, len, advice) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
     /// Registers every RAM range as a KVM memory slot (slot i = range i).
     /// Call before `KVM_CREATE_IRQCHIP`: afterwards each call costs
     /// milliseconds (measured, DESIGN.md).

@@ -252,6 +252,9 @@ impl Machine {
                 Ok(o) => o,
                 Err(e) => Outcome::Reply(Response::error(chain(e))),
             },
+            Request::Prefault { written, read } => {
+                Outcome::Reply(self.set_working_set(&written, &read))
+            }
             Request::Own => Outcome::Own,
             Request::Nmi => Outcome::Reply(match self.vcpus.nmi().as_slice() {
                 [] => Response::Done,

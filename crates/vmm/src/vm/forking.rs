@@ -249,6 +249,7 @@ impl Machine {
 pub(super) fn become_child(parent: Machine, mut plan: Box<ChildPlan>) -> Machine {
     let ram = Arc::clone(&parent.ram);
     let echo = parent.endpoints.echo;
+    let working_set = parent.working_set.clone();
     // Its disks: its parent's layers and map (this process's copy), its own
     // tops. Done before the inherited descriptors are closed, so that the
     // parent's new top (a descriptor number about to be closed, then
@@ -323,7 +324,7 @@ pub(super) fn become_child(parent: Machine, mut plan: Box<ChildPlan>) -> Machine
         fork::report_failure(plan.ready, &msg);
         std::process::exit(api::exit_code::VMM_ERROR);
     }
-    match Machine::restore(ram, &plan.state, opened) {
+    match Machine::restore(ram, &plan.state, opened, &working_set) {
         Ok(mut m) => {
             tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
             if test_child(HANG_CHILD_ENV, plan.ordinal) {

@@ -392,6 +392,9 @@ pub struct Machine {
     /// minutes after its bake gives every child the clock and the TSC of
     /// one instant, both advanced by the same gap.
     paused_vm: Option<VmState>,
+    /// What a zygote's children map before their guest runs (`prefault`,
+    /// [`crate::prefault`]).
+    working_set: crate::prefault::WorkingSet,
 }
 
 /// A new VM with guest memory registered (before the irqchip: measured
@@ -637,6 +640,7 @@ impl Machine {
         ram: Arc<GuestRam>,
         saved: &MachineState,
         opened: Opened,
+        working_set: &crate::prefault::WorkingSet,
     ) -> Result<Machine, VmError> {
         let (kept, serial_log, sides, _) = opened.split();
         let mut hw = saved.hardware.clone();
@@ -678,6 +682,9 @@ impl Machine {
         state::restore_clock(&vm, &saved.vm, gap_ns)?;
         for ((vcpu, _), s) in vcpus.iter().zip(&saved.vcpus) {
             state::tell_guest_it_was_stopped(vcpu, s.id);
+        }
+        if let (false, Some((vcpu, _))) = (working_set.is_empty(), vcpus.first()) {
+            crate::prefault::map_ahead(working_set, &ram, vcpu, crate::prefault::kvm_can(&vm));
         }
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
@@ -779,6 +786,7 @@ impl Machine {
             owners: 0,
             unowned: orphan::Unowned::new(std::time::Instant::now()),
             paused_vm: None,
+            working_set: Default::default(),
         })
     }
 
@@ -920,5 +928,5 @@ pub fn run_restore(dir: &Path, opened: Opened) -> Result<VmExit, VmError> {
             writable_disk(i, &w.base, top, Some((file, &w.saved)))
         })
         .collect::<Result<_, _>>()?;
-    Machine::restore(Arc::new(ram), &saved, opened)?.run()
+    Machine::restore(Arc::new(ram), &saved, opened, &Default::default())?.run()
 }

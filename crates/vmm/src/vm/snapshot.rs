@@ -12,6 +12,7 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use forkbox_vmm_api::{self as api, RunState, Then};
 
 use crate::memory::Copied;
+use crate::prefault::WorkingSet;
 use crate::state::{self, MachineState, SerialState, VcpuState, VmState};
 use crate::vcpu::Paused;
 use crate::virtio;
@@ -92,6 +93,30 @@ impl Machine {
         );
         self.run_state = RunState::Zygote;
         Ok(copied)
+    }
+
+    /// What this zygote's children map before their guest runs, from now
+    /// on (`prefault`, [`crate::prefault`]); an empty set forgets it.
+    pub(super) fn set_working_set(
+        &mut self,
+        written: &[api::PageRange],
+        read: &[api::PageRange],
+    ) -> api::Response {
+        if self.run_state != RunState::Zygote {
+            return api::Response::error(format!(
+                "prefault: only a zygote's children map pages ahead (this VM is {:?})",
+                self.run_state
+            ));
+        }
+        match WorkingSet::new(written, read, self.ram.pages()) {
+            Ok(set) => {
+                let (written, read) = set.pages();
+                tracing::info!(written, read, "zygote: its children map these pages ahead");
+                self.working_set = set;
+                api::Response::Done
+            }
+            Err(e) => api::Response::error(e),
+        }
     }
 
     /// Writes the snapshot into `memory`, `state` and `disks`, one per
