@@ -89,6 +89,17 @@ impl Control {
         self.call(&Request::Zygote)
     }
 
+    /// The pages a zygote's children map before their guest runs, from
+    /// now on (`prefault`); empty lists forget them.
+    pub fn prefault(
+        &self,
+        written: Vec<forkbox_vmm_api::PageRange>,
+        read: Vec<forkbox_vmm_api::PageRange>,
+    ) -> Result<(), ControlError> {
+        self.call::<Done>(&Request::Prefault { written, read })
+            .map(drop)
+    }
+
     /// Forks the VM; one entry per requested child, in order. `carried`
     /// are the parent's new tops of its `disks` writable disks, then the
     /// children's descriptors ([`ChildSpec::carried`]), in their order,

@@ -321,6 +321,10 @@ fn trials() -> Vec<(&'static str, TrialFn)> {
             fork_zygote_dense_memory_is_in_huge_pages,
         ),
         (
+            "fork_zygote_children_map_a_first_commands_pages_ahead",
+            fork_zygote_children_map_a_first_commands_pages_ahead,
+        ),
+        (
             "fork_64_children_of_a_running_parent_all_answer_an_exec",
             fork_64_children_of_a_running_parent_all_answer_an_exec,
         ),

@@ -35,6 +35,7 @@ mod assets;
 mod boot;
 mod fork;
 mod net;
+mod prefault;
 mod process;
 mod user;
 
@@ -46,6 +47,7 @@ pub use fork::{
 };
 pub use forkbox_vmm_api::{snapshot_disk_file, MAX_CHILDREN_PER_FORK, MAX_WRITABLE_DISKS};
 pub use net::NetworkSpec;
+pub use prefault::WorkingSet;
 pub use process::{become_subreaper, describe_exit, VmEnd};
 
 use fork::*;
@@ -463,7 +465,18 @@ impl Vm {
     /// 1.5 MiB, per child for the `minimal` image's busybox). An image
     /// with no shell (`sh` not found: 127) has nothing to warm and becomes
     /// a zygote all the same; only an agent that does not answer fails.
+    ///
+    /// Then it learns what a child's first command touches and has its
+    /// children map that before their guest runs
+    /// ([`learn_working_set`](Self::learn_working_set)); where that cannot
+    /// be learned, it says so and its children fault those pages in.
     pub fn make_warm_zygote(&mut self) -> Result<ZygoteMemory, VmError> {
+        self.make_warm_zygote_with(true)
+    }
+
+    /// [`make_warm_zygote`](Self::make_warm_zygote), learning its working
+    /// set only with `learn` (a benchmark's before).
+    pub fn make_warm_zygote_with(&mut self, learn: bool) -> Result<ZygoteMemory, VmError> {
         // Bounded: a guest that never answers fails the bake, it does not
         // hold its caller.
         let warm = self
@@ -479,7 +492,23 @@ impl Vm {
         if !warm.success() {
             tracing::info!(status = ?warm.status, "no warm-up: the image's `sh -c true` did not succeed (an image without a shell)");
         }
-        self.make_zygote()
+        let memory = self.make_zygote()?;
+        if learn {
+            match self.learn_working_set() {
+                Ok(set) => {
+                    let (written, read) = set.pages();
+                    tracing::info!(
+                        written,
+                        read,
+                        "zygote: its children map a first command's pages ahead"
+                    )
+                }
+                Err(e) => tracing::warn!(
+                    "zygote: a first command's pages were not learned, so its children fault them in: {e}"
+                ),
+            }
+        }
+        Ok(memory)
     }
 
     /// Writes a snapshot of the VM into `dir` (created if missing: its
