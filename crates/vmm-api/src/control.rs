@@ -49,7 +49,7 @@ use std::path::PathBuf;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::{MAX_CHILDREN_PER_FORK, MAX_PREFAULT_RANGES};
+use crate::{MAX_CHILDREN_PER_FORK, MAX_PREFAULT_RANGES, MAX_PREFAULT_WRITTEN};
 
 /// Pages `[first, count]` of a VM's memory file (4 KiB pages; below 3 GiB
 /// the file's page numbers are the guest-physical ones).
@@ -223,16 +223,20 @@ impl Request {
                         "names {n} ranges, at most {MAX_PREFAULT_RANGES}"
                     )));
                 }
-                match written
-                    .iter()
-                    .chain(read)
-                    .find(|[first, count]| *count == 0 || first.checked_add(*count).is_none())
-                {
-                    Some([first, count]) => Err(RequestError::PrefaultRanges(format!(
+                let bad =
+                    |[first, count]: &PageRange| *count == 0 || first.checked_add(*count).is_none();
+                if let Some([first, count]) = written.iter().chain(read).find(|r| bad(r)) {
+                    return Err(RequestError::PrefaultRanges(format!(
                         "range [{first}, {count}] is empty or overflows"
-                    ))),
-                    None => Ok(()),
+                    )));
                 }
+                let copies = written.iter().map(|r| r[1]).fold(0u64, u64::saturating_add);
+                if copies > MAX_PREFAULT_WRITTEN {
+                    return Err(RequestError::PrefaultRanges(format!(
+                        "has each child copy {copies} pages, at most {MAX_PREFAULT_WRITTEN}"
+                    )));
+                }
+                Ok(())
             }
             _ => Ok(()),
         }
@@ -614,6 +618,10 @@ mod tests {
         );
         for bad in [
             r#"{"op":"prefault","read":[[5,0]]}"#.to_owned(),
+            format!(
+                r#"{{"op":"prefault","written":[[0,{}]]}}"#,
+                crate::MAX_PREFAULT_WRITTEN + 1
+            ),
             format!(r#"{{"op":"prefault","written":[[{},2]]}}"#, u64::MAX),
         ] {
             assert!(
@@ -634,8 +642,8 @@ mod tests {
         // The most it may name, at the widest numbers, fits in one line.
         let widest = vec![[u64::from(u32::MAX), 512]; MAX_PREFAULT_RANGES];
         let line = Request::Prefault {
-            written: widest,
-            read: vec![],
+            written: vec![],
+            read: widest,
         }
         .to_line();
         assert!(line.len() <= crate::MAX_LINE, "{} bytes", line.len());

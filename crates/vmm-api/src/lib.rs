@@ -40,6 +40,12 @@ pub const MAX_CHILDREN_PER_FORK: usize = 32;
 /// together); with this many the request still fits in [`MAX_LINE`].
 pub const MAX_PREFAULT_RANGES: usize = 2048;
 
+/// Most pages a `prefault` request has each child copy ahead (16 MiB):
+/// the guest decided what the learning child wrote, and each child is
+/// charged for them before its guest runs. A child's first command writes
+/// about 660 (docs/SPEC.md, "Fork cost").
+pub const MAX_PREFAULT_WRITTEN: u64 = 4096;
+
 /// Most writable disks one VM has.
 pub const MAX_WRITABLE_DISKS: u8 = 4;
 

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use forkbox_proto::{ExecRequest, User};
-use forkbox_vmm_api::{PageRange, MAX_PREFAULT_RANGES};
+use forkbox_vmm_api::{PageRange, MAX_PREFAULT_RANGES, MAX_PREFAULT_WRITTEN};
 
 use super::{Vm, VmError};
 
@@ -74,8 +74,9 @@ impl Vm {
     }
 }
 
-/// The `written` pages as ranges, exactly; the other `mapped` pages as
-/// read ranges, gaps of up to [`READ_GAP`] pages filled; at most
+/// The `written` pages as ranges, exactly, at most
+/// [`MAX_PREFAULT_WRITTEN`] of them; the other `mapped` pages as read
+/// ranges, gaps of up to [`READ_GAP`] pages filled; at most
 /// [`MAX_PREFAULT_RANGES`] in all, written ones first, each list from its
 /// lowest page (a child faults in the rest).
 pub fn ranges(written: &BTreeSet<u64>, mapped: &BTreeSet<u64>) -> (Vec<PageRange>, Vec<PageRange>) {
@@ -89,7 +90,10 @@ pub fn ranges(written: &BTreeSet<u64>, mapped: &BTreeSet<u64>) -> (Vec<PageRange
         }
         out
     };
-    let mut written = runs(&mut written.iter().copied(), 0);
+    let mut written = runs(
+        &mut written.iter().copied().take(MAX_PREFAULT_WRITTEN as usize),
+        0,
+    );
     written.truncate(MAX_PREFAULT_RANGES);
     let read_only = mapped
         .iter()
@@ -124,6 +128,7 @@ mod tests {
     #[test]
     fn at_most_the_requests_ranges_written_ones_first() {
         let written: BTreeSet<u64> = (0..2 * MAX_PREFAULT_RANGES as u64).map(|p| p * 2).collect();
+        assert!(written.len() as u64 <= MAX_PREFAULT_WRITTEN);
         // Read pages too far apart to join.
         let mapped: BTreeSet<u64> = written.iter().map(|p| p * 10 + 1_000_000).collect();
         let (w, r) = ranges(&written, &mapped);
@@ -132,5 +137,10 @@ mod tests {
         let few: BTreeSet<u64> = [1].into();
         let (w, r) = ranges(&few, &mapped);
         assert_eq!(w.len() + r.len(), MAX_PREFAULT_RANGES);
+        // A guest that wrote more than a child may be made to copy: the
+        // lowest pages, up to the bound.
+        let all: BTreeSet<u64> = (0..3 * MAX_PREFAULT_WRITTEN).collect();
+        let (w, _) = ranges(&all, &all);
+        assert_eq!(w, vec![[0, MAX_PREFAULT_WRITTEN]]);
     }
 }
