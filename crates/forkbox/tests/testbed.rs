@@ -56,6 +56,62 @@ fn testbed_run_hung_command_ends_at_time_limit() {
     assert!(stderr.contains("serial log"), "stderr: {stderr}");
 }
 
+/// A `forkbox testbed run` that is killed takes its emulated host with it
+/// (QEMU's parent-death signal): no QEMU is left running on its own.
+#[test]
+fn testbed_run_killed_leaves_no_qemu_behind() {
+    use std::time::Instant;
+    let mut runner = forkbox()
+        .args(["testbed", "run", "--timeout", "900", "--", "sleep", "1000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run forkbox");
+    let runner_pid = runner.id();
+    // (comm, parent pid, state) of a process, from /proc/PID/stat.
+    let stat = |pid: u32| -> Option<(String, u32, char)> {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let (head, tail) = s.rsplit_once(") ")?;
+        let comm = head.split_once(" (")?.1.to_owned();
+        let mut f = tail.split_whitespace();
+        let state = f.next()?.chars().next()?;
+        Some((comm, f.next()?.parse().ok()?, state))
+    };
+    // Generous: a cold cache fetches and builds the host's assets first.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let qemu = loop {
+        let found = std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .find(|&p| {
+                stat(p).is_some_and(|(comm, ppid, _)| {
+                    ppid == runner_pid && comm.starts_with("qemu-system")
+                })
+            });
+        if let Some(q) = found {
+            break q;
+        }
+        if Instant::now() > deadline || runner.try_wait().ok().flatten().is_some() {
+            let _ = runner.kill();
+            panic!("no QEMU started under `forkbox testbed run` (pid {runner_pid})");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    runner.kill().expect("kill the runner");
+    runner.wait().expect("reap the runner");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stat(qemu).is_some_and(|(_, _, state)| state != 'Z') {
+        if Instant::now() > deadline {
+            // Not left running by this test either.
+            let _ = Command::new("kill")
+                .args(["-9", &qemu.to_string()])
+                .status();
+            panic!("QEMU {qemu} still ran 30 s after its `forkbox testbed run` was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Runs `cmd` to its end. `guard` is a hang guard, not a performance
 /// bound: past it the command is killed and the test fails saying so.
 fn output_within(cmd: &mut Command, guard: Duration) -> Output {

@@ -293,6 +293,28 @@ pub fn shards(max: usize) -> usize {
         .clamp(1, max.max(1))
 }
 
+/// A command for `program` that is sent SIGKILL when the thread that
+/// started it ends (`setpriv --pdeathsig`, util-linux, which then execs
+/// it): an emulated host is started and waited for by one thread
+/// ([`Testbed::run_with`]), so a `forkbox testbed run` that is killed
+/// leaves no QEMU running on its own. Without `setpriv` on `PATH`, the
+/// program is started as it is.
+fn ends_with_its_starter(program: &str) -> Command {
+    let setpriv = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("setpriv"))
+            .find(|p| p.is_file())
+    });
+    match setpriv {
+        Some(setpriv) => {
+            let mut cmd = Command::new(setpriv);
+            cmd.args(["--pdeathsig", "KILL", "--", program]);
+            cmd
+        }
+        None => Command::new(program),
+    }
+}
+
 /// How a run inside the emulated host ended.
 #[derive(Debug)]
 pub enum Outcome {
@@ -456,7 +478,7 @@ impl Testbed {
         scratch: &Path,
         opts: &RunOptions,
     ) -> Command {
-        let mut cmd = Command::new("qemu-system-x86_64");
+        let mut cmd = ends_with_its_starter("qemu-system-x86_64");
         // no_timer_check: a loaded machine can emulate so slowly that the
         // kernel's IO-APIC timer check fails and it panics at boot.
         let mut cmdline = format!(
