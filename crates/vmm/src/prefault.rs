@@ -70,23 +70,36 @@ pub fn kvm_can(vm: &VmFd) -> bool {
 }
 
 /// Maps `set` into this process (`ram`) and, with `kvm`, into the nested
-/// page tables of `vcpu`'s VM. Call after the vCPU's registers are
-/// restored (KVM maps for its paging mode) and before it first runs. A
-/// failure costs only faults later: it is logged, not returned.
-pub fn map_ahead(set: &WorkingSet, ram: &GuestRam, vcpu: &VcpuFd, kvm: bool) {
+/// page tables of `vcpu`'s VM, stopping at `until`: the child must come
+/// up within its parent's window ([`crate::fork::CHILD_READY_TIMEOUT`]),
+/// and on a host far slower than hardware (the emulated one, hundreds of
+/// guests on one CPU) mapping ahead can take seconds. Call after the
+/// vCPU's registers are restored (KVM maps for its paging mode) and
+/// before it first runs. What is not mapped, for a failure or for time,
+/// the guest faults in: it is logged, not returned.
+pub fn map_ahead(set: &WorkingSet, ram: &GuestRam, vcpu: &VcpuFd, kvm: bool, until: Instant) {
     let started = Instant::now();
     let mut failed = None;
-    for (write, list) in [(true, &set.written), (false, &set.read)] {
+    let mut late = false;
+    'populate: for (write, list) in [(true, &set.written), (false, &set.read)] {
         for r in list {
+            if Instant::now() >= until {
+                late = true;
+                break 'populate;
+            }
             if let Err(e) = ram.populate(r, write) {
                 failed.get_or_insert(format!("populating pages {r:?}: {e}"));
             }
         }
     }
     let populated = started.elapsed();
-    if kvm {
+    if kvm && !late {
         'all: for r in set.written.iter().chain(&set.read) {
             for (gpa, _, len) in ram.spans_of(r) {
+                if Instant::now() >= until {
+                    late = true;
+                    break 'all;
+                }
                 if let Err(e) = pre_fault(vcpu, gpa, len as u64) {
                     failed.get_or_insert(format!("KVM_PRE_FAULT_MEMORY at {gpa:#x}: {e}"));
                     break 'all;
@@ -95,7 +108,10 @@ pub fn map_ahead(set: &WorkingSet, ram: &GuestRam, vcpu: &VcpuFd, kvm: bool) {
         }
     }
     let (written, read) = set.pages();
-    tracing::debug!(written, read, kvm, ?populated, elapsed = ?started.elapsed(), "fork child: working set mapped ahead");
+    tracing::debug!(written, read, kvm, late, ?populated, elapsed = ?started.elapsed(), "fork child: working set mapped ahead");
+    if late {
+        tracing::info!(elapsed = ?started.elapsed(), "fork child: out of time to map the working set ahead; the guest faults the rest in");
+    }
     if let Some(e) = failed {
         tracing::warn!("fork child: the working set was not all mapped ahead ({e}); the guest faults the rest in");
     }

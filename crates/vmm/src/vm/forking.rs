@@ -324,7 +324,9 @@ pub(super) fn become_child(parent: Machine, mut plan: Box<ChildPlan>) -> Machine
         fork::report_failure(plan.ready, &msg);
         std::process::exit(api::exit_code::VMM_ERROR);
     }
-    match Machine::restore(ram, &plan.state, opened, &working_set) {
+    // Half its window to come up, at most, goes to mapping ahead.
+    let map_until = plan.requested + fork::CHILD_READY_TIMEOUT / 2;
+    match Machine::restore(ram, &plan.state, opened, &working_set, map_until) {
         Ok(mut m) => {
             tracing::debug!(since_request = ?plan.requested.elapsed(), "fork child: ready");
             if test_child(HANG_CHILD_ENV, plan.ordinal) {

@@ -641,6 +641,7 @@ impl Machine {
         saved: &MachineState,
         opened: Opened,
         working_set: &crate::prefault::WorkingSet,
+        map_until: Instant,
     ) -> Result<Machine, VmError> {
         let (kept, serial_log, sides, _) = opened.split();
         let mut hw = saved.hardware.clone();
@@ -684,7 +685,8 @@ impl Machine {
             state::tell_guest_it_was_stopped(vcpu, s.id);
         }
         if let (false, Some((vcpu, _))) = (working_set.is_empty(), vcpus.first()) {
-            crate::prefault::map_ahead(working_set, &ram, vcpu, crate::prefault::kvm_can(&vm));
+            let kvm = crate::prefault::kvm_can(&vm);
+            crate::prefault::map_ahead(working_set, &ram, vcpu, kvm, map_until);
         }
         tracing::debug!(elapsed = ?t0.elapsed(), "restore: KVM state applied");
         // Devices last: a restored device may raise its interrupt at once
@@ -928,5 +930,12 @@ pub fn run_restore(dir: &Path, opened: Opened) -> Result<VmExit, VmError> {
             writable_disk(i, &w.base, top, Some((file, &w.saved)))
         })
         .collect::<Result<_, _>>()?;
-    Machine::restore(Arc::new(ram), &saved, opened, &Default::default())?.run()
+    Machine::restore(
+        Arc::new(ram),
+        &saved,
+        opened,
+        &Default::default(),
+        Instant::now(),
+    )?
+    .run()
 }
