@@ -100,7 +100,7 @@ pub fn map_ahead(set: &WorkingSet, ram: &GuestRam, vcpu: &VcpuFd, kvm: bool, unt
                     late = true;
                     break 'all;
                 }
-                if let Err(e) = pre_fault(vcpu, gpa, len as u64) {
+                if let Err(e) = pre_fault(vcpu, gpa, len as u64, until) {
                     failed.get_or_insert(format!("KVM_PRE_FAULT_MEMORY at {gpa:#x}: {e}"));
                     break 'all;
                 }
@@ -118,8 +118,9 @@ pub fn map_ahead(set: &WorkingSet, ram: &GuestRam, vcpu: &VcpuFd, kvm: bool, unt
 }
 
 /// `KVM_PRE_FAULT_MEMORY` over `[gpa, gpa + len)`; KVM may stop early
-/// (a signal, a reschedule) and says how far it got.
-fn pre_fault(vcpu: &VcpuFd, gpa: u64, len: u64) -> std::io::Result<()> {
+/// (a signal, a reschedule) and says how far it got, so it goes on from
+/// there, until `until` (then `TimedOut`).
+fn pre_fault(vcpu: &VcpuFd, gpa: u64, len: u64, until: Instant) -> std::io::Result<()> {
     let mut arg = kvm_bindings::kvm_pre_fault_memory {
         gpa,
         size: len,
@@ -134,7 +135,10 @@ fn pre_fault(vcpu: &VcpuFd, gpa: u64, len: u64) -> std::io::Result<()> {
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
-                Some(libc::EINTR) | Some(libc::EAGAIN) => continue,
+                Some(libc::EINTR) | Some(libc::EAGAIN) if Instant::now() < until => continue,
+                Some(libc::EINTR) | Some(libc::EAGAIN) => {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, e))
+                }
                 _ => return Err(e),
             }
         }
