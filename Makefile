@@ -18,7 +18,7 @@ FORKBOX := target/release/forkbox
 APT_PACKAGES := busybox-static mmdebstrap kmod cpio e2fsprogs erofs-utils docker-registry \
 	ca-certificates python3 python3-pip
 
-.PHONY: all deps qemu python-deps build agent demo test sdk-test lint fmt clean \
+.PHONY: all deps qemu runsc python-deps build agent demo test sdk-test lint fmt clean \
 	fuzz fuzz-test fuzz-replay fuzz-nightly cargo-fuzz
 
 all: build
@@ -39,10 +39,16 @@ deps:
 	fi
 
 # The emulated KVM host wants QEMU 10 (with 7.2 its kernel crashed under
-# load): scripts/install-qemu.sh takes it from bookworm-backports on Debian 12,
-# through the mirror the machine's apt already uses, and removes nothing.
+# load), the gVisor backend a runsc of 2024 or later: scripts/install-backport.sh
+# takes each from bookworm-backports on Debian 12, through the mirror the
+# machine's apt already uses, and removes nothing.
 qemu: deps
-	@sh scripts/install-qemu.sh
+	@sh scripts/install-backport.sh qemu-system-x86 1:10 \
+		"hosts without hardware virtualization run microVMs in QEMU's emulated host, whose kernel crashed under load with older QEMUs"
+
+runsc: deps
+	@sh scripts/install-backport.sh runsc 0.0~20240729 \
+		"the gVisor backend is tested with runsc 20240729; older ones may not checkpoint or restore a sandbox"
 
 # What the Python SDK and its tests need, from PyPI.
 # PIP_BREAK_SYSTEM_PACKAGES: Debian's python3 refuses system-wide pip
@@ -54,7 +60,7 @@ python-deps: deps
 agent: deps
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p forkbox-agent --target $(TRIPLE)
 
-build: deps qemu agent
+build: deps qemu runsc agent
 	$(CARGO) build --release --workspace
 
 demo: build

@@ -212,12 +212,45 @@ pub fn run(
 /// Starts `req` in the background: answers `Response::Spawned` on `conn`
 /// at once, then (on this thread) waits for it to end and records how.
 /// Its output goes to a bounded buffer, its stdin is a pipe kept open.
+/// A background process started and answered for: what is left is to
+/// wait for its end ([`Spawned::wait`]), with its connection closed.
+pub struct Spawned {
+    rx: mpsc::Receiver<Event>,
+    pgid: u32,
+    cgroup: Option<ExecCgroup>,
+    start: Instant,
+    deadline: Option<Instant>,
+    exec_id: u64,
+    bg: Arc<Background>,
+}
+
+impl Spawned {
+    /// Waits for the process (and its output) to end and records how.
+    pub fn wait(self, execs: &ExecTable) {
+        let outcome = wait_events(
+            &self.rx,
+            None,
+            &Group {
+                pgid: self.pgid,
+                cgroup: self.cgroup.as_ref(),
+            },
+            self.start,
+            self.deadline,
+        );
+        let result = outcome.result(self.start);
+        execs.finished(self.exec_id, result.status, false);
+        self.bg.finish(result);
+    }
+}
+
+/// Starts a background process and answers with its pid; the caller
+/// closes the connection, then waits on the [`Spawned`].
 pub fn spawn(
     conn: &UnixStream,
     reaper: &Reaper,
     execs: &ExecTable,
     req: &ExecRequest,
-) -> Result<(), AgentError> {
+) -> Result<Spawned, AgentError> {
     let Prepared {
         mut cmd,
         argv0,
@@ -247,22 +280,15 @@ pub fn spawn(
     drop(child);
     // The client has its pid; it may go at once.
     let _ = crate::server::send(conn, &Response::Spawned { pid: pgid });
-    let _ = conn.shutdown(std::net::Shutdown::Both);
-
-    let outcome = wait_events(
-        &rx,
-        None,
-        &Group {
-            pgid,
-            cgroup: cgroup.as_ref(),
-        },
+    Ok(Spawned {
+        rx,
+        pgid,
+        cgroup,
         start,
-        req.timeout.and_then(|t| start.checked_add(t)),
-    );
-    let result = outcome.result(start);
-    execs.finished(exec_id, result.status, false);
-    bg.finish(result);
-    Ok(())
+        deadline: req.timeout.and_then(|t| start.checked_add(t)),
+        exec_id,
+        bg,
+    })
 }
 
 /// Starts the stdout and stderr pumps of `child` into `sink`.

@@ -25,6 +25,10 @@ pub enum RunsOn {
     Guest,
     /// `serve` mode on some host: never touch its clock or RNG.
     Host,
+    /// PID 1 of a gVisor sandbox (`container` mode): its kernel reads the
+    /// host's clock and draws every random byte from the host's RNG, so
+    /// a restored copy has both fresh already.
+    Sandbox,
 }
 
 /// The seed of the fork that made this guest, if it was seeded: every
@@ -67,6 +71,14 @@ pub fn after_fork(
                 },
             )
         }
+        RunsOn::Sandbox => (
+            HookStep::Skipped {
+                reason: "gVisor's clock is the host's".into(),
+            },
+            HookStep::Skipped {
+                reason: "gVisor draws every random byte from the host's RNG".into(),
+            },
+        ),
         RunsOn::Guest => {
             sys::set_realtime(unix_time_ns)
                 .map_err(|e| AgentError::new(ErrorKind::Internal, format!("clock_settime: {e}")))?;
@@ -91,7 +103,7 @@ pub fn after_fork(
     };
     // A fork of a seeded guest without a seed of its own has none.
     *SEED.lock().unwrap_or_else(|p| p.into_inner()) = seed;
-    if runs_on == RunsOn::Guest {
+    if runs_on != RunsOn::Host {
         note_seed(seed)
             .map_err(|e| AgentError::new(ErrorKind::Internal, format!("{SEED_FILE}: {e}")))?;
     }

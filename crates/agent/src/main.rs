@@ -10,7 +10,10 @@
 //!   exit: that panics the kernel);
 //! - `forkbox-agent serve --listen unix:/path.sock`: serve on a unix socket
 //!   with no init duties (tests on the host);
-//! - `forkbox-agent serve --listen vsock:PORT`: serve on vsock, no init.
+//! - `forkbox-agent serve --listen vsock:PORT`: serve on vsock, no init;
+//! - `forkbox-agent container --listen unix:/path.sock`: PID 1 of a gVisor
+//!   sandbox, on a socket the host mounted in, quiescing around each
+//!   checkpoint (`container`).
 //!
 //! Module map:
 //! - `sys`: every syscall: rustix's safe calls where it has them, raw
@@ -25,12 +28,14 @@
 //!   kill and reattach;
 //! - `ports`: relaying a host connection to a guest TCP port;
 //! - `fork`: the after-fork hook (clock, RNG reseed, cut-off execs);
-//! - `files`: file and tar requests.
+//! - `files`: file and tar requests;
+//! - `container`: serving a gVisor sandbox around its checkpoints.
 
 #![deny(unsafe_code)]
 
 mod background;
 mod cgroup;
+mod container;
 mod exec;
 mod execs;
 mod files;
@@ -50,10 +55,12 @@ use std::time::Instant;
 
 use forkbox_proto::{BootInfo, Hello, AGENT_PORT, PROTOCOL_VERSION};
 
+use crate::fork::RunsOn;
 use crate::reaper::Reaper;
 use crate::server::{Agent, Listener, ShutdownAction};
 
-const USAGE: &str = "usage: forkbox-agent serve --listen unix:PATH|vsock:PORT";
+const USAGE: &str =
+    "usage: forkbox-agent serve --listen unix:PATH|vsock:PORT | container --listen unix:PATH";
 
 static LOG_PREFIX: OnceLock<&'static str> = OnceLock::new();
 
@@ -116,6 +123,8 @@ fn run_pid1() -> ! {
             reaper,
             execs: Default::default(),
             on_shutdown: ShutdownAction::PowerOff,
+            runs_on: RunsOn::Guest,
+            gate: None,
         });
         server::serve(&Listener::Vsock(fd), &agent).map_err(|e| chain(&e))
     });
@@ -150,31 +159,82 @@ fn run_serve(listen: &str) -> Result<(), String> {
         reaper,
         execs: Default::default(),
         on_shutdown: ShutdownAction::Exit,
+        runs_on: RunsOn::Host,
+        gate: None,
     });
     server::serve(&listener, &agent).map_err(|e| chain(&e))
 }
 
+/// `container` mode: PID 1 of a gVisor sandbox (its `init` process), or
+/// a process of any other container. No init duties: the sandbox's
+/// runtime mounted its filesystems. Ending the agent ends the sandbox.
+fn run_container(listen: &str) -> Result<(), String> {
+    let start = Instant::now();
+    let Some(path) = listen.strip_prefix("unix:") else {
+        return Err(format!(
+            "container mode listens on unix:PATH, not {listen:?}"
+        ));
+    };
+    if std::process::id() != 1 {
+        if let Err(e) = sys::set_child_subreaper() {
+            log(&format!("cannot become a subreaper: {e}"));
+        }
+    }
+    let reaper = Reaper::start().map_err(|e| format!("start reaper: {e}"))?;
+    let path = std::path::Path::new(path);
+    let gate = container::gate(path);
+    let agent = Arc::new(Agent {
+        hello: hello(BootInfo {
+            pid1: std::process::id() == 1,
+            kernel: init::kernel_release(),
+            boot_ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..BootInfo::default()
+        }),
+        reaper,
+        execs: Default::default(),
+        on_shutdown: ShutdownAction::Exit,
+        runs_on: RunsOn::Sandbox,
+        gate: Some(Arc::clone(&gate)),
+    });
+    log(&format!("serving on {}", path.display()));
+    container::serve(path, &agent, &gate)
+}
+
+/// The `--listen` of `serve` or `container`.
+fn listen_arg(args: &[String]) -> Option<String> {
+    match args {
+        [flag, listen] if flag == "--listen" => Some(listen.clone()),
+        [flag] => flag.strip_prefix("--listen=").map(str::to_string),
+        _ => None,
+    }
+}
+
 fn main() {
-    if std::process::id() == 1 {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // The guest's `/init` (the kernel may pass it words of its command
+    // line): PID 1 in any way but `container` mode.
+    if std::process::id() == 1 && args.first().map(String::as_str) != Some("container") {
         let _ = LOG_PREFIX.set("forkbox-agent");
         run_pid1();
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let listen = match args.as_slice() {
-        [cmd, flag, listen] if cmd == "serve" && flag == "--listen" => listen.clone(),
-        [cmd, flag] if cmd == "serve" => match flag.strip_prefix("--listen=") {
-            Some(l) => l.to_string(),
-            None => {
-                eprintln!("{USAGE}");
-                std::process::exit(2);
-            }
-        },
-        _ => {
-            eprintln!("{USAGE}");
-            std::process::exit(2);
+    let (container, listen) = match args.split_first() {
+        Some((cmd, rest)) if cmd == "serve" || cmd == "container" => {
+            (cmd == "container", listen_arg(rest))
         }
+        _ => (false, None),
     };
-    if let Err(e) = run_serve(&listen) {
+    let Some(listen) = listen else {
+        eprintln!("{USAGE}");
+        std::process::exit(2);
+    };
+    let outcome = if container {
+        let _ = LOG_PREFIX.set("forkbox-agent");
+        std::panic::catch_unwind(|| run_container(&listen))
+            .unwrap_or_else(|_| Err("panic in the main thread".into()))
+    } else {
+        run_serve(&listen)
+    };
+    if let Err(e) = outcome {
         log(&e);
         std::process::exit(1);
     }

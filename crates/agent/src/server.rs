@@ -14,6 +14,7 @@ use forkbox_proto::{
     User, MAX_FRAME_LEN,
 };
 
+use crate::container::{Gate, Open};
 use crate::execs::ExecTable;
 use crate::fork::{self, RunsOn};
 use crate::reaper::Reaper;
@@ -58,19 +59,24 @@ pub struct Agent {
     pub reaper: Arc<Reaper>,
     pub execs: ExecTable,
     pub on_shutdown: ShutdownAction,
-}
-
-impl Agent {
-    fn runs_on(&self) -> RunsOn {
-        match self.on_shutdown {
-            ShutdownAction::PowerOff => RunsOn::Guest,
-            ShutdownAction::Exit => RunsOn::Host,
-        }
-    }
+    pub runs_on: RunsOn,
+    /// In `container` mode: the open connections and the quiesce before
+    /// a checkpoint.
+    pub gate: Option<Arc<Gate>>,
 }
 
 /// Accepts connections forever.
 pub fn serve(listener: &Listener, agent: &Arc<Agent>) -> Result<(), ServeError> {
+    serve_until(listener, agent, || false)
+}
+
+/// Accepts connections until `stop` says so after an accept (that
+/// connection is closed unanswered).
+pub fn serve_until(
+    listener: &Listener,
+    agent: &Arc<Agent>,
+    stop: impl Fn() -> bool,
+) -> Result<(), ServeError> {
     let mut consecutive_errors = 0u32;
     loop {
         let conn = match listener.accept() {
@@ -90,10 +96,22 @@ pub fn serve(listener: &Listener, agent: &Arc<Agent>) -> Result<(), ServeError> 
                 continue;
             }
         };
+        if stop() {
+            return Ok(());
+        }
+        // Counted while its thread runs, in `container` mode; refused
+        // unanswered while a quiesce is under way.
+        let open = match &agent.gate {
+            Some(gate) => match gate.enter() {
+                Some(open) => Some(open),
+                None => continue,
+            },
+            None => None,
+        };
         let agent = Arc::clone(agent);
-        let spawned = thread::Builder::new()
-            .name("conn".into())
-            .spawn(move || handle(&conn, &agent));
+        let spawned = thread::Builder::new().name("conn".into()).spawn(move || {
+            handle(conn, open, &agent);
+        });
         if let Err(e) = spawned {
             crate::log(&format!("cannot start connection thread: {e}"));
         }
@@ -106,7 +124,15 @@ pub fn send(conn: &UnixStream, resp: &Response) -> io::Result<()> {
     write_frame(&mut w, FrameKind::Control, &encode_control(resp))
 }
 
-fn handle(conn: &UnixStream, agent: &Agent) {
+/// Serves the connection's one request and closes it (a background
+/// process's as soon as it is answered), then counts it out (`open`): a
+/// quiesce that sees no connection open has none left.
+fn handle(owned: UnixStream, open: Option<Open>, agent: &Agent) {
+    let counted = Counted {
+        conn: owned,
+        _open: open,
+    };
+    let conn = &counted.conn;
     let mut w = conn;
     if write_frame(&mut w, FrameKind::Control, &encode_control(&agent.hello)).is_err() {
         return;
@@ -165,7 +191,7 @@ fn handle(conn: &UnixStream, agent: &Agent) {
             seed,
         } => reply(
             conn,
-            fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy, seed)
+            fork::after_fork(agent.runs_on, &agent.execs, unix_time_ns, &entropy, seed)
                 .map(|report| Response::AfterFork { report }),
         ),
         Request::ReadFile { path, max_bytes } => files::read_file(conn, &path, max_bytes),
@@ -182,8 +208,21 @@ fn handle(conn: &UnixStream, agent: &Agent) {
         Request::UploadTar { path } => files::upload_tar(conn, &path),
         Request::Protect { paths } => reply(conn, protect::protect(&paths)),
         Request::Digest { paths } => protect::digest(conn, &paths),
+        Request::Quiesce { timeout_ms } => match &agent.gate {
+            Some(gate) => gate.quiesce(conn, std::time::Duration::from_millis(timeout_ms)),
+            None => Err(AgentError::new(
+                ErrorKind::InvalidRequest,
+                "quiesce is for an agent in container mode (a gVisor sandbox)",
+            )),
+        },
         Request::ConnectPort { port } => ports::relay(conn, port),
-        Request::Spawn { exec } => exec::spawn(conn, &agent.reaper, &agent.execs, &exec),
+        Request::Spawn { exec } => match exec::spawn(conn, &agent.reaper, &agent.execs, &exec) {
+            Ok(spawned) => {
+                drop(counted);
+                return spawned.wait(&agent.execs);
+            }
+            Err(e) => Err(e),
+        },
         Request::ListProcesses => reply(
             conn,
             Ok(Response::Processes {
@@ -207,6 +246,13 @@ fn handle(conn: &UnixStream, agent: &Agent) {
     if let Err(e) = outcome {
         reply_error(conn, e);
     }
+}
+
+/// A connection and its count in the gate: fields drop in order, so it
+/// is closed before it is counted out.
+struct Counted {
+    conn: UnixStream,
+    _open: Option<Open>,
 }
 
 /// Takes on `user`'s rights for the rest of this connection's thread, and

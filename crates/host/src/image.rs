@@ -146,6 +146,59 @@ pub fn digest(name: ImageName) -> Result<String, ImageError> {
     Ok(digest)
 }
 
+/// The built-in image's files as a directory (its ext4 unpacked by
+/// `debugfs rdump`, which keeps owners and modes), for a runtime that
+/// takes a directory as a root (gVisor), with empty mount points for
+/// `mount_points` (absolute paths; files where `(path, true)`). Made once
+/// beside the image file; never written after.
+pub fn rootfs_dir(name: ImageName, mount_points: &[(&str, bool)]) -> Result<PathBuf, ImageError> {
+    let image = ensure(name)?;
+    let mut key = Key::new("rootfs-dir-v1");
+    key.add(image.to_string_lossy().as_bytes());
+    for (path, file) in mount_points {
+        key.add(path.as_bytes()).add(&[u8::from(*file)]);
+    }
+    let out = image.with_extension(format!("rootfs-{}", key.finish()));
+    if out.is_dir() {
+        return Ok(out);
+    }
+    let _lock =
+        cache::lock(&format!("rootfs-{}", name.as_str())).map_err(io_err(&cache::root()))?;
+    if out.is_dir() {
+        return Ok(out);
+    }
+    let staging = cache::staging_path(&out);
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    let dump = format!("rdump / {}", staging.display());
+    run_tool(
+        Command::new("debugfs").arg("-R").arg(&dump).arg(&image),
+        "debugfs",
+        "e2fsprogs",
+    )?;
+    // debugfs says what it could not dump and still succeeds: a missing
+    // file is found here rather than in a sandbox.
+    if !staging.join("bin").exists() {
+        return Err(ImageError::Failed {
+            tool: "debugfs",
+            stderr: format!("rdump of {} left no /bin", image.display()),
+        });
+    }
+    for (path, file) in mount_points {
+        let at = staging.join(path.trim_start_matches('/'));
+        if let Some(parent) = at.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+        }
+        if *file {
+            std::fs::write(&at, b"").map_err(io_err(&at))?;
+        } else {
+            std::fs::create_dir_all(&at).map_err(io_err(&at))?;
+        }
+    }
+    std::fs::rename(&staging, &out).map_err(io_err(&out))?;
+    Ok(out)
+}
+
 /// The guest kernel's whole module tree (`lib/modules/<version>`) as a
 /// read-only erofs disk every VM is given beside its root, mounted at
 /// `/lib/modules/<version>`: the kernel loads what a guest asks for

@@ -13,6 +13,8 @@
 //!   [`initramfs`] (the guest's and the emulated host's initramfs),
 //!   [`image`] (the `minimal` and `debian` root filesystems), [`hugepages`]
 //!   (the host's shmem huge-page setting).
+//! - [`gvisor`]: sandboxes under gVisor (`runsc`) for hosts without
+//!   hardware virtualization: the same agent, checkpoints for forks.
 //! - [`testbed`]: the emulated KVM host for machines without VMX/SVM.
 //! - [`measure`]: what `/proc` says about VMM processes, memory and the CPU
 //!   (the one `/proc` parser of forkbox's host side).
@@ -35,6 +37,7 @@ pub mod cgroup;
 pub mod control;
 pub mod cpio;
 pub mod debs;
+pub mod gvisor;
 pub mod hugepages;
 pub mod image;
 pub mod initramfs;

@@ -191,6 +191,21 @@ impl AgentClient {
         }
     }
 
+    /// Asks an agent in `container` mode to close every connection and
+    /// its listener before a checkpoint ([`Request::Quiesce`]), waiting at
+    /// most `within` for its other connections to end. Returns once the
+    /// agent has closed this one too.
+    pub fn quiesce(&self, within: Duration) -> Result<(), ClientError> {
+        let conn = self.connect()?;
+        conn.send(&Request::Quiesce {
+            timeout_ms: u64::try_from(within.as_millis()).unwrap_or(u64::MAX),
+        })?;
+        match conn.response()? {
+            Response::Ok => conn.wait_closed(),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// The after-fork hook: sets the guest clock, reseeds the guest RNG
     /// with `entropy` and reports the execs the fork cut off. Send it to a
     /// fork child or restored VM before anything else.
@@ -738,6 +753,19 @@ impl Conn {
             ))),
             Err(FrameError::Io(e)) => Err(self.write_failed(e)),
             Err(e) => Err(ClientError::Frame(e)),
+        }
+    }
+
+    /// Waits for the agent to close the connection, sending nothing; more
+    /// than a few bytes from it first is a protocol error.
+    fn wait_closed(&self) -> Result<(), ClientError> {
+        let mut buf = [0u8; 64];
+        match self.io().read(&mut buf) {
+            Ok(0) => Ok(()),
+            Ok(_) => Err(ClientError::Malformed(
+                "the agent sent more after its last answer".into(),
+            )),
+            Err(e) => Err(self.write_failed(e)),
         }
     }
 

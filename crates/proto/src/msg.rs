@@ -143,6 +143,16 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         seed: Option<u64>,
     },
+    /// Only to an agent serving a sandbox in `container` mode (gVisor),
+    /// before the host checkpoints it: gVisor cannot save a socket bound
+    /// to a host file, so the agent closes its listener, waits (at most
+    /// `timeout_ms`) until this is its only connection, answers `Ok` and
+    /// closes it. It takes no connection until the host writes one byte
+    /// to its stdin (after the checkpoint); a copy restored from the
+    /// checkpoint waits the same way on its own stdin.
+    Quiesce {
+        timeout_ms: u64,
+    },
     /// Connect to `127.0.0.1:port` inside the guest and relay raw bytes
     /// (a dev server, a browser's debugging port). Refused:
     /// [`ErrorKind::ConnectionRefused`].

@@ -39,7 +39,7 @@ impl Assets {
 /// Where the build puts forkbox's binaries, nearest first: next to the
 /// running program (or its parent, for test binaries in `deps/`), and the
 /// static agent's own target directory.
-pub(super) fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, VmError> {
+pub(crate) fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, VmError> {
     if let Some(p) = std::env::var_os(env) {
         return Ok(PathBuf::from(p));
     }

@@ -39,6 +39,7 @@ mod prefault;
 mod process;
 mod user;
 
+pub(crate) use assets::find_binary;
 pub use assets::Assets;
 pub use boot::Expected;
 pub use fork::{

@@ -1,0 +1,209 @@
+//! `container` mode: the agent as PID 1 of a gVisor sandbox, serving on a
+//! unix socket whose file is the host's (a directory the host mounts in).
+//!
+//! gVisor cannot checkpoint a socket bound to a host file, so before the
+//! host checkpoints the sandbox (a template's bake, a fork) it asks the
+//! agent to quiesce ([`Request::Quiesce`](forkbox_proto::Request)): the
+//! agent stops accepting, closes its listener, waits until the quiesce
+//! request is its only connection, answers and closes it. Then it waits
+//! for one byte on stdin, which the host writes once the checkpoint is
+//! made, and listens again. A sandbox restored from the checkpoint
+//! resumes in that same wait, on the stdin its restorer gave it.
+//!
+//! The [`Gate`] is the state the accept loop and the connection threads
+//! share for that: how many connections are open, and where a quiesce is.
+
+use std::io::{self, Read};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use forkbox_proto::{AgentError, ErrorKind};
+
+use crate::server::{self, Agent, Listener};
+
+/// Where a quiesce is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Serving.
+    Open,
+    /// A connection asked; the accept loop is to close the listener.
+    Asked,
+    /// The listener is closed; the asking connection waits for the others.
+    Closed,
+    /// The asking connection answered: wait for the host's byte on stdin.
+    Quiesced,
+    /// The others did not end in time: listen again at once.
+    GaveUp,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Connections accepted and not yet ended.
+    open: usize,
+    phase: Phase,
+}
+
+/// Shared by the accept loop and the connection threads.
+#[derive(Debug)]
+pub struct Gate {
+    path: PathBuf,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// Held by each connection's thread; counts it out when dropped.
+#[derive(Debug)]
+pub struct Open(Arc<Gate>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.open = state.open.saturating_sub(1);
+        self.0.changed.notify_all();
+    }
+}
+
+impl Gate {
+    fn new(path: PathBuf) -> Arc<Self> {
+        Arc::new(Self {
+            path,
+            state: Mutex::new(State {
+                open: 0,
+                phase: Phase::Open,
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a connection in; `None` when a quiesce is under way (the
+    /// connection is closed unanswered).
+    pub fn enter(self: &Arc<Self>) -> Option<Open> {
+        let mut state = self.lock();
+        if state.phase != Phase::Open {
+            return None;
+        }
+        state.open += 1;
+        Some(Open(Arc::clone(self)))
+    }
+
+    /// The quiesce request, on its connection's thread: has the listener
+    /// closed, waits until its own is the one connection left, and answers
+    /// `Ok` (the connection is closed by its thread's end).
+    pub fn quiesce(&self, conn: &UnixStream, within: Duration) -> Result<(), AgentError> {
+        let deadline = Instant::now() + within;
+        {
+            let mut state = self.lock();
+            if state.phase != Phase::Open {
+                return Err(AgentError::new(
+                    ErrorKind::InvalidRequest,
+                    "a quiesce is already under way",
+                ));
+            }
+            state.phase = Phase::Asked;
+        }
+        // Wake the accept loop, blocked in accept, with a connection of
+        // our own: it sees the phase and closes the listener.
+        let _ = UnixStream::connect(&self.path);
+        let mut state = self.lock();
+        while state.phase == Phase::Asked || (state.phase == Phase::Closed && state.open > 1) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let others = state.open.saturating_sub(1);
+                state.phase = Phase::GaveUp;
+                self.changed.notify_all();
+                return Err(AgentError::new(
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "{others} other request(s) still open after {within:?}: a sandbox is \
+                         checkpointed between requests (wait for its commands, or end them)"
+                    ),
+                ));
+            }
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        // The answer goes out before the accept loop may wait on stdin; the
+        // host reads it, then waits for this connection to close.
+        let _ = server::send(conn, &forkbox_proto::Response::Ok);
+        state.phase = Phase::Quiesced;
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// The accept loop, after it closed the listener: waits until the
+    /// quiesce is answered (or given up), then, once answered, for the
+    /// host's byte on stdin.
+    fn wait_to_reopen(&self, stdin: &mut impl Read) -> io::Result<()> {
+        let mut state = self.lock();
+        state.phase = Phase::Closed;
+        self.changed.notify_all();
+        while state.phase == Phase::Closed {
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        let answered = state.phase == Phase::Quiesced;
+        drop(state);
+        if answered {
+            // The quiescing connection's thread closes it right after its
+            // answer; the host checkpoints once it sees it closed.
+            let mut state = self.lock();
+            while state.open > 0 {
+                state = self
+                    .changed
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+            drop(state);
+            let mut byte = [0u8; 1];
+            loop {
+                match stdin.read(&mut byte) {
+                    Ok(1) => break,
+                    Ok(_) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "stdin closed while waiting for the host to end a checkpoint",
+                        ))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        self.lock().phase = Phase::Open;
+        Ok(())
+    }
+}
+
+/// Serves on `path` forever, closing and reopening the listener around
+/// each checkpoint.
+pub fn serve(path: &Path, agent: &Arc<Agent>, gate: &Arc<Gate>) -> Result<(), String> {
+    let mut stdin = io::stdin().lock();
+    loop {
+        let _ = std::fs::remove_file(path);
+        let listener =
+            UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))?;
+        let listener = Listener::Unix(listener);
+        server::serve_until(&listener, agent, || gate.lock().phase != Phase::Open)
+            .map_err(|e| crate::chain(&e))?;
+        drop(listener);
+        let _ = std::fs::remove_file(path);
+        gate.wait_to_reopen(&mut stdin)
+            .map_err(|e| format!("waiting for the host after a checkpoint: {e}"))?;
+    }
+}
+
+/// A gate for serving on `path`.
+pub fn gate(path: &Path) -> Arc<Gate> {
+    Gate::new(path.to_owned())
+}

@@ -1,0 +1,508 @@
+//! Sandboxes under gVisor (`runsc`), for hosts without hardware
+//! virtualization: the same guest agent serves each one, as the PID 1 of
+//! a gVisor sandbox instead of a microVM's.
+//!
+//! - A sandbox is an OCI bundle forkbox writes: the image's files (a
+//!   built-in image's ext4 unpacked once, [`crate::image::rootfs_dir`])
+//!   as its root, read-only, under an overlay kept in the sandbox's memory
+//!   (`--overlay2=root:memory`: its writes are its own, and go into its
+//!   checkpoints); the static agent bound in at [`AGENT_PATH`]; and a
+//!   directory of the host's at [`RUN_DIR`], where the agent listens
+//!   (`--host-uds=create`).
+//! - No network device: `--network=none` gives the sandbox a loopback
+//!   and nothing else, so all egress is denied.
+//! - A fork is a checkpoint and restores of it: [`Sandbox::checkpoint`]
+//!   has the agent close its socket (gVisor cannot save one bound to a
+//!   host file), checkpoints with `--leave-running` and lets the agent
+//!   listen again; [`Sandbox::restore`] starts a copy with a bundle of its
+//!   own, lets its agent listen on its own directory and runs the
+//!   after-fork hook. The agent waits for that go-ahead on its stdin, a
+//!   pipe whose other end the [`Sandbox`] holds.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use forkbox_proto::client::{AgentClient, ClientError};
+use forkbox_proto::{AfterForkReport, Hello, MIN_AFTER_FORK_ENTROPY};
+
+/// Where the agent is, inside a sandbox.
+pub const AGENT_PATH: &str = "/.forkbox/agent";
+/// The host directory the agent's socket is in, inside a sandbox.
+pub const RUN_DIR: &str = "/.forkbox/run";
+/// The agent's socket's name in [`RUN_DIR`].
+const SOCKET: &str = "agent.sock";
+/// How long a quiesce waits for a sandbox's other requests to end.
+const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a sandbox's agent has to answer after a start or restore.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum GvisorError {
+    #[error(
+        "gVisor's runsc was not found ({looked}): install it (`make runsc`, or \
+         `apt-get install runsc`; Debian 12 has a recent one in bookworm-backports), \
+         or name it with FORKBOX_RUNSC"
+    )]
+    NoRunsc { looked: String },
+    #[error("runsc {what} failed: {stderr}")]
+    Runsc { what: String, stderr: String },
+    #[error("cannot run runsc {what}")]
+    Spawn {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {path}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("preparing the image's files")]
+    Image(#[source] crate::image::ImageError),
+    #[error("finding the static agent")]
+    AgentBinary(#[source] crate::vm::VmError),
+    #[error("the sandbox's agent {what}")]
+    Agent {
+        what: &'static str,
+        #[source]
+        source: ClientError,
+    },
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> GvisorError + 'a {
+    move |source| GvisorError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The `runsc` binary and the directories its sandboxes live in.
+#[derive(Debug)]
+pub struct Runsc {
+    bin: PathBuf,
+    /// runsc's own state (`--root`).
+    state: PathBuf,
+    /// One directory per sandbox: its bundle, its agent's socket, its log.
+    sandboxes: PathBuf,
+}
+
+/// Tells sandboxes of one process apart.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Runsc {
+    /// Finds `runsc` (`$FORKBOX_RUNSC`, else `PATH`) and keeps its state
+    /// and sandboxes under `dir`.
+    pub fn find(dir: &Path) -> Result<Self, GvisorError> {
+        let bin = match std::env::var_os("FORKBOX_RUNSC") {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let path = std::env::var_os("PATH").unwrap_or_default();
+                let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+                dirs.extend(["/usr/sbin", "/usr/bin", "/usr/local/bin"].map(PathBuf::from));
+                dirs.into_iter()
+                    .map(|d| d.join("runsc"))
+                    .find(|p| p.is_file())
+                    .ok_or_else(|| GvisorError::NoRunsc {
+                        looked: "$FORKBOX_RUNSC, PATH, /usr/sbin, /usr/bin, /usr/local/bin".into(),
+                    })?
+            }
+        };
+        if !bin.is_file() {
+            return Err(GvisorError::NoRunsc {
+                looked: bin.display().to_string(),
+            });
+        }
+        let state = dir.join("state");
+        let sandboxes = dir.join("sandboxes");
+        for d in [&state, &sandboxes] {
+            std::fs::create_dir_all(d).map_err(io_err("making a directory", d))?;
+        }
+        Ok(Self {
+            bin,
+            state,
+            sandboxes,
+        })
+    }
+
+    /// `runsc` with the flags every call about a sandbox must repeat.
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("--root").arg(&self.state).args([
+            "--network=none",
+            "--host-uds=create",
+            "--overlay2=root:memory",
+        ]);
+        cmd
+    }
+
+    /// Runs `runsc <args>` to its end; its stderr is the error.
+    fn run(
+        &self,
+        what: &str,
+        args: &[&str],
+        stdin: Stdio,
+        log: Option<&File>,
+    ) -> Result<(), GvisorError> {
+        let mut cmd = self.command();
+        cmd.args(args).stdin(stdin);
+        match log {
+            // The sandbox inherits these: its agent's log goes there.
+            Some(f) => {
+                let out = f.try_clone().map_err(|source| GvisorError::Spawn {
+                    what: what.into(),
+                    source,
+                })?;
+                let err = f.try_clone().map_err(|source| GvisorError::Spawn {
+                    what: what.into(),
+                    source,
+                })?;
+                cmd.stdout(out).stderr(err);
+            }
+            None => {
+                cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+            }
+        }
+        let out = cmd.output().map_err(|source| GvisorError::Spawn {
+            what: what.into(),
+            source,
+        })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if stderr.is_empty() {
+            if let Some(f) = log {
+                stderr = tail_of(f);
+            }
+        }
+        // runsc prints a Go stack after its one-line reason: keep the reason.
+        let reason = stderr
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("(no message)")
+            .to_string();
+        Err(GvisorError::Runsc {
+            what: what.into(),
+            stderr: format!("{reason} ({})", out.status),
+        })
+    }
+}
+
+/// The last lines of a log file the sandbox writes.
+fn tail_of(file: &File) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match file.try_clone() {
+        Ok(f) => f,
+        Err(_) => return String::new(),
+    };
+    let len = f.seek(SeekFrom::End(0)).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(2048)));
+    let mut text = String::new();
+    let _ = f.read_to_string(&mut text);
+    text.trim().to_string()
+}
+
+/// What a sandbox runs.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// The image's files (read-only: the sandbox writes to its overlay).
+    pub rootfs: PathBuf,
+    /// The static `forkbox-agent`.
+    pub agent: PathBuf,
+}
+
+impl SandboxSpec {
+    /// A built-in image's sandbox: its files unpacked (once) and the
+    /// static agent the build made.
+    pub fn image(name: crate::image::ImageName) -> Result<Self, GvisorError> {
+        let rootfs = crate::image::rootfs_dir(name, &[(AGENT_PATH, true), (RUN_DIR, false)])
+            .map_err(GvisorError::Image)?;
+        let agent = crate::vm::find_binary("forkbox-agent", "FORKBOX_AGENT")
+            .map_err(GvisorError::AgentBinary)?;
+        Ok(Self { rootfs, agent })
+    }
+}
+
+/// One gVisor sandbox, ended (and its directory removed) when dropped.
+#[derive(Debug)]
+pub struct Sandbox {
+    runsc: Arc<Runsc>,
+    id: String,
+    dir: PathBuf,
+    /// The agent's stdin: one byte lets it listen again after a quiesce.
+    go: Mutex<File>,
+    log: File,
+    agent: AgentClient,
+    hello: Option<Hello>,
+    /// Spawn (or restore) to the agent's first answer.
+    pub ready_after: Duration,
+}
+
+impl Sandbox {
+    /// Starts a sandbox and waits for its agent.
+    pub fn start(runsc: &Arc<Runsc>, spec: &SandboxSpec) -> Result<Self, GvisorError> {
+        Self::launch(runsc, spec, None)
+    }
+
+    /// A copy of the sandbox checkpointed in `image`, running, its
+    /// after-fork hook done (the report says what it did).
+    pub fn restore(
+        runsc: &Arc<Runsc>,
+        spec: &SandboxSpec,
+        image: &Path,
+    ) -> Result<(Self, AfterForkReport), GvisorError> {
+        let sandbox = Self::launch(runsc, spec, Some(image))?;
+        let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
+        rustix::rand::getrandom(&mut entropy, rustix::rand::GetRandomFlags::empty()).map_err(
+            |e| GvisorError::Io {
+                what: "reading the host's RNG",
+                path: PathBuf::from("getrandom"),
+                source: e.into(),
+            },
+        )?;
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let report =
+            sandbox
+                .agent
+                .after_fork(now, entropy)
+                .map_err(|source| GvisorError::Agent {
+                    what: "refused the after-fork hook",
+                    source,
+                })?;
+        Ok((sandbox, report))
+    }
+
+    fn launch(
+        runsc: &Arc<Runsc>,
+        spec: &SandboxSpec,
+        image: Option<&Path>,
+    ) -> Result<Self, GvisorError> {
+        let start = Instant::now();
+        let id = format!(
+            "forkbox-{}-{}",
+            std::process::id(),
+            NEXT_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = runsc.sandboxes.join(&id);
+        let run = dir.join("run");
+        std::fs::create_dir_all(&run).map_err(io_err("making the sandbox's directory", &run))?;
+        let config = dir.join("config.json");
+        std::fs::write(&config, bundle_config(spec, &run).to_string())
+            .map_err(io_err("writing the bundle", &config))?;
+        let log_path = dir.join("console.log");
+        let log = File::create(&log_path).map_err(io_err("making the log", &log_path))?;
+        let (reader, writer) = std::io::pipe().map_err(io_err("making a pipe", &dir))?;
+        let bundle = dir.to_string_lossy().into_owned();
+        let mut sandbox = Self {
+            runsc: Arc::clone(runsc),
+            id: id.clone(),
+            dir,
+            go: Mutex::new(File::from(std::os::fd::OwnedFd::from(writer))),
+            log,
+            agent: AgentClient::unix(run.join(SOCKET)),
+            hello: None,
+            ready_after: Duration::ZERO,
+        };
+        match image {
+            None => runsc.run(
+                "run",
+                &["run", "--detach", "--bundle", &bundle, &id],
+                Stdio::from(reader),
+                Some(&sandbox.log),
+            )?,
+            Some(image) => {
+                let image = format!("--image-path={}", image.display());
+                runsc.run(
+                    "restore",
+                    &["restore", &image, "--detach", "--bundle", &bundle, &id],
+                    Stdio::from(reader),
+                    Some(&sandbox.log),
+                )?;
+                // The restored agent waits where its original quiesced.
+                sandbox.go_ahead()?;
+            }
+        }
+        let hello =
+            sandbox
+                .agent
+                .wait_ready(READY_TIMEOUT)
+                .map_err(|source| GvisorError::Agent {
+                    what: "did not answer",
+                    source,
+                })?;
+        sandbox.hello = Some(hello);
+        sandbox.ready_after = start.elapsed();
+        Ok(sandbox)
+    }
+
+    /// Lets a quiesced agent listen again.
+    fn go_ahead(&self) -> Result<(), GvisorError> {
+        let mut go = self
+            .go
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        go.write_all(b"g")
+            .map_err(io_err("telling the agent to listen again", &self.dir))
+    }
+
+    /// A client of its agent.
+    pub fn agent(&self) -> AgentClient {
+        self.agent.clone()
+    }
+
+    /// What its agent said when it first answered.
+    pub fn hello(&self) -> Option<&Hello> {
+        self.hello.as_ref()
+    }
+
+    /// runsc's name for it.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Writes the running sandbox to `image` (a directory), which
+    /// [`restore`](Self::restore) starts copies of; it goes on running.
+    /// Requests still open to its agent are waited for, 10 s at most.
+    pub fn checkpoint(&self, image: &Path) -> Result<(), GvisorError> {
+        self.checkpoint_within(image, QUIESCE_TIMEOUT)
+    }
+
+    /// [`checkpoint`](Self::checkpoint), waiting at most `within` for open
+    /// requests to end (then nothing is made, and the agent serves on).
+    pub fn checkpoint_within(&self, image: &Path, within: Duration) -> Result<(), GvisorError> {
+        std::fs::create_dir_all(image)
+            .map_err(io_err("making the checkpoint's directory", image))?;
+        self.agent
+            .quiesce(within)
+            .map_err(|source| GvisorError::Agent {
+                what: "could not quiesce for the checkpoint",
+                source,
+            })?;
+        let image_arg = format!("--image-path={}", image.display());
+        let made = self.runsc.run(
+            "checkpoint",
+            &["checkpoint", &image_arg, "--leave-running", &self.id],
+            Stdio::null(),
+            None,
+        );
+        // Listen again whether or not the checkpoint was made.
+        let resumed = self.go_ahead();
+        made?;
+        resumed?;
+        self.agent
+            .wait_ready(READY_TIMEOUT)
+            .map_err(|source| GvisorError::Agent {
+                what: "did not answer after the checkpoint",
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// Stops it in place (`runsc pause`).
+    pub fn pause(&self) -> Result<(), GvisorError> {
+        self.runsc
+            .run("pause", &["pause", &self.id], Stdio::null(), None)
+    }
+
+    pub fn resume(&self) -> Result<(), GvisorError> {
+        self.runsc
+            .run("resume", &["resume", &self.id], Stdio::null(), None)
+    }
+
+    /// Its agent's log, and gVisor's about it.
+    pub fn console(&self) -> String {
+        tail_of(&self.log)
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = self.runsc.run(
+            "delete",
+            &["delete", "--force", &self.id],
+            Stdio::null(),
+            None,
+        );
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The OCI runtime spec of a sandbox (`config.json`).
+fn bundle_config(spec: &SandboxSpec, run: &Path) -> serde_json::Value {
+    // The agent is the sandbox's root: what it may do is bounded by gVisor,
+    // not by capabilities; it needs setuid, chown and the like to run the
+    // policy's commands as their user.
+    let caps: Vec<&str> = vec![
+        "CAP_CHOWN",
+        "CAP_DAC_OVERRIDE",
+        "CAP_DAC_READ_SEARCH",
+        "CAP_FOWNER",
+        "CAP_FSETID",
+        "CAP_KILL",
+        "CAP_SETGID",
+        "CAP_SETUID",
+        "CAP_SETPCAP",
+        "CAP_LINUX_IMMUTABLE",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_NET_ADMIN",
+        "CAP_NET_RAW",
+        "CAP_SYS_CHROOT",
+        "CAP_SYS_PTRACE",
+        "CAP_SYS_ADMIN",
+        "CAP_SYS_NICE",
+        "CAP_SYS_RESOURCE",
+        "CAP_MKNOD",
+        "CAP_AUDIT_WRITE",
+    ];
+    serde_json::json!({
+        "ociVersion": "1.0.0",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH, "container", "--listen", format!("unix:{RUN_DIR}/{SOCKET}")],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps, "effective": caps, "permitted": caps,
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+        },
+        "root": {"path": spec.rootfs, "readonly": false},
+        "hostname": "forkbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777"]},
+            {"destination": RUN_DIR, "type": "bind", "source": run, "options": ["rbind", "rw"]},
+            {"destination": AGENT_PATH, "type": "bind", "source": spec.agent,
+             "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                {"type": "uts"}, {"type": "mount"},
+            ],
+        },
+    })
+}

@@ -1,0 +1,208 @@
+//! gVisor sandboxes, natively (no emulated host): `runsc` from the
+//! Makefile's install, the static agent from the build, the `minimal`
+//! image. None is skipped: without `runsc` these fail and say how to get it.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+
+use forkbox_host::gvisor::{Runsc, Sandbox, SandboxSpec};
+use forkbox_host::image::ImageName;
+use forkbox_proto::client::AgentClient;
+use forkbox_proto::{ExecRequest, HookStep, OutputStream, User};
+
+fn runsc(dir: &tempfile::TempDir) -> Arc<Runsc> {
+    Arc::new(Runsc::find(dir.path()).unwrap_or_else(|e| panic!("{}", error_chain(&e))))
+}
+
+fn spec() -> SandboxSpec {
+    SandboxSpec::image(ImageName::Minimal).unwrap_or_else(|e| panic!("{}", error_chain(&e)))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    forkbox_proto::error_chain(e)
+}
+
+/// Runs `script` as `user` (root when `None`); returns (exit code, stdout).
+fn sh(agent: &AgentClient, script: &str, user: Option<&str>) -> (Option<i32>, String) {
+    let mut req = ExecRequest::shell(script);
+    req.user = user.map(|u| User::Name(u.into()));
+    let mut out = Vec::new();
+    let result = agent
+        .exec(&req, None, &mut |stream, bytes| {
+            if stream == OutputStream::Stdout {
+                out.extend_from_slice(bytes);
+            }
+        })
+        .unwrap_or_else(|e| panic!("exec {script:?}: {}", error_chain(&e)));
+    (
+        result.exit_code(),
+        String::from_utf8_lossy(&out).into_owned(),
+    )
+}
+
+fn start(runsc: &Arc<Runsc>, spec: &SandboxSpec) -> Sandbox {
+    Sandbox::start(runsc, spec).unwrap_or_else(|e| panic!("start: {}", error_chain(&e)))
+}
+
+#[test]
+fn a_sandbox_runs_commands_as_root_and_as_the_policy_user() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let sandbox = start(&runsc, &spec());
+    let agent = sandbox.agent();
+    assert_eq!(
+        sh(&agent, "id -u; echo hi >&2; exit 3", None),
+        (Some(3), "0\n".into())
+    );
+    assert_eq!(
+        sh(&agent, "id -un", Some("user")),
+        (Some(0), "user\n".into())
+    );
+    // The policy user cannot write root's files; root's writes stay in the
+    // sandbox's overlay, not in the image's files on the host.
+    let (code, _) = sh(&agent, "echo x > /etc/hosts", Some("user"));
+    assert_ne!(code, Some(0), "the policy user wrote /etc/hosts");
+    assert_eq!(
+        sh(&agent, "echo sandboxed > /etc/motd && cat /etc/motd", None).1,
+        "sandboxed\n"
+    );
+    assert!(
+        !spec().rootfs.join("etc/motd").exists(),
+        "a sandbox's write reached the image's files on the host"
+    );
+    let hello = sandbox.hello().expect("hello");
+    assert!(hello.boot.pid1, "the agent is not the sandbox's PID 1");
+}
+
+#[test]
+fn a_sandbox_reaches_no_host_address() {
+    // A server on the host's loopback: the sandbox's loopback is its own,
+    // and it has no other network.
+    let server = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    server.set_nonblocking(true).expect("nonblocking");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let sandbox = start(&runsc, &spec());
+    let (code, out) = sh(
+        &sandbox.agent(),
+        &format!(
+            "echo hi | nc -w 2 127.0.0.1 {port}; echo \"nc=$?\"; ip -o link 2>/dev/null | wc -l"
+        ),
+        None,
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("nc=1"),
+        "nc reached the host's loopback: {out}"
+    );
+    assert!(
+        server.accept().is_err(),
+        "the host's server was connected to from the sandbox"
+    );
+}
+
+#[test]
+fn forks_of_a_running_sandbox_start_from_its_state_and_write_their_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let spec = spec();
+    let parent = start(&runsc, &spec);
+    let agent = parent.agent();
+    assert_eq!(
+        sh(&agent, "echo parent > /home/user/state", Some("user")).0,
+        Some(0)
+    );
+    // A process running through the checkpoint: every copy has it.
+    let bg = agent
+        .spawn(&ExecRequest::shell("echo up > /tmp/bg; exec sleep 1000"))
+        .expect("spawn");
+    let image = dir.path().join("checkpoint");
+    parent
+        .checkpoint(&image)
+        .unwrap_or_else(|e| panic!("checkpoint: {}", error_chain(&e)));
+    // The parent goes on, and its writes are not its children's.
+    assert_eq!(sh(&agent, "echo later > /home/user/state", None).0, Some(0));
+
+    let children: Vec<Sandbox> = (0..3)
+        .map(|i| {
+            let (child, report) = Sandbox::restore(&runsc, &spec, &image)
+                .unwrap_or_else(|e| panic!("restore {i}: {}", error_chain(&e)));
+            assert!(
+                matches!(report.clock, HookStep::Skipped { .. }),
+                "{report:?}"
+            );
+            assert!(matches!(report.rng, HookStep::Skipped { .. }), "{report:?}");
+            child
+        })
+        .collect();
+    for (i, child) in children.iter().enumerate() {
+        let agent = child.agent();
+        assert_eq!(
+            sh(&agent, "cat /home/user/state", None).1,
+            "parent\n",
+            "child {i}"
+        );
+        assert_eq!(sh(&agent, "cat /tmp/bg", None).1, "up\n", "child {i}");
+        let processes = agent.processes().expect("processes");
+        assert!(
+            processes.iter().any(|p| p.pid == bg),
+            "child {i} lost the parent's background process {bg}: {processes:?}"
+        );
+        let script = format!("echo child{i} > /home/user/state");
+        assert_eq!(sh(&agent, &script, Some("user")).0, Some(0));
+    }
+    for (i, child) in children.iter().enumerate() {
+        assert_eq!(
+            sh(&child.agent(), "cat /home/user/state", None).1,
+            format!("child{i}\n")
+        );
+    }
+    assert_eq!(sh(&agent, "cat /home/user/state", None).1, "later\n");
+    // Each copy draws its own randomness.
+    let draws: Vec<String> = children
+        .iter()
+        .map(|c| sh(&c.agent(), "head -c 16 /dev/urandom | od -An -tx1", None).1)
+        .collect();
+    assert_ne!(draws[0], draws[1]);
+    assert_ne!(draws[1], draws[2]);
+}
+
+#[test]
+fn a_checkpoint_waits_for_open_requests_and_says_which_are_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let sandbox = start(&runsc, &spec());
+    let agent = sandbox.agent();
+    // A command streaming stdin holds its request open until stdin ends.
+    let (reader, mut writer) = std::io::pipe().expect("pipe");
+    let long = std::thread::spawn(move || {
+        let mut reader: Box<dyn Read + Send> = Box::new(reader);
+        let mut out = Vec::new();
+        agent
+            .exec(
+                &ExecRequest::shell("cat"),
+                Some(&mut *reader),
+                &mut |_, b| out.extend_from_slice(b),
+            )
+            .map(|r| (r.exit_code(), out))
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let image = dir.path().join("checkpoint");
+    let err = sandbox
+        .checkpoint_within(&image, std::time::Duration::from_millis(500))
+        .expect_err("a checkpoint with a request open");
+    let text = error_chain(&err);
+    assert!(text.contains("1 other request(s) still open"), "{text}");
+    // The open request was not harmed, and the sandbox serves again.
+    writer.write_all(b"still here\n").expect("write");
+    drop(writer);
+    let (code, out) = long.join().expect("join").expect("exec");
+    assert_eq!((code, out), (Some(0), b"still here\n".to_vec()));
+    assert_eq!(sh(&sandbox.agent(), "echo back", None).1, "back\n");
+    // With nothing open, it is made.
+    sandbox
+        .checkpoint(&image)
+        .unwrap_or_else(|e| panic!("checkpoint: {}", error_chain(&e)));
+}
