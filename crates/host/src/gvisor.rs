@@ -394,7 +394,13 @@ impl Sandbox {
         let image_arg = format!("--image-path={}", image.display());
         let made = self.runsc.run(
             "checkpoint",
-            &["checkpoint", &image_arg, "--leave-running", &self.id],
+            &[
+                "checkpoint",
+                &image_arg,
+                "--compression=none",
+                "--leave-running",
+                &self.id,
+            ],
             Stdio::null(),
             None,
         );
@@ -420,6 +426,23 @@ impl Sandbox {
     pub fn resume(&self) -> Result<(), GvisorError> {
         self.runsc
             .run("resume", &["resume", &self.id], Stdio::null(), None)
+    }
+
+    /// The host processes that make it up (gVisor's sentry, its gofer):
+    /// those started with its bundle.
+    pub fn host_pids(&self) -> Vec<u32> {
+        let flag = format!("--bundle={}", self.dir.display());
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                    cmdline.split(|b| *b == 0).any(|arg| arg == flag.as_bytes())
+                })
+            })
+            .collect()
     }
 
     /// Its agent's log, and gVisor's about it.

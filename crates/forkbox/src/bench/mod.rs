@@ -5,12 +5,13 @@
 //! figures can be compared across environments.
 //!
 //! One file per benchmark: [`fork`], [`churn`], [`isolation`], [`net`], [`service`] (the
-//! daemon's API), [`vm`] (boot and exec), [`testbed`]; here the command
+//! daemon's API), [`vm`] (boot and exec), [`testbed`], [`gvisor`] (the gVisor backend); here the command
 //! line, the statistics and the calibration they share.
 
 pub mod churn;
 pub mod disk;
 pub mod fork;
+pub mod gvisor;
 pub mod image;
 pub mod isolation;
 pub mod net;
@@ -71,6 +72,10 @@ pub enum BenchCmd {
     /// A template that travels: bake + first command on one daemon, push,
     /// then pull + first command on another (its own state directory).
     Template(template::Options),
+    /// The gVisor backend, natively: cold start, exec round trip,
+    /// checkpoint, fork → first exec, memory per idle sandbox, and a
+    /// syscall-heavy loop against the host's.
+    Gvisor(gvisor::Options),
     /// A tight loop and fork+exec, here: the yardstick for other figures.
     Calibrate {
         #[arg(long)]
@@ -194,6 +199,11 @@ pub fn run(what: BenchCmd) -> anyhow::Result<i32> {
             vm::exec(runs, json)
         }
         BenchCmd::Testbed { runs, json } => testbed::run(runs, json),
+        BenchCmd::Gvisor(opts) => {
+            let report = gvisor::run(&opts)?;
+            print_report(opts.json, report);
+            Ok(0)
+        }
         BenchCmd::Image(opts) => {
             let report = image::run(&opts)?;
             print_report(opts.json, report);
