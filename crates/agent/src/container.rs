@@ -10,6 +10,10 @@
 //! made, and listens again. A sandbox restored from the checkpoint
 //! resumes in that same wait, on the stdin its restorer gave it.
 //!
+//! Stdin is also the host's hold on the sandbox: when it closes (the
+//! process that made the sandbox ended without ending it), the agent
+//! ends, and the sandbox with it.
+//!
 //! The [`Gate`] is the state the accept loop and the connection threads
 //! share for that: how many connections are open, and where a quiesce is.
 
@@ -43,6 +47,8 @@ struct State {
     /// Connections accepted and not yet ended.
     open: usize,
     phase: Phase,
+    /// The host's byte came since the last quiesce was answered.
+    go: bool,
 }
 
 /// Shared by the accept loop and the connection threads.
@@ -72,6 +78,7 @@ impl Gate {
             state: Mutex::new(State {
                 open: 0,
                 phase: Phase::Open,
+                go: false,
             }),
             changed: Condvar::new(),
         })
@@ -135,6 +142,7 @@ impl Gate {
         // host reads it, then waits for this connection to close.
         let _ = server::send(conn, &forkbox_proto::Response::Ok);
         state.phase = Phase::Quiesced;
+        state.go = false;
         self.changed.notify_all();
         Ok(())
     }
@@ -142,7 +150,7 @@ impl Gate {
     /// The accept loop, after it closed the listener: waits until the
     /// quiesce is answered (or given up), then, once answered, for the
     /// host's byte on stdin.
-    fn wait_to_reopen(&self, stdin: &mut impl Read) -> io::Result<()> {
+    fn wait_to_reopen(&self) {
         let mut state = self.lock();
         state.phase = Phase::Closed;
         self.changed.notify_all();
@@ -164,31 +172,51 @@ impl Gate {
                     .wait(state)
                     .unwrap_or_else(PoisonError::into_inner);
             }
-            drop(state);
-            let mut byte = [0u8; 1];
-            loop {
-                match stdin.read(&mut byte) {
-                    Ok(1) => break,
-                    Ok(_) => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "stdin closed while waiting for the host to end a checkpoint",
-                        ))
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
+            while !state.go {
+                state = self
+                    .changed
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
             }
         }
         self.lock().phase = Phase::Open;
-        Ok(())
+    }
+
+    /// Reads stdin for good: each byte is the host's go-ahead after a
+    /// checkpoint; its end is the host letting go, which ends the agent.
+    fn watch_stdin(&self) -> ! {
+        let mut stdin = io::stdin().lock();
+        let mut byte = [0u8; 1];
+        loop {
+            match stdin.read(&mut byte) {
+                Ok(1) => {
+                    self.lock().go = true;
+                    self.changed.notify_all();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                end => {
+                    let why = match end {
+                        Err(e) => e.to_string(),
+                        _ => "end of file".into(),
+                    };
+                    crate::log(&format!(
+                        "the host let go of this sandbox (stdin: {why}): ending it"
+                    ));
+                    crate::shutdown(server::ShutdownAction::Exit)
+                }
+            }
+        }
     }
 }
 
 /// Serves on `path` forever, closing and reopening the listener around
 /// each checkpoint.
 pub fn serve(path: &Path, agent: &Arc<Agent>, gate: &Arc<Gate>) -> Result<(), String> {
-    let mut stdin = io::stdin().lock();
+    let watcher = Arc::clone(gate);
+    std::thread::Builder::new()
+        .name("stdin".into())
+        .spawn(move || watcher.watch_stdin())
+        .map_err(|e| format!("cannot start the stdin thread: {e}"))?;
     loop {
         let _ = std::fs::remove_file(path);
         let listener =
@@ -198,8 +226,7 @@ pub fn serve(path: &Path, agent: &Arc<Agent>, gate: &Arc<Gate>) -> Result<(), St
             .map_err(|e| crate::chain(&e))?;
         drop(listener);
         let _ = std::fs::remove_file(path);
-        gate.wait_to_reopen(&mut stdin)
-            .map_err(|e| format!("waiting for the host after a checkpoint: {e}"))?;
+        gate.wait_to_reopen();
     }
 }
 

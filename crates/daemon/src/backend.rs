@@ -63,6 +63,12 @@ pub enum BackendError {
     ForkChildMissing { index: usize },
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
+    #[error("gVisor: {what}")]
+    Gvisor {
+        what: &'static str,
+        #[source]
+        source: forkbox_host::gvisor::GvisorError,
+    },
     #[error("making a writable disk's volume")]
     Volume(#[source] forkbox_host::volume::VolumeError),
 }

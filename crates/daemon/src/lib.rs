@@ -5,7 +5,8 @@
 //!   lineage; no I/O, no clock of its own.
 //! - [`template`]: templates and their ready recipe.
 //! - [`backend`]: the [`backend::Backend`] trait between the daemon and
-//!   VMs, implemented on `forkbox_host::vm`.
+//!   VMs, implemented on `forkbox_host::vm`; [`gvisor`]: the same trait on
+//!   gVisor, for hosts without hardware virtualization.
 //! - [`service`]: the daemon proper: typed commands in, VMs driven through
 //!   the backend on the blocking pool, the TTL reaper, metrics.
 //! - [`metrics`]: counters, gauges and histograms in Prometheus' text
@@ -24,6 +25,7 @@
 pub mod api;
 pub mod backend;
 pub mod core;
+pub mod gvisor;
 pub mod listen;
 pub mod metrics;
 pub mod network;

@@ -38,6 +38,9 @@ pub const RUN_DIR: &str = "/.forkbox/run";
 const SOCKET: &str = "agent.sock";
 /// How long a quiesce waits for a sandbox's other requests to end.
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Restores run at once by [`Sandbox::restore_each`]: each is mostly
+/// runsc's own start (three Go processes).
+pub const RESTORE_WORKERS: usize = 4;
 /// How long a sandbox's agent has to answer after a start or restore.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -146,28 +149,38 @@ impl Runsc {
         cmd
     }
 
+    /// The pid `runsc state` gives for sandbox `id` (its sentry's).
+    fn state_pid(&self, id: &str) -> Option<u32> {
+        let out = self.command().args(["state", id]).output().ok()?;
+        let state: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        state["pid"].as_u64().and_then(|p| u32::try_from(p).ok())
+    }
+
     /// Runs `runsc <args>` to its end; its stderr is the error.
     fn run(
         &self,
         what: &str,
         args: &[&str],
         stdin: Stdio,
-        log: Option<&File>,
+        log: Option<&Path>,
     ) -> Result<(), GvisorError> {
         let mut cmd = self.command();
         cmd.args(args).stdin(stdin);
         match log {
-            // The sandbox inherits these: its agent's log goes there.
-            Some(f) => {
-                let out = f.try_clone().map_err(|source| GvisorError::Spawn {
-                    what: what.into(),
-                    source,
-                })?;
-                let err = f.try_clone().map_err(|source| GvisorError::Spawn {
-                    what: what.into(),
-                    source,
-                })?;
-                cmd.stdout(out).stderr(err);
+            // The sandbox inherits these: its agent's log goes there. Opened
+            // to append, so that no reader's offset moves its writes.
+            Some(path) => {
+                let open = || {
+                    std::fs::OpenOptions::new()
+                        .append(true)
+                        .create(true)
+                        .open(path)
+                        .map_err(|source| GvisorError::Spawn {
+                            what: what.into(),
+                            source,
+                        })
+                };
+                cmd.stdout(open()?).stderr(open()?);
             }
             None => {
                 cmd.stdout(Stdio::null()).stderr(Stdio::piped());
@@ -200,11 +213,10 @@ impl Runsc {
 }
 
 /// The last lines of a log file the sandbox writes.
-fn tail_of(file: &File) -> String {
+fn tail_of(path: &Path) -> String {
     use std::io::{Read, Seek, SeekFrom};
-    let mut f = match file.try_clone() {
-        Ok(f) => f,
-        Err(_) => return String::new(),
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
     };
     let len = f.seek(SeekFrom::End(0)).unwrap_or(0);
     let _ = f.seek(SeekFrom::Start(len.saturating_sub(2048)));
@@ -240,11 +252,14 @@ pub struct Sandbox {
     runsc: Arc<Runsc>,
     id: String,
     dir: PathBuf,
-    /// The agent's stdin: one byte lets it listen again after a quiesce.
-    go: Mutex<File>,
-    log: File,
+    /// The agent's stdin: one byte lets it listen again after a quiesce;
+    /// its end (this process's, or [`release`](Sandbox::release)) ends
+    /// the sandbox.
+    go: Mutex<Option<File>>,
+    log: PathBuf,
     agent: AgentClient,
     hello: Option<Hello>,
+    pid: Option<u32>,
     /// Spawn (or restore) to the agent's first answer.
     pub ready_after: Duration,
 }
@@ -256,33 +271,56 @@ impl Sandbox {
     }
 
     /// A copy of the sandbox checkpointed in `image`, running, its
-    /// after-fork hook done (the report says what it did).
+    /// after-fork hook done (the report says what it did); with `seed`,
+    /// its guest gets it as `FORKBOX_SEED` (gVisor's own RNG stays the
+    /// host's).
     pub fn restore(
         runsc: &Arc<Runsc>,
         spec: &SandboxSpec,
         image: &Path,
+        seed: Option<u64>,
     ) -> Result<(Self, AfterForkReport), GvisorError> {
         let sandbox = Self::launch(runsc, spec, Some(image))?;
-        let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
-        rustix::rand::getrandom(&mut entropy, rustix::rand::GetRandomFlags::empty()).map_err(
-            |e| GvisorError::Io {
-                what: "reading the host's RNG",
-                path: PathBuf::from("getrandom"),
-                source: e.into(),
-            },
-        )?;
+        let entropy = match seed {
+            Some(seed) => crate::vm::seeded_entropy(seed),
+            None => {
+                let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
+                rustix::rand::getrandom(&mut entropy, rustix::rand::GetRandomFlags::empty())
+                    .map_err(|e| GvisorError::Io {
+                        what: "reading the host's RNG",
+                        path: PathBuf::from("getrandom"),
+                        source: e.into(),
+                    })?;
+                entropy
+            }
+        };
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        let report =
-            sandbox
-                .agent
-                .after_fork(now, entropy)
-                .map_err(|source| GvisorError::Agent {
-                    what: "refused the after-fork hook",
-                    source,
-                })?;
+        let report = sandbox
+            .agent
+            .after_fork_seeded(now, entropy, seed)
+            .map_err(|source| GvisorError::Agent {
+                what: "refused the after-fork hook",
+                source,
+            })?;
         Ok((sandbox, report))
+    }
+
+    /// `n` copies of `image` ([`restore`](Self::restore)), made on at most
+    /// [`RESTORE_WORKERS`] threads, each handed to `on_child` with its
+    /// index as soon as it is up; copy `i` gets `seeds[i]` when given.
+    pub fn restore_each(
+        runsc: &Arc<Runsc>,
+        spec: &SandboxSpec,
+        image: &Path,
+        n: usize,
+        seeds: &[u64],
+        on_child: &(dyn Fn(usize, Result<(Self, AfterForkReport), GvisorError>) + Sync),
+    ) {
+        crate::vm::on_workers(n, RESTORE_WORKERS, |i| {
+            on_child(i, Self::restore(runsc, spec, image, seeds.get(i).copied()))
+        });
     }
 
     fn launch(
@@ -302,18 +340,18 @@ impl Sandbox {
         let config = dir.join("config.json");
         std::fs::write(&config, bundle_config(spec, &run).to_string())
             .map_err(io_err("writing the bundle", &config))?;
-        let log_path = dir.join("console.log");
-        let log = File::create(&log_path).map_err(io_err("making the log", &log_path))?;
+        let log = dir.join("console.log");
         let (reader, writer) = std::io::pipe().map_err(io_err("making a pipe", &dir))?;
         let bundle = dir.to_string_lossy().into_owned();
         let mut sandbox = Self {
             runsc: Arc::clone(runsc),
             id: id.clone(),
             dir,
-            go: Mutex::new(File::from(std::os::fd::OwnedFd::from(writer))),
+            go: Mutex::new(Some(File::from(std::os::fd::OwnedFd::from(writer)))),
             log,
             agent: AgentClient::unix(run.join(SOCKET)),
             hello: None,
+            pid: None,
             ready_after: Duration::ZERO,
         };
         match image {
@@ -321,7 +359,7 @@ impl Sandbox {
                 "run",
                 &["run", "--detach", "--bundle", &bundle, &id],
                 Stdio::from(reader),
-                Some(&sandbox.log),
+                Some(sandbox.log.as_path()),
             )?,
             Some(image) => {
                 let image = format!("--image-path={}", image.display());
@@ -329,7 +367,7 @@ impl Sandbox {
                     "restore",
                     &["restore", &image, "--detach", "--bundle", &bundle, &id],
                     Stdio::from(reader),
-                    Some(&sandbox.log),
+                    Some(sandbox.log.as_path()),
                 )?;
                 // The restored agent waits where its original quiesced.
                 sandbox.go_ahead()?;
@@ -344,6 +382,7 @@ impl Sandbox {
                     source,
                 })?;
         sandbox.hello = Some(hello);
+        sandbox.pid = runsc.state_pid(&id);
         sandbox.ready_after = start.elapsed();
         Ok(sandbox)
     }
@@ -354,6 +393,13 @@ impl Sandbox {
             .go
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(go) = go.as_mut() else {
+            return Err(GvisorError::Io {
+                what: "telling the agent to listen again",
+                path: self.dir.clone(),
+                source: std::io::Error::other("the sandbox was released"),
+            });
+        };
         go.write_all(b"g")
             .map_err(io_err("telling the agent to listen again", &self.dir))
     }
@@ -371,6 +417,35 @@ impl Sandbox {
     /// runsc's name for it.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The host process of gVisor's kernel for it (its sentry).
+    pub fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    /// Whether it has ended (its sentry is gone).
+    pub fn ended(&self) -> bool {
+        self.pid.is_none_or(crate::measure::exited)
+    }
+
+    /// Lets go of it as the end of this process would: its agent sees its
+    /// stdin close and ends, and the sandbox with it.
+    pub fn release(&self) {
+        self.go
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+    }
+
+    /// Ends it now; dropping it removes what is left.
+    pub fn kill(&self) {
+        let _ = self.runsc.run(
+            "delete",
+            &["delete", "--force", &self.id],
+            Stdio::null(),
+            None,
+        );
     }
 
     /// Writes the running sandbox to `image` (a directory), which

@@ -127,7 +127,7 @@ fn forks_of_a_running_sandbox_start_from_its_state_and_write_their_own() {
 
     let children: Vec<Sandbox> = (0..3)
         .map(|i| {
-            let (child, report) = Sandbox::restore(&runsc, &spec, &image)
+            let (child, report) = Sandbox::restore(&runsc, &spec, &image, None)
                 .unwrap_or_else(|e| panic!("restore {i}: {}", error_chain(&e)));
             assert!(
                 matches!(report.clock, HookStep::Skipped { .. }),
@@ -205,4 +205,28 @@ fn a_checkpoint_waits_for_open_requests_and_says_which_are_left() {
     sandbox
         .checkpoint(&image)
         .unwrap_or_else(|e| panic!("checkpoint: {}", error_chain(&e)));
+}
+
+#[test]
+fn a_sandbox_whose_maker_lets_go_ends_itself() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let sandbox = start(&runsc, &spec());
+    assert!(!sandbox.ended());
+    let pid = sandbox.pid().expect("the sandbox's pid");
+    sandbox.release();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !sandbox.ended() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sandbox {pid} still runs 20 s after its maker let go:\n{}",
+            sandbox.console()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        sandbox.console().contains("let go of this sandbox"),
+        "{}",
+        sandbox.console()
+    );
 }

@@ -70,7 +70,7 @@ pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
     let mut first_execs = Vec::new();
     for i in 0..opts.children {
         let t = Instant::now();
-        let (child, _report) = Sandbox::restore(&runsc, &spec, &image)?;
+        let (child, _report) = Sandbox::restore(&runsc, &spec, &image, None)?;
         restores.push(t.elapsed());
         exec_ok(&child, &truth)?;
         first_execs.push(t.elapsed());

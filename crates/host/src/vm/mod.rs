@@ -42,6 +42,7 @@ mod user;
 pub(crate) use assets::find_binary;
 pub use assets::Assets;
 pub use boot::Expected;
+pub(crate) use fork::on_workers;
 pub use fork::{
     after_fork_deadline, child_seed, in_order, loss_signature, seeded_entropy, ForkOptions,
     HOOK_WORKERS,

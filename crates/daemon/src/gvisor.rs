@@ -1,0 +1,460 @@
+//! [`GvisorBackend`]: the [`Backend`] on gVisor (`forkbox_host::gvisor`),
+//! for hosts without hardware virtualization. The same agent serves each
+//! sandbox, so commands, files, processes and ports go through the same
+//! service code; what differs is how a sandbox is made and forked:
+//!
+//! - boot: `runsc run` of a built-in image's files;
+//! - zygote: one warm-up command, then a checkpoint; the sandbox itself
+//!   ends (the checkpoint is the zygote);
+//! - fork: restores of the zygote's checkpoint, or of a checkpoint of the
+//!   running sandbox taken for that fork (it goes on running);
+//! - snapshot: the checkpoint in a directory, restored by [`Backend::restore`].
+//!
+//! Not here yet, each refused with its own error: images of the store,
+//! writable disks, an egress allowlist (a sandbox has no network at all,
+//! so every connection out is denied), re-adopting sandboxes of an earlier
+//! daemon run, pulled templates, and memory and CPU limits per sandbox.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use forkbox_host::cgroup::VmCgroup;
+use forkbox_host::gvisor::{GvisorError, Runsc, Sandbox, SandboxSpec};
+use forkbox_host::image::ImageName;
+use forkbox_host::vm::{Expected, RootImage, VmEnd, VmHandle};
+use forkbox_net::policy::Policy;
+use forkbox_proto::client::AgentClient;
+use forkbox_proto::ExecRequest;
+use forkbox_vmm_api::VmmCounters;
+
+use crate::backend::{
+    Backend, BackendError, BackendVm, BackendVmSpec, ChildVm, ForkOptions, NetworkSpec,
+};
+
+/// The file beside a snapshot's checkpoint that names its image.
+const SNAPSHOT_NOTE: &str = "gvisor.json";
+
+/// Sandboxes under gVisor.
+pub struct GvisorBackend {
+    runsc: Arc<Runsc>,
+    /// Checkpoints of zygotes and of running parents mid-fork.
+    checkpoints: PathBuf,
+}
+
+impl GvisorBackend {
+    /// Finds `runsc` and keeps its state, bundles and checkpoints under
+    /// `dir`.
+    pub fn new(dir: &Path) -> Result<Self, BackendError> {
+        let runsc = Runsc::find(dir).map_err(|source| BackendError::Gvisor {
+            what: "finding runsc",
+            source,
+        })?;
+        let checkpoints = dir.join("checkpoints");
+        std::fs::create_dir_all(&checkpoints)
+            .map_err(io_error("making the checkpoints' directory", &checkpoints))?;
+        Ok(Self {
+            runsc: Arc::new(runsc),
+            checkpoints,
+        })
+    }
+}
+
+fn io_error<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> BackendError + 'a {
+    move |source| BackendError::Gvisor {
+        what,
+        source: GvisorError::Io {
+            what: "on the host",
+            path: path.to_owned(),
+            source,
+        },
+    }
+}
+
+fn gvisor(what: &'static str) -> impl FnOnce(GvisorError) -> BackendError {
+    move |source| BackendError::Gvisor { what, source }
+}
+
+/// A policy the gVisor backend can keep: one that allows nothing, as a
+/// sandbox without a network does.
+fn check_policy(policy: &Policy) -> Result<(), BackendError> {
+    if policy.allow_rules().is_empty() {
+        Ok(())
+    } else {
+        Err(BackendError::Unsupported(
+            "an egress allowlist on the gVisor backend (its sandboxes have no network yet: \
+             every connection out is denied)",
+        ))
+    }
+}
+
+fn builtin(image: &RootImage) -> Result<ImageName, BackendError> {
+    match image {
+        RootImage::Builtin(name) => Ok(*name),
+        RootImage::Layers(_) => Err(BackendError::Unsupported(
+            "images of the store (`forkbox image import`) on the gVisor backend: it runs the \
+             built-in images",
+        )),
+    }
+}
+
+impl Backend for GvisorBackend {
+    fn boot(&self, spec: &BackendVmSpec) -> Result<Box<dyn BackendVm>, BackendError> {
+        let name = builtin(&spec.image)?;
+        if !spec.disks.is_empty() {
+            return Err(BackendError::Unsupported(
+                "writable disks on the gVisor backend",
+            ));
+        }
+        check_policy(&spec.network.policy)?;
+        let sandbox_spec = SandboxSpec::image(name).map_err(gvisor("preparing the image"))?;
+        let sandbox =
+            Sandbox::start(&self.runsc, &sandbox_spec).map_err(gvisor("starting the sandbox"))?;
+        Ok(GvisorVm::boxed(self, name, sandbox_spec, sandbox))
+    }
+
+    fn adopt(
+        &self,
+        _handle: &VmHandle,
+        _network: Option<&NetworkSpec>,
+    ) -> Result<Box<dyn BackendVm>, BackendError> {
+        Err(BackendError::Unsupported(
+            "re-adopting a sandbox of an earlier daemon run on the gVisor backend",
+        ))
+    }
+
+    fn discard(&self, _handle: &VmHandle) {}
+
+    fn restore(
+        &self,
+        snapshot: &Path,
+        network: Option<&NetworkSpec>,
+        expect: &Expected,
+    ) -> Result<Box<dyn BackendVm>, BackendError> {
+        let name = builtin(&expect.image)?;
+        let note = snapshot.join(SNAPSHOT_NOTE);
+        let said: Option<String> = std::fs::read(&note)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["image"].as_str().map(str::to_string));
+        if said.as_deref() != Some(name.as_str()) {
+            return Err(BackendError::Unsupported(
+                "restoring a snapshot the gVisor backend did not make (or of another image)",
+            ));
+        }
+        if let Some(network) = network {
+            check_policy(&network.policy)?;
+        }
+        let spec = SandboxSpec::image(name).map_err(gvisor("preparing the image"))?;
+        let (sandbox, _report) = Sandbox::restore(&self.runsc, &spec, snapshot, None)
+            .map_err(gvisor("restoring the sandbox"))?;
+        Ok(GvisorVm::boxed(self, name, spec, sandbox))
+    }
+
+    fn disk_digest(&self, image: ImageName) -> Result<String, BackendError> {
+        forkbox_host::image::digest(image).map_err(|e| BackendError::Restore(e.into()))
+    }
+
+    fn rebase(&self, _state: &[u8], _expect: &Expected) -> Result<Vec<u8>, BackendError> {
+        Err(BackendError::Unsupported(
+            "templates pulled from another host on the gVisor backend",
+        ))
+    }
+
+    fn volume(&self, _disk: &crate::template::TemplateDisk) -> Result<PathBuf, BackendError> {
+        Err(BackendError::Unsupported(
+            "writable disks on the gVisor backend",
+        ))
+    }
+}
+
+/// What a [`GvisorVm`] is now.
+enum State {
+    Running(Box<Sandbox>),
+    /// Made a zygote: its checkpoint, which its forks restore.
+    Zygote(PathBuf),
+    Killed,
+}
+
+/// One sandbox as the daemon drives it.
+struct GvisorVm {
+    runsc: Arc<Runsc>,
+    checkpoints: PathBuf,
+    image: ImageName,
+    spec: SandboxSpec,
+    agent: AgentClient,
+    pid: Option<u32>,
+    boot_time: Duration,
+    state: Mutex<State>,
+    policy: Mutex<Policy>,
+}
+
+impl GvisorVm {
+    fn boxed(
+        backend: &GvisorBackend,
+        image: ImageName,
+        spec: SandboxSpec,
+        sandbox: Sandbox,
+    ) -> Box<dyn BackendVm> {
+        Box::new(Self {
+            runsc: Arc::clone(&backend.runsc),
+            checkpoints: backend.checkpoints.clone(),
+            image,
+            spec,
+            agent: sandbox.agent(),
+            pid: sandbox.pid(),
+            boot_time: sandbox.ready_after,
+            state: Mutex::new(State::Running(Box::new(sandbox))),
+            policy: Mutex::new(Policy::deny_all()),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A fresh directory for a checkpoint of this sandbox.
+    fn checkpoint_dir(&self) -> PathBuf {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.checkpoints
+            .join(format!("{}-{n}", self.pid.unwrap_or_default()))
+    }
+
+    fn running<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&Sandbox) -> Result<T, GvisorError>,
+    ) -> Result<T, BackendError> {
+        match &*self.state() {
+            State::Running(sandbox) => f(sandbox).map_err(gvisor(what)),
+            State::Zygote(_) => Err(BackendError::Unsupported(
+                "this on a zygote (it is a checkpoint now)",
+            )),
+            State::Killed => Err(BackendError::Unsupported("this on a killed sandbox")),
+        }
+    }
+}
+
+impl Drop for GvisorVm {
+    fn drop(&mut self) {
+        if let State::Zygote(dir) = &*self.state() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Sums the sizes of the files in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+impl BackendVm for GvisorVm {
+    fn agent(&self) -> AgentClient {
+        self.agent.clone()
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    fn exited(&self) -> Option<VmEnd> {
+        match &*self.state() {
+            State::Running(sandbox) if sandbox.ended() => Some(VmEnd {
+                how: "its gVisor sandbox ended".into(),
+                by_guest: false,
+            }),
+            State::Running(_) | State::Zygote(_) => None,
+            State::Killed => Some(VmEnd {
+                how: "killed".into(),
+                by_guest: false,
+            }),
+        }
+    }
+
+    fn boot_time(&self) -> Duration {
+        self.boot_time
+    }
+
+    fn replaced(&self) -> Option<String> {
+        None
+    }
+
+    fn cgroup(&self) -> Option<&VmCgroup> {
+        None
+    }
+
+    fn pause(&self) -> Result<(), BackendError> {
+        self.running("pausing the sandbox", Sandbox::pause)
+    }
+
+    fn resume(&self) -> Result<(), BackendError> {
+        self.running("resuming the sandbox", Sandbox::resume)
+    }
+
+    fn make_zygote(&self) -> Result<(), BackendError> {
+        let dir = self.checkpoint_dir();
+        let mut state = self.state();
+        let State::Running(sandbox) = &*state else {
+            return Err(BackendError::Unsupported(
+                "making a zygote of what is not a running sandbox",
+            ));
+        };
+        // As on KVM: what the shell loads is then in the checkpoint, which
+        // every fork shares.
+        let warm = sandbox
+            .agent()
+            .exec(&ExecRequest::shell("true"), None, &mut |_, _| {});
+        if let Err(e) = warm {
+            tracing::warn!("the zygote's warm-up command failed: {e}");
+        }
+        sandbox
+            .checkpoint(&dir)
+            .map_err(gvisor("checkpointing the zygote"))?;
+        tracing::info!(
+            bytes = dir_bytes(&dir),
+            checkpoint = %dir.display(),
+            "gVisor zygote checkpointed"
+        );
+        // The sandbox itself is no longer needed: dropping it ends it.
+        *state = State::Zygote(dir);
+        Ok(())
+    }
+
+    fn snapshot(&self, dir: &Path) -> Result<u64, BackendError> {
+        match &*self.state() {
+            State::Running(sandbox) => sandbox
+                .checkpoint(dir)
+                .map_err(gvisor("checkpointing the sandbox"))?,
+            State::Zygote(from) => {
+                let copy = || -> std::io::Result<()> {
+                    std::fs::create_dir_all(dir)?;
+                    for entry in std::fs::read_dir(from)? {
+                        let entry = entry?;
+                        std::fs::copy(entry.path(), dir.join(entry.file_name()))?;
+                    }
+                    Ok(())
+                };
+                copy().map_err(io_error("copying the zygote's checkpoint", dir))?;
+            }
+            State::Killed => {
+                return Err(BackendError::Unsupported("a snapshot of a killed sandbox"))
+            }
+        }
+        let note = serde_json::json!({"backend": "gvisor", "image": self.image.as_str()});
+        let note_path = dir.join(SNAPSHOT_NOTE);
+        std::fs::write(&note_path, note.to_string())
+            .map_err(io_error("writing the snapshot's note", &note_path))?;
+        Ok(dir_bytes(dir))
+    }
+
+    fn fork_each(
+        &self,
+        n: usize,
+        opts: &ForkOptions,
+        on_child: &(dyn Fn(usize, ChildVm) + Sync),
+    ) -> Result<(), BackendError> {
+        let policy = opts.policy.clone().unwrap_or_else(|| self.policy());
+        check_policy(&policy)?;
+        // A running sandbox is checkpointed for this fork; a zygote already is.
+        let (image, temporary) = {
+            let state = self.state();
+            match &*state {
+                State::Zygote(dir) => (dir.clone(), false),
+                State::Running(sandbox) => {
+                    let dir = self.checkpoint_dir();
+                    sandbox
+                        .checkpoint(&dir)
+                        .map_err(gvisor("checkpointing the sandbox to fork it"))?;
+                    (dir, true)
+                }
+                State::Killed => return Err(BackendError::Unsupported("forking a killed sandbox")),
+            }
+        };
+        let backend = GvisorBackend {
+            runsc: Arc::clone(&self.runsc),
+            checkpoints: self.checkpoints.clone(),
+        };
+        Sandbox::restore_each(
+            &self.runsc,
+            &self.spec,
+            &image,
+            n,
+            &opts.seeds,
+            &|index, child| {
+                let child = child
+                    .map(|(sandbox, _report)| {
+                        GvisorVm::boxed(&backend, self.image, self.spec.clone(), sandbox)
+                    })
+                    .map_err(gvisor("restoring a fork child"));
+                if let Ok(vm) = &child {
+                    let _ = vm.set_network_policy(&policy);
+                }
+                on_child(index, child)
+            },
+        );
+        if temporary {
+            let _ = std::fs::remove_dir_all(&image);
+        }
+        Ok(())
+    }
+
+    fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
+        check_policy(policy)?;
+        *self.policy.lock().unwrap_or_else(PoisonError::into_inner) = policy.clone();
+        Ok(())
+    }
+
+    fn network_policy(&self) -> Option<Policy> {
+        Some(self.policy())
+    }
+
+    fn handle(&self) -> Option<VmHandle> {
+        None
+    }
+
+    fn kill(&self) {
+        let mut state = self.state();
+        if let State::Running(sandbox) = &*state {
+            sandbox.kill();
+        }
+        if let State::Zygote(dir) = &*state {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        *state = State::Killed;
+    }
+
+    fn console(&self, lines: usize) -> String {
+        match &*self.state() {
+            State::Running(sandbox) => {
+                let text = sandbox.console();
+                let all: Vec<&str> = text.lines().collect();
+                all[all.len().saturating_sub(lines)..].join("\n")
+            }
+            _ => String::new(),
+        }
+    }
+
+    fn vmm_counters(&self, _within: Duration) -> Result<Option<VmmCounters>, BackendError> {
+        Ok(None)
+    }
+}
+
+impl GvisorVm {
+    fn policy(&self) -> Policy {
+        self.policy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
