@@ -40,9 +40,38 @@ pub struct GvisorBackend {
     runsc: Arc<Runsc>,
     /// Checkpoints of zygotes and of running parents mid-fork.
     checkpoints: PathBuf,
+    dir: PathBuf,
+    /// A directory of its own, removed with it.
+    _temporary: Option<Arc<tempfile::TempDir>>,
 }
 
 impl GvisorBackend {
+    /// [`new`](Self::new) in a temporary directory of its own (runsc's
+    /// state, the sandboxes' bundles, the checkpoints), removed when the
+    /// backend is dropped.
+    ///
+    /// What a daemon that died left there is cleared first: a sandbox ends
+    /// itself when its daemon dies (its agent's stdin closes), but a
+    /// paused one cannot, so its runsc state is swept here.
+    pub fn temporary() -> Result<Self, BackendError> {
+        sweep_dead(&std::env::temp_dir());
+        let dir = tempfile::Builder::new()
+            .prefix(TEMPORARY_PREFIX)
+            .tempdir()
+            .map_err(io_error("making a directory", &std::env::temp_dir()))?;
+        let owner = dir.path().join(OWNER);
+        std::fs::write(&owner, std::process::id().to_string())
+            .map_err(io_error("writing the owner's pid", &owner))?;
+        let mut backend = Self::new(dir.path())?;
+        backend._temporary = Some(Arc::new(dir));
+        Ok(backend)
+    }
+
+    /// Where its state is.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Finds `runsc` and keeps its state, bundles and checkpoints under
     /// `dir`.
     pub fn new(dir: &Path) -> Result<Self, BackendError> {
@@ -56,7 +85,46 @@ impl GvisorBackend {
         Ok(Self {
             runsc: Arc::new(runsc),
             checkpoints,
+            dir: dir.to_owned(),
+            _temporary: None,
         })
+    }
+}
+
+/// The temporary directories of [`GvisorBackend::temporary`], in the
+/// system's temporary directory.
+const TEMPORARY_PREFIX: &str = "forkboxd-gvisor-";
+/// The pid of the process whose directory it is.
+const OWNER: &str = "owner";
+
+/// Ends the sandboxes of, and removes, the temporary directories under
+/// `tmp` whose owner no longer runs.
+fn sweep_dead(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for dir in entries.filter_map(|e| e.ok()).map(|e| e.path()) {
+        let is_ours = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(TEMPORARY_PREFIX));
+        let owner = std::fs::read_to_string(dir.join(OWNER))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        let Some(owner) = owner.filter(|_| is_ours) else {
+            continue;
+        };
+        if !forkbox_host::measure::exited(owner) {
+            continue;
+        }
+        let swept = Runsc::find(&dir).map(|runsc| runsc.delete_all());
+        tracing::info!(
+            dir = %dir.display(),
+            owner,
+            sandboxes = swept.unwrap_or(0),
+            "swept the gVisor sandboxes of a forkboxd that died"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -384,6 +452,8 @@ impl BackendVm for GvisorVm {
         let backend = GvisorBackend {
             runsc: Arc::clone(&self.runsc),
             checkpoints: self.checkpoints.clone(),
+            dir: PathBuf::new(),
+            _temporary: None,
         };
         Sandbox::restore_each(
             &self.runsc,
@@ -456,5 +526,46 @@ impl GvisorVm {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dead process's pid: a child that ran and was reaped.
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().expect("true");
+        let pid = child.id();
+        child.wait().expect("wait");
+        pid
+    }
+
+    #[test]
+    fn a_dead_daemons_paused_sandbox_is_swept_and_a_live_ones_is_not() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dead = tmp.path().join(format!("{TEMPORARY_PREFIX}dead"));
+        let live = tmp.path().join(format!("{TEMPORARY_PREFIX}live"));
+        let runsc = Arc::new(Runsc::find(&dead).expect("runsc (make runsc)"));
+        let spec = SandboxSpec::image(ImageName::Minimal).expect("the minimal image");
+        let sandbox = Sandbox::start(&runsc, &spec).expect("a sandbox");
+        sandbox.pause().expect("pause");
+        let sentry = sandbox.pid().expect("its pid");
+        // As a daemon that died: nothing ends it but the sweep.
+        std::mem::forget(sandbox);
+        std::fs::write(dead.join(OWNER), dead_pid().to_string()).expect("owner");
+        std::fs::create_dir_all(&live).expect("mkdir");
+        std::fs::write(live.join(OWNER), std::process::id().to_string()).expect("owner");
+        sweep_dead(tmp.path());
+        assert!(!dead.exists(), "the dead daemon's directory is still there");
+        assert!(live.exists(), "a live daemon's directory was swept");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !forkbox_host::measure::exited(sentry) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "sandbox {sentry} still runs"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }

@@ -10,8 +10,9 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use forkbox_host::owned;
 use forkbox_host::testbed::Environment;
-use forkboxd::backend::VmBackend;
+use forkboxd::backend::{Backend, VmBackend};
 use forkboxd::core::Limits;
+use forkboxd::gvisor::GvisorBackend;
 use forkboxd::listen::{default_socket, Listen, ListenError};
 use forkboxd::network::EgressLogs;
 use forkboxd::persist::Store;
@@ -100,8 +101,21 @@ struct Args {
     /// whole in memory while it is sent on).
     #[arg(long, default_value_t = 1 << 30)]
     max_upload_bytes: usize,
+    /// What runs the sandboxes: `kvm` (microVMs: hardware virtualization,
+    /// or the emulated host), `gvisor` (gVisor's runsc, which needs no
+    /// virtualization; see the README for what it does not do yet), or
+    /// `auto`: KVM where microVMs can run here, else gVisor.
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    backend: BackendKind,
     #[command(subcommand)]
     command: Option<Cmd>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    Auto,
+    Kvm,
+    Gvisor,
 }
 
 #[derive(Subcommand)]
@@ -136,7 +150,16 @@ fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", forkboxd::api::openapi_json());
         return Ok(());
     }
-    let gaps = forkbox_host::jail::gaps();
+    let environment = Environment::detect();
+    let backend_kind = match args.backend {
+        BackendKind::Auto if environment == Environment::NeedsEmulatedHost => BackendKind::Gvisor,
+        BackendKind::Auto => BackendKind::Kvm,
+        chosen => chosen,
+    };
+    let gaps = match backend_kind {
+        BackendKind::Kvm => forkbox_host::jail::gaps(),
+        _ => Vec::new(),
+    };
     if !gaps.is_empty() {
         let list: Vec<String> = gaps.iter().map(|g| format!("  - {g}")).collect();
         if args.require_jail {
@@ -181,17 +204,39 @@ fn run(args: Args) -> anyhow::Result<()> {
     if matches!(listen, Listen::Tcp(_)) && token.is_none() {
         bail!("listening on TCP needs a bearer token: pass --token or set FORKBOX_TOKEN");
     }
-    if Environment::detect() == Environment::NeedsEmulatedHost {
+    if backend_kind == BackendKind::Kvm && environment == Environment::NeedsEmulatedHost {
         bail!(
             "this machine cannot run microVMs (no VMX/SVM behind /dev/kvm); run the daemon inside \
-             the emulated host: `forkbox testbed run -- forkboxd --listen unix:///tmp/forkbox.sock`"
+             the emulated host (`forkbox testbed run -- forkboxd --listen unix:///tmp/forkbox.sock`), \
+             or on gVisor (`--backend gvisor`)"
         );
     }
-    let backend = VmBackend::new(
-        Duration::from_secs(args.orphan_grace_secs),
-        args.require_jail,
-    )
-    .context("preparing the guest assets (run `make build`)")?;
+    let backend: Box<dyn FnOnce(Option<forkbox_image::Store>) -> Arc<dyn Backend>> =
+        match backend_kind {
+            BackendKind::Gvisor => {
+                let backend = GvisorBackend::temporary()
+                    .context("starting the gVisor backend (run `make build`)")?;
+                tracing::info!(
+                    dir = %backend.dir().display(),
+                    "sandboxes run on gVisor (runsc){}",
+                    if args.backend == BackendKind::Auto {
+                        ": this machine has no hardware virtualization (--backend kvm to refuse)"
+                    } else {
+                        ""
+                    }
+                );
+                Box::new(move |_| Arc::new(backend))
+            }
+            _ => {
+                let backend = VmBackend::new(
+                    Duration::from_secs(args.orphan_grace_secs),
+                    args.require_jail,
+                )
+                .context("preparing the guest assets (run `make build`)")?;
+                tracing::info!("sandboxes run in KVM microVMs");
+                Box::new(move |images| Arc::new(backend.with_images(images)))
+            }
+        };
     let memory_total = forkbox_host::measure::meminfo()
         .ok()
         .and_then(|m| m.get("MemTotal").copied())
@@ -288,8 +333,8 @@ fn run(args: Args) -> anyhow::Result<()> {
     if let Some(warning) = logs_outgrow_the_disk(egress.dir(), log_max_total_mib) {
         tracing::warn!("{warning}");
     }
-    let backend = backend.with_images(config.images.as_ref().map(|(s, _)| s.clone()));
-    let daemon = Daemon::with_store(Arc::new(backend), config, store.clone(), egress);
+    let backend = backend(config.images.as_ref().map(|(s, _)| s.clone()));
+    let daemon = Daemon::with_store(backend, config, store.clone(), egress);
     if let Some(store) = &store {
         let (adopted, cleared) = daemon.recover();
         if adopted + cleared > 0 {

@@ -149,6 +149,20 @@ impl Runsc {
         cmd
     }
 
+    /// Ends every sandbox in its state directory (those a process that
+    /// died left); how many there were.
+    pub fn delete_all(&self) -> usize {
+        let Ok(out) = self.command().args(["list", "--format=json"]).output() else {
+            return 0;
+        };
+        let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let ids: Vec<&str> = list.iter().filter_map(|c| c["id"].as_str()).collect();
+        for id in &ids {
+            let _ = self.run("delete", &["delete", "--force", id], Stdio::null(), None);
+        }
+        ids.len()
+    }
+
     /// The pid `runsc state` gives for sandbox `id` (its sentry's).
     fn state_pid(&self, id: &str) -> Option<u32> {
         let out = self.command().args(["state", id]).output().ok()?;

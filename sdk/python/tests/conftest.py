@@ -28,6 +28,48 @@ def pytest_configure(config: pytest.Config) -> None:
     # A shard of `forkbox testbed run --shards N` (testbed_shard.py).
     testbed_shard.register(config)
 
+
+# What the gVisor backend does not do yet (issue 21), by module or by
+# test: under FORKBOX_TEST_BACKEND=gvisor these are reported as skipped,
+# each with its reason, and counted as skipped, never as passed.
+GVISOR_NOT_YET = {
+    "test_disks.py": "writable disks",
+    "test_docker.py": "Docker in a sandbox (writable disks)",
+    "test_images.py": "images of the store",
+    "test_network.py": "a network (its sandboxes have none: all egress is denied, unlogged)",
+    "test_limits.py": "memory and CPU limits per sandbox",
+    "test_replay.py": "seeded replay (gVisor's RNG is the host's)",
+    "test_integrity.py": "protected paths (gVisor has no immutable attribute)",
+    "test_reward_hacks.py": "protected paths (gVisor has no immutable attribute)",
+    "test_daemon_lifecycle.py": "sandboxes and saved templates across daemon runs",
+    "test_faults.py::test_guest_out_of_memory_is_the_commands_own": "memory limits",
+    "test_faults.py::test_a_commands_cgroup_is_reused_only_once_it_is_empty":
+        "command cgroups (gVisor's are not the agent's to make)",
+    "test_faults.py::test_policy_fork_bomb_is_confined_and_the_sandbox_still_grades":
+        "the policy's cgroup bounds",
+    "test_faults.py::test_guest_that_ends_its_own_vm_is_its_own_failure":
+        "a guest that panics, powers off or reboots (gVisor has no such kernel)",
+    "test_gym.py::test_sandbox_env_policy_that_ends_its_guest_scores_zero_not_an_error":
+        "a guest that ends its own kernel",
+    "test_fork.py::test_create_snapshot_makes_a_template_that_forks_that_state":
+        "templates made from a sandbox's snapshot",
+    "test_cli.py::test_cli_template_list_and_logs": "a sandbox's console log",
+    "test_cli.py::test_cli_template_bake_file_then_create_and_rm":
+        "template files with the steps it cannot do yet",
+    "test_network.py::test_cli_sandbox_network_and_egress": "a network",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if os.environ.get("FORKBOX_TEST_BACKEND") != "gvisor":
+        return
+    for item in items:
+        module = item.path.name
+        name = getattr(item, "originalname", None) or item.name
+        reason = GVISOR_NOT_YET.get(f"{module}::{name}") or GVISOR_NOT_YET.get(module)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"not yet on the gVisor backend: {reason}"))
+
 # Room for a parent and a fork of 16 plus what the other tests keep live.
 MAX_LIVE = 24
 # The cap test's own daemon: small enough to fill.
@@ -49,8 +91,11 @@ def _forkboxd(max_live: int, tcp_port: Optional[int] = None,
         listen = [f"unix://{sock}"]
     else:
         listen = [f"tcp://127.0.0.1:{tcp_port}", "--state-dir", os.path.join(d, "state")]
+    # FORKBOX_TEST_BACKEND: the daemon's --backend (`make sdk-test-gvisor`).
+    backend = os.environ.get("FORKBOX_TEST_BACKEND")
     proc = subprocess.Popen(
         [exe, "--listen", *listen, "--max-live", str(max_live), "--create-wait", "0",
+         *(["--backend", backend] if backend else []),
          *(["--token", token] if token else []), *extra],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
