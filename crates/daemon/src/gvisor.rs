@@ -13,7 +13,9 @@
 //! Not here yet, each refused with its own error: images of the store,
 //! writable disks, an egress allowlist (a sandbox has no network at all,
 //! so every connection out is denied), re-adopting sandboxes of an earlier
-//! daemon run, pulled templates, and memory and CPU limits per sandbox.
+//! daemon run, pulled templates, and the policy's cgroup bounds inside a
+//! sandbox (the sandbox as a whole has its template's memory and CPUs as
+//! the limits of runsc's cgroup).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -178,7 +180,11 @@ impl Backend for GvisorBackend {
             ));
         }
         check_policy(&spec.network.policy)?;
-        let sandbox_spec = SandboxSpec::image(name).map_err(gvisor("preparing the image"))?;
+        let sandbox_spec = SandboxSpec {
+            memory_mib: Some(spec.memory_mib),
+            cpus: Some(spec.vcpus),
+            ..SandboxSpec::image(name).map_err(gvisor("preparing the image"))?
+        };
         let sandbox =
             Sandbox::start(&self.runsc, &sandbox_spec).map_err(gvisor("starting the sandbox"))?;
         Ok(GvisorVm::boxed(self, name, sandbox_spec, sandbox))
@@ -455,16 +461,32 @@ impl BackendVm for GvisorVm {
             dir: PathBuf::new(),
             _temporary: None,
         };
+        // The children's limits, where the fork gives them.
+        let mut spec = self.spec.clone();
+        if let Some(limits) = &opts.limits {
+            spec.memory_mib = limits
+                .memory_max
+                .map(|bytes| u32::try_from(bytes >> 20).unwrap_or(u32::MAX));
+            spec.cpus = Some(
+                u8::try_from(
+                    limits
+                        .cpu_quota_us
+                        .div_ceil(forkbox_host::cgroup::CPU_PERIOD_US),
+                )
+                .unwrap_or(u8::MAX),
+            );
+        }
+        let spec = &spec;
         Sandbox::restore_each(
             &self.runsc,
-            &self.spec,
+            spec,
             &image,
             n,
             &opts.seeds,
             &|index, child| {
                 let child = child
                     .map(|(sandbox, _report)| {
-                        GvisorVm::boxed(&backend, self.image, self.spec.clone(), sandbox)
+                        GvisorVm::boxed(&backend, self.image, spec.clone(), sandbox)
                     })
                     .map_err(gvisor("restoring a fork child"));
                 if let Ok(vm) = &child {

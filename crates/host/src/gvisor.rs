@@ -246,6 +246,11 @@ pub struct SandboxSpec {
     pub rootfs: PathBuf,
     /// The static `forkbox-agent`.
     pub agent: PathBuf,
+    /// Its memory, all of gVisor's included (runsc's cgroup limit; the
+    /// sandbox sees it as its total). `None`: the host's.
+    pub memory_mib: Option<u32>,
+    /// CPUs' worth of time it may use (a CFS quota). `None`: unbounded.
+    pub cpus: Option<u8>,
 }
 
 impl SandboxSpec {
@@ -256,7 +261,12 @@ impl SandboxSpec {
             .map_err(GvisorError::Image)?;
         let agent = crate::vm::find_binary("forkbox-agent", "FORKBOX_AGENT")
             .map_err(GvisorError::AgentBinary)?;
-        Ok(Self { rootfs, agent })
+        Ok(Self {
+            rootfs,
+            agent,
+            memory_mib: None,
+            cpus: None,
+        })
     }
 }
 
@@ -352,7 +362,7 @@ impl Sandbox {
         let run = dir.join("run");
         std::fs::create_dir_all(&run).map_err(io_err("making the sandbox's directory", &run))?;
         let config = dir.join("config.json");
-        std::fs::write(&config, bundle_config(spec, &run).to_string())
+        std::fs::write(&config, bundle_config(spec, &id, &run).to_string())
             .map_err(io_err("writing the bundle", &config))?;
         let log = dir.join("console.log");
         let (reader, writer) = std::io::pipe().map_err(io_err("making a pipe", &dir))?;
@@ -553,7 +563,7 @@ impl Drop for Sandbox {
 }
 
 /// The OCI runtime spec of a sandbox (`config.json`).
-fn bundle_config(spec: &SandboxSpec, run: &Path) -> serde_json::Value {
+fn bundle_config(spec: &SandboxSpec, id: &str, run: &Path) -> serde_json::Value {
     // The agent is the sandbox's root: what it may do is bounded by gVisor,
     // not by capabilities; it needs setuid, chown and the like to run the
     // policy's commands as their user.
@@ -615,6 +625,22 @@ fn bundle_config(spec: &SandboxSpec, run: &Path) -> serde_json::Value {
                 {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
                 {"type": "uts"}, {"type": "mount"},
             ],
+            "cgroupsPath": format!("/forkbox-gvisor/{id}"),
+            "resources": resources(spec),
         },
     })
+}
+
+/// The limits runsc puts on the sandbox's cgroup.
+fn resources(spec: &SandboxSpec) -> serde_json::Value {
+    const PERIOD_US: u64 = 100_000;
+    let mut resources = serde_json::json!({});
+    if let Some(mib) = spec.memory_mib {
+        resources["memory"] = serde_json::json!({"limit": u64::from(mib) << 20});
+    }
+    if let Some(cpus) = spec.cpus {
+        resources["cpu"] =
+            serde_json::json!({"quota": u64::from(cpus) * PERIOD_US, "period": PERIOD_US});
+    }
+    resources
 }

@@ -230,3 +230,25 @@ fn a_sandbox_whose_maker_lets_go_ends_itself() {
         sandbox.console()
     );
 }
+
+#[test]
+fn a_sandboxs_memory_is_its_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let spec = SandboxSpec {
+        memory_mib: Some(256),
+        cpus: Some(1),
+        ..spec()
+    };
+    let sandbox = start(&runsc, &spec);
+    let (code, out) = sh(&sandbox.agent(), "free -m | awk '/^Mem:/ {print $2}'", None);
+    assert_eq!(code, Some(0));
+    let total: u64 = out
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("free said {out:?}"));
+    assert!(
+        (200..=256).contains(&total),
+        "the sandbox sees {total} MiB, not its 256"
+    );
+}

@@ -37,7 +37,7 @@ GVISOR_NOT_YET = {
     "test_docker.py": "Docker in a sandbox (writable disks)",
     "test_images.py": "images of the store",
     "test_network.py": "a network (its sandboxes have none: all egress is denied, unlogged)",
-    "test_limits.py": "memory and CPU limits per sandbox",
+    "test_limits.py": "the limits' host-side checks (they read a VMM's cgroup; gVisor's is runsc's)",
     "test_replay.py": "seeded replay (gVisor's RNG is the host's)",
     "test_integrity.py": "protected paths (gVisor has no immutable attribute)",
     "test_reward_hacks.py": "protected paths (gVisor has no immutable attribute)",
