@@ -6,11 +6,12 @@ mod unprivileged;
 
 use std::process::Output;
 
-/// forkboxd run without privileges, with `args`.
+/// forkboxd run without privileges, with `args`, on the KVM backend (the
+/// jail is its VMMs'; where microVMs cannot run, `auto` would be gVisor).
 fn unprivileged_forkboxd(args: &[&str]) -> Output {
     let (_dir, mut cmd) =
         unprivileged::command(std::path::Path::new(env!("CARGO_BIN_EXE_forkboxd")));
-    cmd.arg("--no-state")
+    cmd.args(["--no-state", "--backend", "kvm"])
         .args(args)
         .env_remove("FORKBOX_TOKEN")
         .output()
