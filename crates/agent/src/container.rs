@@ -154,32 +154,19 @@ impl Gate {
         let mut state = self.lock();
         state.phase = Phase::Closed;
         self.changed.notify_all();
-        while state.phase == Phase::Closed {
-            state = self
-                .changed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-        let answered = state.phase == Phase::Quiesced;
-        drop(state);
-        if answered {
+        let wait = |state, until_not: fn(&mut State) -> bool| {
+            self.changed
+                .wait_while(state, until_not)
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        state = wait(state, |s| s.phase == Phase::Closed);
+        if state.phase == Phase::Quiesced {
             // The quiescing connection's thread closes it right after its
-            // answer; the host checkpoints once it sees it closed.
-            let mut state = self.lock();
-            while state.open > 0 {
-                state = self
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
-            }
-            while !state.go {
-                state = self
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
-            }
+            // answer (the host checkpoints once it sees it closed); then
+            // the host's byte.
+            state = wait(state, |s| s.open > 0 || !s.go);
         }
-        self.lock().phase = Phase::Open;
+        state.phase = Phase::Open;
     }
 
     /// Reads stdin for good: each byte is the host's go-ahead after a

@@ -55,7 +55,6 @@ use std::time::Instant;
 
 use forkbox_proto::{BootInfo, Hello, AGENT_PORT, PROTOCOL_VERSION};
 
-use crate::fork::RunsOn;
 use crate::reaper::Reaper;
 use crate::server::{Agent, Listener, ShutdownAction};
 
@@ -123,7 +122,6 @@ fn run_pid1() -> ! {
             reaper,
             execs: Default::default(),
             on_shutdown: ShutdownAction::PowerOff,
-            runs_on: RunsOn::Guest,
             gate: None,
         });
         server::serve(&Listener::Vsock(fd), &agent).map_err(|e| chain(&e))
@@ -159,7 +157,6 @@ fn run_serve(listen: &str) -> Result<(), String> {
         reaper,
         execs: Default::default(),
         on_shutdown: ShutdownAction::Exit,
-        runs_on: RunsOn::Host,
         gate: None,
     });
     server::serve(&listener, &agent).map_err(|e| chain(&e))
@@ -193,7 +190,6 @@ fn run_container(listen: &str) -> Result<(), String> {
         reaper,
         execs: Default::default(),
         on_shutdown: ShutdownAction::Exit,
-        runs_on: RunsOn::Sandbox,
         gate: Some(Arc::clone(&gate)),
     });
     log(&format!("serving on {}", path.display()));

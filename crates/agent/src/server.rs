@@ -59,10 +59,19 @@ pub struct Agent {
     pub reaper: Arc<Reaper>,
     pub execs: ExecTable,
     pub on_shutdown: ShutdownAction,
-    pub runs_on: RunsOn,
     /// In `container` mode: the open connections and the quiesce before
     /// a checkpoint.
     pub gate: Option<Arc<Gate>>,
+}
+
+impl Agent {
+    fn runs_on(&self) -> RunsOn {
+        match (&self.gate, self.on_shutdown) {
+            (Some(_), _) => RunsOn::Sandbox,
+            (None, ShutdownAction::PowerOff) => RunsOn::Guest,
+            (None, ShutdownAction::Exit) => RunsOn::Host,
+        }
+    }
 }
 
 /// Accepts connections forever.
@@ -191,7 +200,7 @@ fn handle(owned: UnixStream, open: Option<Open>, agent: &Agent) {
             seed,
         } => reply(
             conn,
-            fork::after_fork(agent.runs_on, &agent.execs, unix_time_ns, &entropy, seed)
+            fork::after_fork(agent.runs_on(), &agent.execs, unix_time_ns, &entropy, seed)
                 .map(|report| Response::AfterFork { report }),
         ),
         Request::ReadFile { path, max_bytes } => files::read_file(conn, &path, max_bytes),

@@ -187,7 +187,13 @@ impl Backend for GvisorBackend {
         };
         let sandbox =
             Sandbox::start(&self.runsc, &sandbox_spec).map_err(gvisor("starting the sandbox"))?;
-        Ok(GvisorVm::boxed(self, name, sandbox_spec, sandbox))
+        Ok(GvisorVm::boxed(
+            &self.runsc,
+            &self.checkpoints,
+            name,
+            sandbox_spec,
+            sandbox,
+        ))
     }
 
     fn adopt(
@@ -225,7 +231,13 @@ impl Backend for GvisorBackend {
         let spec = SandboxSpec::image(name).map_err(gvisor("preparing the image"))?;
         let (sandbox, _report) = Sandbox::restore(&self.runsc, &spec, snapshot, None)
             .map_err(gvisor("restoring the sandbox"))?;
-        Ok(GvisorVm::boxed(self, name, spec, sandbox))
+        Ok(GvisorVm::boxed(
+            &self.runsc,
+            &self.checkpoints,
+            name,
+            spec,
+            sandbox,
+        ))
     }
 
     fn disk_digest(&self, image: ImageName) -> Result<String, BackendError> {
@@ -268,14 +280,15 @@ struct GvisorVm {
 
 impl GvisorVm {
     fn boxed(
-        backend: &GvisorBackend,
+        runsc: &Arc<Runsc>,
+        checkpoints: &Path,
         image: ImageName,
         spec: SandboxSpec,
         sandbox: Sandbox,
     ) -> Box<dyn BackendVm> {
         Box::new(Self {
-            runsc: Arc::clone(&backend.runsc),
-            checkpoints: backend.checkpoints.clone(),
+            runsc: Arc::clone(runsc),
+            checkpoints: checkpoints.to_owned(),
             image,
             spec,
             agent: sandbox.agent(),
@@ -319,18 +332,6 @@ impl Drop for GvisorVm {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
-}
-
-/// Sums the sizes of the files in `dir`.
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.metadata().ok())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
 }
 
 impl BackendVm for GvisorVm {
@@ -396,7 +397,7 @@ impl BackendVm for GvisorVm {
             .checkpoint(&dir)
             .map_err(gvisor("checkpointing the zygote"))?;
         tracing::info!(
-            bytes = dir_bytes(&dir),
+            bytes = forkbox_host::gvisor::checkpoint_bytes(&dir),
             checkpoint = %dir.display(),
             "gVisor zygote checkpointed"
         );
@@ -429,7 +430,7 @@ impl BackendVm for GvisorVm {
         let note_path = dir.join(SNAPSHOT_NOTE);
         std::fs::write(&note_path, note.to_string())
             .map_err(io_error("writing the snapshot's note", &note_path))?;
-        Ok(dir_bytes(dir))
+        Ok(forkbox_host::gvisor::checkpoint_bytes(dir))
     }
 
     fn fork_each(
@@ -454,12 +455,6 @@ impl BackendVm for GvisorVm {
                 }
                 State::Killed => return Err(BackendError::Unsupported("forking a killed sandbox")),
             }
-        };
-        let backend = GvisorBackend {
-            runsc: Arc::clone(&self.runsc),
-            checkpoints: self.checkpoints.clone(),
-            dir: PathBuf::new(),
-            _temporary: None,
         };
         // The children's limits, where the fork gives them.
         let mut spec = self.spec.clone();
@@ -486,7 +481,13 @@ impl BackendVm for GvisorVm {
             &|index, child| {
                 let child = child
                     .map(|(sandbox, _report)| {
-                        GvisorVm::boxed(&backend, self.image, spec.clone(), sandbox)
+                        GvisorVm::boxed(
+                            &self.runsc,
+                            &self.checkpoints,
+                            self.image,
+                            spec.clone(),
+                            sandbox,
+                        )
                     })
                     .map_err(gvisor("restoring a fork child"));
                 if let Ok(vm) = &child {

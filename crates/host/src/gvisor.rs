@@ -25,10 +25,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use forkbox_proto::client::{AgentClient, ClientError};
-use forkbox_proto::{AfterForkReport, Hello, MIN_AFTER_FORK_ENTROPY};
+use forkbox_proto::{AfterForkReport, Hello};
 
 /// Where the agent is, inside a sandbox.
 pub const AGENT_PATH: &str = "/.forkbox/agent";
@@ -226,6 +226,18 @@ impl Runsc {
     }
 }
 
+/// The bytes of a checkpoint ([`Sandbox::checkpoint`]): its files' sizes.
+pub fn checkpoint_bytes(image: &Path) -> u64 {
+    std::fs::read_dir(image)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 /// The last lines of a log file the sandbox writes.
 fn tail_of(path: &Path) -> String {
     use std::io::{Read, Seek, SeekFrom};
@@ -305,25 +317,14 @@ impl Sandbox {
         seed: Option<u64>,
     ) -> Result<(Self, AfterForkReport), GvisorError> {
         let sandbox = Self::launch(runsc, spec, Some(image))?;
-        let entropy = match seed {
-            Some(seed) => crate::vm::seeded_entropy(seed),
-            None => {
-                let mut entropy = vec![0u8; MIN_AFTER_FORK_ENTROPY];
-                rustix::rand::getrandom(&mut entropy, rustix::rand::GetRandomFlags::empty())
-                    .map_err(|e| GvisorError::Io {
-                        what: "reading the host's RNG",
-                        path: PathBuf::from("getrandom"),
-                        source: e.into(),
-                    })?;
-                entropy
-            }
-        };
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let entropy = crate::vm::after_fork_entropy(seed).map_err(|source| GvisorError::Io {
+            what: "reading the host's RNG",
+            path: PathBuf::from("getrandom"),
+            source,
+        })?;
         let report = sandbox
             .agent
-            .after_fork_seeded(now, entropy, seed)
+            .after_fork_seeded(crate::vm::unix_now_ns(), entropy, seed)
             .map_err(|source| GvisorError::Agent {
                 what: "refused the after-fork hook",
                 source,

@@ -59,10 +59,7 @@ pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
     let t = Instant::now();
     parent.checkpoint(&image)?;
     let checkpoint = t.elapsed();
-    let checkpoint_bytes: u64 = std::fs::read_dir(&image)?
-        .filter_map(|e| e.ok()?.metadata().ok())
-        .map(|m| m.len())
-        .sum();
+    let checkpoint_bytes = forkbox_host::gvisor::checkpoint_bytes(&image);
 
     let before = mem_available_kib();
     let mut children = Vec::new();

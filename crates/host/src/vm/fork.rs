@@ -306,18 +306,9 @@ impl Vm {
         let deadline = Instant::now() + timeout;
         let pid = self.pid();
         let report = poll::until(deadline, Duration::from_millis(2), || {
-            let entropy = match seed {
-                Some(seed) => seeded_entropy(seed),
-                None => {
-                    let mut fresh = vec![0u8; MIN_AFTER_FORK_ENTROPY];
-                    if let Err(e) = rustix::rand::getrandom(
-                        &mut fresh[..],
-                        rustix::rand::GetRandomFlags::empty(),
-                    ) {
-                        return ControlFlow::Break(Err(VmError::Entropy(e.into())));
-                    }
-                    fresh
-                }
+            let entropy = match after_fork_entropy(seed) {
+                Ok(entropy) => entropy,
+                Err(e) => return ControlFlow::Break(Err(VmError::Entropy(e))),
             };
             // A guest that hangs must not hold an attempt past the deadline.
             let left = deadline
@@ -736,7 +727,20 @@ impl ForkedVm {
 /// (generous: the emulated host is slow, and 100 children share 2 CPUs).
 pub(super) const AFTER_FORK_TIMEOUT: Duration = Duration::from_secs(120);
 
-pub(super) fn unix_now_ns() -> u64 {
+/// The entropy an `AfterFork` carries: derived from `seed` when the fork
+/// was seeded ([`seeded_entropy`]), else fresh from the host's RNG.
+pub(crate) fn after_fork_entropy(seed: Option<u64>) -> std::io::Result<Vec<u8>> {
+    match seed {
+        Some(seed) => Ok(seeded_entropy(seed)),
+        None => {
+            let mut fresh = vec![0u8; MIN_AFTER_FORK_ENTROPY];
+            rustix::rand::getrandom(&mut fresh[..], rustix::rand::GetRandomFlags::empty())?;
+            Ok(fresh)
+        }
+    }
+}
+
+pub(crate) fn unix_now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))

@@ -42,11 +42,11 @@ mod user;
 pub(crate) use assets::find_binary;
 pub use assets::Assets;
 pub use boot::Expected;
-pub(crate) use fork::on_workers;
 pub use fork::{
     after_fork_deadline, child_seed, in_order, loss_signature, seeded_entropy, ForkOptions,
     HOOK_WORKERS,
 };
+pub(crate) use fork::{after_fork_entropy, on_workers, unix_now_ns};
 pub use forkbox_vmm_api::{snapshot_disk_file, MAX_CHILDREN_PER_FORK, MAX_WRITABLE_DISKS};
 pub use net::NetworkSpec;
 pub use prefault::WorkingSet;
