@@ -71,8 +71,17 @@ const DEBIAN_SUITE: &str = "bookworm";
 /// How the `docker` image's `dockerd` is started (the built-in `docker`
 /// template's setup): in a session of its own, so that it outlives the
 /// command that starts it, with its log in `/var/log/dockerd.log`.
-pub const DOCKERD_START: &str =
-    "setsid dockerd --log-level=warn >/var/log/dockerd.log 2>&1 </dev/null &";
+///
+/// `containerd` is started first and waited for (10 minutes at most), and
+/// `dockerd` told to use it: a `dockerd` that starts its own gives up
+/// when that one is not up within its fixed 60 s, which a loaded host (the
+/// emulated one running two VMs) missed (containerd's log:
+/// `/var/log/containerd.log`).
+pub const DOCKERD_START: &str = "setsid sh -c 'containerd >/var/log/containerd.log 2>&1 & \
+     i=0; until [ -S /run/containerd/containerd.sock ]; do i=$((i+1)); \
+     if [ $i -gt 1200 ]; then echo containerd did not start; exit 1; fi; sleep 0.5; done; \
+     exec dockerd --containerd=/run/containerd/containerd.sock --log-level=warn' \
+     >/var/log/dockerd.log 2>&1 </dev/null &";
 
 /// The unprivileged user every image has (uid/gid 1000).
 pub const USER: &str = "user";

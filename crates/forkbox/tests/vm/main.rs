@@ -516,12 +516,19 @@ fn sh_unbounded(agent: &AgentClient, script: &str) -> Result<String, Failed> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
-/// [`sh`] in `vm`, failing after `limit` with where the VM's vCPUs are and
-/// its serial log instead of waiting on a guest that does not answer.
+/// [`sh`] in `vm`, failing after `limit` with where the VM's vCPUs are,
+/// its serial log and whether the guest still answers a second command
+/// (a wedged guest, or one only slow at this command), instead of waiting
+/// on a guest that does not answer.
 fn answer_within(vm: &Vm, script: &str, limit: Duration) -> Result<String, Failed> {
     sh_within(vm.agent(), script, limit).unwrap_or_else(|| {
+        let probe = match sh_within(vm.agent(), GUEST_PROBE, Duration::from_secs(30)) {
+            Some(Ok(out)) => out,
+            Some(Err(e)) => format!("(the probe failed: {e:?})"),
+            None => "(no answer within 30 s: the guest or its agent is wedged)".into(),
+        };
         Err(format!(
-            "no answer to `{script}` within {limit:?} from VMM {}\n--- vCPUs ---\n{}\n--- serial log (tail) ---\n{}",
+            "no answer to `{script}` within {limit:?} from VMM {}\n--- vCPUs ---\n{}\n--- serial log (tail) ---\n{}\n--- the guest, asked again ---\n{probe}",
             vm.pid(),
             vm.control()
                 .vcpus()
@@ -531,6 +538,11 @@ fn answer_within(vm: &Vm, script: &str, limit: Duration) -> Result<String, Faile
         .into())
     })
 }
+
+/// What a trial that got no answer asks the guest: its load, memory and
+/// busiest processes.
+const GUEST_PROBE: &str = "cat /proc/loadavg; grep -E 'MemFree|MemAvailable' /proc/meminfo; \
+    { ps -eo pid,stat,etime,time,wchan:24,args --sort=-time 2>/dev/null || ps; } | head -n 25";
 
 /// Forks `vm` into `n` children, all of which must come up.
 fn fork(vm: &mut Vm, n: usize) -> Result<Vec<Vm>, Failed> {
