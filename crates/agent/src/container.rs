@@ -49,12 +49,21 @@ struct State {
     phase: Phase,
     /// The host's byte came since the last quiesce was answered.
     go: bool,
+    /// The network pump's socket is bound (`container --net`).
+    net_bound: bool,
+    /// When the pump must have settled the sandbox's TCP connections by,
+    /// in a quiesce.
+    settle_by: Instant,
+    /// Why the pump could not settle them (the quiesce fails with it).
+    net_unsaved: Option<String>,
 }
 
 /// Shared by the accept loop and the connection threads.
 #[derive(Debug)]
 pub struct Gate {
     path: PathBuf,
+    /// The network pump's socket, when the sandbox has a network.
+    net: Option<PathBuf>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -72,13 +81,17 @@ impl Drop for Open {
 }
 
 impl Gate {
-    fn new(path: PathBuf) -> Arc<Self> {
+    fn new(path: PathBuf, net: Option<PathBuf>) -> Arc<Self> {
         Arc::new(Self {
             path,
+            net,
             state: Mutex::new(State {
                 open: 0,
                 phase: Phase::Open,
                 go: false,
+                net_bound: false,
+                settle_by: Instant::now(),
+                net_unsaved: None,
             }),
             changed: Condvar::new(),
         })
@@ -113,21 +126,35 @@ impl Gate {
                 ));
             }
             state.phase = Phase::Asked;
+            // Room to say why, if the network cannot settle in time.
+            state.settle_by = deadline - within / 10;
+            state.net_unsaved = None;
         }
-        // Wake the accept loop, blocked in accept, with a connection of
-        // our own: it sees the phase and closes the listener.
+        // Wake the accept loop, blocked in accept, and the network pump,
+        // in poll, with a connection of our own: each sees the phase and
+        // closes its listener.
         let _ = UnixStream::connect(&self.path);
+        if let Some(net) = &self.net {
+            crate::container_net::wake(net);
+        }
         let mut state = self.lock();
-        while state.phase == Phase::Asked || (state.phase == Phase::Closed && state.open > 1) {
+        while state.phase == Phase::Asked
+            || (state.phase == Phase::Closed && (state.open > 1 || state.net_bound))
+        {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let others = state.open.saturating_sub(1);
+                let net = if state.net_bound {
+                    " (and the network socket not closed)"
+                } else {
+                    ""
+                };
                 state.phase = Phase::GaveUp;
                 self.changed.notify_all();
                 return Err(AgentError::new(
                     ErrorKind::InvalidRequest,
                     format!(
-                        "{others} other request(s) still open after {within:?}: a sandbox is \
+                        "{others} other request(s) still open{net} after {within:?}: a sandbox is \
                          checkpointed between requests (wait for its commands, or end them)"
                     ),
                 ));
@@ -137,6 +164,11 @@ impl Gate {
                 .wait_timeout(state, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
+        }
+        if let Some(why) = state.net_unsaved.take() {
+            state.phase = Phase::GaveUp;
+            self.changed.notify_all();
+            return Err(AgentError::new(ErrorKind::InvalidRequest, why));
         }
         // The answer goes out before the accept loop may wait on stdin; the
         // host reads it, then waits for this connection to close.
@@ -167,6 +199,46 @@ impl Gate {
             state = wait(state, |s| s.open > 0 || !s.go);
         }
         state.phase = Phase::Open;
+        // The network pump waits for this to listen again.
+        self.changed.notify_all();
+    }
+
+    /// Whether requests are served (no quiesce under way).
+    pub fn is_open(&self) -> bool {
+        self.lock().phase == Phase::Open
+    }
+
+    /// The network pump, before it binds: waits until no quiesce is under
+    /// way, and counts its socket in.
+    pub fn net_wait_open(&self) {
+        let mut state = self
+            .changed
+            .wait_while(self.lock(), |s| s.phase != Phase::Open)
+            .unwrap_or_else(PoisonError::into_inner);
+        state.net_bound = true;
+    }
+
+    /// Waits until a quiesce is asked.
+    pub fn net_wait_quiesce(&self) {
+        drop(
+            self.changed
+                .wait_while(self.lock(), |s| s.phase == Phase::Open)
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+    }
+
+    /// When a quiesce needs the sandbox's TCP connections settled by.
+    pub fn settle_by(&self) -> Instant {
+        self.lock().settle_by
+    }
+
+    /// The network pump closed its socket; `unsaved`: why the sandbox
+    /// cannot be checkpointed (its connections did not settle).
+    pub fn net_closed(&self, unsaved: Option<String>) {
+        let mut state = self.lock();
+        state.net_bound = false;
+        state.net_unsaved = unsaved;
+        self.changed.notify_all();
     }
 
     /// Reads stdin for good: each byte is the host's go-ahead after a
@@ -217,7 +289,7 @@ pub fn serve(path: &Path, agent: &Arc<Agent>, gate: &Arc<Gate>) -> Result<(), St
     }
 }
 
-/// A gate for serving on `path`.
-pub fn gate(path: &Path) -> Arc<Gate> {
-    Gate::new(path.to_owned())
+/// A gate for serving on `path`, with the network pump's socket `net`.
+pub fn gate(path: &Path, net: Option<&Path>) -> Arc<Gate> {
+    Gate::new(path.to_owned(), net.map(Path::to_owned))
 }

@@ -26,9 +26,9 @@ const NET_MODULES: &[&str] = &["virtio_net", "net_failover", "failover"];
 const LAYER_MODULE: &str = "erofs";
 /// The most layers a root stacks (the host's layered disk holds 128).
 const MAX_LAYERS: u32 = 128;
-const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
-const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
-const PREFIX_LEN: u8 = 24;
+pub(crate) const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
+pub(crate) const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
+pub(crate) const PREFIX_LEN: u8 = 24;
 
 /// Why the boot could not finish.
 #[derive(Debug, thiserror::Error)]

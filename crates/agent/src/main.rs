@@ -11,9 +11,10 @@
 //! - `forkbox-agent serve --listen unix:/path.sock`: serve on a unix socket
 //!   with no init duties (tests on the host);
 //! - `forkbox-agent serve --listen vsock:PORT`: serve on vsock, no init;
-//! - `forkbox-agent container --listen unix:/path.sock`: PID 1 of a gVisor
-//!   sandbox, on a socket the host mounted in, quiescing around each
-//!   checkpoint (`container`).
+//! - `forkbox-agent container --listen unix:/path.sock [--net unix:/net.sock]`:
+//!   PID 1 of a gVisor sandbox, on a socket the host mounted in, quiescing
+//!   around each checkpoint (`container`); with `--net`, its `eth0`'s frames
+//!   are served on the second socket to the host's gateway (`container_net`).
 //!
 //! Module map:
 //! - `sys`: every syscall: rustix's safe calls where it has them, raw
@@ -29,13 +30,16 @@
 //! - `ports`: relaying a host connection to a guest TCP port;
 //! - `fork`: the after-fork hook (clock, RNG reseed, cut-off execs);
 //! - `files`: file and tar requests;
-//! - `container`: serving a gVisor sandbox around its checkpoints.
+//! - `container`: serving a gVisor sandbox around its checkpoints;
+//! - `container_net`: a gVisor sandbox's `eth0`, a TAP device whose frames
+//!   go to the host's gateway.
 
 #![deny(unsafe_code)]
 
 mod background;
 mod cgroup;
 mod container;
+mod container_net;
 mod exec;
 mod execs;
 mod files;
@@ -59,7 +63,7 @@ use crate::reaper::Reaper;
 use crate::server::{Agent, Listener, ShutdownAction};
 
 const USAGE: &str =
-    "usage: forkbox-agent serve --listen unix:PATH|vsock:PORT | container --listen unix:PATH";
+    "usage: forkbox-agent serve --listen unix:PATH|vsock:PORT | container --listen unix:PATH [--net unix:PATH]";
 
 static LOG_PREFIX: OnceLock<&'static str> = OnceLock::new();
 
@@ -165,21 +169,25 @@ fn run_serve(listen: &str) -> Result<(), String> {
 /// `container` mode: PID 1 of a gVisor sandbox (its `init` process), or
 /// a process of any other container. No init duties: the sandbox's
 /// runtime mounted its filesystems. Ending the agent ends the sandbox.
-fn run_container(listen: &str) -> Result<(), String> {
+fn run_container(listen: &str, net: Option<&str>) -> Result<(), String> {
     let start = Instant::now();
-    let Some(path) = listen.strip_prefix("unix:") else {
-        return Err(format!(
-            "container mode listens on unix:PATH, not {listen:?}"
-        ));
-    };
+    fn unix<'a>(arg: &'a str, flag: &str) -> Result<&'a std::path::Path, String> {
+        arg.strip_prefix("unix:")
+            .map(std::path::Path::new)
+            .ok_or_else(|| format!("container mode's {flag} is unix:PATH, not {arg:?}"))
+    }
+    let path = unix(listen, "--listen")?;
+    let net = net.map(|n| unix(n, "--net")).transpose()?;
     if std::process::id() != 1 {
         if let Err(e) = sys::set_child_subreaper() {
             log(&format!("cannot become a subreaper: {e}"));
         }
     }
     let reaper = Reaper::start().map_err(|e| format!("start reaper: {e}"))?;
-    let path = std::path::Path::new(path);
-    let gate = container::gate(path);
+    let gate = container::gate(path, net);
+    if let Some(net) = net {
+        container_net::start(net, &gate)?;
+    }
     let agent = Arc::new(Agent {
         hello: hello(BootInfo {
             pid1: std::process::id() == 1,
@@ -196,11 +204,16 @@ fn run_container(listen: &str) -> Result<(), String> {
     container::serve(path, &agent, &gate)
 }
 
-/// The `--listen` of `serve` or `container`.
-fn listen_arg(args: &[String]) -> Option<String> {
+/// The `--listen` of `serve` or `container`, and `container`'s `--net`.
+fn listen_arg(args: &[String]) -> Option<(String, Option<String>)> {
     match args {
-        [flag, listen] if flag == "--listen" => Some(listen.clone()),
-        [flag] => flag.strip_prefix("--listen=").map(str::to_string),
+        [flag, listen] if flag == "--listen" => Some((listen.clone(), None)),
+        [flag, listen, net_flag, net] if flag == "--listen" && net_flag == "--net" => {
+            Some((listen.clone(), Some(net.clone())))
+        }
+        [flag] => flag
+            .strip_prefix("--listen=")
+            .map(|l| (l.to_string(), None)),
         _ => None,
     }
 }
@@ -219,13 +232,13 @@ fn main() {
         }
         _ => (false, None),
     };
-    let Some(listen) = listen else {
+    let Some((listen, net)) = listen.filter(|(_, net)| container || net.is_none()) else {
         eprintln!("{USAGE}");
         std::process::exit(2);
     };
     let outcome = if container {
         let _ = LOG_PREFIX.set("forkbox-agent");
-        std::panic::catch_unwind(|| run_container(&listen))
+        std::panic::catch_unwind(|| run_container(&listen, net.as_deref()))
             .unwrap_or_else(|_| Err("panic in the main thread".into()))
     } else {
         run_serve(&listen)

@@ -486,3 +486,34 @@ pub fn add_default_route(gateway: std::net::Ipv4Addr) -> io::Result<()> {
     check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCADDRT, &rt) })?;
     Ok(())
 }
+
+/// `TUNSETIFF` from `<linux/if_tun.h>`.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+
+/// A TAP device named `name`, Ethernet frames without a packet header:
+/// what is written to the descriptor arrives on the interface, what the
+/// interface sends is read from it.
+pub fn open_tap(name: &str) -> io::Result<OwnedFd> {
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")?;
+    let mut req = ifreq_for(name)?;
+    req.ifr_ifru.ifru_flags = IFF_TAP | IFF_NO_PI;
+    // SAFETY: TUNSETIFF reads the name and the flags from `req`, valid for
+    // the call, and attaches the descriptor to that interface.
+    check(unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, &req) })?;
+    Ok(OwnedFd::from(tun))
+}
+
+/// The index of interface `name` (`if_nametoindex(3)`).
+pub fn interface_index(name: &str) -> io::Result<u32> {
+    let name = cstring(name)?;
+    // SAFETY: `name` is a NUL-terminated string that outlives the call.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(io::Error::last_os_error()),
+        i => Ok(i),
+    }
+}

@@ -8,21 +8,25 @@
 //!   ends (the checkpoint is the zygote);
 //! - fork: restores of the zygote's checkpoint, or of a checkpoint of the
 //!   running sandbox taken for that fork (it goes on running);
-//! - snapshot: the checkpoint in a directory, restored by [`Backend::restore`].
+//! - snapshot: the checkpoint in a directory, restored by [`Backend::restore`];
+//! - network: each sandbox's own broker and gateway, as a microVM's
+//!   (`forkbox_host::gvisor::SandboxNet`): the same policy, allowlist and
+//!   egress log. gVisor cannot checkpoint a TCP connection a process of
+//!   the sandbox holds: a fork or snapshot then fails by name (those no
+//!   process holds any more are ended first).
 //!
 //! Not here yet, each refused with its own error: images of the store,
-//! writable disks, an egress allowlist (a sandbox has no network at all,
-//! so every connection out is denied), re-adopting sandboxes of an earlier
-//! daemon run, pulled templates, and the policy's cgroup bounds inside a
-//! sandbox (the sandbox as a whole has its template's memory and CPUs as
-//! the limits of runsc's cgroup).
+//! writable disks, re-adopting sandboxes of an earlier daemon run, pulled
+//! templates, and the policy's cgroup bounds inside a sandbox (the
+//! sandbox as a whole has its template's memory and CPUs as the limits of
+//! runsc's cgroup).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use forkbox_host::cgroup::VmCgroup;
-use forkbox_host::gvisor::{GvisorError, Runsc, Sandbox, SandboxSpec};
+use forkbox_host::gvisor::{GvisorError, Runsc, Sandbox, SandboxNet, SandboxSpec};
 use forkbox_host::image::ImageName;
 use forkbox_host::vm::{Expected, RootImage, VmEnd, VmHandle};
 use forkbox_net::policy::Policy;
@@ -148,16 +152,10 @@ fn gvisor(what: &'static str) -> impl FnOnce(GvisorError) -> BackendError {
     move |source| BackendError::Gvisor { what, source }
 }
 
-/// A policy the gVisor backend can keep: one that allows nothing, as a
-/// sandbox without a network does.
-fn check_policy(policy: &Policy) -> Result<(), BackendError> {
-    if policy.allow_rules().is_empty() {
-        Ok(())
-    } else {
-        Err(BackendError::Unsupported(
-            "an egress allowlist on the gVisor backend (its sandboxes have no network yet: \
-             every connection out is denied)",
-        ))
+fn sandbox_net(network: &NetworkSpec) -> SandboxNet {
+    SandboxNet {
+        policy: network.policy.clone(),
+        egress_log: network.egress_log.clone(),
     }
 }
 
@@ -179,10 +177,10 @@ impl Backend for GvisorBackend {
                 "writable disks on the gVisor backend",
             ));
         }
-        check_policy(&spec.network.policy)?;
         let sandbox_spec = SandboxSpec {
             memory_mib: Some(spec.memory_mib),
             cpus: Some(spec.vcpus),
+            net: Some(sandbox_net(&spec.network)),
             ..SandboxSpec::image(name).map_err(gvisor("preparing the image"))?
         };
         let sandbox =
@@ -225,10 +223,10 @@ impl Backend for GvisorBackend {
                 "restoring a snapshot the gVisor backend did not make (or of another image)",
             ));
         }
-        if let Some(network) = network {
-            check_policy(&network.policy)?;
-        }
-        let spec = SandboxSpec::image(name).map_err(gvisor("preparing the image"))?;
+        let spec = SandboxSpec {
+            net: network.map(sandbox_net),
+            ..SandboxSpec::image(name).map_err(gvisor("preparing the image"))?
+        };
         let (sandbox, _report) = Sandbox::restore(&self.runsc, &spec, snapshot, None)
             .map_err(gvisor("restoring the sandbox"))?;
         Ok(GvisorVm::boxed(
@@ -286,6 +284,10 @@ impl GvisorVm {
         spec: SandboxSpec,
         sandbox: Sandbox,
     ) -> Box<dyn BackendVm> {
+        let policy = spec
+            .net
+            .as_ref()
+            .map_or_else(Policy::deny_all, |n| n.policy.clone());
         Box::new(Self {
             runsc: Arc::clone(runsc),
             checkpoints: checkpoints.to_owned(),
@@ -295,7 +297,7 @@ impl GvisorVm {
             pid: sandbox.pid(),
             boot_time: sandbox.ready_after,
             state: Mutex::new(State::Running(Box::new(sandbox))),
-            policy: Mutex::new(Policy::deny_all()),
+            policy: Mutex::new(policy),
         })
     }
 
@@ -440,7 +442,6 @@ impl BackendVm for GvisorVm {
         on_child: &(dyn Fn(usize, ChildVm) + Sync),
     ) -> Result<(), BackendError> {
         let policy = opts.policy.clone().unwrap_or_else(|| self.policy());
-        check_policy(&policy)?;
         // A running sandbox is checkpointed for this fork; a zygote already is.
         let (image, temporary) = {
             let state = self.state();
@@ -471,10 +472,17 @@ impl BackendVm for GvisorVm {
                 .unwrap_or(u8::MAX),
             );
         }
-        let spec = &spec;
+        // Each child's network is its own: its policy, its egress log.
+        let spec_of = |i: usize| SandboxSpec {
+            net: spec.net.as_ref().map(|_| SandboxNet {
+                policy: policy.clone(),
+                egress_log: opts.egress_logs.get(i).cloned(),
+            }),
+            ..spec.clone()
+        };
         Sandbox::restore_each(
             &self.runsc,
-            spec,
+            &spec_of,
             &image,
             n,
             &opts.seeds,
@@ -485,14 +493,11 @@ impl BackendVm for GvisorVm {
                             &self.runsc,
                             &self.checkpoints,
                             self.image,
-                            spec.clone(),
+                            spec_of(index),
                             sandbox,
                         )
                     })
                     .map_err(gvisor("restoring a fork child"));
-                if let Ok(vm) = &child {
-                    let _ = vm.set_network_policy(&policy);
-                }
                 on_child(index, child)
             },
         );
@@ -503,12 +508,18 @@ impl BackendVm for GvisorVm {
     }
 
     fn set_network_policy(&self, policy: &Policy) -> Result<(), BackendError> {
-        check_policy(policy)?;
+        if let State::Running(sandbox) = &*self.state() {
+            sandbox
+                .set_network_policy(policy)
+                .map_err(gvisor("changing the network policy"))?;
+        }
+        // A zygote's forks start with it.
         *self.policy.lock().unwrap_or_else(PoisonError::into_inner) = policy.clone();
         Ok(())
     }
 
     fn network_policy(&self) -> Option<Policy> {
+        self.spec.net.as_ref()?;
         Some(self.policy())
     }
 

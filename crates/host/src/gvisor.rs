@@ -9,8 +9,13 @@
 //!   checkpoints); the static agent bound in at [`AGENT_PATH`]; and a
 //!   directory of the host's at [`RUN_DIR`], where the agent listens
 //!   (`--host-uds=create`).
-//! - No network device: `--network=none` gives the sandbox a loopback
-//!   and nothing else, so all egress is denied.
+//! - No network of the host's: `--network=none` gives the sandbox
+//!   gVisor's own network stack with a loopback and nothing else. A
+//!   sandbox with a network ([`SandboxNet`]) gets one more interface, from
+//!   inside: its agent makes `eth0` a TAP device in gVisor's stack and
+//!   serves its frames on a socket in the host's directory, where a
+//!   `forkbox-vmm gateway` this process starts connects: the gateway a
+//!   microVM's VMM runs, with the same policy, broker and egress log.
 //! - A fork is a checkpoint and restores of it: [`Sandbox::checkpoint`]
 //!   has the agent close its socket (gVisor cannot save one bound to a
 //!   host file), checkpoints with `--leave-running` and lets the agent
@@ -27,7 +32,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use forkbox_net::policy::Policy;
 use forkbox_proto::client::{AgentClient, ClientError};
+
+use crate::netbroker::NetBroker;
 use forkbox_proto::{AfterForkReport, Hello};
 
 /// Where the agent is, inside a sandbox.
@@ -36,6 +44,8 @@ pub const AGENT_PATH: &str = "/.forkbox/agent";
 pub const RUN_DIR: &str = "/.forkbox/run";
 /// The agent's socket's name in [`RUN_DIR`].
 const SOCKET: &str = "agent.sock";
+/// The agent's frame socket's name in [`RUN_DIR`] (a sandbox with a network).
+const NET_SOCKET: &str = "net.sock";
 /// How long a quiesce waits for a sandbox's other requests to end.
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Restores run at once by [`Sandbox::restore_each`]: each is mostly
@@ -143,6 +153,7 @@ impl Runsc {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("--root").arg(&self.state).args([
             "--network=none",
+            "--net-disconnect-ok",
             "--host-uds=create",
             "--overlay2=root:memory",
         ]);
@@ -263,6 +274,19 @@ pub struct SandboxSpec {
     pub memory_mib: Option<u32>,
     /// CPUs' worth of time it may use (a CFS quota). `None`: unbounded.
     pub cpus: Option<u8>,
+    /// Its network; `None`: none but its loopback.
+    pub net: Option<SandboxNet>,
+}
+
+/// A sandbox's network: as a microVM's, its own broker
+/// ([`crate::netbroker`], started with it, deciding by `policy`) and its
+/// own gateway, which logs every attempt.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxNet {
+    pub policy: Policy,
+    /// Append the egress log (JSON lines) here; `None`: a file in the
+    /// sandbox's own directory, removed with it.
+    pub egress_log: Option<PathBuf>,
 }
 
 impl SandboxSpec {
@@ -278,6 +302,7 @@ impl SandboxSpec {
             agent,
             memory_mib: None,
             cpus: None,
+            net: None,
         })
     }
 }
@@ -296,6 +321,10 @@ pub struct Sandbox {
     agent: AgentClient,
     hello: Option<Hello>,
     pid: Option<u32>,
+    /// Its network's gateway, when it has one.
+    gateway: Mutex<Option<Gateway>>,
+    /// Its network's broker and egress log, when it has one.
+    net: Option<(NetBroker, PathBuf)>,
     /// Spawn (or restore) to the agent's first answer.
     pub ready_after: Duration,
 }
@@ -334,17 +363,21 @@ impl Sandbox {
 
     /// `n` copies of `image` ([`restore`](Self::restore)), made on at most
     /// [`RESTORE_WORKERS`] threads, each handed to `on_child` with its
-    /// index as soon as it is up; copy `i` gets `seeds[i]` when given.
+    /// index as soon as it is up; copy `i` runs `spec_of(i)` (its own
+    /// network's egress log, say) and gets `seeds[i]` when given.
     pub fn restore_each(
         runsc: &Arc<Runsc>,
-        spec: &SandboxSpec,
+        spec_of: &(dyn Fn(usize) -> SandboxSpec + Sync),
         image: &Path,
         n: usize,
         seeds: &[u64],
         on_child: &(dyn Fn(usize, Result<(Self, AfterForkReport), GvisorError>) + Sync),
     ) {
         crate::vm::on_workers(n, RESTORE_WORKERS, |i| {
-            on_child(i, Self::restore(runsc, spec, image, seeds.get(i).copied()))
+            on_child(
+                i,
+                Self::restore(runsc, &spec_of(i), image, seeds.get(i).copied()),
+            )
         });
     }
 
@@ -377,6 +410,8 @@ impl Sandbox {
             agent: AgentClient::unix(run.join(SOCKET)),
             hello: None,
             pid: None,
+            gateway: Mutex::new(None),
+            net: None,
             ready_after: Duration::ZERO,
         };
         match image {
@@ -397,6 +432,33 @@ impl Sandbox {
                 // The restored agent waits where its original quiesced.
                 sandbox.go_ahead()?;
             }
+        }
+        if let Some(net) = &spec.net {
+            let log = net
+                .egress_log
+                .clone()
+                .unwrap_or_else(|| sandbox.dir.join("egress.jsonl"));
+            let broker_path = sandbox.dir.join("net-broker.sock");
+            let broker =
+                NetBroker::start_with_log(&broker_path, net.policy.clone(), Some(log.clone()))
+                    .map_err(|e| GvisorError::Io {
+                        what: "starting the network broker",
+                        path: broker_path.clone(),
+                        source: std::io::Error::other(forkbox_proto::error_chain(&e)),
+                    })?;
+            let gateway = Gateway::start(
+                &net.policy,
+                &broker_path,
+                &log,
+                &run.join(NET_SOCKET),
+                &sandbox.dir,
+            )?;
+            sandbox.net = Some((broker, log));
+            gateway.wait_connected(0, READY_TIMEOUT)?;
+            *sandbox
+                .gateway
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(gateway);
         }
         let hello =
             sandbox
@@ -461,6 +523,10 @@ impl Sandbox {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
+        self.gateway
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
     }
 
     /// Ends it now; dropping it removes what is left.
@@ -485,12 +551,15 @@ impl Sandbox {
     pub fn checkpoint_within(&self, image: &Path, within: Duration) -> Result<(), GvisorError> {
         std::fs::create_dir_all(image)
             .map_err(io_err("making the checkpoint's directory", image))?;
-        self.agent
-            .quiesce(within)
-            .map_err(|source| GvisorError::Agent {
+        let connects = self.gateway_connects();
+        if let Err(source) = self.agent.quiesce(within) {
+            // The agent listens again at once: back when it answers.
+            let _ = self.agent.wait_ready(READY_TIMEOUT);
+            return Err(GvisorError::Agent {
                 what: "could not quiesce for the checkpoint",
                 source,
-            })?;
+            });
+        }
         let image_arg = format!("--image-path={}", image.display());
         let made = self.runsc.run(
             "checkpoint",
@@ -514,7 +583,25 @@ impl Sandbox {
                 what: "did not answer after the checkpoint",
                 source,
             })?;
+        // Its network closed for the checkpoint: back when its gateway is.
+        if let (Some(seen), Some(gateway)) = (
+            connects,
+            self.gateway
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_ref(),
+        ) {
+            gateway.wait_connected(seen, READY_TIMEOUT)?;
+        }
         Ok(())
+    }
+
+    fn gateway_connects(&self) -> Option<u64> {
+        self.gateway
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(Gateway::connects)
     }
 
     /// Stops it in place (`runsc pause`).
@@ -545,6 +632,36 @@ impl Sandbox {
             .collect()
     }
 
+    /// The egress policy its connections and lookups are decided by
+    /// (`None`: no network).
+    pub fn network_policy(&self) -> Option<Policy> {
+        self.net.as_ref().map(|(broker, _)| broker.policy())
+    }
+
+    /// Decides its new connections and lookups by `policy` from now on
+    /// (its broker's and its gateway's copy); open connections stay.
+    pub fn set_network_policy(&self, policy: &Policy) -> Result<(), GvisorError> {
+        let Some((broker, _)) = &self.net else {
+            return Err(GvisorError::Io {
+                what: "changing the network policy",
+                path: self.dir.clone(),
+                source: std::io::Error::other("the sandbox has no network"),
+            });
+        };
+        broker
+            .set_policy(policy.clone())
+            .map_err(|e| GvisorError::Io {
+                what: "changing the network policy",
+                path: broker.path().to_owned(),
+                source: std::io::Error::other(forkbox_proto::error_chain(&e)),
+            })
+    }
+
+    /// Where its egress log is (JSON lines), if it has a network.
+    pub fn egress_log_path(&self) -> Option<&Path> {
+        self.net.as_ref().map(|(_, log)| log.as_path())
+    }
+
     /// Its agent's log, and gVisor's about it.
     pub fn console(&self) -> String {
         tail_of(&self.log)
@@ -553,6 +670,10 @@ impl Sandbox {
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
+        self.gateway
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
         let _ = self.runsc.run(
             "delete",
             &["delete", "--force", &self.id],
@@ -560,6 +681,119 @@ impl Drop for Sandbox {
             None,
         );
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A sandbox's `forkbox-vmm gateway`: it ends when its stdin, held here,
+/// closes (this is dropped, or this process ends); dropping this also
+/// kills and reaps it.
+#[derive(Debug)]
+struct Gateway {
+    child: std::process::Child,
+    /// How many times it connected to the sandbox's socket (one line on
+    /// its stdout each), read by a thread of its own.
+    connects: Arc<(Mutex<u64>, std::sync::Condvar)>,
+}
+
+impl Gateway {
+    fn start(
+        policy: &Policy,
+        broker: &Path,
+        egress_log: &Path,
+        frames: &Path,
+        dir: &Path,
+    ) -> Result<Self, GvisorError> {
+        let vmm = crate::vm::find_binary("forkbox-vmm", "FORKBOX_VMM")
+            .map_err(GvisorError::AgentBinary)?;
+        let policy_path = dir.join("net-policy.json");
+        let json = serde_json::to_string(policy).map_err(|e| GvisorError::Io {
+            what: "writing the network policy",
+            path: policy_path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        std::fs::write(&policy_path, json)
+            .map_err(io_err("writing the network policy", &policy_path))?;
+        let mut cmd = Command::new(vmm);
+        cmd.arg("gateway")
+            .arg("--frames")
+            .arg(frames)
+            .arg("--net-policy")
+            .arg(&policy_path)
+            .arg("--net-broker")
+            .arg(broker)
+            .arg("--net-log")
+            .arg(egress_log)
+            .arg("--until-stdin-closes");
+        let log = dir.join("gateway.log");
+        let stderr = File::create(&log).map_err(io_err("creating the gateway's log", &log))?;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|source| GvisorError::Spawn {
+                what: "forkbox-vmm gateway".into(),
+                source,
+            })?;
+        let connects = Arc::new((Mutex::new(0u64), std::sync::Condvar::new()));
+        if let Some(out) = child.stdout.take() {
+            let connects = Arc::clone(&connects);
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(out).lines() {
+                    if line.is_err() {
+                        break;
+                    }
+                    *connects
+                        .0
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+                    connects.1.notify_all();
+                }
+            });
+        }
+        Ok(Self { child, connects })
+    }
+
+    fn connects(&self) -> u64 {
+        *self
+            .connects
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits until it has connected more than `seen` times: the sandbox's
+    /// network is up.
+    fn wait_connected(&self, seen: u64, within: Duration) -> Result<(), GvisorError> {
+        let (count, changed) = &*self.connects;
+        let count = count
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (count, _) = changed
+            .wait_timeout_while(count, within, |c| *c <= seen)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *count > seen {
+            return Ok(());
+        }
+        Err(GvisorError::Io {
+            what: "waiting for the sandbox's network",
+            path: PathBuf::from("forkbox-vmm gateway"),
+            source: std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("its gateway did not reach the sandbox within {within:?}"),
+            ),
+        })
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        // Its stdin closes first: it ends by itself; the kill is for one
+        // that does not.
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -595,7 +829,7 @@ fn bundle_config(spec: &SandboxSpec, id: &str, run: &Path) -> serde_json::Value 
         "process": {
             "terminal": false,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "container", "--listen", format!("unix:{RUN_DIR}/{SOCKET}")],
+            "args": agent_args(spec),
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
             "cwd": "/",
             "capabilities": {
@@ -616,7 +850,7 @@ fn bundle_config(spec: &SandboxSpec, id: &str, run: &Path) -> serde_json::Value 
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=1777"]},
+             "options": tmp_options(spec)},
             {"destination": RUN_DIR, "type": "bind", "source": run, "options": ["rbind", "rw"]},
             {"destination": AGENT_PATH, "type": "bind", "source": spec.agent,
              "options": ["rbind", "ro"]},
@@ -630,6 +864,33 @@ fn bundle_config(spec: &SandboxSpec, id: &str, run: &Path) -> serde_json::Value 
             "resources": resources(spec),
         },
     })
+}
+
+/// The agent's command line: with `--net`, it makes `eth0` and serves its
+/// frames.
+fn agent_args(spec: &SandboxSpec) -> Vec<String> {
+    let mut args = vec![
+        AGENT_PATH.to_string(),
+        "container".into(),
+        "--listen".into(),
+        format!("unix:{RUN_DIR}/{SOCKET}"),
+    ];
+    if spec.net.is_some() {
+        args.extend(["--net".into(), format!("unix:{RUN_DIR}/{NET_SOCKET}")]);
+    }
+    args
+}
+
+/// `/tmp`'s mount options: at most half the sandbox's memory, as a
+/// Linux tmpfs is by default, so that a command filling it meets a full
+/// disk (its own failure) instead of the memory limit, which ends the
+/// whole sandbox.
+fn tmp_options(spec: &SandboxSpec) -> Vec<String> {
+    let mut options = vec!["nosuid".into(), "nodev".into(), "mode=1777".into()];
+    if let Some(mib) = spec.memory_mib {
+        options.push(format!("size={}m", (mib / 2).max(1)));
+    }
+    options
 }
 
 /// The limits runsc puts on the sandbox's cgroup.

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::Arc;
 
-use forkbox_host::gvisor::{Runsc, Sandbox, SandboxSpec};
+use forkbox_host::gvisor::{Runsc, Sandbox, SandboxNet, SandboxSpec};
 use forkbox_host::image::ImageName;
 use forkbox_proto::client::AgentClient;
 use forkbox_proto::{ExecRequest, HookStep, OutputStream, User};
@@ -101,6 +101,147 @@ fn a_sandbox_reaches_no_host_address() {
         server.accept().is_err(),
         "the host's server was connected to from the sandbox"
     );
+}
+
+/// A loopback server that answers each connection with `reply`, on a
+/// thread of its own, for as long as the test runs.
+fn serve(reply: &'static str) -> u16 {
+    let server = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for mut conn in server.incoming().flatten() {
+            let _ = conn.write_all(reply.as_bytes());
+        }
+    });
+    port
+}
+
+/// A network whose policy allows the host's loopback at `port` only.
+fn net(port: u16, log: &std::path::Path) -> SandboxNet {
+    let json = serde_json::json!({ "allow_out": [format!("host.forkbox.internal:{port}")] });
+    SandboxNet {
+        policy: serde_json::from_value(json).expect("policy"),
+        egress_log: Some(log.to_owned()),
+    }
+}
+
+/// `nc` from the sandbox to the host's loopback at `port`, by name.
+fn fetch(agent: &AgentClient, port: u16) -> String {
+    sh(
+        agent,
+        &format!("nc -w 5 host.forkbox.internal {port} </dev/null; echo \" nc=$?\""),
+        Some("user"),
+    )
+    .1
+}
+
+#[test]
+fn a_sandbox_with_a_network_reaches_what_its_policy_allows_and_is_logged() {
+    let (allowed, other) = (serve("allowed\n"), serve("other\n"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let log = dir.path().join("egress.jsonl");
+    let mut spec = spec();
+    spec.net = Some(net(allowed, &log));
+    let sandbox = start(&runsc, &spec);
+    let agent = sandbox.agent();
+    assert_eq!(fetch(&agent, allowed), "allowed\n nc=0\n");
+    let denied = fetch(&agent, other);
+    assert!(
+        !denied.contains("other") && !denied.contains("nc=0"),
+        "a port the policy does not allow was reached: {denied:?}"
+    );
+    let log = std::fs::read_to_string(&log).expect("egress log");
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let logged = |port: u16, verdict: &str| {
+        records
+            .iter()
+            .any(|r| r["protocol"] == "tcp" && r["port"] == port && r["verdict"] == verdict)
+    };
+    assert!(
+        logged(allowed, "allow"),
+        "no allowed record for {allowed}: {log}"
+    );
+    assert!(logged(other, "deny"), "no denied record for {other}: {log}");
+}
+
+#[test]
+fn a_networked_sandboxs_forks_have_their_own_gateways_and_it_keeps_its_own() {
+    let port = serve("hi\n");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let mut spec = spec();
+    spec.net = Some(net(port, &dir.path().join("parent.jsonl")));
+    let parent = start(&runsc, &spec);
+    assert_eq!(fetch(&parent.agent(), port), "hi\n nc=0\n");
+    let image = dir.path().join("checkpoint");
+    parent
+        .checkpoint(&image)
+        .unwrap_or_else(|e| panic!("checkpoint: {}\n{}", error_chain(&e), parent.console()));
+    // The parent's gateway connects again after the checkpoint.
+    assert_eq!(fetch(&parent.agent(), port), "hi\n nc=0\n");
+    let child_log = dir.path().join("child.jsonl");
+    let mut child_spec = spec.clone();
+    child_spec.net = Some(net(port, &child_log));
+    let (child, _) = Sandbox::restore(&runsc, &child_spec, &image, None)
+        .unwrap_or_else(|e| panic!("restore: {}", error_chain(&e)));
+    assert_eq!(fetch(&child.agent(), port), "hi\n nc=0\n");
+    let logged = std::fs::read_to_string(&child_log).expect("the child's egress log");
+    let connections = logged
+        .lines()
+        .filter(|l| l.contains("\"protocol\":\"tcp\""))
+        .count();
+    assert_eq!(
+        connections, 1,
+        "the child's log holds its one connection: {logged}"
+    );
+}
+
+#[test]
+fn a_checkpoint_refuses_open_connections_by_name_and_the_sandbox_goes_on() {
+    // A server that holds each connection open until the test ends.
+    let server = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let held: Vec<_> = server.incoming().flatten().collect();
+        drop(held);
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runsc = runsc(&dir);
+    let mut spec = spec();
+    spec.net = Some(net(port, &dir.path().join("egress.jsonl")));
+    let sandbox = start(&runsc, &spec);
+    let agent = sandbox.agent();
+    let holder = agent
+        .spawn(&ExecRequest::shell(format!(
+            "sleep 1000 | nc host.forkbox.internal {port}"
+        )))
+        .expect("spawn");
+    let (_, established) = sh(
+        &agent,
+        "for i in $(seq 50); do grep -q ' 01 ' /proc/net/tcp && echo up && break; sleep 0.1; done",
+        None,
+    );
+    assert_eq!(established, "up\n", "the connection did not open");
+    let image = dir.path().join("checkpoint");
+    let refused = sandbox
+        .checkpoint_within(&image, std::time::Duration::from_secs(2))
+        .expect_err("a checkpoint with an open connection");
+    let why = error_chain(&refused);
+    assert!(
+        why.contains("did not close") && why.contains("established"),
+        "{why}"
+    );
+    // Still serving, its connection kept; once it ends, the checkpoint is made.
+    assert_eq!(sh(&agent, "grep -c ' 01 ' /proc/net/tcp", None).1, "1\n");
+    agent.kill_process(holder, 9).expect("kill");
+    sandbox
+        .checkpoint(&image)
+        .unwrap_or_else(|e| panic!("checkpoint: {}", error_chain(&e)));
+    assert_eq!(sh(&agent, "true", None).0, Some(0));
 }
 
 #[test]

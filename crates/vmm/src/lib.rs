@@ -20,6 +20,8 @@
 //! - [`virtio`]: virtio-mmio windows, MMIO dispatch, queue ioeventfds.
 //! - [`net`]: the guest network's host side: `forkbox-net`'s gateway as
 //!   the virtio-net backend, its connector (broker or loopback) and log.
+//! - [`sandbox_gateway`]: `forkbox-vmm gateway`, the same gateway for a
+//!   sandbox that is not a microVM (gVisor), fed frames over a socket.
 //! - [`state`]: the captured VM state (versioned, serde) and the KVM ioctls
 //!   that capture and apply it.
 //! - [`control`]: the control socket's line framing (sans-IO); its requests
@@ -69,6 +71,7 @@ pub mod net;
 pub mod opened;
 pub mod pio;
 pub mod prefault;
+pub mod sandbox_gateway;
 pub mod serial;
 pub mod state;
 pub mod vcpu;

@@ -16,6 +16,9 @@ fn main() {
         // gets plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if std::env::args().nth(1).as_deref() == Some("gateway") {
+        run_gateway();
+    }
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(e) => {
@@ -111,6 +114,49 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+/// `forkbox-vmm gateway ...` ([`forkbox_vmm::sandbox_gateway`]): jailed
+/// as a VMM is (but for its own root: it needs the sandbox's socket by
+/// path), then serving the sandbox's frames until killed.
+fn run_gateway() -> ! {
+    use forkbox_vmm::sandbox_gateway::{self, GatewayArgs};
+    let args = match GatewayArgs::try_parse_from(std::env::args().skip(1)) {
+        Ok(args) => args,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() {
+                forkbox_vmm_api::exit_code::VMM_ERROR
+            } else {
+                0
+            });
+        }
+    };
+    let fail = |e: anyhow::Error| -> ! {
+        eprintln!("forkbox-vmm gateway: error: {e:#}");
+        std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
+    };
+    let (cfg, links) = sandbox_gateway::prepare(&args).unwrap_or_else(|e| fail(e.into()));
+    // With a broker, every connection is the broker's: no network here.
+    if cfg.broker.is_some() {
+        jail_step(
+            forkbox_vmm::namespaces::leave_host_network(),
+            "leave the host's network namespace",
+            false,
+        );
+    }
+    jail_step(
+        forkbox_vmm::namespaces::leave_host_ipc_and_hostname(),
+        "leave the host's IPC and UTS namespaces",
+        false,
+    );
+    if let Err(e) = forkbox_vmm::lockdown::drop_privileges(None) {
+        fail(e.into());
+    }
+    match sandbox_gateway::run(&args, &cfg, links) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => fail(e.into()),
+    }
 }
 
 /// One step of the jail that needs `CAP_SYS_ADMIN`: without it (`EPERM`),

@@ -605,6 +605,16 @@ fn now_since(started: Instant) -> Now {
     }
 }
 
+impl GatewayBackend {
+    /// The descriptor that is readable when [`FrameBackend::handle_events`]
+    /// has work (its epoll), for a loop that waits on more than it.
+    pub fn events(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the epoll is owned by `self` (an `Arc` no one else
+        // closes), so the descriptor is open for the borrow's lifetime.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.epoll.as_raw_fd()) }
+    }
+}
+
 impl FrameBackend for GatewayBackend {
     fn send(&mut self, frame: &[u8]) {
         Counters::bump(&COUNTERS.net_tx_frames);

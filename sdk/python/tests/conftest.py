@@ -36,7 +36,6 @@ GVISOR_NOT_YET = {
     "test_disks.py": "writable disks",
     "test_docker.py": "Docker in a sandbox (writable disks)",
     "test_images.py": "images of the store",
-    "test_network.py": "a network (its sandboxes have none: all egress is denied, unlogged)",
     "test_limits.py": "the limits' host-side checks (they read a VMM's cgroup; gVisor's is runsc's)",
     "test_replay.py": "seeded replay (gVisor's RNG is the host's)",
     "test_integrity.py": "protected paths (gVisor has no immutable attribute)",
@@ -56,7 +55,6 @@ GVISOR_NOT_YET = {
     "test_cli.py::test_cli_template_list_and_logs": "a sandbox's console log",
     "test_cli.py::test_cli_template_bake_file_then_create_and_rm":
         "template files with the steps it cannot do yet",
-    "test_network.py::test_cli_sandbox_network_and_egress": "a network",
 }
 
 
