@@ -615,19 +615,26 @@ impl Sandbox {
             .run("resume", &["resume", &self.id], Stdio::null(), None)
     }
 
-    /// The host processes that make it up (gVisor's sentry, its gofer):
-    /// those started with its bundle.
+    /// The host processes that make it up (gVisor's sentry, its gofer,
+    /// those started with its bundle; its network's gateway).
     pub fn host_pids(&self) -> Vec<u32> {
         let flag = format!("--bundle={}", self.dir.display());
+        let gateway = self
+            .gateway
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|g| g.child.id());
         let Ok(entries) = std::fs::read_dir("/proc") else {
             return Vec::new();
         };
         entries
             .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
             .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
-                    cmdline.split(|b| *b == 0).any(|arg| arg == flag.as_bytes())
-                })
+                Some(*pid) == gateway
+                    || std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                        cmdline.split(|b| *b == 0).any(|arg| arg == flag.as_bytes())
+                    })
             })
             .collect()
     }

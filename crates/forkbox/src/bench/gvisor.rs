@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use forkbox_host::gvisor::{Runsc, Sandbox, SandboxSpec};
+use forkbox_host::gvisor::{Runsc, Sandbox, SandboxNet, SandboxSpec};
 use forkbox_host::image::ImageName;
 use forkbox_host::measure::{mem_available_kib, pss_kib};
 use forkbox_proto::ExecRequest;
@@ -25,6 +25,10 @@ pub struct Options {
     pub children: usize,
     #[arg(long, default_value = "minimal")]
     pub image: ImageName,
+    /// Sandboxes without a network (forkboxd gives each one: its own
+    /// gateway process and broker, egress denied).
+    #[arg(long)]
+    pub no_net: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -42,7 +46,10 @@ fn exec_ok(sandbox: &Sandbox, req: &ExecRequest) -> anyhow::Result<()> {
 pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
     let dir = tempfile::tempdir().context("a scratch directory")?;
     let runsc = std::sync::Arc::new(Runsc::find(dir.path())?);
-    let spec = SandboxSpec::image(opts.image)?;
+    let spec = SandboxSpec {
+        net: (!opts.no_net).then(SandboxNet::default),
+        ..SandboxSpec::image(opts.image)?
+    };
     let truth = ExecRequest::argv(["true"]);
 
     let mut starts = Vec::new();
@@ -114,6 +121,7 @@ pub fn run(opts: &Options) -> anyhow::Result<serde_json::Value> {
         "environment": "native (gVisor needs no virtualization)",
         "runsc": runsc_version(),
         "image": opts.image.as_str(),
+        "network": !opts.no_net,
         "cold_start": Stats::from_durations(&starts).json(),
         "exec_true": Stats::from_durations(&execs).json(),
         "checkpoint_ms": ms(checkpoint),
