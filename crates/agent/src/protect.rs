@@ -8,6 +8,14 @@
 //!
 //! Links are never followed: a protected tree's link is recorded as the
 //! link (its target), and a protected path that is a link stays one.
+//!
+//! In a gVisor sandbox, which has no immutable attribute, each protected
+//! path is instead mounted on itself read-only after the same change of
+//! owner and mode: nothing under it can be written, and it cannot be
+//! renamed or removed (`EBUSY`), by any user, as with `chattr +i`; root
+//! can unmount it, as root can `chattr -i` on a microVM, and the digest
+//! check sees what follows either way. A protected path that is a link is
+//! left a link (a mount would follow it).
 
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{self, Read};
@@ -19,6 +27,7 @@ use forkbox_proto::client::MAX_DIR_ENTRIES;
 use forkbox_proto::{AgentError, DigestEntry, ErrorKind, FileKind, Response};
 use sha2::{Digest as _, Sha256};
 
+use crate::fork::RunsOn;
 use crate::server::send;
 use crate::{files, sys};
 
@@ -86,7 +95,15 @@ fn walk(
     Ok(count)
 }
 
-pub fn protect(paths: &[String]) -> Result<Response, AgentError> {
+pub fn protect(paths: &[String], runs_on: RunsOn) -> Result<Response, AgentError> {
+    let mount = runs_on == RunsOn::Sandbox;
+    if mount {
+        // Protected again: its owner and modes change under last time's
+        // mount, made again after.
+        for path in paths {
+            let _ = sys::unmount_detached(absolute(path)?);
+        }
+    }
     for path in paths {
         walk(absolute(path)?, &mut |p, meta| {
             let ft = meta.file_type();
@@ -98,10 +115,10 @@ pub fn protect(paths: &[String]) -> Result<Response, AgentError> {
                 .transpose()?;
             let immutable = |on: bool| -> Result<(), AgentError> {
                 match &file {
-                    Some(f) => sys::set_immutable(f, on).map(drop).map_err(|e| {
+                    Some(f) if !mount => sys::set_immutable(f, on).map(drop).map_err(|e| {
                         io_err("setting the immutable attribute (chattr +i) of", p, &e)
                     }),
-                    None => Ok(()),
+                    _ => Ok(()),
                 }
             };
             immutable(false)?;
@@ -117,6 +134,16 @@ pub fn protect(paths: &[String]) -> Result<Response, AgentError> {
             }
             immutable(true)
         })?;
+    }
+    if mount {
+        for path in paths {
+            let path = absolute(path)?;
+            let link = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+            if !link {
+                sys::bind_read_only(path)
+                    .map_err(|e| io_err("mounting read-only (a bind mount on itself)", path, &e))?;
+            }
+        }
     }
     Ok(Response::Ok)
 }

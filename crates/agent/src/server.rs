@@ -215,7 +215,7 @@ fn handle(owned: UnixStream, open: Option<Open>, agent: &Agent) {
         Request::Remove { path, recursive } => reply(conn, files::remove(&path, recursive)),
         Request::DownloadTar { path, max_bytes } => files::download_tar(conn, &path, max_bytes),
         Request::UploadTar { path } => files::upload_tar(conn, &path),
-        Request::Protect { paths } => reply(conn, protect::protect(&paths)),
+        Request::Protect { paths } => reply(conn, protect::protect(&paths, agent.runs_on())),
         Request::Digest { paths } => protect::digest(conn, &paths),
         Request::Quiesce { timeout_ms } => match &agent.gate {
             Some(gate) => gate.quiesce(conn, std::time::Duration::from_millis(timeout_ms)),

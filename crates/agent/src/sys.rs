@@ -15,6 +15,7 @@ use std::io;
 use std::mem;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::Command;
 
 pub use rustix::mount::MountFlags;
@@ -106,6 +107,23 @@ pub fn set_immutable(file: &File, on: bool) -> io::Result<bool> {
         rustix::fs::ioctl_setflags(file, flags ^ IFlags::IMMUTABLE)?;
     }
     Ok(was)
+}
+
+/// Mounts `path` on itself, then makes that mount read-only: nothing under
+/// it can be written, and it cannot be renamed or removed (`EBUSY`), by any
+/// user, until it is unmounted (`CAP_SYS_ADMIN`).
+pub fn bind_read_only(path: &Path) -> io::Result<()> {
+    rustix::mount::mount_bind(path, path)?;
+    rustix::mount::mount_remount(path, MountFlags::BIND | MountFlags::RDONLY, "")?;
+    Ok(())
+}
+
+/// Detaches the mount at `path`, if there is one.
+pub fn unmount_detached(path: &Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(
+        path,
+        rustix::mount::UnmountFlags::DETACH,
+    )?)
 }
 
 pub fn sethostname(name: &str) -> io::Result<()> {
