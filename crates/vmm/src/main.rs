@@ -58,18 +58,7 @@ fn main() {
     // The jail's privileged steps: each needs CAP_SYS_ADMIN, which a VMM
     // started by a user without it lacks (said once by the daemon; with
     // --require-jail, refused).
-    if !invocation.needs_host_network() {
-        jail_step(
-            forkbox_vmm::namespaces::leave_host_network(),
-            "leave the host's network namespace",
-            require_jail,
-        );
-    }
-    jail_step(
-        forkbox_vmm::namespaces::leave_host_ipc_and_hostname(),
-        "leave the host's IPC and UTS namespaces",
-        require_jail,
-    );
+    leave_host_namespaces(!invocation.needs_host_network(), require_jail);
     // While the host's files are there: whether this host can run a guest
     // at all (it reads /sys); /dev/kvm, which the VMM and its fork
     // children then use through this descriptor; and its sockets and logs.
@@ -138,18 +127,7 @@ fn run_gateway() -> ! {
     };
     let (cfg, links) = sandbox_gateway::prepare(&args).unwrap_or_else(|e| fail(e.into()));
     // With a broker, every connection is the broker's: no network here.
-    if cfg.broker.is_some() {
-        jail_step(
-            forkbox_vmm::namespaces::leave_host_network(),
-            "leave the host's network namespace",
-            false,
-        );
-    }
-    jail_step(
-        forkbox_vmm::namespaces::leave_host_ipc_and_hostname(),
-        "leave the host's IPC and UTS namespaces",
-        false,
-    );
+    leave_host_namespaces(cfg.broker.is_some(), false);
     if let Err(e) = forkbox_vmm::lockdown::drop_privileges(None) {
         fail(e.into());
     }
@@ -157,6 +135,23 @@ fn run_gateway() -> ! {
         Ok(()) => std::process::exit(0),
         Err(e) => fail(e.into()),
     }
+}
+
+/// Leaves the host's IPC and UTS namespaces, and its network namespace
+/// when `network` (the process opens no connection of its own).
+fn leave_host_namespaces(network: bool, require_jail: bool) {
+    if network {
+        jail_step(
+            forkbox_vmm::namespaces::leave_host_network(),
+            "leave the host's network namespace",
+            require_jail,
+        );
+    }
+    jail_step(
+        forkbox_vmm::namespaces::leave_host_ipc_and_hostname(),
+        "leave the host's IPC and UTS namespaces",
+        require_jail,
+    );
 }
 
 /// One step of the jail that needs `CAP_SYS_ADMIN`: without it (`EPERM`),

@@ -271,3 +271,46 @@ fn pump(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn gateway_args_need_the_frames_socket_and_a_policy() {
+        let args = GatewayArgs::try_parse_from([
+            "gateway",
+            "--frames",
+            "/s/net.sock",
+            "--net-policy",
+            "/s/policy.json",
+            "--net-broker",
+            "/s/broker.sock",
+            "--until-stdin-closes",
+        ])
+        .expect("parsed");
+        assert_eq!(args.frames, PathBuf::from("/s/net.sock"));
+        assert_eq!(args.net_broker, Some(PathBuf::from("/s/broker.sock")));
+        assert!(args.until_stdin_closes && args.net_log.is_none());
+        assert!(GatewayArgs::try_parse_from(["gateway", "--net-policy", "/p"]).is_err());
+        assert!(GatewayArgs::try_parse_from(["gateway", "--frames", "/f"]).is_err());
+    }
+
+    #[test]
+    fn a_policy_file_that_is_not_there_is_named() {
+        let args = GatewayArgs::try_parse_from([
+            "gateway",
+            "--frames",
+            "/nonexistent/net.sock",
+            "--net-policy",
+            "/nonexistent/policy.json",
+        ])
+        .expect("parsed");
+        let err = prepare(&args).expect_err("no policy file");
+        assert!(
+            err.to_string().contains("/nonexistent/policy.json"),
+            "{err}"
+        );
+    }
+}
