@@ -188,6 +188,12 @@ fn run_container(listen: &str, net: Option<&str>) -> Result<(), String> {
     if let Some(net) = net {
         container_net::start(net, &gate)?;
     }
+    if std::process::id() == 1 {
+        // The sandbox's console is the agent's own stderr (the host keeps
+        // it as the sandbox's console log), open to root only, as a
+        // microVM guest's `/dev/console` is.
+        let _ = std::os::unix::fs::symlink("/proc/1/fd/2", "/dev/console");
+    }
     let agent = Arc::new(Agent {
         hello: hello(BootInfo {
             pid1: std::process::id() == 1,

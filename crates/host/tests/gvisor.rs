@@ -73,6 +73,17 @@ fn a_sandbox_runs_commands_as_root_and_as_the_policy_user() {
     );
     let hello = sandbox.hello().expect("hello");
     assert!(hello.boot.pid1, "the agent is not the sandbox's PID 1");
+    // Its console is the host's console log, root's to write.
+    assert_eq!(sh(&agent, "echo by-root > /dev/console", None).0, Some(0));
+    assert_ne!(
+        sh(&agent, "echo by-user > /dev/console", Some("user")).0,
+        Some(0)
+    );
+    let console = sandbox.console();
+    assert!(
+        console.contains("by-root") && !console.contains("by-user"),
+        "{console}"
+    );
 }
 
 #[test]

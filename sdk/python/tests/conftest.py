@@ -52,7 +52,6 @@ GVISOR_NOT_YET = {
         "a guest that ends its own kernel",
     "test_fork.py::test_create_snapshot_makes_a_template_that_forks_that_state":
         "templates made from a sandbox's snapshot",
-    "test_cli.py::test_cli_template_list_and_logs": "a sandbox's console log",
     "test_cli.py::test_cli_template_bake_file_then_create_and_rm":
         "template files with the steps it cannot do yet",
 }
