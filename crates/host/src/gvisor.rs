@@ -153,7 +153,6 @@ impl Runsc {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("--root").arg(&self.state).args([
             "--network=none",
-            "--net-disconnect-ok",
             "--host-uds=create",
             "--overlay2=root:memory",
         ]);
