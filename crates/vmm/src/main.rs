@@ -19,19 +19,7 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("gateway") {
         run_gateway();
     }
-    let args = match Args::try_parse() {
-        Ok(args) => args,
-        Err(e) => {
-            let _ = e.print();
-            // --help and --version succeed; usage errors must not look like
-            // a guest reset (2), which is clap's default status.
-            std::process::exit(if e.use_stderr() {
-                forkbox_vmm_api::exit_code::VMM_ERROR
-            } else {
-                0
-            });
-        }
-    };
+    let args: Args = parse_or_exit(std::env::args());
     if let Some(secs) = args.orphan_grace_secs {
         forkbox_vmm::vm::set_orphan_grace(std::time::Duration::from_secs(secs));
     }
@@ -105,22 +93,26 @@ fn main() {
     std::process::exit(code);
 }
 
+/// The command line, or the process's end: `--help` and `--version`
+/// succeed; usage errors must not look like a guest reset (2), which is
+/// clap's default status.
+fn parse_or_exit<T: Parser>(args: impl IntoIterator<Item = String>) -> T {
+    T::try_parse_from(args).unwrap_or_else(|e| {
+        let _ = e.print();
+        std::process::exit(if e.use_stderr() {
+            forkbox_vmm_api::exit_code::VMM_ERROR
+        } else {
+            0
+        });
+    })
+}
+
 /// `forkbox-vmm gateway ...` ([`forkbox_vmm::sandbox_gateway`]): jailed
 /// as a VMM is (but for its own root: it needs the sandbox's socket by
 /// path), then serving the sandbox's frames until killed.
 fn run_gateway() -> ! {
     use forkbox_vmm::sandbox_gateway::{self, GatewayArgs};
-    let args = match GatewayArgs::try_parse_from(std::env::args().skip(1)) {
-        Ok(args) => args,
-        Err(e) => {
-            let _ = e.print();
-            std::process::exit(if e.use_stderr() {
-                forkbox_vmm_api::exit_code::VMM_ERROR
-            } else {
-                0
-            });
-        }
-    };
+    let args: GatewayArgs = parse_or_exit(std::env::args().skip(1));
     let fail = |e: anyhow::Error| -> ! {
         eprintln!("forkbox-vmm gateway: error: {e:#}");
         std::process::exit(forkbox_vmm_api::exit_code::VMM_ERROR);
